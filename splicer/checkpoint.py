@@ -1,0 +1,167 @@
+"""Reading a checkpoint: a local folder or a Hub repo id, its config, index and shard headers.
+
+Only JSON and safetensors headers are parsed here; tensor data is read later, one tensor
+at a time, by the stage that needs it. Pickle files are never opened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .arch import PACKED_SUFFIXES, Architecture, get_architecture
+from .errors import SplicerError
+from .safetensors_io import ShardHeader, TensorInfo, headers_digest, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class Checkpoint:
+    root: Path
+    label: str  # what the user passed (folder or repo id), for messages
+    config: dict
+    weight_map: dict[str, str]  # tensor -> shard file name
+    index_metadata: dict
+    headers: dict[str, ShardHeader] = field(default_factory=dict)  # shard file name -> header
+
+    @property
+    def arch(self) -> Architecture:
+        return get_architecture(self.config)
+
+    @property
+    def quantization_config(self) -> dict | None:
+        return self.config.get("quantization_config")
+
+    @property
+    def text_config(self) -> dict:
+        return self.config.get("text_config", self.config)
+
+    def tensor(self, name: str) -> TensorInfo:
+        return self.headers[self.weight_map[name]].tensors[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def header_digest(self) -> str:
+        return headers_digest(self.headers.values())
+
+    def other_files(self) -> list[Path]:
+        """Every file that is not a weight shard or the index: tokenizer, templates, configs."""
+        shard_names = set(self.weight_map.values())
+        out = []
+        for p in sorted(self.root.rglob("*")):
+            rel = p.relative_to(self.root)
+            if p.is_dir() or rel.parts[0].startswith(".") or str(rel) in shard_names or rel.name == INDEX_NAME:
+                continue
+            out.append(p)
+        return out
+
+
+def _load_json(path: Path, what: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise SplicerError(f"{path} is missing; {what} needs it") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SplicerError(f"{path} is not valid JSON ({e.__class__.__name__}); restore it from the original checkpoint") from None
+    if not isinstance(data, dict):
+        raise SplicerError(f"{path} is not a JSON object; restore it from the original checkpoint")
+    return data
+
+
+def resolve(source: str, role: str, wanted_files=None) -> Path:
+    """A local folder as is; a Hub repo id through huggingface_hub's cache.
+
+    `wanted_files(index_dict) -> set[str]` limits which shards are downloaded (the base
+    needs only the shards holding the tensors to restore).
+    """
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise SplicerError(f"{role} {source} is a file, not a checkpoint folder; pass the folder that holds config.json")
+        return path
+    if not _REPO_ID.match(source) or source.startswith((".", "/")):
+        raise SplicerError(f"{role} folder {source} does not exist; pass a checkpoint folder or a Hub repo id (owner/name)")
+    return _resolve_hub(source, role, wanted_files)
+
+
+def _resolve_hub(repo_id: str, role: str, wanted_files) -> Path:
+    try:
+        from huggingface_hub import hf_hub_download, snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+        raise SplicerError("huggingface_hub is not installed; pip install huggingface_hub") from None
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    small = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py", "*.md"]
+    try:
+        if wanted_files is None:
+            return Path(snapshot_download(repo_id, allow_patterns=small + ["*.safetensors"]))
+        index_path = Path(hf_hub_download(repo_id, INDEX_NAME))
+        index = _load_json(index_path, f"{role} {repo_id}")
+        shards = sorted(wanted_files(index))
+        return Path(snapshot_download(repo_id, allow_patterns=small + shards))
+    except (LocalEntryNotFoundError, FileNotFoundError):
+        if offline:
+            raise SplicerError(
+                f"{role} {repo_id} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+                "download it first or unset HF_HUB_OFFLINE"
+            ) from None
+        raise SplicerError(f"{role} {repo_id} could not be downloaded (no network?); pass a local folder instead") from None
+    except RepositoryNotFoundError:
+        raise SplicerError(f"{role} {repo_id} is not a Hub repository you can read; check the id or log in with `hf auth login`") from None
+    except HfHubHTTPError as e:
+        raise SplicerError(f"{role} {repo_id}: the Hub answered {e.__class__.__name__}; check the id and your network") from None
+    except OSError as e:
+        raise SplicerError(f"{role} {repo_id} could not be fetched ({e.__class__.__name__}); check your network or pass a local folder") from None
+
+
+def open_checkpoint(source: str | Path, role: str, wanted_files=None, shards: set[str] | None = None) -> Checkpoint:
+    """Read config, index and the headers of `shards` (all shards when None)."""
+    root = resolve(str(source), role, wanted_files)
+    config = _load_json(root / "config.json", f"{role} {source}")
+    if (root / INDEX_NAME).exists():
+        index = _load_json(root / INDEX_NAME, f"{role} {source}")
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise SplicerError(f"{root / INDEX_NAME} has no weight_map; restore it from the original checkpoint")
+        metadata = index.get("metadata") or {}
+    elif (root / SINGLE_NAME).exists():
+        header = read_header(root / SINGLE_NAME)
+        weight_map = {name: SINGLE_NAME for name in header.tensors}
+        metadata = {}
+    else:
+        raise SplicerError(f"{role} {source} has neither {INDEX_NAME} nor {SINGLE_NAME}; is it a safetensors checkpoint?")
+    ckpt = Checkpoint(root, str(source), config, dict(weight_map), metadata)
+    ckpt.arch  # fail early on an unsupported model_type
+    for shard in sorted(set(weight_map.values()) if shards is None else shards):
+        load_shard_header(ckpt, shard)
+    return ckpt
+
+
+def load_shard_header(ckpt: Checkpoint, shard: str) -> ShardHeader:
+    if shard in ckpt.headers:
+        return ckpt.headers[shard]
+    path = ckpt.root / shard
+    if not path.exists():
+        raise SplicerError(f"{ckpt.label}: the index names shard {shard}, which is missing; re-download the checkpoint")
+    hdr = read_header(path)
+    listed = {t for t, s in ckpt.weight_map.items() if s == shard}
+    missing = sorted(listed - set(hdr.tensors))
+    if missing:
+        raise SplicerError(
+            f"{ckpt.label}: the index puts {missing[0]} in {shard} but the shard does not hold it; "
+            "the index and shards disagree, re-download the checkpoint"
+        )
+    ckpt.headers[shard] = hdr
+    return hdr
+
+
+def is_packed_tensor(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in PACKED_SUFFIXES

@@ -1,0 +1,300 @@
+"""A tiny, deterministic `qwen3_5_moe` pair with the real on-disk names and layouts.
+
+The BF16 base is laid out like Qwen's release (`Qwen3_5MoeForConditionalGeneration`:
+`model.language_model.*`, `model.visual.*`, `lm_head`, `mtp.*`), with routed experts
+either fused 3-D (`mlp.experts.gate_up_proj` / `down_proj`) or per expert. Tensor names
+and shapes come from transformers' own model class built on the meta device, so they
+stay right when transformers changes. The INT4 builds are made tensor by tensor with
+compressed-tensors' quantize/pack (round to nearest):
+
+* ``lowlatency`` (like seed 000): INT4 g128 sym on every decoder Linear, INT8 g128 on
+  ``re:.*lm_head$``; visual, in_proj_a/b, mlp.gate, shared_expert_gate and mtp ignored.
+* ``experts-g32`` (like seed 004): INT4 g32 on routed experts only, MTP experts included.
+
+Every grouped input dim is a multiple of 128, so vLLM's Marlin/Machete kernels accept
+the same files on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .arch.qwen3_5_moe import QWEN3_5_MOE
+from .checkpoint import INDEX_NAME
+from .quantize import make_scheme, quantize_weight
+
+TEXT_PRESETS = {
+    # Used by the tests and the demo: ~30 MB BF16, every K a multiple of 128.
+    "tiny": dict(
+        vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
+        linear_num_value_heads=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+    ),
+    # For the splice benchmark: ~2.2 GB BF16.
+    "bench": dict(
+        vocab_size=16384, hidden_size=1024, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=4,
+        linear_num_value_heads=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        num_experts=64, num_experts_per_tok=4, max_position_embeddings=4096,
+    ),
+}
+VISION_TINY = dict(depth=1, hidden_size=128, intermediate_size=256, num_heads=2, num_position_embeddings=64)
+
+BUILD_KINDS = ("lowlatency", "experts-g32")
+
+
+@dataclass
+class FixtureSpec:
+    preset: str = "tiny"
+    experts_layout: str = "fused"  # fused | per_expert (base only; builds are always per expert)
+    seed: int = 0
+    text_overrides: dict = field(default_factory=dict)
+
+    def text_config(self) -> dict:
+        cfg = dict(TEXT_PRESETS[self.preset])
+        cfg.update(self.text_overrides)
+        # Qwen3.6's rope: theta 1e7, partial rotary 0.25, interleaved mrope [11, 11, 10].
+        cfg["rope_parameters"] = {
+            "rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True,
+        }
+        cfg["mtp_num_hidden_layers"] = 1
+        return cfg
+
+
+def hf_config(spec: FixtureSpec):
+    from transformers import Qwen3_5MoeConfig
+
+    vision = dict(VISION_TINY, out_hidden_size=spec.text_config()["hidden_size"])
+    cfg = Qwen3_5MoeConfig(text_config=spec.text_config(), vision_config=vision, tie_word_embeddings=False)
+    cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    return cfg
+
+
+def _model_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    with torch.device("meta"):
+        model = Qwen3_5MoeForConditionalGeneration(cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def base_shapes(spec: FixtureSpec, cfg) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the BF16 base: transformers' names plus the MTP head vLLM loads."""
+    shapes = _model_shapes(cfg)
+    tc = cfg.text_config
+    h = tc.hidden_size
+    full = [i for i, t in enumerate(tc.layer_types) if t == "full_attention"][0]
+    src = f"model.language_model.layers.{full}."
+    for name, shape in list(shapes.items()):
+        if name.startswith(src):
+            shapes["mtp.layers.0." + name[len(src):]] = shape
+    shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_hidden.weight": (h,),
+                   "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.norm.weight": (h,)})
+    if spec.experts_layout == "per_expert":
+        for name, shape in list(shapes.items()):
+            parts = QWEN3_5_MOE.fused_expert_parts(name)
+            if not parts:
+                continue
+            prefix, which = parts
+            del shapes[name]
+            n_exp, rows, cols = shape
+            for e in range(n_exp):
+                if which == "gate_up_proj":
+                    shapes[f"{prefix}.{e}.gate_proj.weight"] = (rows // 2, cols)
+                    shapes[f"{prefix}.{e}.up_proj.weight"] = (rows // 2, cols)
+                else:
+                    shapes[f"{prefix}.{e}.down_proj.weight"] = (rows, cols)
+    return dict(sorted(shapes.items()))
+
+
+def _init(name: str, shape, gen: torch.Generator) -> torch.Tensor:
+    """Deterministic values of a plausible scale (norms near their zero-centred identity)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name or leaf == "bias":
+        t = torch.randn(shape, generator=gen) * 0.02
+    elif leaf == "A_log":
+        t = torch.log(torch.rand(shape, generator=gen) * 15 + 1)
+    elif leaf == "dt_bias":
+        t = torch.ones(shape)
+    else:
+        fan_in = shape[-1] if len(shape) >= 2 else 1
+        if len(shape) > 2 and not QWEN3_5_MOE.fused_expert_parts(name):
+            fan_in = math.prod(shape[1:])
+        t = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+    return t.to(torch.bfloat16)
+
+
+def _shard_key(name: str, n_layers: int) -> str:
+    """Which base shard a tensor goes to: one per decoder layer, plus head and tail shards."""
+    li = QWEN3_5_MOE.layer_index(name)
+    if name.startswith("mtp.") or name in ("lm_head.weight", "model.language_model.norm.weight"):
+        return "tail"
+    if li is not None:
+        return f"layer{li:03d}"
+    return "head"
+
+
+def _write_sharded(out: Path, tensors_by_shard: dict[str, dict[str, torch.Tensor]], config: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    keys = sorted(tensors_by_shard, key=lambda k: (k != "head", k == "tail", k))
+    n = len(keys)
+    weight_map, total = {}, 0
+    for i, key in enumerate(keys, 1):
+        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+        tensors = tensors_by_shard[key]
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def _write_side_files(out: Path) -> None:
+    """Files a splice must copy verbatim (tokenizer and templates come with the demo tokenizer)."""
+    (out / "generation_config.json").write_text(
+        json.dumps({"do_sample": False, "eos_token_id": [1, 2], "transformers_version": "5.17.0"}, indent=2) + "\n"
+    )
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE + "\n")
+    (out / "README.md").write_text("Synthetic qwen3_5_moe checkpoint made by splicer.fixtures; random weights.\n")
+
+
+def write_base(out: Path, spec: FixtureSpec | None = None) -> Path:
+    spec = spec or FixtureSpec()
+    cfg = hf_config(spec)
+    shapes = base_shapes(spec, cfg)
+    gen = torch.Generator().manual_seed(spec.seed)
+    n_layers = cfg.text_config.num_hidden_layers
+    by_shard: dict[str, dict[str, torch.Tensor]] = {}
+    for name, shape in shapes.items():
+        by_shard.setdefault(_shard_key(name, n_layers), {})[name] = _init(name, shape, gen)
+    config = cfg.to_dict()
+    config["dtype"] = "bfloat16"
+    _write_sharded(Path(out), by_shard, config)
+    _write_side_files(Path(out))
+    (Path(out) / "fixture.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    return Path(out)
+
+
+def _ct_group(targets: list[str], bits: int, group_size: int) -> dict:
+    """A config group exactly as compressed-tensors 0.17 dumps it (vLLM 0.26/0.33 pin 0.17)."""
+    return {
+        "format": "pack-quantized", "input_activations": None, "output_activations": None, "targets": targets,
+        "weights": {
+            "actorder": None, "block_structure": None, "dynamic": False, "group_size": group_size,
+            "num_bits": bits, "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": None,
+            "strategy": "group", "symmetric": True, "type": "int", "zp_dtype": None,
+        },
+    }
+
+
+def _quant_config(groups: dict, ignore: list[str]) -> dict:
+    return {
+        "config_groups": groups, "format": "pack-quantized", "global_compression_ratio": None,
+        "ignore": ignore, "kv_cache_scheme": None, "quant_method": "compressed-tensors",
+        "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {}, "version": "0.17.0",
+    }
+
+
+def _build_plan(kind: str) -> tuple[dict, callable]:
+    """(quantization_config, module -> (bits, group) or None) for a build kind."""
+    if kind == "lowlatency":
+        ignore = ["re:.*visual.*", r"re:.*linear_attn\.in_proj_a$", r"re:.*linear_attn\.in_proj_b$",
+                  r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$", "re:.*mtp.*"]
+        qc = _quant_config({"group_0": _ct_group(["Linear"], 4, 128), "group_1": _ct_group([r"re:.*lm_head$"], 8, 128)}, ignore)
+
+        def pick(module: str):
+            cls = QWEN3_5_MOE.module_class(module)
+            if cls == "lm_head":
+                return (8, 128)
+            if cls in ("experts", "shared_expert", "attention") or (
+                cls == "gdn" and not module.endswith(("in_proj_a", "in_proj_b"))
+            ):
+                return (4, 128)
+            return None
+        return qc, pick
+    if kind == "experts-g32":
+        qc = _quant_config({"group_0": _ct_group([r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"], 4, 32)}, [])
+
+        def pick(module: str):
+            return (4, 32) if QWEN3_5_MOE.expert_parts(module) else None
+        return qc, pick
+    raise ValueError(f"unknown build kind {kind!r}; one of {BUILD_KINDS}")
+
+
+def write_build(base: Path, out: Path, kind: str = "lowlatency") -> Path:
+    """Quantize a fixture base into a compressed-tensors build (experts per expert, own shards)."""
+    from safetensors import safe_open
+
+    base, out = Path(base), Path(out)
+    qc, pick = _build_plan(kind)
+    index = json.loads((base / INDEX_NAME).read_text())
+    by_shard: dict[str, dict[str, torch.Tensor]] = {}
+    schemes = {}
+    n_layers = json.loads((base / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(base / shard), "pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                parts = QWEN3_5_MOE.fused_expert_parts(name)
+                if parts:  # build files are per expert, as llm-compressor writes them
+                    prefix, which = parts
+                    items = []
+                    for e in range(t.shape[0]):
+                        if which == "gate_up_proj":
+                            half = t.shape[1] // 2
+                            items += [(f"{prefix}.{e}.gate_proj.weight", t[e, :half]), (f"{prefix}.{e}.up_proj.weight", t[e, half:])]
+                        else:
+                            items.append((f"{prefix}.{e}.down_proj.weight", t[e]))
+                else:
+                    items = [(name, t)]
+                for tname, tensor in items:
+                    module, _, leaf = tname.rpartition(".")
+                    choice = pick(module) if leaf == "weight" and tensor.dim() == 2 else None
+                    key = _shard_key(tname, n_layers)
+                    if QWEN3_5_MOE.expert_parts(module):
+                        key += "-experts"  # routed experts in their own shards: most splices hard-link them
+                    dest = by_shard.setdefault(key, {})
+                    if choice is None:
+                        dest[tname] = tensor.contiguous()
+                        continue
+                    scheme = schemes.setdefault(choice, make_scheme(*choice))
+                    for k, v in quantize_weight(tensor.contiguous(), scheme).items():
+                        dest[f"{module}.{k}"] = v
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = qc
+    _write_sharded(out, by_shard, config)
+    for p in base.iterdir():
+        if p.is_file() and p.name not in ("config.json", INDEX_NAME, "fixture.json") and not p.name.endswith(".safetensors"):
+            shutil.copy2(p, out / p.name)
+    return out
+
+
+def write_pair(root: Path, spec: FixtureSpec | None = None, kinds=("lowlatency",)) -> dict[str, Path]:
+    """base/ plus one build folder per kind under root; returns their paths."""
+    root = Path(root)
+    paths = {"base": write_base(root / "base", spec)}
+    for kind in kinds:
+        paths[kind] = write_build(paths["base"], root / kind, kind)
+    return paths
+
+
+__all__ = ["FixtureSpec", "write_base", "write_build", "write_pair", "BUILD_KINDS", "replace"]

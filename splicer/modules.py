@@ -1,0 +1,162 @@
+"""From tensor names to modules: which modules a checkpoint holds, quantized or not, and their shapes."""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .arch import PACKED_SUFFIXES, PLAIN_SUFFIXES
+from .checkpoint import Checkpoint
+from .errors import SplicerError
+from .safetensors_io import DTYPE_SIZES, ByteSource, TensorInfo
+
+
+@dataclass
+class Module:
+    """One Linear-like module (or embedding) of a checkpoint."""
+
+    name: str
+    cls: str
+    packed: dict[str, TensorInfo] = field(default_factory=dict)  # weight_packed, weight_scale, ...
+    plain: dict[str, TensorInfo] = field(default_factory=dict)  # weight, bias
+    # For a BF16 base with fused 3-D experts: this expert's slice of the fused tensor.
+    fused_slice: tuple[TensorInfo, ByteSource, tuple[int, int]] | None = None
+    shape: tuple[int, int] | None = None  # (out_features, in_features)
+    bits: int | None = None
+    group_size: int | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.packed)
+
+    @property
+    def weight_dtype(self) -> str:
+        if self.fused_slice:
+            return self.fused_slice[0].dtype
+        return self.plain["weight"].dtype
+
+    def disk_bytes(self) -> int:
+        if self.fused_slice:
+            return self.fused_slice[1].nbytes
+        return sum(t.nbytes for t in self.packed.values()) + sum(t.nbytes for t in self.plain.values())
+
+    def tensor_names(self) -> list[str]:
+        return [t.name for t in list(self.packed.values()) + list(self.plain.values())]
+
+
+class _SmallReader:
+    """Reads many tiny tensors (weight_shape) without reopening files each time."""
+
+    def __init__(self):
+        self.files = {}
+
+    def read(self, info: TensorInfo) -> bytes:
+        f = self.files.get(info.path)
+        if f is None:
+            f = self.files[info.path] = open(info.path, "rb")
+        f.seek(info.start)
+        return f.read(info.nbytes)
+
+    def close(self):
+        for f in self.files.values():
+            f.close()
+
+
+def list_modules(ckpt: Checkpoint) -> dict[str, Module]:
+    """Every module with a 2-D weight or packed tensors; fused base experts split per expert."""
+    arch = ckpt.arch
+    groups: dict[str, dict[str, TensorInfo]] = defaultdict(dict)
+    fused: list[TensorInfo] = []
+    for shard, hdr in ckpt.headers.items():
+        for name, info in hdr.tensors.items():
+            if arch.fused_expert_parts(name):
+                fused.append(info)
+                continue
+            module, _, suffix = name.rpartition(".")
+            if suffix in PACKED_SUFFIXES or suffix in PLAIN_SUFFIXES:
+                groups[module][suffix] = info
+    modules: dict[str, Module] = {}
+    reader = _SmallReader()
+    try:
+        for name, tensors in groups.items():
+            packed = {k: v for k, v in tensors.items() if k in PACKED_SUFFIXES}
+            plain = {k: v for k, v in tensors.items() if k in PLAIN_SUFFIXES}
+            if packed:
+                modules[name] = _packed_module(ckpt, name, packed, plain, reader)
+            elif "weight" in plain and len(plain["weight"].shape) == 2:
+                modules[name] = Module(name, arch.module_class(name), plain=plain, shape=tuple(plain["weight"].shape))
+    finally:
+        reader.close()
+    for info in fused:
+        for m in _split_fused_experts(ckpt, info):
+            modules[m.name] = m
+    return modules
+
+
+def _packed_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict, reader: _SmallReader) -> Module:
+    for needed in ("weight_packed", "weight_scale", "weight_shape"):
+        if needed not in packed:
+            raise SplicerError(
+                f"{ckpt.label}: module {name} has {sorted(packed)} but no {needed}; the build is incomplete, re-export it"
+            )
+    ws = packed["weight_shape"]
+    if ws.dtype not in ("I64", "I32") or ws.shape != (2,):
+        raise SplicerError(f"{ckpt.label}: {name}.weight_shape is {ws.dtype}{list(ws.shape)}, not an integer pair; the build is corrupt")
+    fmt = "<2q" if ws.dtype == "I64" else "<2i"
+    out_f, in_f = struct.unpack(fmt, reader.read(ws))
+    pk, sc = packed["weight_packed"], packed["weight_scale"]
+    if len(pk.shape) != 2 or len(sc.shape) != 2 or pk.shape[0] != out_f or in_f <= 0 or sc.shape[1] == 0:
+        raise SplicerError(f"{ckpt.label}: {name} has packed tensors that do not fit weight_shape {[out_f, in_f]}; the build is corrupt")
+    bits = pk.shape[1] * 32 // in_f if pk.shape[1] * 32 % in_f == 0 else None
+    group = in_f // sc.shape[1] if in_f % sc.shape[1] == 0 else None
+    return Module(name, ckpt.arch.module_class(name), packed=packed, plain=plain, shape=(out_f, in_f), bits=bits, group_size=group)
+
+
+def _split_fused_experts(ckpt: Checkpoint, info: TensorInfo) -> list[Module]:
+    """gate_up_proj [E, 2I, H] -> experts.e.{gate,up}_proj; down_proj [E, H, I] -> experts.e.down_proj.
+
+    Each slice is a contiguous byte range of the fused tensor, so it is copied, never loaded.
+    """
+    arch = ckpt.arch
+    prefix, which = arch.fused_expert_parts(info.name)
+    if len(info.shape) != 3:
+        raise SplicerError(f"{ckpt.label}: {info.name} should be 3-D [experts, out, in] but is {list(info.shape)}")
+    n_exp, rows, cols = info.shape
+    item = DTYPE_SIZES[info.dtype]
+    per_expert = rows * cols * item
+    out = []
+    for e in range(n_exp):
+        base = info.start + e * per_expert
+        if which == "gate_up_proj":
+            if rows % 2:
+                raise SplicerError(f"{ckpt.label}: {info.name} has an odd fused gate/up dimension {rows}")
+            half = rows // 2
+            for i, proj in enumerate(("gate_proj", "up_proj")):  # gate = rows [:I], up = rows [I:]
+                src = ByteSource(info.path, base + i * half * cols * item, half * cols * item)
+                name = f"{prefix}.{e}.{proj}"
+                out.append(Module(name, arch.module_class(name), fused_slice=(info, src, (half, cols)), shape=(half, cols)))
+        else:
+            name = f"{prefix}.{e}.down_proj"
+            src = ByteSource(info.path, base, per_expert)
+            out.append(Module(name, arch.module_class(name), fused_slice=(info, src, (rows, cols)), shape=(rows, cols)))
+    return out
+
+
+def weight_source(module: Module) -> tuple[str, tuple[int, int], ByteSource]:
+    """(dtype, shape, bytes) of a BF16 module's weight, sliced if it comes from fused experts."""
+    if module.fused_slice:
+        info, src, shape = module.fused_slice
+        return info.dtype, shape, src
+    w = module.plain["weight"]
+    return w.dtype, tuple(w.shape), ByteSource(w.path, w.start, w.nbytes)
+
+
+def numel(shape) -> int:
+    return math.prod(shape)
+
+
+def shard_of(path: Path) -> str:
+    return path.name

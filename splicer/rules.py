@@ -1,0 +1,186 @@
+"""How compressed-tensors (HF names) and vLLM (its own names) read `quantization_config`.
+
+The two readers disagree in ways that bite: vLLM renames exact dotted names with the
+model's prefix mapper but leaves regexes and dot-free names alone, tests the shards of
+fused layers (and refuses shards that disagree), decides all routed experts of a layer
+from expert 0, and matches class targets as case-insensitive substrings of its own layer
+class names. Sources: vLLM `layers/quantization/compressed_tensors/utils.py`
+(should_ignore_layer, find_matched_target), `compressed_tensors.py` (get_scheme_dict),
+`compressed_tensors_moe.py` (get_moe_method); compressed-tensors `utils/match.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from compressed_tensors.utils.match import match_name
+
+from .arch import Architecture
+from .errors import SplicerError
+from .modules import Module
+
+CLASS_TARGET_HF = "Linear"  # the class target compressed-tensors exporters write
+
+
+@dataclass
+class Reading:
+    """What one reader (hf or vllm) makes of a module: the config group it lands in, or None."""
+
+    group: str | None
+    error: str | None = None
+
+
+@dataclass
+class Report:
+    hf: dict[str, Reading] = field(default_factory=dict)
+    vllm: dict[str, Reading] = field(default_factory=dict)
+    issues: list[dict] = field(default_factory=list)  # {check, naming, detail}
+    dead_ignore: dict[str, list[str]] = field(default_factory=dict)  # naming -> entries
+
+    def add(self, check: str, naming: str, detail: str) -> None:
+        self.issues.append({"check": check, "naming": naming, "detail": detail})
+
+
+def validate_regexes(qc: dict, label: str) -> None:
+    for entry in list(qc.get("ignore") or []) + [t for g in (qc.get("config_groups") or {}).values() for t in g.get("targets", [])]:
+        if not isinstance(entry, str):
+            raise SplicerError(f"{label}: quantization_config has a non-string ignore/target entry {entry!r}; fix config.json")
+        if entry.startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as e:
+                raise SplicerError(f"{label}: quantization_config entry {entry!r} is not a valid regex ({e}); fix config.json") from None
+
+
+def _eq_or_re(value: str, entry: str, contains: bool = False) -> bool:
+    if entry.startswith("re:"):
+        return re.match(entry[3:], value) is not None
+    if contains:
+        return entry.lower() in value.lower()
+    return entry == value
+
+
+def _groups(qc: dict) -> list[tuple[str, list[str]]]:
+    return [(name, list(g.get("targets") or [])) for name, g in (qc.get("config_groups") or {}).items()]
+
+
+def hf_reading(module: Module, qc: dict, arch: Architecture) -> Reading:
+    """compressed-tensors' view (HF names; first matching group wins; `Linear` = any linear weight)."""
+    if any(match_name(module.name, e) for e in qc.get("ignore") or []):
+        return Reading(None)
+    linear = not arch.is_embedding(module.name)
+    for gname, targets in _groups(qc):
+        for t in targets:
+            if match_name(module.name, t) or (linear and t == CLASS_TARGET_HF):
+                return Reading(gname)
+    return Reading(None)
+
+
+class VllmReader:
+    def __init__(self, qc: dict, arch: Architecture):
+        self.arch = arch
+        self.ignore = [arch.vllm_rename_entry(e) for e in qc.get("ignore") or []]
+        self.targets = [(g, arch.vllm_rename_entry(t)) for g, ts in _groups(qc) for t in ts]
+        self.tested: set[str] = set()  # every name vLLM tests against ignore (for dead entries)
+
+    def _ignored(self, name: str) -> bool:
+        self.tested.add(name)
+        return any(_eq_or_re(name, e) for e in self.ignore)
+
+    def _should_ignore_layer(self, layer, shards: list[str]) -> bool:
+        self.tested.add(layer.name)
+        if len(shards) > 1 and layer.name not in self.ignore:
+            states = {s: self._ignored(s) for s in shards}
+            if len(set(states.values())) > 1:
+                raise ValueError(
+                    f"Found different quantization schemes for the shards of {layer.name}: "
+                    + ", ".join(f"{s.rsplit('.', 1)[-1]} {'ignored' if v else 'quantized'}" for s, v in states.items())
+                )
+            return next(iter(states.values()))
+        return self._ignored(shards[0]) or layer.name in self.ignore
+
+    def _match_target(self, name: str, class_names: tuple[str, ...], shards: list[str]) -> str | None:
+        for g, t in self.targets:
+            if _eq_or_re(name, t):
+                return g
+        for g, t in self.targets:
+            if any(_eq_or_re(c, t, contains=True) for c in class_names):
+                return g
+        if len(shards) > 1:  # all fused shards must match some target
+            hits = [next((g for g, t in self.targets if _eq_or_re(s, t)), None) for s in shards]
+            if all(hits):
+                return hits[0]
+        return None
+
+    def reading(self, module: Module) -> Reading:
+        layer = self.arch.vllm_layer(module.name)
+        if layer.kind in ("unquantized", "embedding"):
+            return Reading(None)
+        shards = self.arch.vllm_shards_of(layer)
+        try:
+            if layer.kind == "moe":
+                per_proj = []
+                for s in shards:
+                    per_proj.append(None if self._ignored(s) else self._match_target(s, layer.class_names, [s]))
+                if len(set(per_proj)) > 1:
+                    raise ValueError(f"All MoE projections need to have same quantization scheme ({layer.name}: expert 0 gate/up/down read as {per_proj})")
+                return Reading(per_proj[0])
+            if self._should_ignore_layer(layer, shards):
+                return Reading(None)
+            return Reading(self._match_target(layer.name, layer.class_names, shards))
+        except ValueError as e:
+            return Reading(None, error=str(e))
+
+
+def check(modules: dict[str, Module], qc: dict | None, arch: Architecture) -> Report:
+    """Lint a checkpoint's config against its tensors, under HF and vLLM naming."""
+    report = Report()
+    qc = qc or {}
+    vr = VllmReader(qc, arch)
+    for name in sorted(modules):
+        m = modules[name]
+        report.hf[name] = hf_reading(m, qc, arch)
+        report.vllm[name] = vr.reading(m)
+    for naming, readings in (("hf", report.hf), ("vllm", report.vllm)):
+        errors = sorted({r.error for r in readings.values() if r.error})
+        for err in errors:
+            report.add("vllm-refuses", naming, err)
+        wrong = [(n, r) for n, r in readings.items() if not r.error and (r.group is not None) != modules[n].quantized]
+        for n, r in wrong[:20]:
+            m = modules[n]
+            if m.quantized:
+                report.add("stored-quantized-read-bf16", naming, f"{n} is stored packed but the config reads it as unquantized")
+            else:
+                report.add("stored-bf16-read-quantized", naming, f"{n} is stored BF16 but the config reads it as {r.group}")
+        if len(wrong) > 20:
+            report.add("more", naming, f"{len(wrong) - 20} more modules disagree with the config")
+    # Fused groups whose shards differ on disk (vLLM cannot load a half-quantized fused layer).
+    units: dict[str, list[Module]] = {}
+    for m in modules.values():
+        units.setdefault(arch.atomic_unit(m.name), []).append(m)
+    for unit, ms in sorted(units.items()):
+        kinds = {(m.quantized, m.bits, m.group_size) for m in ms}
+        if len(kinds) > 1:
+            q = sorted(m.name.rsplit(".", 1)[-1] for m in ms if m.quantized)
+            report.add("fused-shards-disagree", "disk", f"{unit}: {len([m for m in ms if m.quantized])} of {len(ms)} shards packed ({', '.join(q[:3])}...) with {sorted(kinds, key=str)}")
+    # Ignore entries that match no Linear module.
+    hf_names = list(modules)
+    report.dead_ignore["hf"] = [e for e in qc.get("ignore") or [] if not any(match_name(n, e) for n in hf_names)]
+    report.dead_ignore["vllm"] = [
+        e for e in qc.get("ignore") or []
+        if not any(_eq_or_re(n, arch.vllm_rename_entry(e)) for n in vr.tested)
+    ]
+    for naming, dead in report.dead_ignore.items():
+        if dead:
+            report.add("dead-ignore", naming, f"{len(dead)} ignore entries match no module, e.g. {dead[0]!r}")
+    # Group bits/group size against the tensors.
+    groups = qc.get("config_groups") or {}
+    for n, r in report.hf.items():
+        m = modules[n]
+        if r.group and m.quantized:
+            w = groups[r.group].get("weights") or {}
+            if (w.get("num_bits"), w.get("group_size")) != (m.bits, m.group_size):
+                report.add("scheme-mismatch", "hf", f"{n}: config {r.group} says {w.get('num_bits')}-bit g{w.get('group_size')}, tensors are {m.bits}-bit g{m.group_size}")
+                break
+    return report
