@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .arch import PACKED_SUFFIXES, PLAIN_SUFFIXES
 from .checkpoint import Checkpoint
@@ -153,10 +151,3 @@ def weight_source(module: Module) -> tuple[str, tuple[int, int], ByteSource]:
     w = module.plain["weight"]
     return w.dtype, tuple(w.shape), ByteSource(w.path, w.start, w.nbytes)
 
-
-def numel(shape) -> int:
-    return math.prod(shape)
-
-
-def shard_of(path: Path) -> str:
-    return path.name

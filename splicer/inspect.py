@@ -1,0 +1,99 @@
+"""`splicer inspect`: what a build quantizes, what each class weighs, and what its config gets wrong."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .checkpoint import Checkpoint
+from .modules import list_modules
+from .rules import check, validate_regexes
+
+CLASS_ORDER = ("gdn", "attention", "shared_expert", "lm_head", "experts", "mtp", "other")
+
+
+def tensor_class(ckpt: Checkpoint, tensor: str) -> str:
+    arch = ckpt.arch
+    fused = arch.fused_expert_parts(tensor)
+    module = f"{fused[0]}.0.gate_proj" if fused else tensor.rpartition(".")[0]
+    return arch.module_class(module)
+
+
+def decode_fraction(ckpt: Checkpoint, tensor: str, shape) -> float:
+    """Share of a tensor one batch-1 decode step reads (the memory-bandwidth floor's numerator)."""
+    arch = ckpt.arch
+    tc = ckpt.text_config
+    module = tensor.rpartition(".")[0]
+    if module.startswith(("model.visual", "mtp.")):
+        return 0.0  # text decode without speculative decoding reads neither
+    if arch.is_embedding(module):
+        return 1.0 / shape[0] if shape and shape[0] else 0.0  # one row
+    if arch.expert_parts(module) or arch.fused_expert_parts(tensor):
+        return tc.get("num_experts_per_tok", 1) / max(tc.get("num_experts", 1), 1)
+    return 1.0
+
+
+def inspect_checkpoint(ckpt: Checkpoint) -> dict:
+    qc = ckpt.quantization_config or {}
+    validate_regexes(qc, ckpt.label)
+    arch = ckpt.arch
+    modules = list_modules(ckpt)
+    per_class: dict[str, dict] = defaultdict(lambda: {
+        "modules": 0, "quantized": 0, "schemes": set(), "bytes_on_disk": 0, "bytes_per_decode_step": 0.0,
+    })
+    for m in modules.values():
+        row = per_class[m.cls]
+        row["modules"] += 1
+        if m.quantized:
+            row["quantized"] += 1
+            row["schemes"].add(f"int{m.bits} g{m.group_size}")
+        else:
+            row["schemes"].add(m.weight_dtype.lower())
+    for hdr in ckpt.headers.values():
+        for name, info in hdr.tensors.items():
+            row = per_class[tensor_class(ckpt, name)]
+            row["bytes_on_disk"] += info.nbytes
+            row["bytes_per_decode_step"] += info.nbytes * decode_fraction(ckpt, name, info.shape)
+    report = check(modules, qc, arch)
+    classes = {}
+    for cls in CLASS_ORDER:
+        if cls in per_class:
+            row = per_class[cls]
+            classes[cls] = dict(row, schemes=sorted(row["schemes"]), bytes_per_decode_step=int(row["bytes_per_decode_step"]))
+    return {
+        "checkpoint": ckpt.label,
+        "model_type": ckpt.config.get("model_type"),
+        "quant_method": qc.get("quant_method"),
+        "format": qc.get("format"),
+        "config_groups": {g: {"targets": v.get("targets"), "bits": (v.get("weights") or {}).get("num_bits"),
+                              "group_size": (v.get("weights") or {}).get("group_size")}
+                          for g, v in (qc.get("config_groups") or {}).items()},
+        "classes": classes,
+        "total_bytes_on_disk": sum(r["bytes_on_disk"] for r in classes.values()),
+        "total_bytes_per_decode_step": sum(r["bytes_per_decode_step"] for r in classes.values()),
+        "lint": {"issues": report.issues, "dead_ignore": report.dead_ignore},
+        "header_digest": ckpt.header_digest(),
+    }
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3f}" if n >= 1e7 else f"{n / 1e6:.3f} MB".replace(" MB", "M")
+
+
+def format_report(info: dict) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for cls, r in info["classes"].items():
+        rows.append([cls, r["modules"], r["quantized"], ", ".join(r["schemes"]), r["bytes_on_disk"], r["bytes_per_decode_step"]])
+    rows.append(["total", "", "", "", info["total_bytes_on_disk"], info["total_bytes_per_decode_step"]])
+    out = [f"{info['checkpoint']}  ({info['model_type']}, {info['quant_method'] or 'not quantized'}, {info['format'] or '-'})", ""]
+    out.append(tabulate(rows, headers=["class", "modules", "quantized", "stored as", "bytes on disk", "bytes read / decode step"],
+                        tablefmt="github", intfmt=","))
+    out.append("")
+    issues = info["lint"]["issues"]
+    if not issues:
+        out.append("lint: no problems under HF or vLLM naming")
+    else:
+        out.append(f"lint: {len(issues)} problem(s)")
+        out.append(tabulate([[i["check"], i["naming"], i["detail"]] for i in issues], headers=["check", "naming", "detail"], tablefmt="github"))
+    return "\n".join(out)

@@ -1,0 +1,456 @@
+"""`splicer splice`: put module classes of an INT4 build back to the base's BF16, tensor by tensor.
+
+Stages, each a small function: validate the inputs, plan (which modules, which base
+tensors, which shards change, the new config), check the plan against both readers of
+the config (compressed-tensors and vLLM) before writing a byte, then write into a
+temporary folder beside OUT and rename it into place.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .arch import PACKED_SUFFIXES, Architecture
+from .checkpoint import INDEX_NAME, Checkpoint, is_packed_tensor, load_shard_header, open_checkpoint
+from .errors import SplicerError
+from .modules import Module, list_modules, weight_source
+from .rules import check, validate_regexes
+from .safetensors_io import ByteSource, OutTensor, write_shard
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+PARTIAL_MARKER = ".splicer-partial"
+
+
+@dataclass
+class SplicePlan:
+    build: Checkpoint
+    base: Checkpoint
+    classes: list[str]
+    restore: dict[str, Module]  # build module -> (restored from) base module, keyed by name
+    base_modules: dict[str, Module]
+    shards_rewritten: dict[str, list[OutTensor]] = field(default_factory=dict)
+    shards_linked: list[str] = field(default_factory=list)
+    weight_map: dict[str, str] = field(default_factory=dict)
+    total_size: int = 0
+    config: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate_build(build: Checkpoint) -> None:
+    qc = build.quantization_config
+    if not qc:
+        raise SplicerError(f"build {build.label} has no quantization_config in config.json; it is not a quantized build (did you swap BUILD and BASE?)")
+    if qc.get("quant_method") != "compressed-tensors":
+        raise SplicerError(
+            f"build {build.label} uses quant_method {qc.get('quant_method')!r}; splicer handles compressed-tensors "
+            "pack-quantized builds (GPTQ support is planned)"
+        )
+    formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
+    formats.discard(None)
+    if formats != {"pack-quantized"}:
+        raise SplicerError(f"build {build.label} has format {sorted(formats)}; only pack-quantized (W4A16/W8A16) is supported")
+    if not isinstance(qc.get("config_groups"), dict) or not qc["config_groups"]:
+        raise SplicerError(f"build {build.label}: quantization_config has no config_groups; the config is invalid, restore it from the original export")
+    validate_regexes(qc, f"build {build.label}")
+    if not any(is_packed_tensor(t) for t in build.weight_map):
+        raise SplicerError(
+            f"build {build.label}: config.json says pack-quantized but no tensor is packed (no weight_packed); "
+            "the shards do not belong to this config"
+        )
+
+
+def validate_base(base: Checkpoint, build: Checkpoint) -> None:
+    if base.quantization_config:
+        raise SplicerError(f"base {base.label} is itself quantized ({base.quantization_config.get('quant_method')}); pass the BF16 model the build was made from")
+    packed = next((t for t in base.weight_map if is_packed_tensor(t)), None)
+    if packed:
+        raise SplicerError(f"base {base.label} holds packed tensors ({packed}); pass the BF16 model the build was made from")
+    if base.config.get("model_type") != build.config.get("model_type"):
+        raise SplicerError(
+            f"base {base.label} is a {base.config.get('model_type')!r} model but the build is {build.config.get('model_type')!r}; "
+            "pass the base the build was made from"
+        )
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers", "num_experts", "moe_intermediate_size"):
+        a, b = base.text_config.get(key), build.text_config.get(key)
+        if a != b:
+            raise SplicerError(f"base {base.label} has {key}={a} but the build has {b}; pass the base the build was made from")
+
+
+def parse_classes(spec: str, arch: Architecture, modules: dict[str, Module]) -> list[str]:
+    items = [c.strip() for c in (spec or "").split(",") if c.strip()]
+    if not items:
+        raise SplicerError(f"--restore is empty; give a comma list of {', '.join(arch.classes)} or all")
+    quantized = {m.cls for m in modules.values() if m.quantized}
+    if items == ["all"]:
+        return [c for c in arch.classes if c in quantized]
+    unknown = [c for c in items if c not in arch.classes]
+    if unknown:
+        raise SplicerError(f"unknown class {unknown[0]!r} in --restore; choose from {', '.join(arch.classes)} or all")
+    empty = [c for c in items if c not in quantized]
+    if empty:
+        raise SplicerError(
+            f"class {empty[0]} has no quantized modules in this build, so there is nothing to restore; "
+            f"quantized classes: {', '.join(c for c in arch.classes if c in quantized) or 'none'} (see splicer inspect)"
+        )
+    return [c for c in arch.classes if c in items]
+
+
+def parse_layers(spec: str | None) -> set[int] | None:
+    if not spec:
+        return None
+    layers: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            layers.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise SplicerError(f"--layers {spec!r} is not a list of layer numbers or ranges like 0,4-7") from None
+    return layers
+
+
+# ---------------------------------------------------------------- planning
+
+
+def select_modules(modules: dict[str, Module], classes: list[str], arch: Architecture,
+                   layers: set[int] | None = None, only: str | None = None) -> dict[str, Module]:
+    pattern = re.compile(only) if only else None
+    picked = {}
+    for name, m in modules.items():
+        if not m.quantized or m.cls not in classes:
+            continue
+        if layers is not None and m.cls != "mtp" and arch.layer_index(name) not in layers:
+            continue
+        if pattern and not pattern.search(name):
+            continue
+        picked[name] = m
+    if not picked:
+        raise SplicerError("the selection matches no quantized module; check --restore, --layers and --modules against splicer inspect")
+    # vLLM loads fused shards into one layer and reads all experts of a layer from expert 0.
+    units: dict[str, list[str]] = defaultdict(list)
+    for name, m in modules.items():
+        if m.quantized:
+            units[arch.atomic_unit(name)].append(name)
+    for name in picked:
+        unit = arch.atomic_unit(name)
+        left = sorted(set(units[unit]) - set(picked))
+        if left:
+            raise SplicerError(
+                f"restoring {name} alone would split {unit}: vLLM loads {len(units[unit])} modules into that one layer "
+                f"and needs one scheme for all (still quantized: {left[0]}{', ...' if len(left) > 1 else ''}); restore the whole group"
+            )
+    return picked
+
+
+def _wanted_base_tensors(build: Checkpoint, picked: dict[str, Module], base_weight_map: dict[str, str]) -> dict[str, str]:
+    """Build module -> base tensor that holds its BF16 weight (fused experts: the 3-D tensor)."""
+    arch = build.arch
+    out = {}
+    for name in picked:
+        if f"{name}.weight" in base_weight_map:
+            out[name] = f"{name}.weight"
+            continue
+        parts = arch.expert_parts(name)
+        if parts:
+            fused = f"{parts[0]}.{'down_proj' if parts[2] == 'down_proj' else 'gate_up_proj'}"
+            if fused in base_weight_map:
+                out[name] = fused
+                continue
+        raise SplicerError(f"the base has no weight for {name}; pass the BF16 base this build was made from")
+    return out
+
+
+def open_base_for(build: Checkpoint, base_source: str, picked: dict[str, Module]) -> Checkpoint:
+    """Open the base reading (and, for a Hub id, downloading) only the shards that hold what we restore."""
+    needed: set[str] = set()
+
+    def wanted_files(index: dict) -> set[str]:
+        wm = index.get("weight_map") or {}
+        tensors = _wanted_base_tensors(build, picked, wm)
+        needed.update(wm[t] for t in tensors.values())
+        return needed
+
+    base = open_checkpoint(base_source, "base", wanted_files=wanted_files, shards=set())
+    validate_base(base, build)
+    tensors = _wanted_base_tensors(build, picked, base.weight_map)
+    for shard in sorted({base.weight_map[t] for t in tensors.values()}):
+        load_shard_header(base, shard)
+    return base
+
+
+def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[str, Module]) -> dict:
+    """config.json with ignore entries for the restored modules and groups that target nothing removed.
+
+    Edited as a plain dict: a pydantic round-trip through compressed-tensors 0.20 rejects
+    fields that 0.17 wrote.
+    """
+    arch = build.arch
+    config = json.loads(json.dumps(build.config))
+    qc = config["quantization_config"]
+    ignore = list(qc.get("ignore") or [])
+    for entry in ignore_entries(picked, modules, arch):
+        if entry not in ignore:
+            ignore.append(entry)
+    qc["ignore"] = ignore
+    if "lm_head" in picked:
+        # A group aimed at the head (re:.*lm_head$) would otherwise still claim it.
+        for g in qc["config_groups"].values():
+            g["targets"] = [t for t in g.get("targets") or [] if not _targets_only_head(t)]
+    after = _modules_after(modules, picked)
+    report = check(after, qc, arch)
+    live = {r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if r.group and after[n].quantized}
+    for gname in list(qc["config_groups"]):
+        if gname not in live or not qc["config_groups"][gname].get("targets"):
+            del qc["config_groups"][gname]
+    if not qc["config_groups"] and not qc.get("kv_cache_scheme"):
+        del config["quantization_config"]  # nothing is quantized any more: a plain BF16 checkpoint
+    return config
+
+
+def _targets_only_head(target: str) -> bool:
+    if not target.startswith("re:"):
+        return target in ("lm_head", "language_model.lm_head")
+    pat = re.compile(target[3:])
+    return bool(pat.match("lm_head") or pat.match("language_model.lm_head")) and not pat.match("model.language_model.layers.0.mlp.down_proj")
+
+
+_LAYERED = re.compile(r"^(?P<root>model\.language_model\.layers|mtp\.layers)\.(?P<layer>\d+)\.(?P<path>.+?)(?:\.(?P<expert>\d+))?\.(?P<proj>[^.]+)$")
+
+
+def ignore_entries(picked: dict[str, Module], modules: dict[str, Module], arch: Architecture) -> list[str]:
+    """A few readable regexes, each ending in `$`, that match the restored modules under both namings.
+
+    Decoder names are matched in HF form (model.language_model.) and vLLM form
+    (language_model.model.), because vLLM does not rename regexes (facts §3).
+    """
+    entries: list[str] = []
+    by_key: dict[tuple, set[int]] = defaultdict(set)
+    for name in picked:
+        if name == "lm_head":
+            entries.append(r"re:(language_model\.)?lm_head$")
+            continue
+        m = _LAYERED.match(name)
+        if not m:
+            entries.append(name)  # e.g. mtp.fc: exact names are renamed by vLLM where needed
+            continue
+        projs = frozenset(
+            _LAYERED.match(n)["proj"] for n in picked
+            if (mm := _LAYERED.match(n)) and (mm["root"], mm["layer"], mm["path"]) == (m["root"], m["layer"], m["path"])
+        )
+        by_key[(m["root"], m["path"], m["expert"] is not None, projs)].add(int(m["layer"]))
+    all_layers: dict[tuple, set[int]] = defaultdict(set)
+    for name in modules:
+        if (m := _LAYERED.match(name)) and modules[name].quantized:
+            all_layers[(m["root"], m["path"], m["proj"])].add(int(m["layer"]))
+    for (root, path, is_expert, projs), layers in sorted(by_key.items(), key=lambda kv: str(kv[0])):
+        everywhere = all(all_layers[(root, path, p)] <= layers for p in projs)
+        layer_re = r"\d+" if everywhere else "(" + "|".join(str(i) for i in sorted(layers)) + ")"
+        root_re = r"(model\.language_model|language_model\.model)\.layers" if root.startswith("model.") else re.escape(root)
+        proj_re = "(" + "|".join(re.escape(p) for p in sorted(projs)) + ")" if len(projs) > 1 else re.escape(next(iter(projs)))
+        expert_re = r"\.\d+" if is_expert else ""
+        entries.append(f"re:{root_re}\\.{layer_re}\\.{re.escape(path)}{expert_re}\\.{proj_re}$")
+    return list(dict.fromkeys(entries))
+
+
+def _modules_after(modules: dict[str, Module], picked: dict[str, Module]) -> dict[str, Module]:
+    after = {}
+    for name, m in modules.items():
+        if name in picked:
+            after[name] = Module(name, m.cls, plain={"weight": None}, shape=m.shape)
+        else:
+            after[name] = m
+    return after
+
+
+def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module], picked: dict[str, Module], classes: list[str]) -> SplicePlan:
+    base_modules = list_modules(base)
+    plan = SplicePlan(build, base, classes, restore={}, base_modules=base_modules)
+    drop: set[str] = set()
+    add_to_shard: dict[str, list[OutTensor]] = defaultdict(list)
+    for name, m in sorted(picked.items()):
+        b = base_modules.get(name)
+        if b is None:
+            raise SplicerError(f"the base has no weight for {name}; pass the BF16 base this build was made from")
+        dtype, shape, src = weight_source(b)
+        if dtype not in FLOAT_DTYPES:
+            raise SplicerError(f"the base stores {name} as {dtype}, not a float type; pass the BF16 base")
+        if tuple(shape) != tuple(m.shape):
+            raise SplicerError(
+                f"the base's {name} is {list(shape)} but the build's weight_shape is {list(m.shape)}; "
+                "pass the base the build was made from"
+            )
+        plan.restore[name] = b
+        drop.update(t.name for t in m.packed.values())
+        shard = build.weight_map[m.packed["weight_packed"].name]
+        add_to_shard[shard].append(OutTensor(f"{name}.weight", dtype, tuple(shape), src))
+    for shard, hdr in sorted(build.headers.items()):
+        if shard not in add_to_shard and not (set(hdr.tensors) & drop):
+            plan.shards_linked.append(shard)
+            for t, info in hdr.tensors.items():
+                plan.weight_map[t] = shard
+                plan.total_size += info.nbytes
+            continue
+        # Keep the shard's tensor order; each restored weight takes its packed tensor's place.
+        out: list[OutTensor] = []
+        adds = {t.name.rpartition(".")[0]: t for t in add_to_shard.get(shard, [])}
+        for t, info in sorted(hdr.tensors.items(), key=lambda kv: kv[1].start):
+            module, _, suffix = t.rpartition(".")
+            if t in drop:
+                if suffix == "weight_packed":
+                    out.append(adds.pop(module))
+                continue
+            out.append(OutTensor(t, info.dtype, info.shape, ByteSource(info.path, info.start, info.nbytes)))
+        plan.shards_rewritten[shard] = out
+        for t in out:
+            plan.weight_map[t.name] = shard
+            plan.total_size += t.nbytes
+    plan.config = restored_config(build, modules, picked)
+    return plan
+
+
+def verify_plan(plan: SplicePlan, modules: dict[str, Module]) -> None:
+    """Refuse a plan whose config either reader would misread, before anything is written."""
+    after = _modules_after(modules, plan.restore)
+    qc = plan.config.get("quantization_config") or {}
+    report = check(after, qc, plan.build.arch)
+    bad = [i for i in report.issues if i["check"] in ("vllm-refuses", "stored-quantized-read-bf16", "stored-bf16-read-quantized", "fused-shards-disagree")]
+    if bad:
+        raise SplicerError(f"the spliced config would be misread ({bad[0]['check']}, {bad[0]['naming']} naming: {bad[0]['detail']}); this is a splicer bug, please report it")
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _link_or_copy(src: Path, dst: Path) -> str:
+    try:
+        os.link(src, dst)
+        return "linked"
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+            raise
+    shutil.copyfile(src, dst)
+    return "copied"
+
+
+def partial_dir(out: Path) -> Path:
+    return out.parent / f".{out.name}{PARTIAL_MARKER}"
+
+
+def write_plan(plan: SplicePlan, out: Path, force: bool = False, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    tmp = partial_dir(out)
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by an interrupted run: never loaded, safe to drop
+    tmp.mkdir(parents=True)
+    stats = {"linked": 0, "copied": 0, "rewritten": 0}
+    try:
+        total = sum(t.nbytes for ts in plan.shards_rewritten.values() for t in ts)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="splice", disable=not progress or None, leave=False) as bar:
+            for shard in plan.shards_linked:
+                stats[_link_or_copy(plan.build.root / shard, tmp / shard)] += 1
+            for shard, tensors in plan.shards_rewritten.items():
+                meta = plan.build.headers[shard].metadata or {"format": "pt"}
+                write_shard(tmp / shard, tensors, meta)
+                stats["rewritten"] += 1
+                bar.update(sum(t.nbytes for t in tensors))
+        for p in plan.build.other_files():
+            rel = p.relative_to(plan.build.root)
+            if rel.name in ("config.json", "splice.json"):
+                continue
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(p, tmp / rel)
+        index = {"metadata": {**plan.build.index_metadata, "total_size": plan.total_size},
+                 "weight_map": dict(sorted(plan.weight_map.items()))}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
+        record = splice_record(plan, stats)
+        (tmp / "splice.json").write_text(json.dumps(record, indent=2) + "\n")
+        _replace_dir(tmp, out, force)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC:
+            raise SplicerError(f"no space left on the device holding {out.parent}; free space or choose another -o") from None
+        if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+            raise SplicerError(f"cannot write under {out.parent} ({e.strerror}); choose a writable -o") from None
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return record
+
+
+def _replace_dir(tmp: Path, out: Path, force: bool) -> None:
+    if out.exists():
+        if not force:
+            raise SplicerError(f"{out} exists; pass --force to replace it or choose another -o")
+        trash = out.parent / f".{out.name}.splicer-old"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(out, trash)
+        os.rename(tmp, out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
+def _config_digest(ckpt: Checkpoint) -> str:
+    return hashlib.sha256(json.dumps(ckpt.config, sort_keys=True).encode()).hexdigest()
+
+
+def splice_record(plan: SplicePlan, stats: dict) -> dict:
+    return {
+        "tool": "splicer", "version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "build": {"source": plan.build.label, "header_digest": plan.build.header_digest(), "config_digest": _config_digest(plan.build)},
+        "base": {"source": plan.base.label, "header_digest": plan.base.header_digest(), "shards_read": sorted(plan.base.headers)},
+        "restored_classes": plan.classes,
+        "restored_modules": len(plan.restore),
+        "shards": stats,
+        "ignore_added": [e for e in (plan.config.get("quantization_config") or {}).get("ignore", [])
+                         if e not in (plan.build.quantization_config.get("ignore") or [])],
+        "quantization_config_removed": "quantization_config" not in plan.config,
+    }
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def check_output_path(out: Path, force: bool, inputs: list[Path]) -> None:
+    out = Path(out).resolve()
+    for p in inputs:
+        p = Path(p).resolve()
+        if out == p or p in out.parents:
+            raise SplicerError(f"-o {out} is inside an input folder ({p}); inputs are never modified, choose another -o")
+    if out.exists() and not force:
+        raise SplicerError(f"{out} exists; pass --force to replace it or choose another -o")
+    if not out.parent.exists():
+        raise SplicerError(f"the parent folder of -o ({out.parent}) does not exist; create it first")
+
+
+def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers: str | None = None,
+           modules_regex: str | None = None, force: bool = False, progress: bool = True) -> dict:
+    build = open_checkpoint(build_src, "build")
+    validate_build(build)
+    check_output_path(Path(out), force, [build.root])
+    modules = list_modules(build)
+    classes = parse_classes(restore, build.arch, modules)
+    picked = select_modules(modules, classes, build.arch, parse_layers(layers), modules_regex)
+    base = open_base_for(build, base_src, picked)
+    check_output_path(Path(out), force, [build.root, base.root])
+    plan = plan_splice(build, base, modules, picked, classes)
+    verify_plan(plan, modules)
+    return write_plan(plan, Path(out), force=force, progress=progress)
+
+
+__all__ = ["splice", "plan_splice", "select_modules", "ignore_entries", "PACKED_SUFFIXES"]

@@ -1,0 +1,115 @@
+"""Bad input to `splicer splice` / `inspect`: one line naming problem and fix, exit 2, no traceback, nothing written,
+inputs byte-identical afterwards. Each case runs the real CLI entry point in-process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from splicer.cli import main
+
+from .conftest import tree_digest
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _truncate_a_shard(folder: Path) -> None:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / index["weight_map"]["model.language_model.layers.0.linear_attn.in_proj_qkv.weight_packed"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 1000])
+
+
+def _edit_config(folder: Path, fn) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    fn(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _drop_shard_from_disk(folder: Path) -> None:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    (folder / index["weight_map"]["model.language_model.layers.3.self_attn.q_proj.weight_packed"]).unlink()
+
+
+def _mismatched_base(tmp: Path) -> Path:
+    from splicer.fixtures import FixtureSpec, write_base
+
+    return write_base(tmp / "other_base", FixtureSpec(text_overrides={"hidden_size": 128}))
+
+
+def _unpacked_build(base: Path, tmp: Path) -> Path:
+    """Config says pack-quantized, but the shards are plain BF16 (the base's shards copied in)."""
+    dst = _copy(base, tmp / "unpacked")
+    build_cfg = json.loads((base.parent / "lowlatency" / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(build_cfg))
+    return dst
+
+
+# (id, argv builder, expected message fragment). Builders get (pairs, tmp) and return argv.
+CASES = [
+    ("unknown-class", lambda p, t: ["splice", "--restore", "gdn,rotary", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out")], "unknown class 'rotary'"),
+    ("empty-class-list", lambda p, t: ["splice", "--restore", " , ", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out")], "--restore is empty"),
+    ("class-not-quantized", lambda p, t: ["splice", "--restore", "lm_head", str(p["experts-g32"]), str(p["base"]), "-o", str(t / "out")], "nothing to restore"),
+    ("missing-build-folder", lambda p, t: ["splice", "--restore", "gdn", str(t / "nope"), str(p["base"]), "-o", str(t / "out")], "does not exist"),
+    ("missing-base-folder", lambda p, t: ["splice", "--restore", "gdn", str(p["lowlatency"]), str(t / "nope"), "-o", str(t / "out")], "does not exist"),
+    ("build-not-quantized", lambda p, t: ["splice", "--restore", "gdn", str(p["base"]), str(p["base"]), "-o", str(t / "out")], "not a quantized build"),
+    ("base-is-quantized", lambda p, t: ["splice", "--restore", "gdn", str(p["lowlatency"]), str(p["experts-g32"]), "-o", str(t / "out")], "itself quantized"),
+    ("mismatched-base", lambda p, t: ["splice", "--restore", "gdn", str(p["lowlatency"]), str(_mismatched_base(t)), "-o", str(t / "out")], "hidden_size=128"),
+    ("truncated-shard", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, _truncate_a_shard)), str(p["base"]), "-o", str(t / "out")], "truncated"),
+    ("invalid-config-json", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, lambda f: (f / "config.json").write_text("{not json"))), str(p["base"]), "-o", str(t / "out")], "not valid JSON"),
+    ("index-names-missing-shard", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, _drop_shard_from_disk)), str(p["base"]), "-o", str(t / "out")], "which is missing"),
+    ("not-compressed-tensors", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, lambda f: _edit_config(f, lambda c: c["quantization_config"].update(quant_method="awq")))), str(p["base"]), "-o", str(t / "out")], "quant_method 'awq'"),
+    ("invalid-ignore-regex", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, lambda f: _edit_config(f, lambda c: c["quantization_config"]["ignore"].append("re:.*(visual")))), str(p["base"]), "-o", str(t / "out")], "not a valid regex"),
+    ("unsupported-model-type", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, lambda f: _edit_config(f, lambda c: c.update(model_type="llama")))), str(p["base"]), "-o", str(t / "out")], "model_type 'llama' is not supported"),
+    ("config-packed-tensors-not", lambda p, t: ["splice", "--restore", "gdn", str(_unpacked_build(p["base"], t)), str(p["base"]), "-o", str(t / "out")], "no tensor is packed"),
+    ("out-exists", lambda p, t: ["splice", "--restore", "gdn", str(p["lowlatency"]), str(p["base"]), "-o", str(_existing(t))], "exists; pass --force"),
+    ("out-inside-build", lambda p, t: ["splice", "--restore", "gdn", str(p["lowlatency"]), str(p["base"]), "-o", str(p["lowlatency"] / "sub")], "inside an input folder"),
+    ("split-fused-group", lambda p, t: ["splice", "--restore", "attention", "--modules", r"q_proj$", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out")], "would split"),
+    ("bad-layers", lambda p, t: ["splice", "--restore", "gdn", "--layers", "one", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out")], "--layers"),
+    ("hub-id-offline", lambda p, t: ["splice", "--restore", "gdn", "nobody/no-such-build", str(p["base"]), "-o", str(t / "out")], "HF_HUB_OFFLINE"),
+    ("inspect-missing", lambda p, t: ["inspect", str(t / "nope")], "does not exist"),
+]
+
+
+def _mut(src: Path, tmp: Path, fn) -> Path:
+    dst = _copy(src, tmp / "mutated")
+    fn(dst)
+    return dst
+
+
+def _existing(tmp: Path) -> Path:
+    (tmp / "out").mkdir()
+    (tmp / "out" / "keep.txt").write_text("mine")
+    return tmp / "out"
+
+
+@pytest.mark.parametrize("case_id,argv,fragment", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(pairs, tmp_path, monkeypatch, capsys, case_id, argv, fragment):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    p = pairs["fused"]
+    args = argv(p, tmp_path)
+    inputs = [Path(a) for a in args if Path(a).is_dir() and Path(a).name != "out"]
+    before = {str(d): tree_digest(d) for d in inputs}
+    outside_before = sorted(x.name for x in tmp_path.iterdir())
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("splicer: error: ") and fragment in lines[0], lines[0]
+    assert "Traceback" not in err
+    for d in inputs:
+        assert tree_digest(d) == before[str(d)], f"{d} changed"
+    # Nothing written: no OUT (unless it pre-existed, then untouched) and no partial folder left behind.
+    after = sorted(x.name for x in tmp_path.iterdir())
+    assert after == [n for n in outside_before] or set(after) - set(outside_before) <= {"hf-home"}
+    assert not any(".splicer-partial" in x.name for x in tmp_path.iterdir())
+    if case_id == "out-exists":
+        assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
