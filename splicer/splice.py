@@ -235,19 +235,19 @@ def ignore_entries(picked: dict[str, Module], modules: dict[str, Module], arch: 
     (language_model.model.), because vLLM does not rename regexes (facts §3).
     """
     entries: list[str] = []
-    by_key: dict[tuple, set[int]] = defaultdict(set)
+    parsed = {}
+    projs_at: dict[tuple, set[str]] = defaultdict(set)  # (root, layer, path) -> restored projections
     for name in picked:
         if name == "lm_head":
             entries.append(r"re:(language_model\.)?lm_head$")
-            continue
-        m = _LAYERED.match(name)
-        if not m:
+        elif (m := _LAYERED.match(name)) is None:
             entries.append(name)  # e.g. mtp.fc: exact names are renamed by vLLM where needed
-            continue
-        projs = frozenset(
-            _LAYERED.match(n)["proj"] for n in picked
-            if (mm := _LAYERED.match(n)) and (mm["root"], mm["layer"], mm["path"]) == (m["root"], m["layer"], m["path"])
-        )
+        else:
+            parsed[name] = m
+            projs_at[(m["root"], m["layer"], m["path"])].add(m["proj"])
+    by_key: dict[tuple, set[int]] = defaultdict(set)
+    for name, m in parsed.items():
+        projs = frozenset(projs_at[(m["root"], m["layer"], m["path"])])
         by_key[(m["root"], m["path"], m["expert"] is not None, projs)].add(int(m["layer"]))
     all_layers: dict[tuple, set[int]] = defaultdict(set)
     for name in modules:

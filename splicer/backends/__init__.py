@@ -1,0 +1,57 @@
+"""The engine interface that scoring, generation and timing run on.
+
+Two implementations: `torch_ref` (transformers' Qwen3.5-MoE text model, CPU or CUDA,
+kernel-free, full vocabulary visible) and `vllm` (the serving engine; added on the GPU
+machine). The interface is shaped after `vllm.LLM` with
+`SamplingParams(max_tokens=1, prompt_logprobs=20)`: per position, the top-k ids with
+log-probabilities and the log-probability of the actual next token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol
+
+import torch
+
+
+@dataclass
+class SequenceScores:
+    """Next-token predictions at positions 0..T-2 of one sequence (position t predicts token t+1)."""
+
+    topk_ids: torch.Tensor  # int32 [T-1, k]
+    topk_logprobs: torch.Tensor  # float32 [T-1, k]
+    target_logprobs: torch.Tensor  # float32 [T-1]: log p(actual next token)
+    gathered: torch.Tensor | None = None  # float32 [T-1, g]: log p at requested ids (exact or bounded)
+    full: torch.Tensor | None = None  # float32 [T-1, V]: full log-softmax, where the backend sees it
+
+
+class Backend(Protocol):
+    name: str
+    exact_gather: bool  # gathered log-probs are exact (full vocabulary visible)
+
+    def load(self, folder: Path) -> None: ...
+
+    def score(self, sequences: list[list[int]], top_k: int = 20, gather_ids: list[torch.Tensor] | None = None,
+              want_full: bool = False, batch_size: int = 4) -> Iterator[SequenceScores]: ...
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]: ...
+
+    def time_decode(self, prompt: list[int], new_tokens: int, warmup: int, runs: int) -> dict | None: ...
+
+    def unload(self) -> None: ...
+
+    def describe(self) -> dict: ...
+
+
+def make_backend(name: str, device: str = "auto", **options) -> Backend:
+    from ..errors import SplicerError
+
+    if name == "torch":
+        from .torch_ref import TorchBackend
+
+        return TorchBackend(device=device, **options)
+    if name == "vllm":
+        raise SplicerError("the vLLM backend is not in this version yet; use --backend torch")
+    raise SplicerError(f"unknown backend {name!r}; choose torch or vllm")

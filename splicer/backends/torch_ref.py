@@ -1,0 +1,260 @@
+"""Reference backend: transformers' Qwen3.5-MoE text model in BF16, on CPU or CUDA.
+
+Packed modules are dequantized with compressed-tensors' own dequantizer, layer by layer,
+so the model sees exactly the weights the INT4 kernels approximate. It sees the full
+vocabulary (exact KL) and runs no batch-dependent MoE kernels, which makes it the
+reference for tests and the demo and a kernel-free fidelity measure on a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..checkpoint import open_checkpoint
+from ..errors import SplicerError
+from . import SequenceScores
+
+_TEXT = re.compile(r"^(model\.language_model\.|lm_head\.)")
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SplicerError(f"--device {device} asked for, but torch sees no CUDA device; use --device cpu")
+    return torch.device(device)
+
+
+class TorchBackend:
+    name = "torch"
+    exact_gather = True
+
+    def __init__(self, device: str = "auto", dtype: str = "bfloat16", threads: int | None = None):
+        self.device = _pick_device(device)
+        self.dtype = getattr(torch, dtype)
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = None
+        self.folder: Path | None = None
+        self.max_positions = None
+
+    # ------------------------------------------------------------ loading
+    def load(self, folder: Path) -> None:
+        from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM
+        try:
+            from transformers.initialization import no_init_weights
+        except ImportError:  # transformers < 5
+            from transformers.modeling_utils import no_init_weights
+
+        self.unload()
+        ckpt = open_checkpoint(folder, "checkpoint")
+        cfg_dict = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
+        text_cfg = Qwen3_5MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in ("model_type", "transformers_version")}).text_config
+        text_cfg._attn_implementation = "sdpa"
+        self.max_positions = text_cfg.max_position_embeddings
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with no_init_weights(), self.device:
+                model = Qwen3_5MoeForCausalLM(text_cfg)
+        finally:
+            torch.set_default_dtype(default)
+        params = dict(model.named_parameters())
+        filled: set[str] = set()
+        schemes = self._module_schemes(ckpt) if ckpt.quantization_config else {}
+        chunks: dict[object, list[str]] = defaultdict(list)
+        for name in ckpt.weight_map:
+            if _TEXT.match(name):
+                chunks[ckpt.arch.layer_index(name)].append(name)
+        from safetensors import safe_open
+
+        for key in sorted(chunks, key=lambda k: (k is None, k or 0)):
+            raw: dict[str, torch.Tensor] = {}
+            by_shard: dict[str, list[str]] = defaultdict(list)
+            for name in chunks[key]:
+                by_shard[ckpt.weight_map[name]].append(name)
+            for shard, names in by_shard.items():
+                with safe_open(str(ckpt.root / shard), "pt") as f:
+                    for n in names:
+                        raw[n] = f.get_tensor(n)
+            raw = self._dequantize(raw, schemes)
+            for name, tensor in self._to_model_names(raw).items():
+                if name not in params:
+                    raise SplicerError(f"{folder}: tensor {name} has no place in the text model; is this a qwen3_5_moe checkpoint?")
+                p = params[name]
+                if tuple(p.shape) != tuple(tensor.shape):
+                    raise SplicerError(f"{folder}: {name} is {list(tensor.shape)} but the config implies {list(p.shape)}")
+                with torch.no_grad():
+                    p.copy_(tensor.to(p.dtype))
+                filled.add(name)
+        missing = sorted(set(params) - filled)
+        if missing:
+            raise SplicerError(f"{folder}: no weights for {missing[0]} (and {len(missing) - 1} more); the checkpoint is incomplete")
+        model.eval()
+        self.model = model
+        self.folder = Path(folder)
+
+    @staticmethod
+    def _module_schemes(ckpt) -> dict:
+        """Packed module -> its scheme, chosen the way compressed-tensors' loader does (exact name, then
+        regex, then class target). Its model-free dequantizer instead takes the first group in file
+        order, which reads seed 000's INT8 head with the INT4 `Linear` group."""
+        from ..modules import list_modules
+        from ..quantize import scheme_from_group
+        from ..rules import hf_reading
+
+        qc = ckpt.quantization_config
+        out = {}
+        for name, m in list_modules(ckpt).items():
+            if not m.quantized:
+                continue
+            group = hf_reading(m, qc, ckpt.arch).group
+            if group is None:
+                raise SplicerError(f"{ckpt.label}: {name} is stored packed but quantization_config does not target it; fix the config (see splicer inspect)")
+            scheme = scheme_from_group(qc["config_groups"][group])
+            if (scheme.weights.num_bits, scheme.weights.group_size) != (m.bits, m.group_size):
+                raise SplicerError(f"{ckpt.label}: {name} is {m.bits}-bit g{m.group_size} on disk but {group} says "
+                                   f"{scheme.weights.num_bits}-bit g{scheme.weights.group_size}; fix the config")
+            out[name] = scheme
+        return out
+
+    def _dequantize(self, raw: dict, schemes: dict) -> dict:
+        from ..arch import PACKED_SUFFIXES
+        from ..quantize import dequantize_module
+
+        out = {k: v for k, v in raw.items() if k.rpartition(".")[2] not in PACKED_SUFFIXES}
+        for module in {k.rpartition(".")[0] for k in raw if k.endswith(".weight_packed")}:
+            local = {s: raw[f"{module}.{s}"] for s in PACKED_SUFFIXES if f"{module}.{s}" in raw}
+            out[f"{module}.weight"] = dequantize_module(local, schemes[module], self.dtype)
+        return out
+
+    @staticmethod
+    def _to_model_names(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint names -> Qwen3_5MoeForCausalLM names; per-expert weights stacked into fused 3-D."""
+        out: dict[str, torch.Tensor] = {}
+        experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+        for name, t in raw.items():
+            name = name.replace("model.language_model.", "model.", 1)
+            m = re.match(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+            if m:
+                experts[m.group(1)][int(m.group(2))][m.group(3)] = t
+            else:
+                out[name] = t
+        for prefix, per in experts.items():
+            idx = sorted(per)
+            # HF's fused layout: gate_up_proj [E, 2I, H] with gate rows first; down_proj [E, H, I].
+            out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([per[e]["gate_proj"], per[e]["up_proj"]], 0) for e in idx])
+            out[f"{prefix}.down_proj"] = torch.stack([per[e]["down_proj"] for e in idx])
+        return out
+
+    def unload(self) -> None:
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _need(self):
+        if self.model is None:
+            raise RuntimeError("load() a checkpoint first")
+        return self.model
+
+    # ------------------------------------------------------------ scoring
+    def score(self, sequences, top_k=20, gather_ids=None, want_full=False, batch_size=4) -> Iterator[SequenceScores]:
+        """Yields one SequenceScores per input sequence, in input order.
+
+        Sequences of equal length are batched (no padding: the GDN layers take no attention mask).
+        """
+        model = self._need()
+        order = list(range(len(sequences)))
+        results: dict[int, SequenceScores] = {}
+        next_out = 0
+        pending = defaultdict(list)
+        for i in order:
+            pending[len(sequences[i])].append(i)
+        batches = []
+        for length, idxs in pending.items():
+            for s in range(0, len(idxs), batch_size):
+                batches.append(idxs[s:s + batch_size])
+        batches.sort(key=lambda b: b[0])
+        with torch.inference_mode():
+            for batch in batches:
+                ids = torch.tensor([sequences[i] for i in batch], dtype=torch.long, device=self.device)
+                logits = model(input_ids=ids, use_cache=False).logits.float()
+                lps = torch.log_softmax(logits[:, :-1], dim=-1)
+                for row, i in enumerate(batch):
+                    lp = lps[row]
+                    target = ids[row, 1:]
+                    top = lp.topk(top_k, dim=-1)
+                    gathered = None
+                    if gather_ids is not None:
+                        gathered = lp.gather(1, gather_ids[i].to(self.device).long()).cpu()
+                    results[i] = SequenceScores(
+                        topk_ids=top.indices.int().cpu(), topk_logprobs=top.values.cpu(),
+                        target_logprobs=lp.gather(1, target[:, None])[:, 0].cpu(), gathered=gathered,
+                        full=lp.cpu() if want_full else None,
+                    )
+                while next_out in results:
+                    yield results.pop(next_out)
+                    next_out += 1
+        while next_out in results:
+            yield results.pop(next_out)
+            next_out += 1
+
+    # ------------------------------------------------------------ generation
+    def generate(self, prompts, max_new_tokens, stop_ids) -> list[list[int]]:
+        model = self._need()
+        outs = []
+        with torch.inference_mode():
+            for prompt in prompts:
+                ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+                gen = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                     eos_token_id=list(stop_ids) or None, pad_token_id=(stop_ids or [0])[0])
+                outs.append(gen[0, len(prompt):].tolist())
+        return outs
+
+    # ------------------------------------------------------------ timing
+    def time_decode(self, prompt, new_tokens, warmup, runs) -> dict | None:
+        """Batch-1 decode ms/token = (t(prompt + n tokens) - t(prompt + 1 token)) / (n - 1), and TTFT = t(1)."""
+        model = self._need()
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+
+        def run(n):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        for _ in range(warmup):
+            run(new_tokens)
+        per_token, ttft = [], []
+        for _ in range(runs):
+            t1 = run(1)
+            tn = run(new_tokens)
+            ttft.append(t1 * 1000)
+            per_token.append((tn - t1) * 1000 / (new_tokens - 1))
+        q = statistics.quantiles(per_token, n=4) if len(per_token) > 1 else [per_token[0]] * 3
+        return {
+            "decode_ms_per_token": statistics.median(per_token), "decode_iqr": [q[0], q[2]],
+            "decode_min_max": [min(per_token), max(per_token)], "ttft_ms": statistics.median(ttft),
+            "ttft_min_max": [min(ttft), max(ttft)], "runs": runs, "warmup": warmup,
+            "prompt_tokens": len(prompt), "new_tokens": new_tokens,
+        }
+
+    def describe(self) -> dict:
+        import transformers
+
+        dev = str(self.device)
+        if self.device.type == "cuda":
+            dev = torch.cuda.get_device_name(self.device)
+        return {"backend": "torch", "engine": f"transformers {transformers.__version__}", "torch": torch.__version__,
+                "device": dev, "dtype": str(self.dtype).replace("torch.", ""), "threads": torch.get_num_threads()}
