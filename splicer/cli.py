@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+from pathlib import Path
 
 from .errors import SplicerError
 
@@ -39,6 +41,50 @@ def _cmd_fixture(args) -> int:
     return 0
 
 
+def _cmd_ablate(args) -> int:
+    from .ablate import AblateSettings, run_ablate
+
+    overrides = {}
+    for item in args.corpus or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SplicerError(f"--corpus {item!r} should be NAME=FILE (a .txt or .jsonl file)")
+        overrides[name] = path
+    settings = AblateSettings(backend=args.backend, device=args.device, time_decode=not args.no_time,
+                              corpus_overrides=overrides, batch_size=args.batch_size, progress=not args.quiet)
+    if args.demo:
+        if args.build or args.base:
+            raise SplicerError("--demo builds its own tiny pair; drop BUILD and BASE, or drop --demo")
+        from .fixtures import FixtureSpec, write_pair
+
+        pair_dir = args.out / "demo-pair"
+        if not (pair_dir / "lowlatency" / "config.json").exists():
+            shutil.rmtree(pair_dir, ignore_errors=True)
+            write_pair(pair_dir, FixtureSpec(), kinds=("lowlatency",))
+        build, base, plan = pair_dir / "lowlatency", pair_dir / "base", args.plan or "demo"
+        if args.device == "auto":
+            settings.device = "cpu"
+    else:
+        if not (args.build and args.base):
+            raise SplicerError("ablate needs BUILD and BASE (or --demo)")
+        build, base, plan = args.build, args.base, args.plan or "where-error-comes-from"
+    results = run_ablate(args.rows, str(build), str(base), args.out, plan, settings)
+    from .table import render_markdown
+
+    print(render_markdown(results))
+    failed = [v["name"] for v in results["variants"] if v.get("status") != "ok"]
+    print(f"\nwrote {args.out / 'results.json'} and {args.out / 'table.md'} in {results.get('elapsed_s', 0):.0f} s"
+          + (f"; failed rows: {', '.join(failed)}" if failed else ""))
+    return 0
+
+
+def _cmd_table(args) -> int:
+    from .table import render
+
+    print(render(args.dir, args.format))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splicer", description="Where does the error of an INT4 checkpoint come from, and what would it cost to restore each part?")
     sub = p.add_subparsers(dest="command", required=True)
@@ -59,6 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace OUT if it exists")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=_cmd_splice)
+
+    s = sub.add_parser("ablate", help="splice, score and time every row of a plan; write DIR/results.json and DIR/table.md")
+    s.add_argument("rows", metavar="ROWS", help="all, or a comma list of row names from the plan (the build row always runs)")
+    s.add_argument("build", metavar="BUILD", nargs="?", help="INT4 build (folder or Hub id)")
+    s.add_argument("base", metavar="BASE", nargs="?", help="its BF16 base (folder or Hub id)")
+    s.add_argument("-o", "--out", required=True, type=Path, metavar="DIR", help="results folder (resumable)")
+    s.add_argument("--plan", help="plan name from ablations/ or a .toml path (default where-error-comes-from; demo with --demo)")
+    s.add_argument("--demo", action="store_true", help="build the tiny synthetic pair and run on CPU, no network")
+    s.add_argument("--backend", default="torch", choices=["torch", "vllm"])
+    s.add_argument("--device", default="auto", help="torch backend: cpu, cuda, cuda:N or auto")
+    s.add_argument("--corpus", action="append", metavar="NAME=FILE", help="replace a plan corpus with a local .txt/.jsonl file")
+    s.add_argument("--batch-size", type=int, default=4)
+    s.add_argument("--no-time", action="store_true", help="skip decode timing")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    s.set_defaults(func=_cmd_ablate)
+
+    s = sub.add_parser("table", help="print the table of an ablate results folder")
+    s.add_argument("dir", metavar="DIR", type=Path)
+    s.add_argument("--format", default="markdown", choices=["markdown", "csv", "json"])
+    s.set_defaults(func=_cmd_table)
 
     s = sub.add_parser("fixture", help="write a tiny synthetic qwen3_5_moe base and INT4 builds (tests, demo, GPU checks)")
     s.add_argument("out", metavar="DIR")

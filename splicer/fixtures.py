@@ -130,6 +130,16 @@ def _init(name: str, shape, gen: torch.Generator) -> torch.Tensor:
         if len(shape) > 2 and not QWEN3_5_MOE.fused_expert_parts(name):
             fan_in = math.prod(shape[1:])
         t = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")):
+            # Blocks that write into the residual stream write small updates, as in a trained
+            # model; with full-size random updates the net is chaotic and any rounding flips it.
+            t = t * 0.25
+        if name.endswith("mlp.gate.weight"):
+            t = t * 4  # decisive routing: near-ties between experts would flip on any rounding
+        if name == "lm_head.weight":
+            # Logits of std ~4 instead of ~1: next-token distributions peaked like a trained model's
+            # (most mass in the top 20), so top-20 KL and dNLL mean what they mean on real models.
+            t = t * 4
     return t.to(torch.bfloat16)
 
 
@@ -168,12 +178,15 @@ CHAT_TEMPLATE = (
 )
 
 
-def _write_side_files(out: Path) -> None:
-    """Files a splice must copy verbatim (tokenizer and templates come with the demo tokenizer)."""
+def _write_side_files(out: Path, vocab_size: int) -> None:
+    """Files a splice must copy verbatim: tokenizer, chat template, generation config, model card."""
+    from .demo_tokenizer import SPECIAL, write_tokenizer
+
+    write_tokenizer(out, vocab_size, CHAT_TEMPLATE)
+    eos = [SPECIAL.index("<|im_end|>"), SPECIAL.index("<|endoftext|>")]
     (out / "generation_config.json").write_text(
-        json.dumps({"do_sample": False, "eos_token_id": [1, 2], "transformers_version": "5.17.0"}, indent=2) + "\n"
+        json.dumps({"do_sample": False, "eos_token_id": eos, "transformers_version": "5.17.0"}, indent=2) + "\n"
     )
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE + "\n")
     (out / "README.md").write_text("Synthetic qwen3_5_moe checkpoint made by splicer.fixtures; random weights.\n")
 
 
@@ -188,8 +201,9 @@ def write_base(out: Path, spec: FixtureSpec | None = None) -> Path:
         by_shard.setdefault(_shard_key(name, n_layers), {})[name] = _init(name, shape, gen)
     config = cfg.to_dict()
     config["dtype"] = "bfloat16"
+    config["text_config"]["eos_token_id"] = 2  # <|im_end|> of the demo tokenizer
     _write_sharded(Path(out), by_shard, config)
-    _write_side_files(Path(out))
+    _write_side_files(Path(out), cfg.text_config.vocab_size)
     (Path(out) / "fixture.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
     return Path(out)
 

@@ -70,7 +70,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         "classes": classes,
         "total_bytes_on_disk": sum(r["bytes_on_disk"] for r in classes.values()),
         "total_bytes_per_decode_step": sum(r["bytes_per_decode_step"] for r in classes.values()),
-        "lint": {"issues": report.issues, "dead_ignore": report.dead_ignore},
+        "lint": {"issues": report.issues, "dead_ignore": report.dead_ignore, "notes": report.notes},
         "header_digest": ckpt.header_digest(),
     }
 
@@ -96,4 +96,6 @@ def format_report(info: dict) -> str:
     else:
         out.append(f"lint: {len(issues)} problem(s)")
         out.append(tabulate([[i["check"], i["naming"], i["detail"]] for i in issues], headers=["check", "naming", "detail"], tablefmt="github"))
+    for note in info["lint"].get("notes", []):
+        out.append(f"note: {note}")
     return "\n".join(out)

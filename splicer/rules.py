@@ -14,13 +14,21 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from compressed_tensors.utils.match import match_name
 
 from .arch import Architecture
 from .errors import SplicerError
 from .modules import Module
 
 CLASS_TARGET_HF = "Linear"  # the class target compressed-tensors exporters write
+
+
+def match_name(name: str, target: str) -> bool:
+    """compressed-tensors' `utils.match.match_name` for module names: `re:` patterns are re.match'ed,
+    anything else must be equal. Mirrored (and checked against the library in the tests) because
+    importing compressed-tensors costs ~3 s, which would dominate `splice` on small checkpoints."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
 
 
 @dataclass
@@ -37,6 +45,7 @@ class Report:
     vllm: dict[str, Reading] = field(default_factory=dict)
     issues: list[dict] = field(default_factory=list)  # {check, naming, detail}
     dead_ignore: dict[str, list[str]] = field(default_factory=dict)  # naming -> entries
+    notes: list[str] = field(default_factory=list)  # not wrong for vLLM or transformers, but worth knowing
 
     def add(self, check: str, naming: str, detail: str) -> None:
         self.issues.append({"check": check, "naming": naming, "detail": detail})
@@ -180,6 +189,16 @@ def check(modules: dict[str, Module], qc: dict | None, arch: Architecture) -> Re
     dead_both = [e for e in report.dead_ignore["hf"] if e in report.dead_ignore["vllm"]]
     if dead_both:
         report.add("dead-ignore", "hf+vllm", f"{len(dead_both)} ignore entries match no module, e.g. {dead_both[0]!r}")
+    # compressed-tensors' model-free dequantizer (entrypoints/convert, CompressedTensorsDequantizer.process)
+    # takes the first group in file order whose targets match, class targets included; with `Linear`
+    # listed before `re:.*lm_head$` (seed 000's layout) it reads the INT8 head as INT4.
+    for n, r in report.hf.items():
+        if not (r.group and modules[n].quantized):
+            continue
+        first = next((g for g, ts in _groups(qc) if any(match_name(n, t) or t == CLASS_TARGET_HF for t in ts)), None)
+        if first != r.group:
+            report.notes.append(f"{n}: loaders use {r.group}, but compressed-tensors' model-free dequantizer takes {first} "
+                                f"(first group in file order); put {r.group} first for model-free tools")
     # Group bits/group size against the tensors.
     groups = qc.get("config_groups") or {}
     for n, r in report.hf.items():

@@ -122,3 +122,18 @@ def test_huge_header_length_refused_before_reading(tmp_path):
     p.write_bytes(struct.pack("<Q", 1 << 50) + b"{}")
     with pytest.raises(SplicerError, match="header length"):
         read_header(p)
+
+
+def test_match_name_mirrors_compressed_tensors():
+    from compressed_tensors.utils.match import match_name as ct_match_name
+
+    from splicer.rules import match_name
+
+    names = ["lm_head", "model.language_model.layers.0.linear_attn.in_proj_qkv", "mtp.layers.0.mlp.experts.3.up_proj",
+             "model.visual.blocks.0.attn.qkv", "language_model.model.layers.3.self_attn.q_proj"]
+    targets = ["lm_head", "re:.*lm_head$", "Linear", r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$", "re:.*visual.*",
+               "model.language_model.layers.0.linear_attn.in_proj_qkv", r"re:(model\.language_model|language_model\.model)\.layers\.\d+\.self_attn\.(q|k|v|o)_proj$",
+               "re:layers", "re:.*layers\\.0\\."]
+    for n in names:
+        for t in targets:
+            assert match_name(n, t) == ct_match_name(n, t), (n, t)

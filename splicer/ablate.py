@@ -1,0 +1,397 @@
+"""`splicer ablate`: splice each row of a plan, score it against the base, time it, write results.json.
+
+Resumable stages under DIR, each reading the previous stage's files:
+  job.json                      inputs (with header digests), plan, backend settings
+  cache/base-<key>/             the base pass: corpora (with the base's chat answers), per-corpus
+                                top-k / target log-probs, and the noise pass (keyed by base digest,
+                                corpora and settings; reused by every variant and every rerun)
+  variants/<row>/               spliced checkpoints (reused while splice.json matches the inputs)
+  scores/<row>/<corpus>.safetensors   per-position records (top1, KL, dlogp) for paired statistics
+  results.json, table.md        rewritten after every finished row
+A rerun skips rows whose results match the current inputs and settings.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .checkpoint import open_checkpoint
+from .corpora import Corpus, build_corpus
+from .errors import SplicerError
+from .metrics import fill_missing, kl_full, kl_top_lumped, paired_difference, summarize
+from .plan import Plan, load_plan
+
+RESULTS = "results.json"
+FULL_VOCAB_CACHE_LIMIT = 1 << 30  # keep the base's full log-softmax only while it fits in 1 GiB
+
+
+@dataclass
+class AblateSettings:
+    backend: str = "torch"
+    device: str = "auto"
+    time_decode: bool = True
+    corpus_overrides: dict[str, str] = field(default_factory=dict)
+    batch_size: int = 4
+    bootstrap: int = 1000
+    progress: bool = True
+
+
+def _atomic_json(path: Path, data) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    os.replace(tmp, path)
+
+
+def _jsonable(o):
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, float) and (o != o):
+        return None
+    raise TypeError(type(o))
+
+
+@contextmanager
+def _lock(out: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    f = open(out / ".lock", "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise SplicerError(f"another splicer ablate is writing to {out}; wait for it to finish or use another -o") from None
+    try:
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
+def _pbar(iterable=None, **kw):
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, **kw)
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
+
+
+def _digest(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- corpora and the base pass
+
+
+def _override_corpora(plan: Plan, overrides: dict[str, str]) -> list[dict]:
+    specs = {c["name"]: dict(c) for c in plan.corpora}
+    for name, path in overrides.items():
+        if name not in specs:
+            raise SplicerError(f"--corpus {name}=...: the plan has no corpus {name!r}; its corpora: {', '.join(specs)}")
+        spec = {k: v for k, v in specs[name].items() if k in ("name", "chunk_tokens", "max_chunks", "field")}
+        specs[name] = dict(spec, kind="text", files=[str(Path(path).resolve())])
+    return list(specs.values())
+
+
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises OSError/ValueError/...: all mean "no usable tokenizer"
+        raise SplicerError(f"cannot load a tokenizer from {folder} ({e.__class__.__name__}); the base needs tokenizer files") from None
+
+
+def _save_scores(path: Path, scores: list, extra: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {
+        "topk_ids": torch.cat([s.topk_ids for s in scores]).contiguous(),
+        "topk_logprobs": torch.cat([s.topk_logprobs for s in scores]).contiguous(),
+        "target_logprobs": torch.cat([s.target_logprobs for s in scores]).contiguous(),
+        "lengths": torch.tensor([len(s.target_logprobs) for s in scores], dtype=torch.int64),
+    }
+    if scores and scores[0].full is not None:
+        tensors["full"] = torch.cat([s.full for s in scores]).contiguous()
+    tensors.update(extra or {})
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, out: Path, base_digest: str) -> tuple[Path, list[Corpus]]:
+    """Tokenize the corpora, generate the base's chat answers, score the base (and a noise pass) once."""
+    specs = _override_corpora(plan, settings.corpus_overrides)
+    key = _digest(base_digest, specs, plan.top_k, backend.name, settings.device, settings.batch_size)
+    cache = out / "cache" / f"base-{key}"
+    done = cache / "done.json"
+    if done.exists():
+        corpora = [Corpus.from_json(c) for c in json.loads((cache / "corpora.json").read_text())]
+        return cache, corpora
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True)
+    tok = _tokenizer(base_root)
+    t0 = time.perf_counter()
+    backend.load(base_root)
+    load_s = time.perf_counter() - t0
+    corpora = [build_corpus(s, tok, backend.max_positions, Path.cwd()) for s in specs]
+    stop = [t for t in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int) and t >= 0]
+    for c in corpora:
+        if c.kind == "chat":
+            answers = backend.generate(c.sequences, int(c.spec.get("answer_tokens", 32)), stop)
+            c.sequences = [p + a for p, a in zip(c.sequences, answers)]
+    vocab = None
+    timings = {"load_s": load_s}
+    for c in corpora:
+        t0 = time.perf_counter()
+        want_full = False
+        if backend.exact_gather:
+            vocab = vocab or _vocab_size(base_root)
+            want_full = c.positions() * vocab * 4 <= FULL_VOCAB_CACHE_LIMIT
+        scores = list(_pbar(backend.score(c.sequences, plan.top_k, want_full=want_full, batch_size=settings.batch_size),
+                            total=len(c.sequences), desc=f"base {c.name}", disable=not settings.progress or None, leave=False))
+        _save_scores(cache / f"{c.name}.safetensors", scores)
+        # Noise floor: the same model on the same tokens, batched and ordered differently.
+        order = list(reversed(range(len(c.sequences))))
+        noise_batch = 1 if settings.batch_size > 1 else 2
+        noise = list(backend.score([c.sequences[i] for i in order], plan.top_k, batch_size=noise_batch,
+                                   gather_ids=[scores[i].topk_ids for i in order] if backend.exact_gather else None, want_full=want_full))
+        noise = [noise[order.index(i)] for i in range(len(order))]
+        _save_scores(cache / f"noise-{c.name}.safetensors", noise,
+                     {"gathered": torch.cat([n.gathered for n in noise])} if backend.exact_gather else None)
+        timings[f"score_{c.name}_s"] = time.perf_counter() - t0
+    backend.unload()
+    (cache / "corpora.json").write_text(json.dumps([c.to_json() for c in corpora]))
+    _atomic_json(done, {"timings": timings, "backend": backend.describe()})
+    return cache, corpora
+
+
+def _vocab_size(folder: Path) -> int:
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return int(cfg.get("text_config", cfg)["vocab_size"])
+
+
+# ---------------------------------------------------------------- per-position records
+
+
+def position_records(base: dict, var: dict, corpus: Corpus, gathered: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    lengths = base["lengths"]
+    seq_index = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    if gathered is None:
+        gathered = fill_missing(base["topk_ids"], var["topk_ids"], var["topk_logprobs"])
+    rec = {
+        "seq_index": seq_index.int(),
+        "top1": (base["topk_ids"][:, 0] == var["topk_ids"][:, 0]),
+        "kl_top": kl_top_lumped(base["topk_logprobs"], gathered),
+        "tail": (1 - base["topk_logprobs"].double().exp().sum(-1)).clamp_min(0).float(),
+        "dlogp": base["target_logprobs"] - var["target_logprobs"],
+    }
+    if "full" in base and "full" in var:
+        rec["kl_full"] = kl_full(base["full"], var["full"])
+    if corpus.prompt_lens is not None:
+        mask = torch.zeros(int(lengths.sum()), dtype=torch.bool)
+        start = 0
+        for n, p in zip(lengths.tolist(), corpus.prompt_lens):
+            # position t predicts token t+1: answer tokens sit at p .. len-1, predicted from p-1 .. len-2
+            mask[start + p - 1:start + n] = True
+            start += n
+        rec["answer_mask"] = mask
+    return rec
+
+
+def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], plan: Plan, settings: AblateSettings,
+                  score_dir: Path) -> tuple[dict, dict]:
+    from safetensors.torch import save_file
+
+    metrics, timings = {}, {}
+    t0 = time.perf_counter()
+    backend.load(folder)
+    timings["load_s"] = time.perf_counter() - t0
+    score_dir.mkdir(parents=True, exist_ok=True)
+    for c in corpora:
+        t0 = time.perf_counter()
+        base = _load_tensors(cache / f"{c.name}.safetensors")
+        offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), base["lengths"]]), 0)
+        gather = [base["topk_ids"][offsets[i]:offsets[i + 1]] for i in range(len(c.sequences))] if backend.exact_gather else None
+        scores = list(_pbar(backend.score(c.sequences, plan.top_k, gather_ids=gather, want_full="full" in base, batch_size=settings.batch_size),
+                            total=len(c.sequences), desc=f"  {folder.name} {c.name}", disable=not settings.progress or None, leave=False))
+        var = {
+            "topk_ids": torch.cat([s.topk_ids for s in scores]), "topk_logprobs": torch.cat([s.topk_logprobs for s in scores]),
+            "target_logprobs": torch.cat([s.target_logprobs for s in scores]),
+        }
+        if "full" in base:
+            var["full"] = torch.cat([s.full for s in scores])
+        gathered = torch.cat([s.gathered for s in scores]) if backend.exact_gather else None
+        rec = position_records(base, var, c, gathered)
+        save_file({k: v.contiguous() for k, v in rec.items()}, str(score_dir / f"{c.name}.safetensors"))
+        metrics[c.name] = summarize(rec, settings.bootstrap)
+        timings[f"score_{c.name}_s"] = time.perf_counter() - t0
+        timings[f"positions_per_s_{c.name}"] = c.positions() / max(timings[f"score_{c.name}_s"], 1e-9)
+    return metrics, timings
+
+
+def noise_floor(cache: Path, corpora: list[Corpus], bootstrap: int) -> dict:
+    out = {}
+    for c in corpora:
+        base = _load_tensors(cache / f"{c.name}.safetensors")
+        noise = _load_tensors(cache / f"noise-{c.name}.safetensors")
+        rec = position_records(base, noise, c, noise.get("gathered"))
+        out[c.name] = summarize(rec, bootstrap)
+    return out
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def _timing_prompt(corpora: list[Corpus], n: int) -> list[int]:
+    """A fixed prompt of n tokens: the first chat prompt (persona + history), repeated as needed."""
+    src = next((c.sequences[0][: c.prompt_lens[0]] for c in corpora if c.prompt_lens), corpora[0].sequences[0])
+    return (src * (n // max(len(src), 1) + 1))[:n]
+
+
+def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_name: str, settings: AblateSettings) -> dict:
+    from .backends import make_backend
+    from .splice import splice
+
+    out = Path(out)
+    build = open_checkpoint(build_src, "build")
+    from .modules import list_modules
+    from .splice import validate_build
+
+    validate_build(build)
+    modules = list_modules(build)
+    quantized = [c for c in build.arch.classes if any(m.quantized and m.cls == c for m in modules.values())]
+    plan = load_plan(plan_name, build.arch.classes)
+    rows = plan.rows
+    if rows_spec != "all":
+        wanted = [r.strip() for r in rows_spec.split(",") if r.strip()]
+        names = {r.name for r in rows}
+        bad = [w for w in wanted if w not in names]
+        if bad or not wanted:
+            raise SplicerError(f"row {bad[0] if bad else '(none)'!r} is not in plan {plan.name}; its rows: {', '.join(r.name for r in rows)}")
+        rows = [r for r in rows if r.name == "build" or r.name in wanted]
+    with _lock(out):
+        base = open_checkpoint(base_src, "base")
+        base_digest = base.header_digest()
+        base_root = base.root
+        job = {"tool": f"splicer {__version__}", "plan": plan.name, "plan_digest": plan.digest,
+               "build": {"source": str(build_src), "header_digest": build.header_digest()},
+               "base": {"source": str(base_src), "digest": base_digest},
+               "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
+                            "time_decode": settings.time_decode, "corpus_overrides": settings.corpus_overrides}}
+        results_path = out / RESULTS
+        previous = json.loads(results_path.read_text()) if results_path.exists() else None
+        if previous and previous.get("job", {}).get("build") != job["build"]:
+            shutil.rmtree(out / "variants", ignore_errors=True)  # a different build: its splices are stale
+        same_job = previous is not None and previous.get("job") == job
+        _atomic_json(out / "job.json", job)
+        backend = make_backend(settings.backend, settings.device)
+        t_start = time.perf_counter()
+        cache, corpora = base_pass(backend, base_root, plan, settings, out, base_digest)
+        results = {
+            "schema": 1, "job": job, "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
+            "backend": None, "engine_version": None, "device": None,
+            "inputs": {"build": job["build"], "base": job["base"]},
+            "corpora": {c.name: {"kind": c.kind, "sequences": len(c.sequences), "positions": c.positions(),
+                                 "answer_tokens": (sum(len(s) - p for s, p in zip(c.sequences, c.prompt_lens)) if c.prompt_lens else None)}
+                        for c in corpora},
+            "quantized_classes": quantized, "noise_floor": noise_floor(cache, corpora, settings.bootstrap),
+            "timing_settings": plan.timing if settings.time_decode else None,
+            "variants": [], "skipped": [],
+        }
+        done = {v["name"]: v for v in (previous or {}).get("variants", []) if same_job and v.get("status") == "ok"}
+        seen_sets: dict[tuple, str] = {}
+        todo = []
+        for row in rows:
+            restored = row.restored(quantized)
+            if restored is not None and row.restore and not restored:
+                results["skipped"].append({"name": row.name, "reason": f"{', '.join(row.restore)} not quantized in this build"})
+                continue
+            key = ("BASE",) if restored is None else tuple(restored)
+            if restored is not None and set(restored) == set(quantized):
+                key = ("BASE",)  # restoring every quantized class gives the base's tensors
+            if key in seen_sets:
+                results["skipped"].append({"name": row.name, "reason": f"same variant as {seen_sets[key]}"})
+                continue
+            seen_sets[key] = row.name
+            todo.append((row, restored))
+        for row, restored in _pbar(todo, desc="ablate", disable=not settings.progress or None):
+            if row.name in done:
+                results["variants"].append(done[row.name])
+                continue
+            entry = {"name": row.name, "restored": restored if restored is not None else "base",
+                     "status": "running", "elapsed": {}}
+            try:
+                t0 = time.perf_counter()
+                if restored is None:
+                    folder = base_root
+                elif not restored:
+                    folder = build.root
+                else:
+                    folder = out / "variants" / row.name
+                    folder.parent.mkdir(parents=True, exist_ok=True)
+                    if not _splice_is_current(folder, build, restored):
+                        splice(str(build_src), str(base_src), folder, ",".join(restored), force=True, progress=False)
+                entry["elapsed"]["splice_s"] = time.perf_counter() - t0
+                entry["size_bytes"] = _folder_bytes(folder)
+                metrics, timings = score_variant(backend, folder, cache, corpora, plan, settings, out / "scores" / row.name)
+                entry["metrics"] = metrics
+                entry["elapsed"].update(timings)
+                entry["timing"] = None
+                if settings.time_decode and plan.timing:
+                    t0 = time.perf_counter()
+                    entry["timing"] = backend.time_decode(_timing_prompt(corpora, int(plan.timing["prompt_tokens"])),
+                                                          int(plan.timing["new_tokens"]), int(plan.timing["warmup"]), int(plan.timing["runs"]))
+                    entry["elapsed"]["time_s"] = time.perf_counter() - t0
+                entry["decode_ms_per_token"] = (entry["timing"] or {}).get("decode_ms_per_token")
+                entry["status"] = "ok"
+            except SplicerError as e:
+                entry.update(status="error", error=str(e))
+            except Exception as e:  # one variant's failure (engine error, OOM) must not end the plan
+                entry.update(status="error", error=f"{e.__class__.__name__}: {e}", traceback=traceback.format_exc(limit=3))
+            finally:
+                backend.unload()
+            results["variants"].append(entry)
+            _finish(results, out, backend)
+        results["elapsed_s"] = time.perf_counter() - t_start
+        _finish(results, out, backend)
+        return results
+
+
+def _splice_is_current(folder: Path, build, restored: list[str]) -> bool:
+    record = folder / "splice.json"
+    if not record.exists():
+        return False
+    r = json.loads(record.read_text())
+    return r.get("build", {}).get("header_digest") == build.header_digest() and r.get("restored_classes") == restored
+
+
+def _finish(results: dict, out: Path, backend) -> None:
+    from .table import paired_vs_build, render_markdown
+
+    info = backend.describe()
+    results["backend"] = info.get("backend")
+    results["engine_version"] = info.get("engine")
+    results["device"] = info.get("device")
+    results["backend_info"] = info
+    paired_vs_build(results, out)
+    _atomic_json(out / RESULTS, results)
+    (out / "table.md").write_text(render_markdown(results) + "\n")

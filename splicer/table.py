@@ -1,0 +1,138 @@
+"""`splicer table`: results.json -> the "where the error comes from" table (Markdown, CSV or JSON)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+from .errors import SplicerError
+
+
+def _load_scores(out: Path, row: str, corpus: str):
+    from safetensors.torch import load_file
+
+    p = out / "scores" / row / f"{corpus}.safetensors"
+    return load_file(str(p)) if p.exists() else None
+
+
+def paired_vs_build(results: dict, out: Path) -> None:
+    """Paired differences of every variant against the build on the same positions, and the noise mark."""
+    from .metrics import paired_difference
+
+    ok = {v["name"]: v for v in results["variants"] if v.get("status") == "ok"}
+    if "build" not in ok:
+        return
+    for name, v in ok.items():
+        v["paired_vs_build"], v["within_noise"] = {}, {}
+        if name == "build":
+            continue
+        for corpus in v["metrics"]:
+            a, b = _load_scores(out, name, corpus), _load_scores(out, "build", corpus)
+            if a is None or b is None:
+                continue
+            dkl = paired_difference(a["kl_top"], b["kl_top"], a["seq_index"])
+            dtop1 = paired_difference(a["top1"].float(), b["top1"].float(), a["seq_index"])
+            v["paired_vs_build"][corpus] = {"dkl": dkl, "dtop1": dtop1}
+            noise = results.get("noise_floor", {}).get(corpus)
+            if noise:
+                v["within_noise"][corpus] = abs(dkl["mean"]) <= noise["kl"] and abs(dtop1["mean"]) <= 1 - noise["top1"]
+
+
+def _mean_kl(v: dict) -> float | None:
+    vals = [m["kl"] for m in v.get("metrics", {}).values() if m.get("kl") is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
+    corpora = list(results.get("corpora", {}))
+    variants = results["variants"]
+    build = next((v for v in variants if v["name"] == "build" and v.get("status") == "ok"), None)
+    build_kl = _mean_kl(build) if build else None
+    build_ms = build.get("decode_ms_per_token") if build else None
+    headers = ["variant", "restored to BF16", "size GB"]
+    for c in corpora:
+        headers += [f"top-1 {c}", f"KL {c}"]
+    has_dnll = any((m or {}).get("dnll") is not None for v in variants for m in (v.get("metrics") or {}).values())
+    if has_dnll:
+        headers.append("dNLL")
+    headers += ["decode ms/tok", "Δ decode", "ΔKL vs build"]
+    rows = []
+    for v in variants:
+        restored = v["restored"] if isinstance(v["restored"], str) else (", ".join(v["restored"]) or "none (the build)")
+        if v.get("status") != "ok":
+            rows.append([v["name"], restored, "", *[""] * (2 * len(corpora)), *([""] if has_dnll else []), "", "", f"failed: {v.get('error', '')[:80]}"])
+            continue
+        noisy = all(v.get("within_noise", {}).values()) and v.get("within_noise")
+        row = [v["name"] + (" ≈" if noisy else ""), restored, f"{v['size_bytes'] / 1e9:.3f}"]
+        for c in corpora:
+            m = v["metrics"].get(c, {})
+            row += [f"{100 * m['top1']:.1f} %", f"{m['kl']:.4f}"]
+        if has_dnll:
+            d = next((m["dnll"] for m in v["metrics"].values() if m.get("dnll") is not None), None)
+            row.append(f"{d:+.4f}" if d is not None else "")
+        ms = v.get("decode_ms_per_token")
+        row.append(f"{ms:.2f}" if ms is not None else "-")
+        row.append(f"{100 * (ms / build_ms - 1):+.1f} %" if ms is not None and build_ms and v["name"] != "build" else "")
+        kl = _mean_kl(v)
+        row.append(f"{100 * (kl / build_kl - 1):+.1f} %" if kl is not None and build_kl and v["name"] != "build" else "")
+        rows.append(row)
+    notes = _footnotes(results, build_kl)
+    return headers, rows, notes
+
+
+def _footnotes(results: dict, build_kl: float | None) -> list[str]:
+    notes = []
+    nf = results.get("noise_floor") or {}
+    if nf:
+        parts = [f"{c}: top-1 {100 * m['top1']:.1f} %, KL {m['kl']:.4f}" for c, m in nf.items()]
+        notes.append("Noise floor (the base against itself, batched and ordered differently): " + "; ".join(parts)
+                     + ". Rows marked ≈ differ from the build by less than that on every corpus.")
+    ok = {v["name"]: v for v in results["variants"] if v.get("status") == "ok" and isinstance(v["restored"], list)}
+    singles = {v["restored"][0]: v for v in ok.values() if len(v["restored"]) == 1}
+    union = set(singles)
+    together = next((v for v in ok.values() if set(v["restored"]) == union and len(union) > 1), None)
+    if build_kl and together and singles:
+        red_all = build_kl - _mean_kl(together)
+        red_sum = sum(build_kl - _mean_kl(v) for v in singles.values())
+        if red_all:
+            notes.append(f"Additivity: the single-class KL reductions ({', '.join(sorted(singles))}) add up to "
+                         f"{red_sum / red_all:.2f}× the reduction of restoring them together ({together['name']}); 1.00 = additive.")
+    for s in results.get("skipped", []):
+        notes.append(f"Row {s['name']} skipped: {s['reason']}.")
+    b = results.get("backend_info") or {}
+    notes.append(f"Backend {results.get('backend')} ({results.get('engine_version')}, {results.get('device')}); KL = KL(base ‖ variant) over the "
+                 "base's top-20 with the rest lumped (a lower bound); dNLL = extra nats per token on the base's greedy chat answers; "
+                 f"decode = batch-1 ms/token{' on ' + b['device'] if b.get('device') else ''}.")
+    return notes
+
+
+def render_markdown(results: dict) -> str:
+    from tabulate import tabulate
+
+    headers, rows, notes = _rows(results)
+    text = tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+    return text + "\n\n" + "\n".join(f"- {n}" for n in notes)
+
+
+def render(out_dir: Path, fmt: str = "markdown") -> str:
+    path = Path(out_dir) / "results.json"
+    if not path.exists():
+        raise SplicerError(f"{path} does not exist; run splicer ablate with -o {out_dir} first")
+    try:
+        results = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise SplicerError(f"{path} is not valid JSON; rerun splicer ablate to rewrite it") from None
+    if fmt == "markdown":
+        return render_markdown(results)
+    headers, rows, _ = _rows(results)
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(headers)
+        w.writerows(rows)
+        return buf.getvalue()
+    if fmt == "json":
+        return json.dumps([dict(zip(headers, r)) for r in rows], indent=2, ensure_ascii=False)
+    raise SplicerError(f"unknown --format {fmt!r}; use markdown, csv or json")
