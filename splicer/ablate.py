@@ -30,7 +30,7 @@ from . import __version__
 from .checkpoint import open_checkpoint
 from .corpora import Corpus, build_corpus
 from .errors import SplicerError
-from .metrics import fill_missing, kl_full, kl_top_lumped, paired_difference, summarize
+from .metrics import fill_missing, kl_full, kl_top_lumped, summarize
 from .plan import Plan, load_plan
 
 RESULTS = "results.json"
@@ -325,9 +325,9 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             if restored is not None and row.restore and not restored:
                 results["skipped"].append({"name": row.name, "reason": f"{', '.join(row.restore)} not quantized in this build"})
                 continue
-            key = ("BASE",) if restored is None else tuple(restored)
-            if restored is not None and set(restored) == set(quantized):
-                key = ("BASE",)  # restoring every quantized class gives the base's tensors
+            # Restoring every quantized class is kept as its own row: it must reproduce the base
+            # exactly, which checks the splice and the scoring end to end.
+            key = ("BASE",) if restored is None else tuple(sorted(restored))
             if key in seen_sets:
                 results["skipped"].append({"name": row.name, "reason": f"same variant as {seen_sets[key]}"})
                 continue

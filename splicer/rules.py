@@ -62,6 +62,18 @@ def validate_regexes(qc: dict, label: str) -> None:
                 raise SplicerError(f"{label}: quantization_config entry {entry!r} is not a valid regex ({e}); fix config.json") from None
 
 
+class Entries:
+    """A list of ignore/target entries, compiled once: exact names in a set, `re:` patterns compiled."""
+
+    def __init__(self, entries):
+        self.entries = list(entries)
+        self.exact = {e for e in self.entries if not e.startswith("re:")}
+        self.compiled = [(e, re.compile(e[3:])) for e in self.entries if e.startswith("re:")]
+
+    def match(self, name: str) -> bool:
+        return name in self.exact or any(p.match(name) for _, p in self.compiled)
+
+
 def _eq_or_re(value: str, entry: str, contains: bool = False) -> bool:
     if entry.startswith("re:"):
         return re.match(entry[3:], value) is not None
@@ -74,36 +86,61 @@ def _groups(qc: dict) -> list[tuple[str, list[str]]]:
     return [(name, list(g.get("targets") or [])) for name, g in (qc.get("config_groups") or {}).items()]
 
 
-def hf_reading(module: Module, qc: dict, arch: Architecture) -> Reading:
-    """compressed-tensors' view (HF names; first matching group wins; `Linear` = any linear weight)."""
-    if any(match_name(module.name, e) for e in qc.get("ignore") or []):
-        return Reading(None)
-    # compressed-tensors' match_targets order: exact names, then regexes, then class names.
-    pairs = [(g, t) for g, ts in _groups(qc) for t in ts]
-    for g, t in sorted(pairs, key=lambda p: p[1].startswith("re:")):
-        if match_name(module.name, t):
-            return Reading(g)
-    if not arch.is_embedding(module.name):
-        for g, t in pairs:
-            if t == CLASS_TARGET_HF:
+class HfReader:
+    """compressed-tensors' view (HF names). Its match_targets order: exact names, then regexes,
+    then class names; the first target in that order decides the group; ignore wins over all."""
+
+    def __init__(self, qc: dict, arch: Architecture):
+        self.arch = arch
+        self.ignore = Entries(qc.get("ignore") or [])
+        # apply_quantization_config keys schemes by target string (a later group wins a shared
+        # target), and match_targets sorts targets as sorted(key=("re:" in t, t)).
+        target_to_group = {t: g for g, ts in _groups(qc) for t in ts}
+        self.exact = {t: g for t, g in target_to_group.items() if not t.startswith("re:")}
+        self.regex = [(g, re.compile(t[3:])) for t, g in sorted(target_to_group.items()) if t.startswith("re:")]
+        self.class_group = target_to_group.get(CLASS_TARGET_HF)
+
+    def reading(self, module: Module) -> Reading:
+        name = module.name
+        if self.ignore.match(name):
+            return Reading(None)
+        if name in self.exact:
+            return Reading(self.exact[name])
+        for g, p in self.regex:
+            if p.match(name):
                 return Reading(g)
-    return Reading(None)
+        if self.class_group and not self.arch.is_embedding(name):
+            return Reading(self.class_group)
+        return Reading(None)
+
+
+def hf_reading(module: Module, qc: dict, arch: Architecture) -> Reading:
+    return HfReader(qc, arch).reading(module)
 
 
 class VllmReader:
     def __init__(self, qc: dict, arch: Architecture):
         self.arch = arch
-        self.ignore = [arch.vllm_rename_entry(e) for e in qc.get("ignore") or []]
+        self.ignore_list = [arch.vllm_rename_entry(e) for e in qc.get("ignore") or []]
+        self.ignore = Entries(self.ignore_list)
         self.targets = [(g, arch.vllm_rename_entry(t)) for g, ts in _groups(qc) for t in ts]
+        self.name_targets = [(g, t, re.compile(t[3:]) if t.startswith("re:") else None) for g, t in self.targets]
         self.tested: set[str] = set()  # every name vLLM tests against ignore (for dead entries)
+        self._moe_cache: dict[str, Reading] = {}
 
     def _ignored(self, name: str) -> bool:
         self.tested.add(name)
-        return any(_eq_or_re(name, e) for e in self.ignore)
+        return self.ignore.match(name)
+
+    def _name_target(self, name: str) -> str | None:
+        for g, t, p in self.name_targets:
+            if (p.match(name) if p is not None else t == name):
+                return g
+        return None
 
     def _should_ignore_layer(self, layer, shards: list[str]) -> bool:
         self.tested.add(layer.name)
-        if len(shards) > 1 and layer.name not in self.ignore:
+        if len(shards) > 1 and layer.name not in self.ignore.exact:
             states = {s: self._ignored(s) for s in shards}
             if len(set(states.values())) > 1:
                 raise ValueError(
@@ -111,17 +148,17 @@ class VllmReader:
                     + ", ".join(f"{s.rsplit('.', 1)[-1]} {'ignored' if v else 'quantized'}" for s, v in states.items())
                 )
             return next(iter(states.values()))
-        return self._ignored(shards[0]) or layer.name in self.ignore
+        return self._ignored(shards[0]) or layer.name in self.ignore.exact
 
     def _match_target(self, name: str, class_names: tuple[str, ...], shards: list[str]) -> str | None:
-        for g, t in self.targets:
-            if _eq_or_re(name, t):
-                return g
+        g = self._name_target(name)
+        if g:
+            return g
         for g, t in self.targets:
             if any(_eq_or_re(c, t, contains=True) for c in class_names):
                 return g
         if len(shards) > 1:  # all fused shards must match some target
-            hits = [next((g for g, t in self.targets if _eq_or_re(s, t)), None) for s in shards]
+            hits = [self._name_target(s) for s in shards]
             if all(hits):
                 return hits[0]
         return None
@@ -130,6 +167,8 @@ class VllmReader:
         layer = self.arch.vllm_layer(module.name)
         if layer.kind in ("unquantized", "embedding"):
             return Reading(None)
+        if layer.kind == "moe" and layer.name in self._moe_cache:
+            return self._moe_cache[layer.name]  # vLLM reads every expert of a layer from expert 0
         shards = self.arch.vllm_shards_of(layer)
         try:
             if layer.kind == "moe":
@@ -138,22 +177,26 @@ class VllmReader:
                     per_proj.append(None if self._ignored(s) else self._match_target(s, layer.class_names, [s]))
                 if len(set(per_proj)) > 1:
                     raise ValueError(f"All MoE projections need to have same quantization scheme ({layer.name}: expert 0 gate/up/down read as {per_proj})")
-                return Reading(per_proj[0])
-            if self._should_ignore_layer(layer, shards):
-                return Reading(None)
-            return Reading(self._match_target(layer.name, layer.class_names, shards))
+                reading = Reading(per_proj[0])
+            elif self._should_ignore_layer(layer, shards):
+                reading = Reading(None)
+            else:
+                reading = Reading(self._match_target(layer.name, layer.class_names, shards))
         except ValueError as e:
-            return Reading(None, error=str(e))
+            reading = Reading(None, error=str(e))
+        if layer.kind == "moe":
+            self._moe_cache[layer.name] = reading
+        return reading
 
 
 def check(modules: dict[str, Module], qc: dict | None, arch: Architecture) -> Report:
     """Lint a checkpoint's config against its tensors, under HF and vLLM naming."""
     report = Report()
     qc = qc or {}
-    vr = VllmReader(qc, arch)
+    vr, hr = VllmReader(qc, arch), HfReader(qc, arch)
     for name in sorted(modules):
         m = modules[name]
-        report.hf[name] = hf_reading(m, qc, arch)
+        report.hf[name] = hr.reading(m)
         report.vllm[name] = vr.reading(m)
     for naming, readings in (("hf", report.hf), ("vllm", report.vllm)):
         errors = sorted({r.error for r in readings.values() if r.error})
@@ -178,12 +221,20 @@ def check(modules: dict[str, Module], qc: dict | None, arch: Architecture) -> Re
             q = sorted(m.name.rsplit(".", 1)[-1] for m in ms if m.quantized)
             report.add("fused-shards-disagree", "disk", f"{unit}: {len([m for m in ms if m.quantized])} of {len(ms)} shards packed ({', '.join(q[:3])}...) with {sorted(kinds, key=str)}")
     # Ignore entries that match no Linear module.
-    hf_names = list(modules)
-    report.dead_ignore["hf"] = [e for e in qc.get("ignore") or [] if not any(match_name(n, e) for n in hf_names)]
-    report.dead_ignore["vllm"] = [
-        e for e in qc.get("ignore") or []
-        if not any(_eq_or_re(n, arch.vllm_rename_entry(e)) for n in vr.tested)
-    ]
+    def dead(entries: list[str], names) -> list[str]:
+        out = []
+        for raw, e in entries:
+            if e.startswith("re:"):
+                p = re.compile(e[3:])
+                if not any(p.match(n) for n in names):
+                    out.append(raw)
+            elif e not in names:
+                out.append(raw)
+        return out
+
+    ignore = qc.get("ignore") or []
+    report.dead_ignore["hf"] = dead([(e, e) for e in ignore], set(modules))
+    report.dead_ignore["vllm"] = dead([(e, arch.vllm_rename_entry(e)) for e in ignore], vr.tested)
     # An entry only vLLM skips (e.g. mlp.gate, which vLLM never quantizes) is still needed
     # by compressed-tensors; one that neither reader uses is dead weight (seed 000 shipped 60).
     dead_both = [e for e in report.dead_ignore["hf"] if e in report.dead_ignore["vllm"]]

@@ -108,14 +108,15 @@ class TorchBackend:
         order, which reads seed 000's INT8 head with the INT4 `Linear` group."""
         from ..modules import list_modules
         from ..quantize import scheme_from_group
-        from ..rules import hf_reading
+        from ..rules import HfReader
 
         qc = ckpt.quantization_config
+        reader = HfReader(qc, ckpt.arch)
         out = {}
         for name, m in list_modules(ckpt).items():
             if not m.quantized:
                 continue
-            group = hf_reading(m, qc, ckpt.arch).group
+            group = reader.reading(m).group
             if group is None:
                 raise SplicerError(f"{ckpt.label}: {name} is stored packed but quantization_config does not target it; fix the config (see splicer inspect)")
             scheme = scheme_from_group(qc["config_groups"][group])

@@ -1,0 +1,169 @@
+"""`ablate` end to end on the torch reference backend (CPU): results, exactness, resumption, failures, lock, table."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from pathlib import Path
+
+import pytest
+
+from splicer.ablate import AblateSettings, run_ablate
+from splicer.backends.torch_ref import TorchBackend
+from splicer.cli import main
+from splicer.errors import SplicerError
+
+PLAN = """
+name = "tiny"
+top_k = 20
+[[corpus]]
+name = "wiki-en"
+kind = "builtin"
+text = "wiki-en"
+chunk_tokens = 64
+max_chunks = 3
+[[corpus]]
+name = "chat"
+kind = "chat"
+conversations = 3
+answer_tokens = 8
+[timing]
+prompt_tokens = 32
+new_tokens = 4
+warmup = 0
+runs = 2
+[[row]]
+name = "build"
+restore = []
+[[row]]
+name = "gdn"
+restore = ["gdn"]
+[[row]]
+name = "lm_head"
+restore = ["lm_head"]
+[[row]]
+name = "all"
+keep = []
+[[row]]
+name = "base"
+base = true
+"""
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("plan") / "tiny.toml"
+    p.write_text(PLAN)
+    return p
+
+
+def _settings(**kw):
+    return AblateSettings(device="cpu", progress=False, bootstrap=100, **kw)
+
+
+@pytest.fixture(scope="module")
+def finished(pairs, plan_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ablate")
+    p = pairs["fused"]
+    results = run_ablate("all", str(p["lowlatency"]), str(p["base"]), out, str(plan_file), _settings())
+    return out, results
+
+
+def test_results_file(finished):
+    out, results = finished
+    on_disk = json.loads((out / "results.json").read_text())
+    assert [v["name"] for v in on_disk["variants"]] == ["build", "gdn", "lm_head", "all", "base"]
+    assert all(v["status"] == "ok" for v in on_disk["variants"])
+    for key in ("noise_floor", "backend", "engine_version", "device", "inputs", "corpora"):
+        assert on_disk[key], key
+    assert on_disk["inputs"]["build"]["header_digest"] and on_disk["inputs"]["base"]["digest"]
+    v = on_disk["variants"][0]
+    assert set(v) >= {"name", "restored", "size_bytes", "metrics", "decode_ms_per_token"}
+    assert set(v["metrics"]) == {"wiki-en", "chat"}
+    assert v["metrics"]["wiki-en"]["dnll"] is None and v["metrics"]["chat"]["dnll"] is not None
+    assert v["metrics"]["wiki-en"]["positions"] == 3 * 63
+    assert v["decode_ms_per_token"] > 0
+    assert (out / "table.md").read_text().startswith("| variant")
+
+
+def test_restoring_everything_reproduces_the_base(finished):
+    """Spliced back whole, the build scores exactly as the base: KL 0 and top-1 100 % on every corpus."""
+    _, results = finished
+    rows = {v["name"]: v for v in results["variants"]}
+    for name in ("all", "base"):
+        for corpus, m in rows[name]["metrics"].items():
+            assert m["top1"] == 1.0 and m["kl"] == pytest.approx(0, abs=1e-7) and m["kl_full"] == pytest.approx(0, abs=1e-7), (name, corpus)
+            if m["dnll"] is not None:
+                assert m["dnll"] == pytest.approx(0, abs=1e-7)
+    build = rows["build"]["metrics"]["wiki-en"]
+    assert build["kl"] > 0.01 and build["top1"] < 1.0
+    assert rows["gdn"]["paired_vs_build"]["wiki-en"]["dkl"]["mean"] == pytest.approx(
+        rows["gdn"]["metrics"]["wiki-en"]["kl"] - build["kl"], abs=1e-6)
+
+
+def test_rerun_skips_finished_rows(finished, pairs, plan_file, monkeypatch):
+    out, results = finished
+    calls = []
+    orig = TorchBackend.score
+    monkeypatch.setattr(TorchBackend, "score", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+    p = pairs["fused"]
+    again = run_ablate("all", str(p["lowlatency"]), str(p["base"]), out, str(plan_file), _settings())
+    assert calls == []  # base pass cached, every row already finished
+    assert [v["metrics"] for v in again["variants"]] == [v["metrics"] for v in results["variants"]]
+
+
+def test_table_formats(finished, capsys):
+    out, _ = finished
+    assert main(["table", str(out), "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("variant,restored to BF16") and len(lines) == 6
+    assert main(["table", str(out), "--format", "json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 5
+
+
+def test_chosen_rows_and_a_failing_variant(pairs, plan_file, tmp_path, monkeypatch):
+    orig = TorchBackend.load
+
+    def load(self, folder):
+        if Path(folder).name == "lm_head":
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return orig(self, folder)
+
+    monkeypatch.setattr(TorchBackend, "load", load)
+    p = pairs["fused"]
+    results = run_ablate("gdn,lm_head", str(p["lowlatency"]), str(p["base"]), tmp_path, str(plan_file), _settings(time_decode=False))
+    rows = {v["name"]: v for v in results["variants"]}
+    assert list(rows) == ["build", "gdn", "lm_head"]
+    assert rows["lm_head"]["status"] == "error" and "out of memory" in rows["lm_head"]["error"]
+    assert rows["gdn"]["status"] == "ok" and rows["gdn"]["decode_ms_per_token"] is None
+    assert "failed" in (tmp_path / "table.md").read_text()
+
+
+def test_second_run_on_same_dir_is_refused(pairs, plan_file, tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    with open(tmp_path / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        p = pairs["fused"]
+        with pytest.raises(SplicerError, match="another splicer ablate"):
+            run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path, str(plan_file), _settings())
+
+
+def test_bad_rows_and_plans(pairs, plan_file, tmp_path):
+    p = pairs["fused"]
+    with pytest.raises(SplicerError, match="not in plan tiny"):
+        run_ablate("rotary", str(p["lowlatency"]), str(p["base"]), tmp_path / "a", str(plan_file), _settings())
+    bad = tmp_path / "bad.toml"
+    bad.write_text(PLAN.replace('name = "gdn"\nrestore = ["gdn"]', 'name = "gdn"\nrestore = ["gdm"]'))
+    with pytest.raises(SplicerError, match="unknown class 'gdm'"):
+        run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path / "b", str(bad), _settings())
+
+
+def test_demo_from_the_cli(tmp_path, capsys):
+    """The README's first command: the whole pipeline on the built-in pair, on CPU, no network."""
+    assert main(["ablate", "all", "--demo", "-q", "-o", str(tmp_path / "demo")]) == 0
+    results = json.loads((tmp_path / "demo" / "results.json").read_text())
+    rows = {v["name"]: v for v in results["variants"]}
+    assert all(v["status"] == "ok" for v in rows.values())
+    assert set(results["corpora"]) == {"wiki-zh", "wiki-en", "chat"}
+    assert all(m["kl"] == pytest.approx(0, abs=1e-7) for m in rows["all"]["metrics"].values())
+    assert "Additivity" in (tmp_path / "demo" / "table.md").read_text()
