@@ -189,6 +189,20 @@ def _copy_range(src: BinaryIO, dst: BinaryIO, start: int, nbytes: int) -> None:
         remaining -= len(chunk)
 
 
+def _coalesce(sources):
+    """Merge byte ranges that continue each other in the same file: one copy call instead of many."""
+    run = None
+    for s in sources:
+        if isinstance(s, ByteSource) and isinstance(run, ByteSource) and s.path == run.path and s.start == run.start + run.nbytes:
+            run = ByteSource(run.path, run.start, run.nbytes + s.nbytes)
+            continue
+        if run is not None:
+            yield run
+        run = s
+    if run is not None:
+        yield run
+
+
 def write_shard(path: Path, tensors: list[OutTensor], metadata: dict[str, str] | None = None) -> int:
     """Write a safetensors file tensor by tensor; returns the number of tensor-data bytes.
 
@@ -210,14 +224,14 @@ def write_shard(path: Path, tensors: list[OutTensor], metadata: dict[str, str] |
         with open(path, "wb", buffering=0) as out:  # unbuffered: copy_file_range writes at the fd offset
             out.write(struct.pack("<Q", len(hjson)))
             out.write(hjson)
-            for t in tensors:
-                if isinstance(t.source, ByteSource):
-                    src = open_files.get(t.source.path)
+            for source in _coalesce(t.source for t in tensors):
+                if isinstance(source, ByteSource):
+                    src = open_files.get(source.path)
                     if src is None:
-                        src = open_files[t.source.path] = open(t.source.path, "rb")
-                    _copy_range(src, out, t.source.start, t.source.nbytes)
+                        src = open_files[source.path] = open(source.path, "rb")
+                    _copy_range(src, out, source.start, source.nbytes)
                 else:
-                    out.write(t.source)
+                    out.write(source)
     finally:
         for f in open_files.values():
             f.close()

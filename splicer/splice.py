@@ -301,16 +301,13 @@ def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module],
                 plan.weight_map[t] = shard
                 plan.total_size += info.nbytes
             continue
-        # Keep the shard's tensor order; each restored weight takes its packed tensor's place.
+        # Kept tensors in their stored order, then restored weights in the order they lie in the base:
+        # both then form long contiguous byte runs (a fused expert tensor is one run), copied in few calls.
         out: list[OutTensor] = []
-        adds = {t.name.rpartition(".")[0]: t for t in add_to_shard.get(shard, [])}
         for t, info in sorted(hdr.tensors.items(), key=lambda kv: kv[1].start):
-            module, _, suffix = t.rpartition(".")
-            if t in drop:
-                if suffix == "weight_packed":
-                    out.append(adds.pop(module))
-                continue
-            out.append(OutTensor(t, info.dtype, info.shape, ByteSource(info.path, info.start, info.nbytes)))
+            if t not in drop:
+                out.append(OutTensor(t, info.dtype, info.shape, ByteSource(info.path, info.start, info.nbytes)))
+        out += sorted(add_to_shard.get(shard, []), key=lambda t: (str(t.source.path), t.source.start))
         plan.shards_rewritten[shard] = out
         for t in out:
             plan.weight_map[t.name] = shard
