@@ -43,7 +43,8 @@ class AblateSettings:
     device: str = "auto"
     time_decode: bool = True
     corpus_overrides: dict[str, str] = field(default_factory=dict)
-    batch_size: int = 4
+    batch_size: int | None = None  # sequences per forward / per engine call; None: the backend's default
+    engine_args: dict = field(default_factory=dict)
     bootstrap: int = 1000
     progress: bool = True
 
@@ -166,12 +167,13 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ou
         if backend.exact_gather:
             vocab = vocab or _vocab_size(base_root)
             want_full = c.positions() * vocab * 4 <= FULL_VOCAB_CACHE_LIMIT
-        scores = list(_pbar(backend.score(c.sequences, plan.top_k, want_full=want_full, batch_size=settings.batch_size),
+        scores = list(_pbar(backend.score(c.sequences, plan.top_k, want_full=want_full, batch_size=settings.batch_size or getattr(backend, "default_batch", 4)),
                             total=len(c.sequences), desc=f"base {c.name}", disable=not settings.progress or None, leave=False))
         _save_scores(cache / f"{c.name}.safetensors", scores)
         # Noise floor: the same model on the same tokens, batched and ordered differently.
         order = list(reversed(range(len(c.sequences))))
-        noise_batch = 1 if settings.batch_size > 1 else 2
+        batch = settings.batch_size or getattr(backend, "default_batch", 4)
+        noise_batch = 1 if batch > 1 else 2
         noise = list(backend.score([c.sequences[i] for i in order], plan.top_k, batch_size=noise_batch,
                                    gather_ids=[scores[i].topk_ids for i in order] if backend.exact_gather else None, want_full=want_full))
         noise = [noise[order.index(i)] for i in range(len(order))]
@@ -225,13 +227,16 @@ def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], pla
     t0 = time.perf_counter()
     backend.load(folder)
     timings["load_s"] = time.perf_counter() - t0
+    if hasattr(backend, "load_info"):
+        timings["engine"] = backend.load_info()
     score_dir.mkdir(parents=True, exist_ok=True)
     for c in corpora:
         t0 = time.perf_counter()
         base = _load_tensors(cache / f"{c.name}.safetensors")
         offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), base["lengths"]]), 0)
         gather = [base["topk_ids"][offsets[i]:offsets[i + 1]] for i in range(len(c.sequences))] if backend.exact_gather else None
-        scores = list(_pbar(backend.score(c.sequences, plan.top_k, gather_ids=gather, want_full="full" in base, batch_size=settings.batch_size),
+        scores = list(_pbar(backend.score(c.sequences, plan.top_k, gather_ids=gather, want_full="full" in base,
+                                          batch_size=settings.batch_size or getattr(backend, "default_batch", 4)),
                             total=len(c.sequences), desc=f"  {folder.name} {c.name}", disable=not settings.progress or None, leave=False))
         var = {
             "topk_ids": torch.cat([s.topk_ids for s in scores]), "topk_logprobs": torch.cat([s.topk_logprobs for s in scores]),
@@ -288,6 +293,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         if bad or not wanted:
             raise SplicerError(f"row {bad[0] if bad else '(none)'!r} is not in plan {plan.name}; its rows: {', '.join(r.name for r in rows)}")
         rows = [r for r in rows if r.name == "build" or r.name in wanted]
+    options = {"engine_args": settings.engine_args, "log_dir": out / "logs"} if settings.backend == "vllm" else {}
+    backend = make_backend(settings.backend, settings.device, **options)
     with _lock(out):
         base = open_checkpoint(base_src, "base")
         base_digest = base.header_digest()
@@ -296,6 +303,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                "build": {"source": str(build_src), "header_digest": build.header_digest()},
                "base": {"source": str(base_src), "digest": base_digest},
                "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
+                            "engine_args": settings.engine_args,
                             "time_decode": settings.time_decode, "corpus_overrides": settings.corpus_overrides}}
         results_path = out / RESULTS
         previous = json.loads(results_path.read_text()) if results_path.exists() else None
@@ -303,7 +311,6 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             shutil.rmtree(out / "variants", ignore_errors=True)  # a different build: its splices are stale
         same_job = previous is not None and previous.get("job") == job
         _atomic_json(out / "job.json", job)
-        backend = make_backend(settings.backend, settings.device)
         t_start = time.perf_counter()
         cache, corpora = base_pass(backend, base_root, plan, settings, out, base_digest)
         results = {
@@ -354,6 +361,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 entry["size_bytes"] = _folder_bytes(folder)
                 metrics, timings = score_variant(backend, folder, cache, corpora, plan, settings, out / "scores" / row.name)
                 entry["metrics"] = metrics
+                entry["engine"] = timings.pop("engine", None)
                 entry["elapsed"].update(timings)
                 entry["timing"] = None
                 if settings.time_decode and plan.timing:

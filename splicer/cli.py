@@ -50,8 +50,19 @@ def _cmd_ablate(args) -> int:
         if not sep or not name or not path:
             raise SplicerError(f"--corpus {item!r} should be NAME=FILE (a .txt or .jsonl file)")
         overrides[name] = path
+    from .backends.vllm_backend import parse_engine_args
+
+    engine_args = parse_engine_args(args.engine_arg)
+    for flag in ("tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "moe_backend"):
+        if getattr(args, flag) is not None:
+            engine_args[flag] = getattr(args, flag)
+    if args.language_model_only:
+        engine_args["language_model_only"] = True
+    if engine_args and args.backend != "vllm":
+        raise SplicerError("engine options (--engine-arg, --max-model-len, ...) apply to --backend vllm only")
     settings = AblateSettings(backend=args.backend, device=args.device, time_decode=not args.no_time,
-                              corpus_overrides=overrides, batch_size=args.batch_size, progress=not args.quiet)
+                              corpus_overrides=overrides, batch_size=args.batch_size, progress=not args.quiet,
+                              engine_args=engine_args)
     if args.demo:
         if args.build or args.base:
             raise SplicerError("--demo builds its own tiny pair; drop BUILD and BASE, or drop --demo")
@@ -116,7 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", default="torch", choices=["torch", "vllm"])
     s.add_argument("--device", default="auto", help="torch backend: cpu, cuda, cuda:N or auto")
     s.add_argument("--corpus", action="append", metavar="NAME=FILE", help="replace a plan corpus with a local .txt/.jsonl file")
-    s.add_argument("--batch-size", type=int, default=4)
+    s.add_argument("--batch-size", type=int, default=None, help="sequences per forward/engine call (torch 4, vllm 256)")
+    s.add_argument("--tensor-parallel-size", type=int, help="vllm: GPUs per engine")
+    s.add_argument("--max-model-len", type=int, help="vllm: context length")
+    s.add_argument("--gpu-memory-utilization", type=float, help="vllm: share of GPU memory the engine may take")
+    s.add_argument("--moe-backend", help="vllm: MoE kernel backend, e.g. marlin")
+    s.add_argument("--language-model-only", action="store_true", help="vllm: skip the vision tower")
+    s.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="vllm: any vllm.LLM keyword (VALUE as JSON), repeatable")
     s.add_argument("--no-time", action="store_true", help="skip decode timing")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=_cmd_ablate)
@@ -128,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("fixture", help="write a tiny synthetic qwen3_5_moe base and INT4 builds (tests, demo, GPU checks)")
     s.add_argument("out", metavar="DIR")
-    s.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
+    s.add_argument("--preset", default="tiny", choices=["tiny", "gpu", "bench"])
     s.add_argument("--experts-layout", default="fused", choices=["fused", "per_expert"])
     s.add_argument("--builds", default="lowlatency,experts-g32", help="comma list of lowlatency, experts-g32")
     s.add_argument("--seed", type=int, default=0)

@@ -38,6 +38,13 @@ TEXT_PRESETS = {
         linear_num_value_heads=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
         num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
     ),
+    # The dims an earlier vLLM 0.26 run on the H200 loaded (shared device notes): a fallback for GPU checks.
+    "gpu": dict(
+        vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2,
+        linear_num_value_heads=4, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+        num_experts=16, num_experts_per_tok=4, max_position_embeddings=4096,
+    ),
     # For the splice benchmark: ~2.2 GB BF16.
     "bench": dict(
         vocab_size=16384, hidden_size=1024, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1,

@@ -39,3 +39,30 @@ def test_score_shapes_and_consistency(pairs):
         assert torch.equal(s.full.gather(1, s.topk_ids.long()), s.topk_logprobs)
     gen = b.generate([seqs[0]], 5, stop_ids=[])
     assert len(gen[0]) == 5
+
+
+def test_vllm_prompt_logprobs_conversion():
+    """vLLM's prompt_logprobs -> top-k ids by rank, and the actual token's logprob even when it ranks below k."""
+    from collections import namedtuple
+
+    from splicer.backends.vllm_backend import PAD_LOGPROB, scores_from_prompt_logprobs
+
+    Lp = namedtuple("Lp", "logprob rank decoded_token")
+    ids = [7, 3, 9]
+    plp = [None,
+           {5: Lp(-0.1, 1, None), 3: Lp(-2.5, 2, None), 8: Lp(-3.0, 3, None)},
+           {9: Lp(-7.0, 40, None), 4: Lp(-0.2, 1, None), 6: Lp(-1.9, 2, None), 2: Lp(-2.2, 3, None)}]
+    s = scores_from_prompt_logprobs(ids, plp, top_k=3)
+    assert s.topk_ids.tolist() == [[5, 3, 8], [4, 6, 2]]
+    assert s.target_logprobs.tolist() == [-2.5, -7.0]
+    s4 = scores_from_prompt_logprobs(ids, plp, top_k=4)
+    assert s4.topk_ids[0].tolist() == [5, 3, 8, -1] and s4.topk_logprobs[0, 3].item() == PAD_LOGPROB
+
+
+def test_vllm_backend_without_gpu_is_a_clear_error(pairs, tmp_path, capsys):
+    from splicer.cli import main
+
+    p = pairs["fused"]
+    code = main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(tmp_path / "o"), "--backend", "vllm", "-q"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "vLLM backend needs" in err[0]

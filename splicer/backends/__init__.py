@@ -53,5 +53,7 @@ def make_backend(name: str, device: str = "auto", **options) -> Backend:
 
         return TorchBackend(device=device, **options)
     if name == "vllm":
-        raise SplicerError("the vLLM backend is not in this version yet; use --backend torch")
+        from .vllm_backend import VllmBackend
+
+        return VllmBackend(device=device, **options)
     raise SplicerError(f"unknown backend {name!r}; choose torch or vllm")

@@ -35,6 +35,7 @@ def _pick_device(device: str) -> torch.device:
 class TorchBackend:
     name = "torch"
     exact_gather = True
+    default_batch = 4
 
     def __init__(self, device: str = "auto", dtype: str = "bfloat16", threads: int | None = None):
         self.device = _pick_device(device)

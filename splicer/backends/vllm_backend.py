@@ -1,0 +1,296 @@
+"""vLLM backend: the serving engine itself, one engine per checkpoint in a child process.
+
+Each `load()` starts a fresh child that builds `vllm.LLM` and answers requests over a pipe;
+`unload()` ends it. A crash, an out-of-memory error or a load refusal in one variant
+therefore cannot take `ablate` down, and the GPU is fully released between variants.
+
+Scoring uses `SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False)`: per
+prompt position vLLM returns its own top-k plus the actual next token. Its top-k need not
+contain the base's top-k ids, so KL over the base's top-k is filled in conservatively
+(metrics.fill_missing). Timing runs batch-1 requests with CUDA graphs as configured.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..errors import SplicerError
+from . import SequenceScores
+
+PAD_LOGPROB = -1.0e4  # for a missing top-k slot: exp() is 0, and 0 * finite stays 0 in the KL sums
+
+# Log lines that name the kernels and methods vLLM chose (vllm 0.26 - 0.33 wording).
+KERNEL_LINE = re.compile(
+    r"(Using \S+ for CompressedTensorsWNA16|Using \S*MoEMethod\S*|Using '\S+' WNA16 MoE backend|"
+    r"Using \S+ Unquantized MoE backend|Using \S+ attention backend|Using .* GDN prefill kernel|"
+    r"Using \S+LinearKernel\S*|Selected \S+ for|Using FlashAttention version \d)"
+)
+
+
+def scores_from_prompt_logprobs(prompt_ids: list[int], prompt_logprobs: list, top_k: int) -> SequenceScores:
+    """vLLM's prompt_logprobs ([None, {token: Logprob(logprob, rank, ...)}, ...]) -> SequenceScores.
+
+    Entry t+1 is the distribution at position t over token t+1; it holds the top-k by rank
+    and the actual token (whose rank may be larger than k).
+    """
+    n = len(prompt_ids) - 1
+    ids = torch.full((n, top_k), -1, dtype=torch.int32)
+    lps = torch.full((n, top_k), PAD_LOGPROB, dtype=torch.float32)
+    target = torch.empty(n, dtype=torch.float32)
+    for t in range(n):
+        entry = prompt_logprobs[t + 1] or {}
+        ranked = sorted(((lp.rank, tok, lp.logprob) for tok, lp in entry.items() if lp.rank is not None and lp.rank <= top_k))
+        for j, (_, tok, lp) in enumerate(ranked[:top_k]):
+            ids[t, j] = tok
+            lps[t, j] = lp
+        actual = entry.get(prompt_ids[t + 1])
+        if actual is None:
+            raise RuntimeError(f"vLLM returned no logprob for the actual token at position {t + 1}")
+        target[t] = actual.logprob
+    return SequenceScores(topk_ids=ids, topk_logprobs=lps, target_logprobs=target)
+
+
+def _parse_engine_value(v: str):
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError:
+        return v
+
+
+def default_engine_args() -> tuple[dict, dict]:
+    """(engine kwargs, environment) that the GPU machine needs; see scripts/gpu/README.md."""
+    args = {"enable_prefix_caching": False, "max_logprobs": 20, "disable_log_stats": True}
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # lets LLM.apply_model ship the kernel probe to the worker
+    if importlib.util.find_spec("flashinfer") is None:
+        # Without flashinfer, vLLM 0.26's FlashInfer sampler and its SM90 GDN prefill cannot start.
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+        args["gdn_prefill_backend"] = "triton"
+    return args, env
+
+
+def _kernel_probe(model):
+    """Runs inside vLLM's worker: which quantization method / scheme / kernel each layer got."""
+    out = {}
+    for name, module in model.named_modules():
+        qm = getattr(module, "quant_method", None)
+        if qm is None:
+            continue
+        parts = [type(qm).__name__]
+        scheme = getattr(module, "scheme", None)
+        if scheme is not None:
+            parts.append(type(scheme).__name__)
+            kernel = getattr(scheme, "kernel", None)
+            if kernel is not None:
+                parts.append(type(kernel).__name__)
+        for attr in ("experts_cls", "moe_kernel", "wna16_backend", "backend"):
+            v = getattr(qm, attr, None)
+            if v is not None and not callable(v):
+                parts.append(f"{attr}={getattr(v, '__name__', None) or getattr(v, 'name', None) or v}")
+        out[re.sub(r"\.\d+\.", ".*.", name)] = " / ".join(parts)
+    return out
+
+
+def _worker(conn, folder: str, engine_args: dict, env: dict, log_path: str) -> None:
+    """Child process: build the engine, then serve score/generate/time requests until told to stop."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(env)
+    try:
+        t0 = time.perf_counter()
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(model=folder, **engine_args)
+        startup = time.perf_counter() - t0
+        try:
+            probe = llm.apply_model(_kernel_probe)
+            layers = probe[0] if isinstance(probe, list) and probe else probe
+        except Exception as e:  # the probe is informative only
+            layers = {"error": f"{e.__class__.__name__}: {e}"}
+        conn.send(("ready", {"vllm": vllm.__version__, "startup_s": startup, "layers": layers}))
+    except BaseException as e:
+        traceback.print_exc()
+        conn.send(("error", f"{e.__class__.__name__}: {e}"))
+        return
+
+    def score(seqs, top_k, chunk):
+        params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, detokenize=False, temperature=0.0)
+        out = []
+        for s in range(0, len(seqs), chunk):
+            batch = seqs[s:s + chunk]
+            res = llm.generate([TokensPrompt(prompt_token_ids=q) for q in batch], params, use_tqdm=False)
+            out += [scores_from_prompt_logprobs(q, r.prompt_logprobs, top_k) for q, r in zip(batch, res)]
+        return out
+
+    def generate(prompts, n, stop):
+        params = SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=list(stop), detokenize=False)
+        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [list(r.outputs[0].token_ids) for r in res]
+
+    def time_decode(prompt, n, warmup, runs):
+        def once(k):
+            params = SamplingParams(max_tokens=k, min_tokens=k, ignore_eos=True, temperature=0.0, detokenize=False)
+            sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+            sync()
+            t = time.perf_counter()
+            llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            sync()
+            return time.perf_counter() - t
+
+        for _ in range(warmup):
+            once(n)
+        per_token, ttft = [], []
+        for _ in range(runs):
+            t1, tn = once(1), once(n)
+            ttft.append(t1 * 1000)
+            per_token.append((tn - t1) * 1000 / (n - 1))
+        q = statistics.quantiles(per_token, n=4) if len(per_token) > 1 else [per_token[0]] * 3
+        return {"decode_ms_per_token": statistics.median(per_token), "decode_iqr": [q[0], q[2]],
+                "decode_min_max": [min(per_token), max(per_token)], "ttft_ms": statistics.median(ttft),
+                "ttft_min_max": [min(ttft), max(ttft)], "runs": runs, "warmup": warmup, "prompt_tokens": len(prompt),
+                "new_tokens": n, "method": "(t(n) - t(1)) / (n - 1), wall clock around LLM.generate, batch 1"}
+
+    ops = {"score": score, "generate": generate, "time": time_decode}
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            break
+        try:
+            conn.send(("ok", ops[msg[0]](*msg[1:])))
+        except BaseException as e:
+            traceback.print_exc()
+            conn.send(("error", f"{e.__class__.__name__}: {e}"))
+    try:
+        del llm
+    finally:
+        conn.send(("stopped", None))
+
+
+class VllmBackend:
+    name = "vllm"
+    exact_gather = False
+
+    def __init__(self, device: str = "auto", engine_args: dict | None = None, log_dir: Path | None = None,
+                 start_timeout_s: float = 1200, require_cuda: bool = True):
+        if importlib.util.find_spec("vllm") is None:
+            raise SplicerError("the vLLM backend needs vllm (pip install 'splicer[vllm]' on a GPU machine); use --backend torch here")
+        if require_cuda and not torch.cuda.is_available():
+            raise SplicerError("the vLLM backend needs a CUDA GPU and torch sees none; use --backend torch")
+        defaults, self.env = default_engine_args()
+        self.engine_args = {**defaults, **(engine_args or {})}
+        if device.startswith("cuda:"):
+            self.env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "vllm-logs"
+        self.start_timeout_s = start_timeout_s
+        self.proc = None
+        self.conn = None
+        self.info: dict = {}
+        self.max_positions = None
+        self.default_batch = 256
+
+    def load(self, folder: Path) -> None:
+        self.unload()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{Path(folder).name}.log"
+        log_path.write_text("")
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        # Not a daemon: vLLM starts its own engine-core process, which a daemonic process may not do.
+        self.proc = ctx.Process(target=_worker, args=(child, str(folder), self.engine_args, self.env, str(log_path)))
+        t0 = time.perf_counter()
+        self.proc.start()
+        self.conn = parent
+        kind, payload = self._recv(self.start_timeout_s)
+        if kind != "ready":
+            tail = log_path.read_text(errors="replace")[-4000:]
+            self.unload()
+            raise RuntimeError(f"vLLM could not load {folder}: {payload}\n{tail}")
+        lines = [m.group(0) for line in log_path.read_text(errors="replace").splitlines() if (m := KERNEL_LINE.search(line))]
+        self.info = dict(payload, spawn_to_ready_s=time.perf_counter() - t0, log=str(log_path),
+                         kernel_log_lines=sorted(set(lines)), engine_args=self.engine_args)
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+        self.max_positions = self.engine_args.get("max_model_len") or cfg.get("text_config", cfg).get("max_position_embeddings")
+
+    def _recv(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"vLLM worker gave no answer in {timeout:.0f} s")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            code = self.proc.exitcode if self.proc else None
+            raise RuntimeError(f"vLLM worker died (exit code {code}); see its log in {self.log_dir}") from None
+
+    def _call(self, *msg, timeout: float = 3600):
+        if self.proc is None:
+            raise RuntimeError("load() a checkpoint first")
+        self.conn.send(msg)
+        kind, payload = self._recv(timeout)
+        if kind != "ok":
+            raise RuntimeError(f"vLLM: {payload}")
+        return payload
+
+    def score(self, sequences, top_k=20, gather_ids=None, want_full=False, batch_size=None) -> Iterator[SequenceScores]:
+        yield from self._call("score", sequences, top_k, batch_size or self.default_batch)
+
+    def generate(self, prompts, max_new_tokens, stop_ids):
+        return self._call("generate", prompts, max_new_tokens, list(stop_ids))
+
+    def time_decode(self, prompt, new_tokens, warmup, runs):
+        return self._call("time", prompt, new_tokens, warmup, runs)
+
+    def load_info(self) -> dict:
+        return self.info
+
+    def unload(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            if self.proc.is_alive():
+                self.conn.send(("stop",))
+            deadline = time.monotonic() + 60
+            while self.proc.is_alive() and time.monotonic() < deadline:  # a worker that failed is already on its way out
+                if self.conn.poll(0.2):
+                    self.conn.recv()
+                    break
+        except (BrokenPipeError, EOFError, OSError):
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+        self.proc, self.conn = None, None
+
+    def describe(self) -> dict:
+        try:
+            import importlib.metadata as md
+
+            version = md.version("vllm")
+        except Exception:
+            version = "unknown"
+        return {"backend": "vllm", "engine": f"vllm {version}", "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "engine_args": self.engine_args,
+                "env": {k: v for k, v in self.env.items()}, "python": sys.version.split()[0]}
+
+
+def parse_engine_args(items: list[str] | None) -> dict:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SplicerError(f"--engine-arg {item!r} should be KEY=VALUE (VALUE as JSON where it is not a plain string)")
+        out[key.replace("-", "_")] = _parse_engine_value(value)
+    return out

@@ -1,0 +1,74 @@
+"""A stand-in for `vllm` with the few entry points splicer's vLLM backend uses, computed by the torch reference.
+
+It lets the CPU suite exercise the backend's child-process protocol, prompt_logprobs parsing and failure handling.
+It is not vLLM: nothing measured with it says anything about vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+__version__ = "0.0.0-fake"
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class SamplingParams:
+    def __init__(self, max_tokens=16, prompt_logprobs=None, temperature=1.0, stop_token_ids=None, detokenize=True,
+                 min_tokens=0, ignore_eos=False):
+        self.max_tokens, self.prompt_logprobs = max_tokens, prompt_logprobs
+        self.stop_token_ids = stop_token_ids or []
+
+
+@dataclass
+class _Completion:
+    token_ids: list
+
+
+@dataclass
+class RequestOutput:
+    prompt_logprobs: list | None
+    outputs: list
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs):
+        if os.environ.get("FAKE_VLLM_FAIL_ON") and os.environ["FAKE_VLLM_FAIL_ON"] in model:
+            raise ValueError("Found a different quantization schemes for ['in_proj_qkv', 'in_proj_z'] (fake)")
+        from splicer.backends.torch_ref import TorchBackend
+
+        self._ref = TorchBackend("cpu")
+        self._ref.load(model)
+        self.kwargs = kwargs
+
+    def apply_model(self, fn):
+        return [fn(self._ref.model)]
+
+    def generate(self, prompts, params, use_tqdm=True):
+        out = []
+        for p in prompts:
+            ids = p["prompt_token_ids"]
+            plp = None
+            if params.prompt_logprobs:
+                s = next(self._ref.score([ids], top_k=params.prompt_logprobs, want_full=True))
+                plp = [None]
+                for t in range(len(ids) - 1):
+                    full = s.full[t]
+                    entry = {int(i): Logprob(float(full[i]), r + 1) for r, i in enumerate(s.topk_ids[t].tolist())}
+                    actual = ids[t + 1]
+                    if actual not in entry:
+                        entry[actual] = Logprob(float(full[actual]), int((full > full[actual]).sum()) + 1)
+                    plp.append(entry)
+                gen = [int(torch.argmax(s.full[-1]))]
+            else:
+                gen = self._ref.generate([ids], params.max_tokens, params.stop_token_ids)[0]
+            out.append(RequestOutput(plp, [_Completion(gen)]))
+        return out

@@ -1,0 +1,77 @@
+"""The vLLM backend's child-process protocol, parsing and failure handling, against a stand-in engine on CPU.
+
+tests/fake_vllm is NOT vLLM: it answers vLLM's calls with the torch reference, so these tests check splicer's own
+plumbing (spawned worker, pipe protocol, prompt_logprobs parsing, errors, unload). vLLM itself runs in test_gpu_vllm.py.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+FAKE = str(Path(__file__).parent / "fake_vllm")
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    monkeypatch.syspath_prepend(FAKE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FAKE, str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    import importlib
+
+    import splicer.backends.vllm_backend as vb
+
+    importlib.reload(vb)
+    return vb
+
+
+def test_scores_match_the_reference_through_the_worker(pairs, fake_vllm, tmp_path):
+    from splicer.backends.torch_ref import TorchBackend
+
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False)
+    seqs = [list(range(20, 60)), list(range(100, 130))]
+    b.load(pairs["fused"]["lowlatency"])
+    got = list(b.score(seqs, 20, batch_size=1))
+    gen = b.generate([seqs[0]], 4, [])
+    timing = b.time_decode(seqs[0], 4, 0, 2)
+    info = b.load_info()
+    b.unload()
+    assert b.proc is None
+    ref = TorchBackend("cpu")
+    ref.load(pairs["fused"]["lowlatency"])
+    want = list(ref.score(seqs, 20, batch_size=1))
+    for g, w in zip(got, want):
+        assert torch.equal(g.topk_ids, w.topk_ids) and torch.allclose(g.topk_logprobs, w.topk_logprobs)
+        assert torch.allclose(g.target_logprobs, w.target_logprobs)
+    assert len(gen[0]) == 4 and timing["runs"] == 2 and info["vllm"] == "0.0.0-fake"
+    assert isinstance(info["layers"], dict) and "error" not in info["layers"]  # the kernel probe ran in the worker
+
+
+def test_engine_refusal_is_an_error_and_the_worker_is_gone(pairs, fake_vllm, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_FAIL_ON", "lowlatency")
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False)
+    with pytest.raises(RuntimeError, match="different quantization schemes"):
+        b.load(pairs["fused"]["lowlatency"])
+    assert b.proc is None
+    assert "Traceback" in (tmp_path / "lowlatency.log").read_text()  # the engine's own output is kept
+
+
+def test_ablate_with_the_vllm_backend_path(pairs, fake_vllm, tmp_path, monkeypatch):
+    """ablate --backend vllm end to end (stand-in engine): top-k filled from the engine's own top-k, engine info kept."""
+    from splicer.ablate import AblateSettings, run_ablate
+
+    orig = fake_vllm.VllmBackend.__init__
+    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
+    plan = tmp_path / "p.toml"
+    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 64\nmax_chunks = 2\n'
+                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "all"\nkeep = []\n')
+    p = pairs["fused"]
+    res = run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path / "out", str(plan),
+                     AblateSettings(backend="vllm", progress=False, bootstrap=50, time_decode=False))
+    rows = {v["name"]: v for v in res["variants"]}
+    assert rows["all"]["status"] == "ok" and rows["all"]["metrics"]["en"]["top1"] == 1.0
+    assert rows["all"]["metrics"]["en"]["kl"] == pytest.approx(0, abs=1e-6) and rows["all"]["metrics"]["en"]["kl_full"] is None
+    assert rows["build"]["metrics"]["en"]["kl"] > 0.01 and rows["build"]["engine"]["vllm"] == "0.0.0-fake"
+    assert res["backend"] == "vllm"
