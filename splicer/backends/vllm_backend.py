@@ -108,6 +108,7 @@ def _worker(conn, folder: str, engine_args: dict, env: dict, log_path: str) -> N
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.environ.update(env)
+    llm = None
     try:
         t0 = time.perf_counter()
         import vllm
@@ -174,10 +175,8 @@ def _worker(conn, folder: str, engine_args: dict, env: dict, log_path: str) -> N
         except BaseException as e:
             traceback.print_exc()
             conn.send(("error", f"{e.__class__.__name__}: {e}"))
-    try:
-        del llm
-    finally:
-        conn.send(("stopped", None))
+    llm = None  # drop the engine before answering, so the GPU is free when the parent moves on
+    conn.send(("stopped", None))
 
 
 class VllmBackend:
