@@ -286,13 +286,13 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     quantized = [c for c in build.arch.classes if any(m.quantized and m.cls == c for m in modules.values())]
     plan = load_plan(plan_name, build.arch.classes)
     rows = plan.rows
+    selected = {r.name for r in rows}
     if rows_spec != "all":
         wanted = [r.strip() for r in rows_spec.split(",") if r.strip()]
-        names = {r.name for r in rows}
-        bad = [w for w in wanted if w not in names]
+        bad = [w for w in wanted if w not in selected]
         if bad or not wanted:
             raise SplicerError(f"row {bad[0] if bad else '(none)'!r} is not in plan {plan.name}; its rows: {', '.join(r.name for r in rows)}")
-        rows = [r for r in rows if r.name == "build" or r.name in wanted]
+        selected = {"build", *wanted}  # the build row is every other row's reference
     options = {"engine_args": settings.engine_args, "log_dir": out / "logs"} if settings.backend == "vllm" else {}
     backend = make_backend(settings.backend, settings.device, **options)
     with _lock(out):
@@ -341,8 +341,10 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             seen_sets[key] = row.name
             todo.append((row, restored))
         for row, restored in _pbar(todo, desc="ablate", disable=not settings.progress or None):
-            if row.name in done:
+            if row.name in done:  # finished in an earlier run of the same job: kept, chosen or not
                 results["variants"].append(done[row.name])
+                continue
+            if row.name not in selected:
                 continue
             entry = {"name": row.name, "restored": restored if restored is not None else "base",
                      "status": "running", "elapsed": {}}

@@ -137,6 +137,11 @@ def test_chosen_rows_and_a_failing_variant(pairs, plan_file, tmp_path, monkeypat
     assert rows["lm_head"]["status"] == "error" and "out of memory" in rows["lm_head"]["error"]
     assert rows["gdn"]["status"] == "ok" and rows["gdn"]["decode_ms_per_token"] is None
     assert "failed" in (tmp_path / "table.md").read_text()
+    monkeypatch.setattr(TorchBackend, "load", orig)
+    more = run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path, str(plan_file), _settings(time_decode=False))
+    # the rerun keeps finished rows, retries the failed one and adds the rest, in plan order
+    assert [v["name"] for v in more["variants"]] == ["build", "gdn", "lm_head", "all", "base"]
+    assert more["variants"][1]["metrics"] == rows["gdn"]["metrics"] and more["variants"][2]["status"] == "ok"
 
 
 def test_second_run_on_same_dir_is_refused(pairs, plan_file, tmp_path):
