@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from . import __version__, faults
 from .checkpoint import open_checkpoint
 from .corpora import Corpus, build_corpus
 from .errors import SplicerError
@@ -138,10 +138,20 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, out: Path, base_digest: str) -> tuple[Path, list[Corpus]]:
-    """Tokenize the corpora, generate the base's chat answers, score the base (and a noise pass) once."""
+def prepare_corpora(base_root: Path, plan: Plan, settings: AblateSettings):
+    """Tokenize every corpus (chat: prompts only) before anything is written, so bad corpora fail early."""
     specs = _override_corpora(plan, settings.corpus_overrides)
-    key = _digest(base_digest, specs, plan.top_k, backend.name, settings.device, settings.batch_size)
+    tok = _tokenizer(base_root)
+    cfg = json.loads((Path(base_root) / "config.json").read_text())
+    context = settings.engine_args.get("max_model_len") or cfg.get("text_config", cfg).get("max_position_embeddings")
+    return tok, [build_corpus(s, tok, context, Path.cwd()) for s in specs]
+
+
+def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, out: Path, base_digest: str,
+              tok, corpora: list[Corpus]) -> tuple[Path, list[Corpus]]:
+    """Generate the base's chat answers and score the base (and a noise pass) once; cached by inputs and settings."""
+    key = _digest(base_digest, [c.digest() for c in corpora], [c.spec for c in corpora], plan.top_k, backend.name,
+                  settings.device, settings.batch_size, settings.engine_args)
     cache = out / "cache" / f"base-{key}"
     done = cache / "done.json"
     if done.exists():
@@ -149,11 +159,9 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ou
         return cache, corpora
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True)
-    tok = _tokenizer(base_root)
     t0 = time.perf_counter()
     backend.load(base_root)
     load_s = time.perf_counter() - t0
-    corpora = [build_corpus(s, tok, backend.max_positions, Path.cwd()) for s in specs]
     stop = [t for t in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int) and t >= 0]
     for c in corpora:
         if c.kind == "chat":
@@ -295,10 +303,14 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         selected = {"build", *wanted}  # the build row is every other row's reference
     options = {"engine_args": settings.engine_args, "log_dir": out / "logs"} if settings.backend == "vllm" else {}
     backend = make_backend(settings.backend, settings.device, **options)
+    base = open_checkpoint(base_src, "base")
+    from .splice import validate_base
+
+    validate_base(base, build)
+    base_digest = base.header_digest()
+    base_root = base.root
+    tok, corpora = prepare_corpora(base_root, plan, settings)
     with _lock(out):
-        base = open_checkpoint(base_src, "base")
-        base_digest = base.header_digest()
-        base_root = base.root
         job = {"tool": f"splicer {__version__}", "plan": plan.name, "plan_digest": plan.digest,
                "build": {"source": str(build_src), "header_digest": build.header_digest()},
                "base": {"source": str(base_src), "digest": base_digest},
@@ -307,12 +319,12 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                             "time_decode": settings.time_decode, "corpus_overrides": settings.corpus_overrides}}
         results_path = out / RESULTS
         previous = json.loads(results_path.read_text()) if results_path.exists() else None
-        if previous and previous.get("job", {}).get("build") != job["build"]:
-            shutil.rmtree(out / "variants", ignore_errors=True)  # a different build: its splices are stale
+        if previous and (previous.get("job", {}).get("build") != job["build"] or previous.get("job", {}).get("base") != job["base"]):
+            shutil.rmtree(out / "variants", ignore_errors=True)  # another build or base: every splice is stale
         same_job = previous is not None and previous.get("job") == job
         _atomic_json(out / "job.json", job)
         t_start = time.perf_counter()
-        cache, corpora = base_pass(backend, base_root, plan, settings, out, base_digest)
+        cache, corpora = base_pass(backend, base_root, plan, settings, out, base_digest, tok, corpora)
         results = {
             "schema": 1, "job": job, "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
             "backend": None, "engine_version": None, "device": None,
@@ -381,6 +393,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 backend.unload()
             results["variants"].append(entry)
             _finish(results, out, backend)
+            faults.point("ablate:row-done")
         results["elapsed_s"] = time.perf_counter() - t_start
         _finish(results, out, backend)
         return results

@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__
+from . import __version__, faults
 from .arch import PACKED_SUFFIXES, Architecture
 from .checkpoint import INDEX_NAME, Checkpoint, is_packed_tensor, load_shard_header, open_checkpoint
 from .errors import SplicerError
@@ -69,6 +69,28 @@ def validate_build(build: Checkpoint) -> None:
             f"build {build.label}: config.json says pack-quantized but no tensor is packed (no weight_packed); "
             "the shards do not belong to this config"
         )
+
+
+def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
+    """Every packed module must agree with the config group that claims it (bits, group size dividing its input dim)."""
+    from .rules import HfReader
+
+    qc = build.quantization_config
+    reader = HfReader(qc, build.arch)
+    for name, m in sorted(modules.items()):
+        if not m.quantized:
+            continue
+        group = reader.reading(m).group
+        if group is None:
+            continue  # reported by inspect's lint (stored packed, read as BF16)
+        w = qc["config_groups"][group].get("weights") or {}
+        g, bits = w.get("group_size"), w.get("num_bits")
+        if g and m.shape[1] % int(g):
+            raise SplicerError(f"build {build.label}: {group} has group_size {g}, which does not divide the input dim {m.shape[1]} "
+                               f"of {name}; the build is corrupt, re-export it")
+        if (bits, g) != (m.bits, m.group_size) and g:
+            raise SplicerError(f"build {build.label}: {name} is stored as {m.bits}-bit g{m.group_size} but {group} says {bits}-bit g{g}; "
+                               "the config does not match the shards, re-export the build")
 
 
 def validate_base(base: Checkpoint, build: Checkpoint) -> None:
@@ -349,11 +371,11 @@ def write_plan(plan: SplicePlan, out: Path, force: bool = False, progress: bool 
 
     out = Path(out)
     tmp = partial_dir(out)
-    if tmp.exists():
-        shutil.rmtree(tmp)  # left by an interrupted run: never loaded, safe to drop
-    tmp.mkdir(parents=True)
     stats = {"linked": 0, "copied": 0, "rewritten": 0}
     try:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by an interrupted run: never loaded (no config.json is final there), safe to drop
+        tmp.mkdir(parents=True)
         total = sum(t.nbytes for ts in plan.shards_rewritten.values() for t in ts)
         with tqdm(total=total, unit="B", unit_scale=True, desc="splice", disable=not progress or None, leave=False) as bar:
             for shard in plan.shards_linked:
@@ -363,6 +385,7 @@ def write_plan(plan: SplicePlan, out: Path, force: bool = False, progress: bool 
                 write_shard(tmp / shard, tensors, meta)
                 stats["rewritten"] += 1
                 bar.update(sum(t.nbytes for t in tensors))
+                faults.point("splice:shard-written")
         for p in plan.build.other_files():
             rel = p.relative_to(plan.build.root)
             if rel.name in ("config.json", "splice.json"):
@@ -375,6 +398,7 @@ def write_plan(plan: SplicePlan, out: Path, force: bool = False, progress: bool 
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
         record = splice_record(plan, stats)
         (tmp / "splice.json").write_text(json.dumps(record, indent=2) + "\n")
+        faults.point("splice:before-rename")
         _replace_dir(tmp, out, force)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -396,6 +420,7 @@ def _replace_dir(tmp: Path, out: Path, force: bool) -> None:
         trash = out.parent / f".{out.name}.splicer-old"
         shutil.rmtree(trash, ignore_errors=True)
         os.rename(out, trash)
+        faults.point("splice:between-renames")  # OUT is gone, the new one not yet in place: the next run must recover
         os.rename(tmp, out)
         shutil.rmtree(trash, ignore_errors=True)
     else:
@@ -425,6 +450,9 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
 
 def check_output_path(out: Path, force: bool, inputs: list[Path]) -> None:
     out = Path(out).resolve()
+    trash = out.parent / f".{out.name}.splicer-old"
+    if trash.exists() and not out.exists():
+        os.rename(trash, out)  # a --force run was killed between its two renames: put the old OUT back
     for p in inputs:
         p = Path(p).resolve()
         if out == p or p in out.parents:
@@ -441,6 +469,7 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
     validate_build(build)
     check_output_path(Path(out), force, [build.root])
     modules = list_modules(build)
+    validate_schemes(build, modules)
     classes = parse_classes(restore, build.arch, modules)
     picked = select_modules(modules, classes, build.arch, parse_layers(layers), modules_regex)
     base = open_base_for(build, base_src, picked)

@@ -1,0 +1,211 @@
+"""Faults: killed splices and ablates, a full disk, a read-only or foreign output filesystem, changed inputs, untrusted files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from splicer.ablate import AblateSettings, run_ablate
+from splicer.backends.torch_ref import TorchBackend
+from splicer.errors import SplicerError
+
+from .test_ablate import PLAN
+from .test_splice import bit_equal, load_all
+
+ROOT = Path(__file__).parents[1]
+
+
+def _cli(*args, env=None):
+    e = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "splicer", *map(str, args)], capture_output=True, text=True, env=e)
+
+
+@pytest.fixture(scope="module")
+def reference(pairs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "gdn"
+    r = _cli("splice", "-q", "--restore", "gdn,lm_head", pairs["fused"]["lowlatency"], pairs["fused"]["base"], "-o", out)
+    assert r.returncode == 0, r.stderr
+    return load_all(out)
+
+
+def _same(out: Path, reference) -> bool:
+    got = load_all(out)
+    return set(got) == set(reference) and all(bit_equal(got[k], reference[k]) for k in reference)
+
+
+@pytest.mark.parametrize("fault", ["splice:shard-written#1", "splice:shard-written#2", "splice:before-rename"])
+def test_killed_splice_leaves_no_out_and_the_rerun_succeeds(pairs, tmp_path, reference, fault):
+    p = pairs["fused"]
+    out = tmp_path / "out"
+    args = ("splice", "-q", "--restore", "gdn,lm_head", p["lowlatency"], p["base"], "-o", out)
+    killed = _cli(*args, env={"SPLICER_FAULT": fault})
+    assert killed.returncode == -9
+    assert not out.exists() and (tmp_path / ".out.splicer-partial").exists()
+    again = _cli(*args)
+    assert again.returncode == 0, again.stderr
+    assert not (tmp_path / ".out.splicer-partial").exists()
+    assert _same(out, reference)
+
+
+def test_killed_between_the_renames_of_force_recovers(pairs, tmp_path, reference):
+    p = pairs["fused"]
+    out = tmp_path / "out"
+    assert _cli("splice", "-q", "--restore", "attention", p["lowlatency"], p["base"], "-o", out).returncode == 0
+    args = ("splice", "-q", "--force", "--restore", "gdn,lm_head", p["lowlatency"], p["base"], "-o", out)
+    assert _cli(*args, env={"SPLICER_FAULT": "splice:between-renames"}).returncode == -9
+    assert not out.exists()  # the old OUT is parked beside it
+    assert _cli(*args).returncode == 0
+    assert _same(out, reference) and not (tmp_path / ".out.splicer-old").exists()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 1 MiB tmpfs (root only); skipped where mounting is not allowed."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    opts = os.environ.get("_SMALL_FS_OPTS", "size=1m")
+
+    def mount(options):
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True)
+        if r.returncode:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        return mnt
+
+    yield mount
+    subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_disk_full_is_one_line_and_leaves_nothing(pairs, small_fs):
+    mnt = small_fs("size=1m")
+    p = pairs["fused"]
+    r = _cli("splice", "-q", "--restore", "all", p["lowlatency"], p["base"], "-o", mnt / "out")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "no space left" in r.stderr and "Traceback" not in r.stderr
+    assert list(mnt.iterdir()) == []
+
+
+def test_read_only_parent(pairs, small_fs):
+    mnt = small_fs("ro,size=1m")
+    p = pairs["fused"]
+    r = _cli("splice", "-q", "--restore", "gdn", p["lowlatency"], p["base"], "-o", mnt / "out")
+    assert r.returncode == 2 and "cannot write under" in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_out_on_another_filesystem_is_copied(pairs, reference):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == pairs["fused"]["lowlatency"].stat().st_dev:
+        pytest.skip("no second filesystem at /dev/shm")
+    out = shm / f"splicer-test-{os.getpid()}"
+    try:
+        r = _cli("splice", "-q", "--restore", "gdn,lm_head", pairs["fused"]["lowlatency"], pairs["fused"]["base"], "-o", out)
+        assert r.returncode == 0, r.stderr
+        record = json.loads((out / "splice.json").read_text())
+        assert record["shards"]["linked"] == 0 and record["shards"]["copied"] > 0
+        assert _same(out, reference)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+@pytest.fixture
+def plan_file(tmp_path):
+    p = tmp_path / "tiny.toml"
+    p.write_text(PLAN)
+    return p
+
+
+def _count_loads(monkeypatch):
+    loads = []
+    orig = TorchBackend.load
+    monkeypatch.setattr(TorchBackend, "load", lambda self, folder: loads.append(Path(folder).name) or orig(self, folder))
+    return loads
+
+
+def test_killed_ablate_reruns_only_unfinished_rows(pairs, plan_file, tmp_path, monkeypatch):
+    p = pairs["fused"]
+    out = tmp_path / "run"
+    r = _cli("ablate", "all", p["lowlatency"], p["base"], "-o", out, "--plan", plan_file, "--no-time", "-q", "--device", "cpu",
+             env={"SPLICER_FAULT": "ablate:row-done#2"})
+    assert r.returncode == -9
+    assert [v["name"] for v in json.loads((out / "results.json").read_text())["variants"]] == ["build", "gdn"]
+    loads = _count_loads(monkeypatch)
+    res = run_ablate("all", str(p["lowlatency"]), str(p["base"]), out, str(plan_file),
+                     AblateSettings(device="cpu", progress=False, bootstrap=50, time_decode=False))
+    assert loads == ["lm_head", "all", "base"]  # neither the base pass nor the two finished rows again
+    assert [v["name"] for v in res["variants"]] == ["build", "gdn", "lm_head", "all", "base"]
+
+
+def test_changed_inputs_invalidate_caches(pairs, plan_file, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    build = tmp_path / "build"
+    base = tmp_path / "base"
+    shutil.copytree(pairs["fused"]["lowlatency"], build)
+    shutil.copytree(pairs["fused"]["base"], base)
+    out = tmp_path / "run"
+    settings = AblateSettings(device="cpu", progress=False, bootstrap=50, time_decode=False)
+    run_ablate("gdn", str(build), str(base), out, str(plan_file), settings)
+    # the same inputs again: nothing recomputed
+    loads = _count_loads(monkeypatch)
+    run_ablate("gdn", str(build), str(base), out, str(plan_file), settings)
+    assert loads == []
+    # a rewritten build shard (other header) -> every row again, stale splices dropped; the base pass is kept
+    shard = sorted(build.glob("model-0000[2-9]*.safetensors"))[0]
+    save_file(load_file(str(shard)), str(shard), metadata={"format": "pt", "changed": "yes"})
+    run_ablate("gdn", str(build), str(base), out, str(plan_file), settings)
+    assert loads == ["build", "gdn"]
+    # a rewritten base shard -> a new base pass too
+    loads.clear()
+    shard = sorted(base.glob("*.safetensors"))[0]
+    save_file(load_file(str(shard)), str(shard), metadata={"format": "pt", "changed": "yes"})
+    run_ablate("gdn", str(build), str(base), out, str(plan_file), settings)
+    assert loads == ["base", "build", "gdn"]
+    assert len(list((out / "cache").iterdir())) == 2
+
+
+def test_failed_splice_is_recorded_and_the_plan_goes_on(pairs, plan_file, tmp_path, monkeypatch):
+    import splicer.splice as sp
+
+    orig = sp.splice
+
+    def refuse(build, base, out, restore, **kw):
+        if restore == "lm_head":
+            raise SplicerError("refused for the test")
+        return orig(build, base, out, restore, **kw)
+
+    monkeypatch.setattr(sp, "splice", refuse)
+    p = pairs["fused"]
+    res = run_ablate("gdn,lm_head", str(p["lowlatency"]), str(p["base"]), tmp_path / "r", str(plan_file),
+                     AblateSettings(device="cpu", progress=False, bootstrap=50, time_decode=False))
+    rows = {v["name"]: v for v in res["variants"]}
+    assert rows["lm_head"]["status"] == "error" and rows["lm_head"]["error"] == "refused for the test"
+    assert rows["gdn"]["status"] == "ok"
+
+
+def test_untrusted_files_are_never_executed(pairs, tmp_path, plan_file):
+    """A pickle and a remote-code module beside the weights: splicer reads safetensors and JSON only."""
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Boom:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    build = tmp_path / "build"
+    shutil.copytree(pairs["fused"]["lowlatency"], build)
+    (build / "pytorch_model.bin").write_bytes(pickle.dumps(Boom()))
+    (build / "evil.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    cfg = json.loads((build / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "evil.Config", "AutoModelForCausalLM": "evil.Model", "AutoTokenizer": ["evil.Tok", None]}
+    (build / "config.json").write_text(json.dumps(cfg))
+    for args in (("inspect", build), ("splice", "-q", "--restore", "gdn", build, pairs["fused"]["base"], "-o", tmp_path / "o"),
+                 ("ablate", "gdn", build, pairs["fused"]["base"], "-o", tmp_path / "a", "--plan", plan_file, "--no-time", "-q", "--device", "cpu")):
+        r = _cli(*args)
+        assert r.returncode == 0, r.stderr
+        assert not marker.exists(), args
