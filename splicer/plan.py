@@ -52,7 +52,7 @@ class Plan:
 
 def _plan_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
-    if p.suffix == ".toml" or p.exists():
+    if p.suffix == ".toml" or p.is_file():
         if not p.exists():
             raise SplicerError(f"plan file {p} does not exist; pass a .toml path or a plan name from ablations/")
         return p

@@ -172,3 +172,11 @@ def test_demo_from_the_cli(tmp_path, capsys):
     assert set(results["corpora"]) == {"wiki-zh", "wiki-en", "chat"}
     assert all(m["kl"] == pytest.approx(0, abs=1e-7) for m in rows["all"]["metrics"].values())
     assert "Additivity" in (tmp_path / "demo" / "table.md").read_text()
+
+
+def test_plan_name_beside_a_folder_of_that_name(tmp_path, monkeypatch):
+    from splicer.plan import load_plan
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()  # e.g. a results folder called demo
+    assert load_plan("demo", ("gdn", "attention", "shared_expert", "lm_head", "experts", "mtp")).name == "demo"
