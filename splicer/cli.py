@@ -96,6 +96,13 @@ def _cmd_table(args) -> int:
     return 0
 
 
+def _cmd_compare(args) -> int:
+    from .table import compare
+
+    print(compare(args.dir, args.a, args.b))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splicer", description="Where does the error of an INT4 checkpoint come from, and what would it cost to restore each part?")
     sub = p.add_subparsers(dest="command", required=True)
@@ -142,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dir", metavar="DIR", type=Path)
     s.add_argument("--format", default="markdown", choices=["markdown", "csv", "json"])
     s.set_defaults(func=_cmd_table)
+
+    s = sub.add_parser("compare", help="paired differences between two variants of a results folder, on the same positions")
+    s.add_argument("dir", metavar="DIR", type=Path)
+    s.add_argument("a", metavar="VARIANT_A")
+    s.add_argument("b", metavar="VARIANT_B")
+    s.set_defaults(func=_cmd_compare)
 
     s = sub.add_parser("fixture", help="write a tiny synthetic qwen3_5_moe base and INT4 builds (tests, demo, GPU checks)")
     s.add_argument("out", metavar="DIR")

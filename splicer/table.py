@@ -136,3 +136,37 @@ def render(out_dir: Path, fmt: str = "markdown") -> str:
     if fmt == "json":
         return json.dumps([dict(zip(headers, r)) for r in rows], indent=2, ensure_ascii=False)
     raise SplicerError(f"unknown --format {fmt!r}; use markdown, csv or json")
+
+
+def compare(out_dir: Path, a: str, b: str) -> str:
+    """Paired differences between any two finished variants on the same positions (bootstrap over sequences)."""
+    from tabulate import tabulate
+
+    from .metrics import paired_difference
+
+    out_dir = Path(out_dir)
+    path = out_dir / "results.json"
+    if not path.exists():
+        raise SplicerError(f"{path} does not exist; run splicer ablate with -o {out_dir} first")
+    results = json.loads(path.read_text())
+    ok = {v["name"] for v in results["variants"] if v.get("status") == "ok"}
+    for name in (a, b):
+        if name not in ok:
+            raise SplicerError(f"variant {name!r} has no finished scores in {out_dir}; finished: {', '.join(sorted(ok)) or 'none'}")
+    rows = []
+    for corpus in results.get("corpora", {}):
+        sa, sb = _load_scores(out_dir, a, corpus), _load_scores(out_dir, b, corpus)
+        if sa is None or sb is None:
+            continue
+        dkl = paired_difference(sa["kl_top"], sb["kl_top"], sa["seq_index"])
+        dtop1 = paired_difference(sa["top1"].float(), sb["top1"].float(), sa["seq_index"])
+        row = [corpus, f"{dkl['mean']:+.4f} [{dkl['ci'][0]:+.4f}, {dkl['ci'][1]:+.4f}]",
+               f"{100 * dtop1['mean']:+.2f} [{100 * dtop1['ci'][0]:+.2f}, {100 * dtop1['ci'][1]:+.2f}]"]
+        if "answer_mask" in sa:
+            m = sa["answer_mask"].bool()
+            d = paired_difference(-sa["dlogp"][m], -sb["dlogp"][m], sa["seq_index"][m])
+            row.append(f"{-d['mean']:+.4f} [{-d['ci'][1]:+.4f}, {-d['ci'][0]:+.4f}]")
+        else:
+            row.append("")
+        rows.append(row)
+    return tabulate(rows, headers=["corpus", f"ΔKL {a} − {b} [95 %]", "Δtop-1 pp [95 %]", "ΔdNLL [95 %]"], tablefmt="github")

@@ -180,3 +180,14 @@ def test_plan_name_beside_a_folder_of_that_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "demo").mkdir()  # e.g. a results folder called demo
     assert load_plan("demo", ("gdn", "attention", "shared_expert", "lm_head", "experts", "mtp")).name == "demo"
+
+
+def test_compare_any_two_variants(finished, capsys):
+    out, results = finished
+    assert main(["compare", str(out), "gdn", "lm_head"]) == 0
+    text = capsys.readouterr().out
+    rows = {v["name"]: v for v in results["variants"]}
+    expected = rows["gdn"]["metrics"]["wiki-en"]["kl"] - rows["lm_head"]["metrics"]["wiki-en"]["kl"]
+    line = next(x for x in text.splitlines() if x.startswith("| wiki-en"))
+    assert f"{expected:+.4f}" in line
+    assert main(["compare", str(out), "gdn", "nope"]) == 2

@@ -69,7 +69,6 @@ def small_fs(tmp_path):
     """A 1 MiB tmpfs (root only); skipped where mounting is not allowed."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    opts = os.environ.get("_SMALL_FS_OPTS", "size=1m")
 
     def mount(options):
         r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True)

@@ -232,3 +232,41 @@ def test_splitting_a_fused_group_is_refused(pairs, tmp_path):
     with pytest.raises(SplicerError, match="split .*mlp.experts"):
         splice(str(p["lowlatency"]), str(p["base"]), tmp_path / "out", "experts", modules_regex=r"experts\.0\.", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_hub_base_downloads_only_the_needed_shards(pairs, tmp_path, monkeypatch):
+    """A Hub repo id as BASE: the index first, then only the shards that hold restored tensors (fake hub, no network)."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    remote = pairs["fused"]["base"]
+    snapshot = tmp_path / "cache" / "snapshot"
+    asked = []
+
+    def hf_hub_download(repo_id, filename, **kw):
+        assert repo_id == "org/base"
+        snapshot.mkdir(parents=True, exist_ok=True)
+        shutil.copy(remote / filename, snapshot / filename)
+        return str(snapshot / filename)
+
+    def snapshot_download(repo_id, allow_patterns=None, **kw):
+        asked.append(list(allow_patterns))
+        snapshot.mkdir(parents=True, exist_ok=True)
+        for f in remote.iterdir():
+            if any(fnmatch.fnmatch(f.name, pat) for pat in allow_patterns):
+                shutil.copy(f, snapshot / f.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    out = tmp_path / "out"
+    splice(str(pairs["fused"]["lowlatency"]), "org/base", out, "attention", progress=False)
+    index = json.loads((remote / INDEX_NAME).read_text())["weight_map"]
+    needed = {index["model.language_model.layers.3.self_attn.q_proj.weight"]}
+    shards_asked = {p for p in asked[0] if p.endswith(".safetensors")}
+    assert shards_asked == needed  # one of the base's six shards
+    assert sorted(q.name for q in snapshot.glob("*.safetensors")) == sorted(needed)
+    base = base_per_expert(load_all(remote))
+    assert bit_equal(load_all(out)["model.language_model.layers.3.self_attn.q_proj.weight"], base["model.language_model.layers.3.self_attn.q_proj.weight"])

@@ -66,3 +66,18 @@ def test_vllm_backend_without_gpu_is_a_clear_error(pairs, tmp_path, capsys):
     code = main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(tmp_path / "o"), "--backend", "vllm", "-q"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "vLLM backend needs" in err[0]
+
+
+def test_kernels_by_class_from_a_real_probe():
+    """The per-layer probe vLLM 0.26 returned on the H200 for the INT4 build (results/gpu-fixture/results-run1.json)."""
+    import json
+    from pathlib import Path
+
+    from splicer.backends.vllm_backend import kernels_by_class
+
+    run = json.loads((Path(__file__).parents[1] / "results/gpu-fixture/results-run1.json").read_text())
+    layers = run["variants"][0]["engine"]["layers"]
+    got = kernels_by_class(layers)
+    machete = "CompressedTensorsLinearMethod / CompressedTensorsWNA16 / MacheteLinearKernel"
+    assert got["gdn"] == got["attention"] == got["shared_expert"] == got["lm_head"] == [machete]
+    assert got["experts"][0].startswith("CompressedTensorsWNA16MarlinMoEMethod") and "wna16_backend=MARLIN" in got["experts"][0]

@@ -62,6 +62,28 @@ def scores_from_prompt_logprobs(prompt_ids: list[int], prompt_logprobs: list, to
     return SequenceScores(topk_ids=ids, topk_logprobs=lps, target_logprobs=target)
 
 
+# vLLM layer names (after the probe folded layer numbers into *) -> splicer's module classes.
+_VLLM_CLASS = (
+    ("lm_head", re.compile(r"(language_model\.)?lm_head$")),
+    ("experts", re.compile(r".*\.mlp\.experts(\..*)?$")),
+    ("shared_expert", re.compile(r".*\.mlp\.shared_expert\.(gate_up_proj|down_proj)$")),
+    ("gdn", re.compile(r".*\.linear_attn\.(in_proj_qkvz|out_proj)$")),
+    ("attention", re.compile(r".*\.self_attn\.(qkv_proj|o_proj)$")),
+)
+
+
+def kernels_by_class(layers: dict) -> dict:
+    """{class: sorted distinct 'method / scheme / kernel' strings} from the per-layer probe."""
+    out: dict[str, set] = {}
+    for name, desc in layers.items():
+        if name == "error":
+            continue
+        cls = next((c for c, p in _VLLM_CLASS if p.match(name)), None)
+        if cls:
+            out.setdefault(cls, set()).add(re.sub(r" at 0x[0-9a-f]+>", ">", str(desc)))
+    return {c: sorted(v) for c, v in out.items()}
+
+
 def _parse_engine_value(v: str):
     try:
         return json.loads(v)
@@ -220,7 +242,8 @@ class VllmBackend:
             raise RuntimeError(f"vLLM could not load {folder}: {payload}\n{tail}")
         lines = [m.group(0) for line in log_path.read_text(errors="replace").splitlines() if (m := KERNEL_LINE.search(line))]
         self.info = dict(payload, spawn_to_ready_s=time.perf_counter() - t0, log=str(log_path),
-                         kernel_log_lines=sorted(set(lines)), engine_args=self.engine_args)
+                         kernel_log_lines=sorted(set(lines)), engine_args=self.engine_args,
+                         kernels_by_class=kernels_by_class(payload.get("layers") or {}))
         cfg = json.loads((Path(folder) / "config.json").read_text())
         self.max_positions = self.engine_args.get("max_model_len") or cfg.get("text_config", cfg).get("max_position_embeddings")
 
