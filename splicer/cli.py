@@ -24,7 +24,8 @@ def _cmd_splice(args) -> int:
     from .splice import splice
 
     record = splice(args.build, args.base, args.out, args.restore, layers=args.layers,
-                    modules_regex=args.modules, force=args.force, progress=not args.quiet)
+                    modules_regex=args.modules, force=args.force, progress=not args.quiet,
+                    tokenizer_from_base=args.tokenizer_from_base, drop_dead_ignore=args.drop_dead_ignore)
     s = record["shards"]
     print(f"wrote {args.out}: restored {record['restored_modules']} modules ({', '.join(record['restored_classes'])}); "
           f"shards rewritten {s['rewritten']}, hard-linked {s['linked']}, copied {s['copied']}")
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of gdn, attention, shared_expert, lm_head, experts, mtp, or all")
     s.add_argument("--layers", metavar="LIST", help="only these decoder layers, e.g. 0,4-7")
     s.add_argument("--modules", metavar="REGEX", help="only modules whose HF name matches REGEX (fused groups must stay whole)")
+    s.add_argument("--tokenizer-from-base", action="store_true", help="copy the base's tokenizer, chat template and generation config verbatim")
+    s.add_argument("--drop-dead-ignore", action="store_true", help="remove ignore entries that match no module under either naming")
     s.add_argument("--force", action="store_true", help="replace OUT if it exists")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=_cmd_splice)
@@ -160,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", metavar="DIR")
     s.add_argument("--preset", default="tiny", choices=["tiny", "gpu", "bench"])
     s.add_argument("--experts-layout", default="fused", choices=["fused", "per_expert"])
-    s.add_argument("--builds", default="lowlatency,experts-g32", help="comma list of lowlatency, experts-g32")
+    s.add_argument("--builds", default="lowlatency,experts-g32", help="comma list of lowlatency, lowlatency-nomtp, experts-g32")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_cmd_fixture)
     return p

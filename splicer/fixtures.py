@@ -55,7 +55,8 @@ TEXT_PRESETS = {
 }
 VISION_TINY = dict(depth=1, hidden_size=128, intermediate_size=256, num_heads=2, num_position_embeddings=64)
 
-BUILD_KINDS = ("lowlatency", "experts-g32")
+# lowlatency-nomtp: seed 000's raw export, before its fix-ups (llm-compressor's oneshot drops mtp.* on load).
+BUILD_KINDS = ("lowlatency", "lowlatency-nomtp", "experts-g32")
 
 
 @dataclass
@@ -237,7 +238,7 @@ def _quant_config(groups: dict, ignore: list[str]) -> dict:
 
 def _build_plan(kind: str) -> tuple[dict, callable]:
     """(quantization_config, module -> (bits, group) or None) for a build kind."""
-    if kind == "lowlatency":
+    if kind in ("lowlatency", "lowlatency-nomtp"):
         ignore = ["re:.*visual.*", r"re:.*linear_attn\.in_proj_a$", r"re:.*linear_attn\.in_proj_b$",
                   r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$", "re:.*mtp.*"]
         qc = _quant_config({"group_0": _ct_group(["Linear"], 4, 128), "group_1": _ct_group([r"re:.*lm_head$"], 8, 128)}, ignore)
@@ -274,6 +275,8 @@ def write_build(base: Path, out: Path, kind: str = "lowlatency") -> Path:
     for shard in sorted(set(index["weight_map"].values())):
         with safe_open(str(base / shard), "pt") as f:
             for name in f.keys():
+                if kind == "lowlatency-nomtp" and name.startswith("mtp."):
+                    continue
                 t = f.get_tensor(name)
                 parts = QWEN3_5_MOE.fused_expert_parts(name)
                 if parts:  # build files are per expert, as llm-compressor writes them

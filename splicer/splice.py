@@ -43,6 +43,19 @@ class SplicePlan:
     weight_map: dict[str, str] = field(default_factory=dict)
     total_size: int = 0
     config: dict = field(default_factory=dict)
+    mtp_added: list[str] = field(default_factory=list)  # base mtp.* tensors added to a build that had none
+    added_modules: set[str] = field(default_factory=set)
+    side_files: dict[str, Path] = field(default_factory=dict)  # file name -> the base's copy that replaces the build's
+    dropped_ignore: list[str] = field(default_factory=list)
+
+
+MTP_SHARD = "model-mtp.safetensors"
+MTP_IGNORE = r"re:mtp\..+$"
+# Tokenizer, chat template and processor files: copied verbatim from the base with --tokenizer-from-base
+# (seed 000's third fix-up: transformers 5.14 re-serialised tokenizer.json on export).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json", "generation_config.json",
+                   "preprocessor_config.json", "video_preprocessor_config.json")
 
 
 # ---------------------------------------------------------------- validation
@@ -110,11 +123,13 @@ def validate_base(base: Checkpoint, build: Checkpoint) -> None:
             raise SplicerError(f"base {base.label} has {key}={a} but the build has {b}; pass the base the build was made from")
 
 
-def parse_classes(spec: str, arch: Architecture, modules: dict[str, Module]) -> list[str]:
+def parse_classes(spec: str, arch: Architecture, modules: dict[str, Module], build_has_mtp: bool = True) -> list[str]:
     items = [c.strip() for c in (spec or "").split(",") if c.strip()]
     if not items:
         raise SplicerError(f"--restore is empty; give a comma list of {', '.join(arch.classes)} or all")
     quantized = {m.cls for m in modules.values() if m.quantized}
+    if not build_has_mtp:
+        quantized.add("mtp")  # restoring it means adding the base's BF16 MTP head
     if items == ["all"]:
         return [c for c in arch.classes if c in quantized]
     unknown = [c for c in items if c not in arch.classes]
@@ -146,7 +161,7 @@ def parse_layers(spec: str | None) -> set[int] | None:
 
 
 def select_modules(modules: dict[str, Module], classes: list[str], arch: Architecture,
-                   layers: set[int] | None = None, only: str | None = None) -> dict[str, Module]:
+                   layers: set[int] | None = None, only: str | None = None, allow_empty: bool = False) -> dict[str, Module]:
     pattern = re.compile(only) if only else None
     picked = {}
     for name, m in modules.items():
@@ -157,7 +172,7 @@ def select_modules(modules: dict[str, Module], classes: list[str], arch: Archite
         if pattern and not pattern.search(name):
             continue
         picked[name] = m
-    if not picked:
+    if not picked and not allow_empty:
         raise SplicerError("the selection matches no quantized module; check --restore, --layers and --modules against splicer inspect")
     # vLLM loads fused shards into one layer and reads all experts of a layer from expert 0.
     units: dict[str, list[str]] = defaultdict(list)
@@ -193,25 +208,26 @@ def _wanted_base_tensors(build: Checkpoint, picked: dict[str, Module], base_weig
     return out
 
 
-def open_base_for(build: Checkpoint, base_source: str, picked: dict[str, Module]) -> Checkpoint:
+def open_base_for(build: Checkpoint, base_source: str, picked: dict[str, Module], add_mtp: bool = False) -> Checkpoint:
     """Open the base reading (and, for a Hub id, downloading) only the shards that hold what we restore."""
-    needed: set[str] = set()
 
-    def wanted_files(index: dict) -> set[str]:
-        wm = index.get("weight_map") or {}
-        tensors = _wanted_base_tensors(build, picked, wm)
-        needed.update(wm[t] for t in tensors.values())
-        return needed
+    def shards(wm: dict) -> set[str]:
+        tensors = set(_wanted_base_tensors(build, picked, wm).values())
+        if add_mtp:
+            tensors |= {t for t in wm if t.startswith("mtp.")}
+        return {wm[t] for t in tensors}
 
-    base = open_checkpoint(base_source, "base", wanted_files=wanted_files, shards=set())
+    base = open_checkpoint(base_source, "base", wanted_files=lambda index: shards(index.get("weight_map") or {}), shards=set())
     validate_base(base, build)
-    tensors = _wanted_base_tensors(build, picked, base.weight_map)
-    for shard in sorted({base.weight_map[t] for t in tensors.values()}):
+    if add_mtp and not any(t.startswith("mtp.") for t in base.weight_map):
+        raise SplicerError(f"the build has no MTP head and neither has the base {base.label}; drop mtp from --restore")
+    for shard in sorted(shards(base.weight_map)):
         load_shard_header(base, shard)
     return base
 
 
-def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[str, Module]) -> dict:
+def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[str, Module],
+                    added: dict[str, Module] | None = None, drop_dead: bool = False) -> tuple[dict, list[str]]:
     """config.json with ignore entries for the restored modules and groups that target nothing removed.
 
     Edited as a plain dict: a pydantic round-trip through compressed-tensors 0.20 rejects
@@ -229,15 +245,23 @@ def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[
         # A group aimed at the head (re:.*lm_head$) would otherwise still claim it.
         for g in qc["config_groups"].values():
             g["targets"] = [t for t in g.get("targets") or [] if not _targets_only_head(t)]
-    after = _modules_after(modules, picked)
+    after = _modules_after(modules, picked, added)
     report = check(after, qc, arch)
+    if added and any(r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if n in added):
+        qc["ignore"].append(MTP_IGNORE)  # the added BF16 MTP head must not be read as quantized
+        report = check(after, qc, arch)
+    dropped = []
+    if drop_dead:
+        dead = set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", []))
+        dropped = [e for e in qc["ignore"] if e in dead]
+        qc["ignore"] = [e for e in qc["ignore"] if e not in dead]
     live = {r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if r.group and after[n].quantized}
     for gname in list(qc["config_groups"]):
         if gname not in live or not qc["config_groups"][gname].get("targets"):
             del qc["config_groups"][gname]
     if not qc["config_groups"] and not qc.get("kv_cache_scheme"):
         del config["quantization_config"]  # nothing is quantized any more: a plain BF16 checkpoint
-    return config
+    return config, dropped
 
 
 def _targets_only_head(target: str) -> bool:
@@ -285,8 +309,8 @@ def ignore_entries(picked: dict[str, Module], modules: dict[str, Module], arch: 
     return list(dict.fromkeys(entries))
 
 
-def _modules_after(modules: dict[str, Module], picked: dict[str, Module]) -> dict[str, Module]:
-    after = {}
+def _modules_after(modules: dict[str, Module], picked: dict[str, Module], added: dict[str, Module] | None = None) -> dict[str, Module]:
+    after = dict(added or {})
     for name, m in modules.items():
         if name in picked:
             after[name] = Module(name, m.cls, plain={"weight": None}, shape=m.shape)
@@ -295,7 +319,8 @@ def _modules_after(modules: dict[str, Module], picked: dict[str, Module]) -> dic
     return after
 
 
-def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module], picked: dict[str, Module], classes: list[str]) -> SplicePlan:
+def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module], picked: dict[str, Module], classes: list[str],
+                add_mtp: bool = False, tokenizer_from_base: bool = False, drop_dead_ignore: bool = False) -> SplicePlan:
     base_modules = list_modules(base)
     plan = SplicePlan(build, base, classes, restore={}, base_modules=base_modules)
     drop: set[str] = set()
@@ -334,13 +359,27 @@ def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module],
         for t in out:
             plan.weight_map[t.name] = shard
             plan.total_size += t.nbytes
-    plan.config = restored_config(build, modules, picked)
+    added = {}
+    if add_mtp:
+        infos = sorted((base.tensor(t) for t in base.weight_map if t.startswith("mtp.")), key=lambda i: (str(i.path), i.start))
+        plan.shards_rewritten[MTP_SHARD] = [OutTensor(i.name, i.dtype, i.shape, ByteSource(i.path, i.start, i.nbytes)) for i in infos]
+        for i in infos:
+            plan.weight_map[i.name] = MTP_SHARD
+            plan.total_size += i.nbytes
+        plan.mtp_added = [i.name for i in infos]
+        added = {n: m for n, m in base_modules.items() if n.startswith("mtp.")}
+    if tokenizer_from_base:
+        plan.side_files = {name: base.root / name for name in TOKENIZER_FILES if (base.root / name).is_file()}
+    plan.config, plan.dropped_ignore = restored_config(build, modules, picked, added, drop_dead_ignore)
+    plan.added_modules = set(added) - set(plan.restore)
+    plan.restore.update({n: added[n] for n in plan.added_modules})
     return plan
 
 
 def verify_plan(plan: SplicePlan, modules: dict[str, Module]) -> None:
     """Refuse a plan whose config either reader would misread, before anything is written."""
-    after = _modules_after(modules, plan.restore)
+    after = _modules_after(modules, {n: m for n, m in plan.restore.items() if n in modules},
+                           {n: m for n, m in plan.restore.items() if n not in modules})
     qc = plan.config.get("quantization_config") or {}
     report = check(after, qc, plan.build.arch)
     bad = [i for i in report.issues if i["check"] in ("vllm-refuses", "stored-quantized-read-bf16", "stored-bf16-read-quantized", "fused-shards-disagree")]
@@ -381,7 +420,7 @@ def write_plan(plan: SplicePlan, out: Path, force: bool = False, progress: bool 
             for shard in plan.shards_linked:
                 stats[_link_or_copy(plan.build.root / shard, tmp / shard)] += 1
             for shard, tensors in plan.shards_rewritten.items():
-                meta = plan.build.headers[shard].metadata or {"format": "pt"}
+                meta = (plan.build.headers[shard].metadata if shard in plan.build.headers else None) or {"format": "pt"}
                 write_shard(tmp / shard, tensors, meta)
                 stats["rewritten"] += 1
                 bar.update(sum(t.nbytes for t in tensors))
@@ -392,6 +431,8 @@ def write_plan(plan: SplicePlan, out: Path, force: bool = False, progress: bool 
                 continue
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(p, tmp / rel)
+        for name, src in plan.side_files.items():
+            shutil.copy2(src, tmp / name)
         index = {"metadata": {**plan.build.index_metadata, "total_size": plan.total_size},
                  "weight_map": dict(sorted(plan.weight_map.items()))}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
@@ -437,7 +478,10 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
         "build": {"source": plan.build.label, "header_digest": plan.build.header_digest(), "config_digest": _config_digest(plan.build)},
         "base": {"source": plan.base.label, "header_digest": plan.base.header_digest(), "shards_read": sorted(plan.base.headers)},
         "restored_classes": plan.classes,
-        "restored_modules": len(plan.restore),
+        "restored_modules": len(plan.restore) - len(plan.added_modules),
+        "mtp_tensors_added": len(plan.mtp_added),
+        "files_from_base": sorted(plan.side_files),
+        "ignore_dropped": plan.dropped_ignore,
         "shards": stats,
         "ignore_added": [e for e in (plan.config.get("quantization_config") or {}).get("ignore", [])
                          if e not in (plan.build.quantization_config.get("ignore") or [])],
@@ -464,17 +508,20 @@ def check_output_path(out: Path, force: bool, inputs: list[Path]) -> None:
 
 
 def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers: str | None = None,
-           modules_regex: str | None = None, force: bool = False, progress: bool = True) -> dict:
+           modules_regex: str | None = None, force: bool = False, progress: bool = True,
+           tokenizer_from_base: bool = False, drop_dead_ignore: bool = False) -> dict:
     build = open_checkpoint(build_src, "build")
     validate_build(build)
     check_output_path(Path(out), force, [build.root])
     modules = list_modules(build)
     validate_schemes(build, modules)
-    classes = parse_classes(restore, build.arch, modules)
-    picked = select_modules(modules, classes, build.arch, parse_layers(layers), modules_regex)
-    base = open_base_for(build, base_src, picked)
+    has_mtp = any(t.startswith("mtp.") for t in build.weight_map)
+    classes = parse_classes(restore, build.arch, modules, build_has_mtp=has_mtp)
+    add_mtp = "mtp" in classes and not has_mtp  # seed 000's exporter dropped the MTP head: put the base's back
+    picked = select_modules(modules, classes, build.arch, parse_layers(layers), modules_regex, allow_empty=add_mtp)
+    base = open_base_for(build, base_src, picked, add_mtp)
     check_output_path(Path(out), force, [build.root, base.root])
-    plan = plan_splice(build, base, modules, picked, classes)
+    plan = plan_splice(build, base, modules, picked, classes, add_mtp, tokenizer_from_base, drop_dead_ignore)
     verify_plan(plan, modules)
     return write_plan(plan, Path(out), force=force, progress=progress)
 
