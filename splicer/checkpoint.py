@@ -110,10 +110,11 @@ def _resolve_hub(repo_id: str, role: str, wanted_files) -> Path:
     except (LocalEntryNotFoundError, FileNotFoundError):
         if offline:
             raise SplicerError(
-                f"{role} {repo_id} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
-                "download it first or unset HF_HUB_OFFLINE"
+                f"{role} {repo_id}: no such folder here, and as a Hub repo id it is not in the local cache while "
+                "HF_HUB_OFFLINE is set; check the path, or download the repo first / unset HF_HUB_OFFLINE"
             ) from None
-        raise SplicerError(f"{role} {repo_id} could not be downloaded (no network?); pass a local folder instead") from None
+        raise SplicerError(f"{role} {repo_id}: no such folder here, and as a Hub repo id it could not be downloaded "
+                           "(no network?); check the path or pass a local folder") from None
     except RepositoryNotFoundError:
         raise SplicerError(f"{role} {repo_id} is not a Hub repository you can read; check the id or log in with `hf auth login`") from None
     except HfHubHTTPError as e:

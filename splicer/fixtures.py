@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -321,4 +321,4 @@ def write_pair(root: Path, spec: FixtureSpec | None = None, kinds=("lowlatency",
     return paths
 
 
-__all__ = ["FixtureSpec", "write_base", "write_build", "write_pair", "BUILD_KINDS", "replace"]
+__all__ = ["FixtureSpec", "write_base", "write_build", "write_pair", "BUILD_KINDS"]

@@ -48,6 +48,3 @@ def dequantize_module(tensors: dict[str, torch.Tensor], scheme: QuantizationSche
     """weight_packed/scale/shape (+zero_point) -> dense weight, via compressed-tensors' decompress."""
     return _compressor().decompress(dict(tensors), scheme)["weight"].to(dtype)
 
-
-def compression_param_names(scheme: QuantizationScheme) -> tuple[str, ...]:
-    return tuple(_compressor().compression_param_names(scheme))

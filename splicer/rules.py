@@ -114,10 +114,6 @@ class HfReader:
         return Reading(None)
 
 
-def hf_reading(module: Module, qc: dict, arch: Architecture) -> Reading:
-    return HfReader(qc, arch).reading(module)
-
-
 class VllmReader:
     def __init__(self, qc: dict, arch: Architecture):
         self.arch = arch

@@ -126,25 +126,6 @@ def headers_digest(headers: Iterable[ShardHeader]) -> str:
     return h.hexdigest()
 
 
-def read_tensor_bytes(info: TensorInfo, offset: int = 0, nbytes: int | None = None) -> bytes:
-    nbytes = info.nbytes - offset if nbytes is None else nbytes
-    with open(info.path, "rb") as f:
-        f.seek(info.start + offset)
-        return f.read(nbytes)
-
-
-def read_tensor(info: TensorInfo):
-    """Load one tensor as torch (for small tensors such as `weight_shape`, and for tests)."""
-    import torch
-
-    from .dtypes import torch_dtype
-
-    buf = bytearray(read_tensor_bytes(info))
-    if not buf:
-        return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-    return torch.frombuffer(buf, dtype=torch_dtype(info.dtype)).reshape(info.shape)
-
-
 @dataclass(frozen=True)
 class ByteSource:
     """A contiguous byte range of an existing file, to be copied verbatim into a new shard."""

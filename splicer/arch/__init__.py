@@ -95,9 +95,6 @@ class Architecture:
             return prefix + self.fused_shards[suffix][0]
         return module
 
-    def unit_members(self, unit: str, existing: set[str]) -> list[str]:
-        return sorted(m for m in existing if self.atomic_unit(m) == unit)
-
     def _split_fused(self, module: str) -> tuple[str, str, str | None]:
         for suffix in self.fused_shards:
             if module.endswith("." + suffix):
