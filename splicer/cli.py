@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", metavar="DIR")
     s.add_argument("--preset", default="tiny", choices=["tiny", "gpu", "bench"])
     s.add_argument("--experts-layout", default="fused", choices=["fused", "per_expert"])
-    s.add_argument("--builds", default="lowlatency,experts-g32", help="comma list of lowlatency, lowlatency-nomtp, experts-g32")
+    s.add_argument("--builds", default="lowlatency,experts-g32", help="comma list of lowlatency, lowlatency-nomtp, experts-g32, gptq-experts-g32")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_cmd_fixture)
     return p

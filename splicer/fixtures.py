@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from .arch.qwen3_5_moe import QWEN3_5_MOE
 from .checkpoint import INDEX_NAME
+from .gptq import quantize_gptq
 from .quantize import make_scheme, quantize_weight
 
 TEXT_PRESETS = {
@@ -56,7 +57,9 @@ TEXT_PRESETS = {
 VISION_TINY = dict(depth=1, hidden_size=128, intermediate_size=256, num_heads=2, num_position_embeddings=64)
 
 # lowlatency-nomtp: seed 000's raw export, before its fix-ups (llm-compressor's oneshot drops mtp.* on load).
-BUILD_KINDS = ("lowlatency", "lowlatency-nomtp", "experts-g32")
+# gptq-experts-g32: seed 003's layout (GPTQModel, quant_method gptq v1, 4-bit g32 sym, routed experts only,
+# the rest excluded through `dynamic` negative rules), values by round to nearest.
+BUILD_KINDS = ("lowlatency", "lowlatency-nomtp", "experts-g32", "gptq-experts-g32")
 
 
 @dataclass
@@ -253,6 +256,18 @@ def _build_plan(kind: str) -> tuple[dict, callable]:
                 return (4, 128)
             return None
         return qc, pick
+    if kind == "gptq-experts-g32":
+        qc = {
+            "bits": 4, "group_size": 32, "sym": True, "desc_act": False, "quant_method": "gptq", "checkpoint_format": "gptq",
+            "pack_dtype": "int32", "lm_head": False, "true_sequential": True, "damp_percent": 0.01, "static_groups": False,
+            "dynamic": {r"-:.*visual.*": {}, r"-:.*mtp.*": {}, r"-:.*linear_attn.*": {}, r"-:.*self_attn.*": {},
+                        r"-:.*shared_expert.*": {}},
+            "quantizer": ["gptqmodel:5.7.1"],
+        }
+
+        def pick(module: str):
+            return (4, 32) if QWEN3_5_MOE.expert_parts(module) and not module.startswith("mtp.") else None
+        return qc, pick
     if kind == "experts-g32":
         qc = _quant_config({"group_0": _ct_group([r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"], 4, 32)}, [])
 
@@ -300,8 +315,11 @@ def write_build(base: Path, out: Path, kind: str = "lowlatency") -> Path:
                     if choice is None:
                         dest[tname] = tensor.contiguous()
                         continue
-                    scheme = schemes.setdefault(choice, make_scheme(*choice))
-                    for k, v in quantize_weight(tensor.contiguous(), scheme).items():
+                    if qc.get("quant_method") == "gptq":
+                        packed = quantize_gptq(tensor.contiguous(), *choice)
+                    else:
+                        packed = quantize_weight(tensor.contiguous(), schemes.setdefault(choice, make_scheme(*choice)))
+                    for k, v in packed.items():
                         dest[f"{module}.{k}"] = v
     config = json.loads((base / "config.json").read_text())
     config["quantization_config"] = qc

@@ -63,7 +63,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         "checkpoint": ckpt.label,
         "model_type": ckpt.config.get("model_type"),
         "quant_method": qc.get("quant_method"),
-        "format": qc.get("format"),
+        "format": qc.get("format") or qc.get("checkpoint_format"),
         "config_groups": {g: {"targets": v.get("targets"), "bits": (v.get("weights") or {}).get("num_bits"),
                               "group_size": (v.get("weights") or {}).get("group_size")}
                           for g, v in (qc.get("config_groups") or {}).items()},

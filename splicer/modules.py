@@ -94,7 +94,26 @@ def list_modules(ckpt: Checkpoint) -> dict[str, Module]:
     return modules
 
 
+def _gptq_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict) -> Module:
+    """Shape, bits and group size of a GPTQ module from its tensors' shapes alone."""
+    for needed in ("qweight", "qzeros", "scales"):
+        if needed not in packed:
+            raise SplicerError(f"{ckpt.label}: module {name} has {sorted(packed)} but no {needed}; the build is incomplete, re-export it")
+    qw, qz, sc = packed["qweight"], packed["qzeros"], packed["scales"]
+    if any(len(t.shape) != 2 for t in (qw, qz, sc)) or qw.shape[1] != sc.shape[1] or qz.shape[0] != sc.shape[0] or sc.shape[1] == 0:
+        raise SplicerError(f"{ckpt.label}: {name} has GPTQ tensors of inconsistent shapes; the build is corrupt")
+    out_f = sc.shape[1]
+    bits = qz.shape[1] * 32 // out_f if qz.shape[1] * 32 % out_f == 0 else None
+    in_f = qw.shape[0] * 32 // bits if bits else None
+    group = in_f // sc.shape[0] if in_f and in_f % sc.shape[0] == 0 else None
+    if not bits or not in_f:
+        raise SplicerError(f"{ckpt.label}: {name}: cannot infer the bit width from qzeros {list(qz.shape)}; the build is corrupt")
+    return Module(name, ckpt.arch.module_class(name), packed=packed, plain=plain, shape=(out_f, in_f), bits=bits, group_size=group)
+
+
 def _packed_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict, reader: _SmallReader) -> Module:
+    if "qweight" in packed:
+        return _gptq_module(ckpt, name, packed, plain)
     for needed in ("weight_packed", "weight_scale", "weight_shape"):
         if needed not in packed:
             raise SplicerError(

@@ -185,29 +185,93 @@ class VllmReader:
         return reading
 
 
-def check(modules: dict[str, Module], qc: dict | None, arch: Architecture) -> Report:
-    """Lint a checkpoint's config against its tensors, under HF and vLLM naming."""
-    report = Report()
-    qc = qc or {}
-    vr, hr = VllmReader(qc, arch), HfReader(qc, arch)
-    for name in sorted(modules):
-        m = modules[name]
-        report.hf[name] = hr.reading(m)
-        report.vllm[name] = vr.reading(m)
+def is_gptq(qc: dict | None) -> bool:
+    return bool(qc) and qc.get("quant_method") == "gptq"
+
+
+def _dynamic_negative(qc: dict) -> list[tuple[str, re.Pattern]]:
+    return [(k, re.compile(k[2:])) for k in (qc.get("dynamic") or {}) if k.startswith("-:")]
+
+
+class GptqHfReader:
+    """GPTQModel's view (HF names): every Linear of a decoder or MTP layer is quantized unless a `-:` rule of
+    `dynamic` re.matches its name; lm_head only with `lm_head: true`."""
+
+    def __init__(self, qc: dict, arch: Architecture):
+        self.arch, self.qc = arch, qc
+        self.negative = _dynamic_negative(qc)
+
+    def reading(self, module: Module) -> Reading:
+        name = module.name
+        if any(p.match(name) for _, p in self.negative):
+            return Reading(None)
+        cls = self.arch.module_class(name)
+        if cls == "lm_head":
+            return Reading("gptq" if self.qc.get("lm_head") else None)
+        if cls == "other" or self.arch.vllm_layer(name).kind in ("unquantized", "embedding"):
+            return Reading(None)
+        return Reading("gptq")
+
+
+class GptqVllmReader:
+    """vLLM's GPTQ / GPTQ-Marlin view (`quantization/utils/gptq_utils.py`). Linear layers: quantized when the
+    checkpoint holds packed tensors for them (vLLM scans it into `modules_in_block_to_quantize` and matches by
+    substring; shards of a fused layer must agree) and no `-:` rule of `dynamic` re.matches the layer's vLLM name.
+    MoE layers: quantized unless a `-:` rule matches the `...mlp.experts` prefix (the scan does not cover them)."""
+
+    def __init__(self, qc: dict, arch: Architecture, modules: dict[str, Module]):
+        self.arch, self.qc = arch, qc
+        self.negative = _dynamic_negative(qc)
+        self.quantized = [arch.to_vllm_name(n) if not n.startswith("mtp.") else n for n, m in modules.items() if m.quantized]
+        self.tested: set[str] = set()
+        self._cache: dict[str, Reading] = {}
+
+    def _excluded(self, prefix: str) -> bool:
+        self.tested.add(prefix)
+        return any(p.match(prefix) for _, p in self.negative)
+
+    def _scanned(self, prefix: str) -> bool:
+        return any(q in prefix for q in self.quantized)
+
+    def reading(self, module: Module) -> Reading:
+        layer = self.arch.vllm_layer(module.name)
+        if layer.kind in ("unquantized", "embedding"):
+            return Reading(None)
+        if layer.name in self._cache:
+            return self._cache[layer.name]
+        if layer.kind == "moe":
+            reading = Reading(None if self._excluded(layer.name) else "gptq")
+        elif layer.kind == "lm_head" and not self.qc.get("lm_head"):
+            reading = Reading(None)
+        else:
+            shards = self.arch.vllm_shards_of(layer)
+            states = {s: self._scanned(s) for s in shards}
+            if len(set(states.values())) > 1:
+                reading = Reading(None, error=f"Detected some but not all shards of {layer.name} are quantized")
+            else:
+                quantized = next(iter(states.values())) and not self._excluded(layer.name)
+                reading = Reading("gptq" if quantized else None)
+        self._cache[layer.name] = reading
+        return reading
+
+
+
+def _readings_vs_storage(modules: dict[str, Module], report: Report) -> None:
     for naming, readings in (("hf", report.hf), ("vllm", report.vllm)):
-        errors = sorted({r.error for r in readings.values() if r.error})
-        for err in errors:
+        for err in sorted({r.error for r in readings.values() if r.error}):
             report.add("vllm-refuses", naming, err)
         wrong = [(n, r) for n, r in readings.items() if not r.error and (r.group is not None) != modules[n].quantized]
         for n, r in wrong[:20]:
-            m = modules[n]
-            if m.quantized:
+            if modules[n].quantized:
                 report.add("stored-quantized-read-bf16", naming, f"{n} is stored packed but the config reads it as unquantized")
             else:
                 report.add("stored-bf16-read-quantized", naming, f"{n} is stored BF16 but the config reads it as {r.group}")
         if len(wrong) > 20:
             report.add("more", naming, f"{len(wrong) - 20} more modules disagree with the config")
-    # Fused groups whose shards differ on disk (vLLM cannot load a half-quantized fused layer).
+
+
+def _fused_on_disk(modules: dict[str, Module], arch: Architecture, report: Report) -> None:
+    """Fused groups whose shards differ on disk (vLLM cannot load a half-quantized fused layer)."""
     units: dict[str, list[Module]] = {}
     for m in modules.values():
         units.setdefault(arch.atomic_unit(m.name), []).append(m)
@@ -216,6 +280,40 @@ def check(modules: dict[str, Module], qc: dict | None, arch: Architecture) -> Re
         if len(kinds) > 1:
             q = sorted(m.name.rsplit(".", 1)[-1] for m in ms if m.quantized)
             report.add("fused-shards-disagree", "disk", f"{unit}: {len([m for m in ms if m.quantized])} of {len(ms)} shards packed ({', '.join(q[:3])}...) with {sorted(kinds, key=str)}")
+
+
+def _check_gptq(modules: dict[str, Module], qc: dict, arch: Architecture, report: Report) -> Report:
+    hr, vr = GptqHfReader(qc, arch), GptqVllmReader(qc, arch, modules)
+    for name in sorted(modules):
+        report.hf[name] = hr.reading(modules[name])
+        report.vllm[name] = vr.reading(modules[name])
+    _readings_vs_storage(modules, report)
+    _fused_on_disk(modules, arch, report)
+    rules = [k for k in (qc.get("dynamic") or {}) if k.startswith("-:")]
+    report.dead_ignore["hf"] = [k for k in rules if not any(re.match(k[2:], n) for n in modules)]
+    report.dead_ignore["vllm"] = [k for k in rules if not any(re.match(k[2:], n) for n in vr.tested)]
+    dead_both = [k for k in report.dead_ignore["hf"] if k in report.dead_ignore["vllm"]]
+    if dead_both:
+        report.add("dead-ignore", "hf+vllm", f"{len(dead_both)} dynamic exclusions match no module, e.g. {dead_both[0]!r}")
+    bits = {(m.bits, m.group_size) for m in modules.values() if m.quantized}
+    want = (qc.get("bits"), qc.get("group_size"))
+    if bits and bits != {want}:
+        report.add("scheme-mismatch", "hf", f"config says {want[0]}-bit g{want[1]}, tensors are {sorted(bits)}")
+    return report
+
+def check(modules: dict[str, Module], qc: dict | None, arch: Architecture) -> Report:
+    """Lint a checkpoint's config against its tensors, under HF and vLLM naming."""
+    report = Report()
+    qc = qc or {}
+    if is_gptq(qc):
+        return _check_gptq(modules, qc, arch, report)
+    vr, hr = VllmReader(qc, arch), HfReader(qc, arch)
+    for name in sorted(modules):
+        m = modules[name]
+        report.hf[name] = hr.reading(m)
+        report.vllm[name] = vr.reading(m)
+    _readings_vs_storage(modules, report)
+    _fused_on_disk(modules, arch, report)
     # Ignore entries that match no Linear module.
     def dead(entries: list[str], names) -> list[str]:
         out = []

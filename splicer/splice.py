@@ -24,7 +24,7 @@ from .arch import PACKED_SUFFIXES, Architecture
 from .checkpoint import INDEX_NAME, Checkpoint, is_packed_tensor, load_shard_header, open_checkpoint
 from .errors import SplicerError
 from .modules import Module, list_modules, weight_source
-from .rules import check, validate_regexes
+from .rules import check, is_gptq, validate_regexes
 from .safetensors_io import ByteSource, OutTensor, write_shard
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -65,10 +65,12 @@ def validate_build(build: Checkpoint) -> None:
     qc = build.quantization_config
     if not qc:
         raise SplicerError(f"build {build.label} has no quantization_config in config.json; it is not a quantized build (did you swap BUILD and BASE?)")
+    if is_gptq(qc):
+        return _validate_gptq(build, qc)
     if qc.get("quant_method") != "compressed-tensors":
         raise SplicerError(
             f"build {build.label} uses quant_method {qc.get('quant_method')!r}; splicer handles compressed-tensors "
-            "pack-quantized builds (GPTQ support is planned)"
+            "pack-quantized and GPTQ builds"
         )
     formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
     formats.discard(None)
@@ -84,11 +86,32 @@ def validate_build(build: Checkpoint) -> None:
         )
 
 
+def _validate_gptq(build: Checkpoint, qc: dict) -> None:
+    if qc.get("bits") not in (2, 3, 4, 8):
+        raise SplicerError(f"build {build.label}: GPTQ bits {qc.get('bits')!r} is not 2, 3, 4 or 8; the config is invalid")
+    for key in qc.get("dynamic") or {}:
+        try:
+            re.compile(key[2:] if key[:2] in ("-:", "+:") else key)
+        except re.error as e:
+            raise SplicerError(f"build {build.label}: dynamic rule {key!r} is not a valid regex ({e}); fix config.json") from None
+    if not any(t.endswith(".qweight") for t in build.weight_map):
+        raise SplicerError(f"build {build.label}: config.json says gptq but no tensor is packed (no qweight); the shards do not belong to this config")
+
+
 def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
     """Every packed module must agree with the config group that claims it (bits, group size dividing its input dim)."""
     from .rules import HfReader
 
     qc = build.quantization_config
+    if is_gptq(qc):
+        if any(k.startswith("+:") for k in qc.get("dynamic") or {}):
+            return  # per-module overrides: bits and group size may differ by design
+        for name, m in sorted(modules.items()):
+            g = qc.get("group_size")
+            if m.quantized and ((m.bits, m.group_size) != (qc["bits"], g if g and g > 0 else m.shape[1])):
+                raise SplicerError(f"build {build.label}: {name} is stored as {m.bits}-bit g{m.group_size} but the config says "
+                                   f"{qc['bits']}-bit g{g}; the config does not match the shards, re-export the build")
+        return
     reader = HfReader(qc, build.arch)
     for name, m in sorted(modules.items()):
         if not m.quantized:
@@ -236,6 +259,8 @@ def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[
     arch = build.arch
     config = json.loads(json.dumps(build.config))
     qc = config["quantization_config"]
+    if is_gptq(qc):
+        return _restored_gptq_config(config, build, modules, picked, added, drop_dead)
     ignore = list(qc.get("ignore") or [])
     for entry in ignore_entries(picked, modules, arch):
         if entry not in ignore:
@@ -261,6 +286,40 @@ def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[
             del qc["config_groups"][gname]
     if not qc["config_groups"] and not qc.get("kv_cache_scheme"):
         del config["quantization_config"]  # nothing is quantized any more: a plain BF16 checkpoint
+    return config, dropped
+
+
+def _restored_gptq_config(config: dict, build: Checkpoint, modules: dict[str, Module], picked: dict[str, Module],
+                          added: dict[str, Module] | None, drop_dead: bool) -> tuple[dict, list[str]]:
+    """GPTQ: `-:` rules first in `dynamic` (vLLM and GPTQModel stop at the first rule that matches), naming the restored
+    modules and the vLLM layers they load into (fused names, the MoE prefix) under both namings."""
+    arch = build.arch
+    qc = config["quantization_config"]
+    units = {arch.atomic_unit(n) for n in picked}
+    names = {n: picked[n] for n in picked} | {u: Module(u, arch.module_class(u), shape=(0, 0)) for u in units}
+    universe = dict(modules)
+    for u in {arch.atomic_unit(n) for n, m in modules.items() if m.quantized}:
+        universe[u] = Module(u, arch.module_class(u), packed={"qweight": None}, shape=(0, 0))
+    rules = []
+    for entry in ignore_entries(names, universe, arch):
+        rules.append("-:" + (entry[3:] if entry.startswith("re:") else re.escape(entry) + "$"))
+    old = qc.get("dynamic") or {}
+    qc["dynamic"] = {**{r: {} for r in rules if r not in old}, **old}
+    if "lm_head" in picked:
+        qc["lm_head"] = False
+    after = _modules_after(modules, picked, added)
+    if added:
+        report = check(after, qc, arch)
+        if any(r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if n in added):
+            qc["dynamic"] = {"-:mtp\\..+$": {}, **qc["dynamic"]}
+    dropped = []
+    if drop_dead:
+        report = check(after, qc, arch)
+        dead = set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", []))
+        dropped = [k for k in qc["dynamic"] if k in dead]
+        qc["dynamic"] = {k: v for k, v in qc["dynamic"].items() if k not in dead}
+    if not any(m.quantized for m in after.values()):
+        del config["quantization_config"]
     return config, dropped
 
 
@@ -339,7 +398,8 @@ def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module],
             )
         plan.restore[name] = b
         drop.update(t.name for t in m.packed.values())
-        shard = build.weight_map[m.packed["weight_packed"].name]
+        anchor = m.packed.get("weight_packed") or m.packed.get("qweight")
+        shard = build.weight_map[anchor.name]
         add_to_shard[shard].append(OutTensor(f"{name}.weight", dtype, tuple(shape), src))
     for shard, hdr in sorted(build.headers.items()):
         if shard not in add_to_shard and not (set(hdr.tensors) & drop):
@@ -472,6 +532,11 @@ def _config_digest(ckpt: Checkpoint) -> str:
     return hashlib.sha256(json.dumps(ckpt.config, sort_keys=True).encode()).hexdigest()
 
 
+def _exclusions(qc: dict) -> list[str]:
+    """The entries that keep modules unquantized: `ignore` (compressed-tensors) or `-:` rules of `dynamic` (GPTQ)."""
+    return [k for k in qc.get("dynamic") or {} if k.startswith("-:")] if is_gptq(qc) else list(qc.get("ignore") or [])
+
+
 def splice_record(plan: SplicePlan, stats: dict) -> dict:
     return {
         "tool": "splicer", "version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -483,8 +548,8 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
         "files_from_base": sorted(plan.side_files),
         "ignore_dropped": plan.dropped_ignore,
         "shards": stats,
-        "ignore_added": [e for e in (plan.config.get("quantization_config") or {}).get("ignore", [])
-                         if e not in (plan.build.quantization_config.get("ignore") or [])],
+        "ignore_added": [e for e in _exclusions(plan.config.get("quantization_config") or {})
+                         if e not in _exclusions(plan.build.quantization_config)],
         "quantization_config_removed": "quantization_config" not in plan.config,
     }
 

@@ -112,6 +112,10 @@ class TorchBackend:
         from ..rules import HfReader
 
         qc = ckpt.quantization_config
+        if qc.get("quant_method") == "gptq":
+            if qc.get("checkpoint_format", "gptq") != "gptq":
+                raise SplicerError(f"{ckpt.label}: GPTQ checkpoint_format {qc.get('checkpoint_format')!r}; the torch backend reads v1 ('gptq') only")
+            return {n: m.bits for n, m in list_modules(ckpt).items() if m.quantized}
         reader = HfReader(qc, ckpt.arch)
         out = {}
         for name, m in list_modules(ckpt).items():
@@ -131,7 +135,12 @@ class TorchBackend:
         from ..arch import PACKED_SUFFIXES
         from ..quantize import dequantize_module
 
+        from ..gptq import dequantize_gptq
+
         out = {k: v for k, v in raw.items() if k.rpartition(".")[2] not in PACKED_SUFFIXES}
+        for module in {k.rpartition(".")[0] for k in raw if k.endswith(".qweight")}:
+            local = {s: raw[f"{module}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx") if f"{module}.{s}" in raw}
+            out[f"{module}.weight"] = dequantize_gptq(local, schemes[module], self.dtype)
         for module in {k.rpartition(".")[0] for k in raw if k.endswith(".weight_packed")}:
             local = {s: raw[f"{module}.{s}"] for s in PACKED_SUFFIXES if f"{module}.{s}" in raw}
             out[f"{module}.weight"] = dequantize_module(local, schemes[module], self.dtype)
