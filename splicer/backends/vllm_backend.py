@@ -1,6 +1,7 @@
 """vLLM backend: the serving engine itself, one engine per checkpoint in a child process.
 
-Each `load()` starts a fresh child that builds `vllm.LLM` and answers requests over a pipe;
+Each `load()` starts a fresh child (multiprocessing "spawn": a script that uses this backend must keep its work
+under `if __name__ == "__main__":`, since the child re-imports it) that builds `vllm.LLM` and answers requests over a pipe;
 `unload()` ends it. A crash, an out-of-memory error or a load refusal in one variant
 therefore cannot take `ablate` down, and the GPU is fully released between variants.
 
