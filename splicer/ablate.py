@@ -287,7 +287,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     out = Path(out)
     build = open_checkpoint(build_src, "build")
     from .modules import list_modules
-    from .splice import validate_build
+    from .validate import validate_build
 
     validate_build(build)
     modules = list_modules(build)
@@ -304,7 +304,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     options = {"engine_args": settings.engine_args, "log_dir": out / "logs"} if settings.backend == "vllm" else {}
     backend = make_backend(settings.backend, settings.device, **options)
     base = open_checkpoint(base_src, "base")
-    from .splice import validate_base
+    from .validate import validate_base
 
     validate_base(base, build)
     base_digest = base.header_digest()

@@ -95,7 +95,11 @@ def resolve(source: str, role: str, wanted_files=None) -> Path:
 def _resolve_hub(repo_id: str, role: str, wanted_files) -> Path:
     try:
         from huggingface_hub import hf_hub_download, snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+        from huggingface_hub.errors import (
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+        )
     except ImportError:  # pragma: no cover - huggingface_hub is a dependency
         raise SplicerError("huggingface_hub is not installed; pip install huggingface_hub") from None
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")

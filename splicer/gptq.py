@@ -14,7 +14,10 @@ weight), so packing and unpacking use its helpers; only the transposes and the v
 from __future__ import annotations
 
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from compressed_tensors.compressors.pack_quantized.helpers import (
+    pack_to_int32,
+    unpack_from_int32,
+)
 from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.utils import calculate_qparams
 

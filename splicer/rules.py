@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-
 from .arch import Architecture
 from .errors import SplicerError
 from .modules import Module

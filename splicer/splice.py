@@ -20,12 +20,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__, faults
-from .arch import PACKED_SUFFIXES, Architecture
-from .checkpoint import INDEX_NAME, Checkpoint, is_packed_tensor, load_shard_header, open_checkpoint
+from .arch import Architecture
+from .checkpoint import (
+    INDEX_NAME,
+    Checkpoint,
+    load_shard_header,
+    open_checkpoint,
+)
+from .config_edit import (
+    exclusions,
+    modules_after,
+    restored_config,
+)
 from .errors import SplicerError
 from .modules import Module, list_modules, weight_source
-from .rules import check, is_gptq, validate_regexes
+from .rules import check
 from .safetensors_io import ByteSource, OutTensor, write_shard
+from .validate import (
+    check_output_path,
+    parse_classes,
+    parse_layers,
+    validate_base,
+    validate_build,
+    validate_schemes,
+)
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 PARTIAL_MARKER = ".splicer-partial"
@@ -50,7 +68,6 @@ class SplicePlan:
 
 
 MTP_SHARD = "model-mtp.safetensors"
-MTP_IGNORE = r"re:mtp\..+$"
 # Tokenizer, chat template and processor files: copied verbatim from the base with --tokenizer-from-base
 # (seed 000's third fix-up: transformers 5.14 re-serialised tokenizer.json on export).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
@@ -59,128 +76,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 # ---------------------------------------------------------------- validation
-
-
-def validate_build(build: Checkpoint) -> None:
-    qc = build.quantization_config
-    if not qc:
-        raise SplicerError(f"build {build.label} has no quantization_config in config.json; it is not a quantized build (did you swap BUILD and BASE?)")
-    if is_gptq(qc):
-        return _validate_gptq(build, qc)
-    if qc.get("quant_method") != "compressed-tensors":
-        raise SplicerError(
-            f"build {build.label} uses quant_method {qc.get('quant_method')!r}; splicer handles compressed-tensors "
-            "pack-quantized and GPTQ builds"
-        )
-    formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
-    formats.discard(None)
-    if formats != {"pack-quantized"}:
-        raise SplicerError(f"build {build.label} has format {sorted(formats)}; only pack-quantized (W4A16/W8A16) is supported")
-    if not isinstance(qc.get("config_groups"), dict) or not qc["config_groups"]:
-        raise SplicerError(f"build {build.label}: quantization_config has no config_groups; the config is invalid, restore it from the original export")
-    validate_regexes(qc, f"build {build.label}")
-    if not any(is_packed_tensor(t) for t in build.weight_map):
-        raise SplicerError(
-            f"build {build.label}: config.json says pack-quantized but no tensor is packed (no weight_packed); "
-            "the shards do not belong to this config"
-        )
-
-
-def _validate_gptq(build: Checkpoint, qc: dict) -> None:
-    if qc.get("bits") not in (2, 3, 4, 8):
-        raise SplicerError(f"build {build.label}: GPTQ bits {qc.get('bits')!r} is not 2, 3, 4 or 8; the config is invalid")
-    for key in qc.get("dynamic") or {}:
-        try:
-            re.compile(key[2:] if key[:2] in ("-:", "+:") else key)
-        except re.error as e:
-            raise SplicerError(f"build {build.label}: dynamic rule {key!r} is not a valid regex ({e}); fix config.json") from None
-    if not any(t.endswith(".qweight") for t in build.weight_map):
-        raise SplicerError(f"build {build.label}: config.json says gptq but no tensor is packed (no qweight); the shards do not belong to this config")
-
-
-def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
-    """Every packed module must agree with the config group that claims it (bits, group size dividing its input dim)."""
-    from .rules import HfReader
-
-    qc = build.quantization_config
-    if is_gptq(qc):
-        if any(k.startswith("+:") for k in qc.get("dynamic") or {}):
-            return  # per-module overrides: bits and group size may differ by design
-        for name, m in sorted(modules.items()):
-            g = qc.get("group_size")
-            if m.quantized and ((m.bits, m.group_size) != (qc["bits"], g if g and g > 0 else m.shape[1])):
-                raise SplicerError(f"build {build.label}: {name} is stored as {m.bits}-bit g{m.group_size} but the config says "
-                                   f"{qc['bits']}-bit g{g}; the config does not match the shards, re-export the build")
-        return
-    reader = HfReader(qc, build.arch)
-    for name, m in sorted(modules.items()):
-        if not m.quantized:
-            continue
-        group = reader.reading(m).group
-        if group is None:
-            continue  # reported by inspect's lint (stored packed, read as BF16)
-        w = qc["config_groups"][group].get("weights") or {}
-        g, bits = w.get("group_size"), w.get("num_bits")
-        if g and m.shape[1] % int(g):
-            raise SplicerError(f"build {build.label}: {group} has group_size {g}, which does not divide the input dim {m.shape[1]} "
-                               f"of {name}; the build is corrupt, re-export it")
-        if (bits, g) != (m.bits, m.group_size) and g:
-            raise SplicerError(f"build {build.label}: {name} is stored as {m.bits}-bit g{m.group_size} but {group} says {bits}-bit g{g}; "
-                               "the config does not match the shards, re-export the build")
-
-
-def validate_base(base: Checkpoint, build: Checkpoint) -> None:
-    if base.quantization_config:
-        raise SplicerError(f"base {base.label} is itself quantized ({base.quantization_config.get('quant_method')}); pass the BF16 model the build was made from")
-    packed = next((t for t in base.weight_map if is_packed_tensor(t)), None)
-    if packed:
-        raise SplicerError(f"base {base.label} holds packed tensors ({packed}); pass the BF16 model the build was made from")
-    if base.config.get("model_type") != build.config.get("model_type"):
-        raise SplicerError(
-            f"base {base.label} is a {base.config.get('model_type')!r} model but the build is {build.config.get('model_type')!r}; "
-            "pass the base the build was made from"
-        )
-    for key in ("hidden_size", "vocab_size", "num_hidden_layers", "num_experts", "moe_intermediate_size"):
-        a, b = base.text_config.get(key), build.text_config.get(key)
-        if a != b:
-            raise SplicerError(f"base {base.label} has {key}={a} but the build has {b}; pass the base the build was made from")
-
-
-def parse_classes(spec: str, arch: Architecture, modules: dict[str, Module], build_has_mtp: bool = True) -> list[str]:
-    items = [c.strip() for c in (spec or "").split(",") if c.strip()]
-    if not items:
-        raise SplicerError(f"--restore is empty; give a comma list of {', '.join(arch.classes)} or all")
-    quantized = {m.cls for m in modules.values() if m.quantized}
-    if not build_has_mtp:
-        quantized.add("mtp")  # restoring it means adding the base's BF16 MTP head
-    if items == ["all"]:
-        return [c for c in arch.classes if c in quantized]
-    unknown = [c for c in items if c not in arch.classes]
-    if unknown:
-        raise SplicerError(f"unknown class {unknown[0]!r} in --restore; choose from {', '.join(arch.classes)} or all")
-    empty = [c for c in items if c not in quantized]
-    if empty:
-        raise SplicerError(
-            f"class {empty[0]} has no quantized modules in this build, so there is nothing to restore; "
-            f"quantized classes: {', '.join(c for c in arch.classes if c in quantized) or 'none'} (see splicer inspect)"
-        )
-    return [c for c in arch.classes if c in items]
-
-
-def parse_layers(spec: str | None) -> set[int] | None:
-    if not spec:
-        return None
-    layers: set[int] = set()
-    try:
-        for part in spec.split(","):
-            lo, _, hi = part.strip().partition("-")
-            layers.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise SplicerError(f"--layers {spec!r} is not a list of layer numbers or ranges like 0,4-7") from None
-    return layers
-
-
-# ---------------------------------------------------------------- planning
 
 
 def select_modules(modules: dict[str, Module], classes: list[str], arch: Architecture,
@@ -249,135 +144,6 @@ def open_base_for(build: Checkpoint, base_source: str, picked: dict[str, Module]
     return base
 
 
-def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[str, Module],
-                    added: dict[str, Module] | None = None, drop_dead: bool = False) -> tuple[dict, list[str]]:
-    """config.json with ignore entries for the restored modules and groups that target nothing removed.
-
-    Edited as a plain dict: a pydantic round-trip through compressed-tensors 0.20 rejects
-    fields that 0.17 wrote.
-    """
-    arch = build.arch
-    config = json.loads(json.dumps(build.config))
-    qc = config["quantization_config"]
-    if is_gptq(qc):
-        return _restored_gptq_config(config, build, modules, picked, added, drop_dead)
-    ignore = list(qc.get("ignore") or [])
-    for entry in ignore_entries(picked, modules, arch):
-        if entry not in ignore:
-            ignore.append(entry)
-    qc["ignore"] = ignore
-    if "lm_head" in picked:
-        # A group aimed at the head (re:.*lm_head$) would otherwise still claim it.
-        for g in qc["config_groups"].values():
-            g["targets"] = [t for t in g.get("targets") or [] if not _targets_only_head(t)]
-    after = _modules_after(modules, picked, added)
-    report = check(after, qc, arch)
-    if added and any(r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if n in added):
-        qc["ignore"].append(MTP_IGNORE)  # the added BF16 MTP head must not be read as quantized
-        report = check(after, qc, arch)
-    dropped = []
-    if drop_dead:
-        dead = set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", []))
-        dropped = [e for e in qc["ignore"] if e in dead]
-        qc["ignore"] = [e for e in qc["ignore"] if e not in dead]
-    live = {r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if r.group and after[n].quantized}
-    for gname in list(qc["config_groups"]):
-        if gname not in live or not qc["config_groups"][gname].get("targets"):
-            del qc["config_groups"][gname]
-    if not qc["config_groups"] and not qc.get("kv_cache_scheme"):
-        del config["quantization_config"]  # nothing is quantized any more: a plain BF16 checkpoint
-    return config, dropped
-
-
-def _restored_gptq_config(config: dict, build: Checkpoint, modules: dict[str, Module], picked: dict[str, Module],
-                          added: dict[str, Module] | None, drop_dead: bool) -> tuple[dict, list[str]]:
-    """GPTQ: `-:` rules first in `dynamic` (vLLM and GPTQModel stop at the first rule that matches), naming the restored
-    modules and the vLLM layers they load into (fused names, the MoE prefix) under both namings."""
-    arch = build.arch
-    qc = config["quantization_config"]
-    units = {arch.atomic_unit(n) for n in picked}
-    names = {n: picked[n] for n in picked} | {u: Module(u, arch.module_class(u), shape=(0, 0)) for u in units}
-    universe = dict(modules)
-    for u in {arch.atomic_unit(n) for n, m in modules.items() if m.quantized}:
-        universe[u] = Module(u, arch.module_class(u), packed={"qweight": None}, shape=(0, 0))
-    rules = []
-    for entry in ignore_entries(names, universe, arch):
-        rules.append("-:" + (entry[3:] if entry.startswith("re:") else re.escape(entry) + "$"))
-    old = qc.get("dynamic") or {}
-    qc["dynamic"] = {**{r: {} for r in rules if r not in old}, **old}
-    if "lm_head" in picked:
-        qc["lm_head"] = False
-    after = _modules_after(modules, picked, added)
-    if added:
-        report = check(after, qc, arch)
-        if any(r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if n in added):
-            qc["dynamic"] = {"-:mtp\\..+$": {}, **qc["dynamic"]}
-    dropped = []
-    if drop_dead:
-        report = check(after, qc, arch)
-        dead = set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", []))
-        dropped = [k for k in qc["dynamic"] if k in dead]
-        qc["dynamic"] = {k: v for k, v in qc["dynamic"].items() if k not in dead}
-    if not any(m.quantized for m in after.values()):
-        del config["quantization_config"]
-    return config, dropped
-
-
-def _targets_only_head(target: str) -> bool:
-    if not target.startswith("re:"):
-        return target in ("lm_head", "language_model.lm_head")
-    pat = re.compile(target[3:])
-    return bool(pat.match("lm_head") or pat.match("language_model.lm_head")) and not pat.match("model.language_model.layers.0.mlp.down_proj")
-
-
-_LAYERED = re.compile(r"^(?P<root>model\.language_model\.layers|mtp\.layers)\.(?P<layer>\d+)\.(?P<path>.+?)(?:\.(?P<expert>\d+))?\.(?P<proj>[^.]+)$")
-
-
-def ignore_entries(picked: dict[str, Module], modules: dict[str, Module], arch: Architecture) -> list[str]:
-    """A few readable regexes, each ending in `$`, that match the restored modules under both namings.
-
-    Decoder names are matched in HF form (model.language_model.) and vLLM form
-    (language_model.model.), because vLLM does not rename regexes (facts §3).
-    """
-    entries: list[str] = []
-    parsed = {}
-    projs_at: dict[tuple, set[str]] = defaultdict(set)  # (root, layer, path) -> restored projections
-    for name in picked:
-        if name == "lm_head":
-            entries.append(r"re:(language_model\.)?lm_head$")
-        elif (m := _LAYERED.match(name)) is None:
-            entries.append(name)  # e.g. mtp.fc: exact names are renamed by vLLM where needed
-        else:
-            parsed[name] = m
-            projs_at[(m["root"], m["layer"], m["path"])].add(m["proj"])
-    by_key: dict[tuple, set[int]] = defaultdict(set)
-    for name, m in parsed.items():
-        projs = frozenset(projs_at[(m["root"], m["layer"], m["path"])])
-        by_key[(m["root"], m["path"], m["expert"] is not None, projs)].add(int(m["layer"]))
-    all_layers: dict[tuple, set[int]] = defaultdict(set)
-    for name in modules:
-        if (m := _LAYERED.match(name)) and modules[name].quantized:
-            all_layers[(m["root"], m["path"], m["proj"])].add(int(m["layer"]))
-    for (root, path, is_expert, projs), layers in sorted(by_key.items(), key=lambda kv: str(kv[0])):
-        everywhere = all(all_layers[(root, path, p)] <= layers for p in projs)
-        layer_re = r"\d+" if everywhere else "(" + "|".join(str(i) for i in sorted(layers)) + ")"
-        root_re = r"(model\.language_model|language_model\.model)\.layers" if root.startswith("model.") else re.escape(root)
-        proj_re = "(" + "|".join(re.escape(p) for p in sorted(projs)) + ")" if len(projs) > 1 else re.escape(next(iter(projs)))
-        expert_re = r"\.\d+" if is_expert else ""
-        entries.append(f"re:{root_re}\\.{layer_re}\\.{re.escape(path)}{expert_re}\\.{proj_re}$")
-    return list(dict.fromkeys(entries))
-
-
-def _modules_after(modules: dict[str, Module], picked: dict[str, Module], added: dict[str, Module] | None = None) -> dict[str, Module]:
-    after = dict(added or {})
-    for name, m in modules.items():
-        if name in picked:
-            after[name] = Module(name, m.cls, plain={"weight": None}, shape=m.shape)
-        else:
-            after[name] = m
-    return after
-
-
 def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module], picked: dict[str, Module], classes: list[str],
                 add_mtp: bool = False, tokenizer_from_base: bool = False, drop_dead_ignore: bool = False) -> SplicePlan:
     base_modules = list_modules(base)
@@ -438,7 +204,7 @@ def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module],
 
 def verify_plan(plan: SplicePlan, modules: dict[str, Module]) -> None:
     """Refuse a plan whose config either reader would misread, before anything is written."""
-    after = _modules_after(modules, {n: m for n, m in plan.restore.items() if n in modules},
+    after = modules_after(modules, {n: m for n, m in plan.restore.items() if n in modules},
                            {n: m for n, m in plan.restore.items() if n not in modules})
     qc = plan.config.get("quantization_config") or {}
     report = check(after, qc, plan.build.arch)
@@ -532,11 +298,6 @@ def _config_digest(ckpt: Checkpoint) -> str:
     return hashlib.sha256(json.dumps(ckpt.config, sort_keys=True).encode()).hexdigest()
 
 
-def _exclusions(qc: dict) -> list[str]:
-    """The entries that keep modules unquantized: `ignore` (compressed-tensors) or `-:` rules of `dynamic` (GPTQ)."""
-    return [k for k in qc.get("dynamic") or {} if k.startswith("-:")] if is_gptq(qc) else list(qc.get("ignore") or [])
-
-
 def splice_record(plan: SplicePlan, stats: dict) -> dict:
     return {
         "tool": "splicer", "version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -548,28 +309,13 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
         "files_from_base": sorted(plan.side_files),
         "ignore_dropped": plan.dropped_ignore,
         "shards": stats,
-        "ignore_added": [e for e in _exclusions(plan.config.get("quantization_config") or {})
-                         if e not in _exclusions(plan.build.quantization_config)],
+        "ignore_added": [e for e in exclusions(plan.config.get("quantization_config") or {})
+                         if e not in exclusions(plan.build.quantization_config)],
         "quantization_config_removed": "quantization_config" not in plan.config,
     }
 
 
 # ---------------------------------------------------------------- entry point
-
-
-def check_output_path(out: Path, force: bool, inputs: list[Path]) -> None:
-    out = Path(out).resolve()
-    trash = out.parent / f".{out.name}.splicer-old"
-    if trash.exists() and not out.exists():
-        os.rename(trash, out)  # a --force run was killed between its two renames: put the old OUT back
-    for p in inputs:
-        p = Path(p).resolve()
-        if out == p or p in out.parents:
-            raise SplicerError(f"-o {out} is inside an input folder ({p}); inputs are never modified, choose another -o")
-    if out.exists() and not force:
-        raise SplicerError(f"{out} exists; pass --force to replace it or choose another -o")
-    if not out.parent.exists():
-        raise SplicerError(f"the parent folder of -o ({out.parent}) does not exist; create it first")
 
 
 def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers: str | None = None,
@@ -591,4 +337,4 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
     return write_plan(plan, Path(out), force=force, progress=progress)
 
 
-__all__ = ["splice", "plan_splice", "select_modules", "ignore_entries", "PACKED_SUFFIXES"]
+__all__ = ["splice", "plan_splice", "select_modules", "verify_plan", "write_plan"]

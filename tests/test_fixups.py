@@ -9,7 +9,8 @@ import pytest
 
 from splicer.checkpoint import open_checkpoint
 from splicer.inspect import inspect_checkpoint
-from splicer.splice import MTP_IGNORE, MTP_SHARD, splice
+from splicer.config_edit import MTP_IGNORE
+from splicer.splice import MTP_SHARD, splice
 
 from .test_splice import bit_equal, load_all
 

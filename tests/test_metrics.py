@@ -10,7 +10,14 @@ import torch
 
 from splicer.ablate import position_records
 from splicer.corpora import Corpus
-from splicer.metrics import bootstrap_mean_ci, fill_missing, kl_full, kl_top_lumped, summarize, wilson
+from splicer.metrics import (
+    bootstrap_mean_ci,
+    fill_missing,
+    kl_full,
+    kl_top_lumped,
+    summarize,
+    wilson,
+)
 
 
 def _random_dists(n, v, seed, sharp=3.0):

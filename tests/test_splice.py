@@ -148,7 +148,9 @@ def test_splice_restores_exactly(pairs, tmp_path, layout, restore):
 @pytest.mark.parametrize("restore", ["gdn", "lm_head", "experts", "attention,shared_expert"])
 def test_output_dequantizes_with_compressed_tensors(pairs, tmp_path, restore):
     """compressed-tensors' own dequantizer reads the spliced config: restored modules equal the base."""
-    from compressed_tensors.entrypoints.convert.converters import CompressedTensorsDequantizer
+    from compressed_tensors.entrypoints.convert.converters import (
+        CompressedTensorsDequantizer,
+    )
 
     p = pairs["fused"]
     out = tmp_path / "out"

@@ -133,9 +133,8 @@ class TorchBackend:
 
     def _dequantize(self, raw: dict, schemes: dict) -> dict:
         from ..arch import PACKED_SUFFIXES
-        from ..quantize import dequantize_module
-
         from ..gptq import dequantize_gptq
+        from ..quantize import dequantize_module
 
         out = {k: v for k, v in raw.items() if k.rpartition(".")[2] not in PACKED_SUFFIXES}
         for module in {k.rpartition(".")[0] for k in raw if k.endswith(".qweight")}:

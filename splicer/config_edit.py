@@ -1,0 +1,152 @@
+"""config.json for a splice: the exclusion entries that make both readers (compressed-tensors / GPTQModel with HF names,
+vLLM with its own) load the restored modules unquantized, and the groups that no longer target anything removed.
+
+Edited as a plain dict: a pydantic round-trip through compressed-tensors 0.20 rejects fields that 0.17 wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+
+from .arch import Architecture
+from .checkpoint import Checkpoint
+from .modules import Module
+from .rules import check, is_gptq
+
+MTP_IGNORE = r"re:mtp\..+$"
+
+
+def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[str, Module],
+                    added: dict[str, Module] | None = None, drop_dead: bool = False) -> tuple[dict, list[str]]:
+    """config.json with ignore entries for the restored modules and groups that target nothing removed.
+
+    Edited as a plain dict: a pydantic round-trip through compressed-tensors 0.20 rejects
+    fields that 0.17 wrote.
+    """
+    arch = build.arch
+    config = json.loads(json.dumps(build.config))
+    qc = config["quantization_config"]
+    if is_gptq(qc):
+        return _restored_gptq_config(config, build, modules, picked, added, drop_dead)
+    ignore = list(qc.get("ignore") or [])
+    for entry in ignore_entries(picked, modules, arch):
+        if entry not in ignore:
+            ignore.append(entry)
+    qc["ignore"] = ignore
+    if "lm_head" in picked:
+        # A group aimed at the head (re:.*lm_head$) would otherwise still claim it.
+        for g in qc["config_groups"].values():
+            g["targets"] = [t for t in g.get("targets") or [] if not _targets_only_head(t)]
+    after = modules_after(modules, picked, added)
+    report = check(after, qc, arch)
+    if added and any(r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if n in added):
+        qc["ignore"].append(MTP_IGNORE)  # the added BF16 MTP head must not be read as quantized
+        report = check(after, qc, arch)
+    dropped = []
+    if drop_dead:
+        dead = set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", []))
+        dropped = [e for e in qc["ignore"] if e in dead]
+        qc["ignore"] = [e for e in qc["ignore"] if e not in dead]
+    live = {r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if r.group and after[n].quantized}
+    for gname in list(qc["config_groups"]):
+        if gname not in live or not qc["config_groups"][gname].get("targets"):
+            del qc["config_groups"][gname]
+    if not qc["config_groups"] and not qc.get("kv_cache_scheme"):
+        del config["quantization_config"]  # nothing is quantized any more: a plain BF16 checkpoint
+    return config, dropped
+
+
+def _restored_gptq_config(config: dict, build: Checkpoint, modules: dict[str, Module], picked: dict[str, Module],
+                          added: dict[str, Module] | None, drop_dead: bool) -> tuple[dict, list[str]]:
+    """GPTQ: `-:` rules first in `dynamic` (vLLM and GPTQModel stop at the first rule that matches), naming the restored
+    modules and the vLLM layers they load into (fused names, the MoE prefix) under both namings."""
+    arch = build.arch
+    qc = config["quantization_config"]
+    units = {arch.atomic_unit(n) for n in picked}
+    names = {n: picked[n] for n in picked} | {u: Module(u, arch.module_class(u), shape=(0, 0)) for u in units}
+    universe = dict(modules)
+    for u in {arch.atomic_unit(n) for n, m in modules.items() if m.quantized}:
+        universe[u] = Module(u, arch.module_class(u), packed={"qweight": None}, shape=(0, 0))
+    rules = []
+    for entry in ignore_entries(names, universe, arch):
+        rules.append("-:" + (entry[3:] if entry.startswith("re:") else re.escape(entry) + "$"))
+    old = qc.get("dynamic") or {}
+    qc["dynamic"] = {**{r: {} for r in rules if r not in old}, **old}
+    if "lm_head" in picked:
+        qc["lm_head"] = False
+    after = modules_after(modules, picked, added)
+    if added:
+        report = check(after, qc, arch)
+        if any(r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if n in added):
+            qc["dynamic"] = {"-:mtp\\..+$": {}, **qc["dynamic"]}
+    dropped = []
+    if drop_dead:
+        report = check(after, qc, arch)
+        dead = set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", []))
+        dropped = [k for k in qc["dynamic"] if k in dead]
+        qc["dynamic"] = {k: v for k, v in qc["dynamic"].items() if k not in dead}
+    if not any(m.quantized for m in after.values()):
+        del config["quantization_config"]
+    return config, dropped
+
+
+def _targets_only_head(target: str) -> bool:
+    if not target.startswith("re:"):
+        return target in ("lm_head", "language_model.lm_head")
+    pat = re.compile(target[3:])
+    return bool(pat.match("lm_head") or pat.match("language_model.lm_head")) and not pat.match("model.language_model.layers.0.mlp.down_proj")
+
+
+_LAYERED = re.compile(r"^(?P<root>model\.language_model\.layers|mtp\.layers)\.(?P<layer>\d+)\.(?P<path>.+?)(?:\.(?P<expert>\d+))?\.(?P<proj>[^.]+)$")
+
+
+def ignore_entries(picked: dict[str, Module], modules: dict[str, Module], arch: Architecture) -> list[str]:
+    """A few readable regexes, each ending in `$`, that match the restored modules under both namings.
+
+    Decoder names are matched in HF form (model.language_model.) and vLLM form
+    (language_model.model.), because vLLM does not rename regexes (facts §3).
+    """
+    entries: list[str] = []
+    parsed = {}
+    projs_at: dict[tuple, set[str]] = defaultdict(set)  # (root, layer, path) -> restored projections
+    for name in picked:
+        if name == "lm_head":
+            entries.append(r"re:(language_model\.)?lm_head$")
+        elif (m := _LAYERED.match(name)) is None:
+            entries.append(name)  # e.g. mtp.fc: exact names are renamed by vLLM where needed
+        else:
+            parsed[name] = m
+            projs_at[(m["root"], m["layer"], m["path"])].add(m["proj"])
+    by_key: dict[tuple, set[int]] = defaultdict(set)
+    for name, m in parsed.items():
+        projs = frozenset(projs_at[(m["root"], m["layer"], m["path"])])
+        by_key[(m["root"], m["path"], m["expert"] is not None, projs)].add(int(m["layer"]))
+    all_layers: dict[tuple, set[int]] = defaultdict(set)
+    for name in modules:
+        if (m := _LAYERED.match(name)) and modules[name].quantized:
+            all_layers[(m["root"], m["path"], m["proj"])].add(int(m["layer"]))
+    for (root, path, is_expert, projs), layers in sorted(by_key.items(), key=lambda kv: str(kv[0])):
+        everywhere = all(all_layers[(root, path, p)] <= layers for p in projs)
+        layer_re = r"\d+" if everywhere else "(" + "|".join(str(i) for i in sorted(layers)) + ")"
+        root_re = r"(model\.language_model|language_model\.model)\.layers" if root.startswith("model.") else re.escape(root)
+        proj_re = "(" + "|".join(re.escape(p) for p in sorted(projs)) + ")" if len(projs) > 1 else re.escape(next(iter(projs)))
+        expert_re = r"\.\d+" if is_expert else ""
+        entries.append(f"re:{root_re}\\.{layer_re}\\.{re.escape(path)}{expert_re}\\.{proj_re}$")
+    return list(dict.fromkeys(entries))
+
+
+def modules_after(modules: dict[str, Module], picked: dict[str, Module], added: dict[str, Module] | None = None) -> dict[str, Module]:
+    after = dict(added or {})
+    for name, m in modules.items():
+        if name in picked:
+            after[name] = Module(name, m.cls, plain={"weight": None}, shape=m.shape)
+        else:
+            after[name] = m
+    return after
+
+
+def exclusions(qc: dict) -> list[str]:
+    """The entries that keep modules unquantized: `ignore` (compressed-tensors) or `-:` rules of `dynamic` (GPTQ)."""
+    return [k for k in qc.get("dynamic") or {} if k.startswith("-:")] if is_gptq(qc) else list(qc.get("ignore") or [])
