@@ -1,10 +1,10 @@
 """Splice speed and memory against `cp` of the same bytes, measured side by side in one run.
 
-Builds fixture pairs of two sizes (bench preset, 4 and 8 decoder layers: ~1.1 and ~2.1 GB BF16),
-then for each size and each restore choice:
-  * runs `splicer splice` as a child process (wall time, peak RSS from wait4),
-  * copies exactly the shards the splice wrote with `cp` (the same output bytes; page cache warm for both),
-and prints the ratio splice / cp. Goal (issue 2): ratio <= 1.2 and peak RSS <= 1.5 GB, flat in size.
+Builds fixture pairs of two sizes (bench preset, 8 and 16 decoder layers by default: ~2.2 and ~4.2 GB BF16),
+then for each size and each restore choice, in alternating order:
+  * runs `splicer splice` as a child process (wall time until its output is on disk, peak RSS),
+  * copies exactly the shards the splice writes with `cp` (the same output bytes),
+and prints the ratio of the medians splice / cp. Goal (issue 2): ratio <= 1.2 and peak RSS <= 1.5 GB, flat in size.
 
 Usage: python benchmarks/splice_bench.py [WORKDIR] [--reps 3]
 """
@@ -25,15 +25,19 @@ from pathlib import Path
 
 
 def run_child(argv: list[str]) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of one child process.
+    """(wall seconds until the output is on disk, peak RSS bytes) of one child process.
 
-    RSS comes from GNU time's %M: rusage of a child forked from this (large) process would
-    count the pages it inherited before exec.
+    Each command starts after a `sync` and its time includes the `sync` after it: on this machine's disk, write-back
+    of one command's dirty pages otherwise lands on whichever command runs next (single runs of the same `cp` took
+    0.9 to 8 s when timed without it). RSS comes from GNU time's %M: rusage of a child forked from this (large) process
+    would count the pages it inherited before exec.
     """
+    os.sync()
     with tempfile.NamedTemporaryFile("r") as rss_file:
         t0 = time.perf_counter()
         proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", rss_file.name, *argv],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        os.sync()
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise SystemExit(f"{argv} failed: {proc.stderr.decode()[-2000:]}")
@@ -48,7 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("workdir", nargs="?", default=None)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--layers", default="4,8")
+    ap.add_argument("--layers", default="8,16")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="splice-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -66,26 +70,32 @@ def main() -> None:
         build_bytes = dir_bytes(build.glob("*.safetensors"))
         for restore in ("gdn,shared_expert", "all"):
             splice_walls, cp_walls, rss = [], [], []
+            ref = work / "ref"
+            shutil.rmtree(ref, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "splicer", "splice", "-q", "--restore", restore, str(build), str(base), "-o", str(ref)], check=True)
+            # The bytes the splice writes: shards that are not hard links to the build's files.
+            written = [p for p in ref.glob("*.safetensors") if p.stat().st_nlink == 1]
             for rep in range(args.reps):
-                out = work / "out"
+                out, dst = work / "out", work / "cp"
                 shutil.rmtree(out, ignore_errors=True)
-                wall, peak = run_child([sys.executable, "-m", "splicer", "splice", "-q", "--restore", restore, str(build), str(base), "-o", str(out)])
-                splice_walls.append(wall)
-                rss.append(peak)
-                # The bytes the splice wrote: shards that are not hard links to the build's files.
-                written = [p for p in out.glob("*.safetensors") if p.stat().st_nlink == 1]
-                dst = work / "cp"
                 shutil.rmtree(dst, ignore_errors=True)
                 dst.mkdir()
-                cp_wall, _ = run_child(["cp", *map(str, written), str(dst)])
-                cp_walls.append(cp_wall)
+                for step in (("splice", "cp") if rep % 2 == 0 else ("cp", "splice")):  # alternate the order
+                    if step == "splice":
+                        wall, peak = run_child([sys.executable, "-m", "splicer", "splice", "-q", "--restore", restore, str(build), str(base), "-o", str(out)])
+                        splice_walls.append(wall)
+                        rss.append(peak)
+                    else:
+                        cp_walls.append(run_child(["cp", *map(str, written), str(dst)])[0])
             written_bytes = dir_bytes(written)
             # In-process splice time (no interpreter start / imports), for the same work.
             from splicer.splice import splice
 
             shutil.rmtree(work / "out", ignore_errors=True)
+            os.sync()
             t0 = time.perf_counter()
             splice(str(build), str(base), work / "out", restore, progress=False)
+            os.sync()
             inproc = time.perf_counter() - t0
             s, c = statistics.median(splice_walls), statistics.median(cp_walls)
             rows.append({
@@ -95,7 +105,8 @@ def main() -> None:
                 "peak_rss_MB": round(max(rss) / 1e6),
             })
             print(json.dumps(rows[-1]), flush=True)
-            shutil.rmtree(work / "cp", ignore_errors=True)
+            for d in ("cp", "ref"):
+                shutil.rmtree(work / d, ignore_errors=True)
     from tabulate import tabulate
 
     print()
