@@ -119,8 +119,13 @@ def _kernel_probe(model):
                 parts.append(type(kernel).__name__)
         for attr in ("experts_cls", "moe_kernel", "wna16_backend", "backend"):
             v = getattr(qm, attr, None)
-            if v is not None and not callable(v):
-                parts.append(f"{attr}={getattr(v, '__name__', None) or getattr(v, 'name', None) or v}")
+            if v is None or (callable(v) and not isinstance(v, type)):
+                continue
+            if isinstance(v, type):
+                v = v.__name__
+            elif not isinstance(v, (str, int, float, bool)):
+                v = getattr(v, "name", None) or type(v).__name__  # enums by name, other objects by class
+            parts.append(f"{attr}={v}")
         out[re.sub(r"\.\d+\.", ".*.", name)] = " / ".join(parts)
     return out
 
