@@ -45,6 +45,7 @@ class AblateSettings:
     corpus_overrides: dict[str, str] = field(default_factory=dict)
     batch_size: int | None = None  # sequences per forward / per engine call; None: the backend's default
     engine_args: dict = field(default_factory=dict)
+    bandwidth_gbs: float | None = None  # memory bandwidth for the decode floor column (H200: 4800)
     bootstrap: int = 1000
     progress: bool = True
 
@@ -334,6 +335,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                         for c in corpora},
             "quantized_classes": quantized, "noise_floor": noise_floor(cache, corpora, settings.bootstrap),
             "timing_settings": plan.timing if settings.time_decode else None,
+            "bandwidth_bytes_per_s": settings.bandwidth_gbs * 1e9 if settings.bandwidth_gbs else None,
             "variants": [], "skipped": [],
         }
         done = {v["name"]: v for v in (previous or {}).get("variants", []) if same_job and v.get("status") == "ok"}
@@ -373,6 +375,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                         splice(str(build_src), str(base_src), folder, ",".join(restored), force=True, progress=False)
                 entry["elapsed"]["splice_s"] = time.perf_counter() - t0
                 entry["size_bytes"] = _folder_bytes(folder)
+                entry["bytes_per_decode_step"] = _bytes_per_step(folder)
                 metrics, timings = score_variant(backend, folder, cache, corpora, plan, settings, out / "scores" / row.name)
                 entry["metrics"] = metrics
                 entry["engine"] = timings.pop("engine", None)
@@ -397,6 +400,13 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         results["elapsed_s"] = time.perf_counter() - t_start
         _finish(results, out, backend)
         return results
+
+
+def _bytes_per_step(folder: Path) -> int:
+    """Weight bytes one batch-1 decode step reads (inspect's figure: routed experts count top-k of E)."""
+    from .inspect import inspect_checkpoint
+
+    return int(inspect_checkpoint(open_checkpoint(folder, "variant"))["total_bytes_per_decode_step"])
 
 
 def _splice_is_current(folder: Path, build, restored: list[str]) -> bool:

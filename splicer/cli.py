@@ -63,7 +63,7 @@ def _cmd_ablate(args) -> int:
         raise SplicerError("engine options (--engine-arg, --max-model-len, ...) apply to --backend vllm only")
     settings = AblateSettings(backend=args.backend, device=args.device, time_decode=not args.no_time,
                               corpus_overrides=overrides, batch_size=args.batch_size, progress=not args.quiet,
-                              engine_args=engine_args)
+                              engine_args=engine_args, bandwidth_gbs=args.bandwidth_gbs)
     if args.demo:
         if args.build or args.base:
             raise SplicerError("--demo builds its own tiny pair; drop BUILD and BASE, or drop --demo")
@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--language-model-only", action="store_true", help="vllm: skip the vision tower")
     s.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="vllm: any vllm.LLM keyword (VALUE as JSON), repeatable")
     s.add_argument("--no-time", action="store_true", help="skip decode timing")
+    s.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth in GB/s: adds the decode floor (bytes read per step / bandwidth) to the table")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=_cmd_ablate)
 

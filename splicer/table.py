@@ -57,12 +57,14 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
     has_dnll = any((m or {}).get("dnll") is not None for v in variants for m in (v.get("metrics") or {}).values())
     if has_dnll:
         headers.append("dNLL")
-    headers += ["decode ms/tok", "Δ decode", "ΔKL vs build"]
+    bw = results.get("bandwidth_bytes_per_s")
+    headers += ["decode ms/tok"] + ([f"floor ms @ {bw / 1e12:g} TB/s"] if bw else []) + ["Δ decode", "ΔKL vs build"]
     rows = []
     for v in variants:
         restored = v["restored"] if isinstance(v["restored"], str) else (", ".join(v["restored"]) or "none (the build)")
         if v.get("status") != "ok":
-            rows.append([v["name"], restored, "", *[""] * (2 * len(corpora)), *([""] if has_dnll else []), "", "", f"failed: {v.get('error', '')[:80]}"])
+            rows.append([v["name"], restored, "", *[""] * (2 * len(corpora)), *([""] if has_dnll else []), "", *([""] if bw else []),
+                         "", f"failed: {v.get('error', '')[:80]}"])
             continue
         noisy = all(v.get("within_noise", {}).values()) and v.get("within_noise")
         row = [v["name"] + (" ≈" if noisy else ""), restored, f"{v['size_bytes'] / 1e9:.3f}"]
@@ -74,6 +76,9 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
             row.append(f"{d:+.4f}" if d is not None else "")
         ms = v.get("decode_ms_per_token")
         row.append(f"{ms:.2f}" if ms is not None else "-")
+        if bw:  # the time the step's weight bytes take at the card's bandwidth: how far decode is from the memory floor
+            step = v.get("bytes_per_decode_step")
+            row.append(f"{1000 * step / bw:.3f}" if step else "")
         row.append(f"{100 * (ms / build_ms - 1):+.1f} %" if ms is not None and build_ms and v["name"] != "build" else "")
         kl = _mean_kl(v)
         row.append(f"{100 * (kl / build_kl - 1):+.1f} %" if kl is not None and build_kl and v["name"] != "build" else "")

@@ -191,3 +191,18 @@ def test_compare_any_two_variants(finished, capsys):
     line = next(x for x in text.splitlines() if x.startswith("| wiki-en"))
     assert f"{expected:+.4f}" in line
     assert main(["compare", str(out), "gdn", "nope"]) == 2
+
+
+def test_decode_floor_column(pairs, plan_file, tmp_path):
+    """bytes read per decode step (from inspect) over the bandwidth, beside each decode time."""
+    from splicer.checkpoint import open_checkpoint
+    from splicer.inspect import inspect_checkpoint
+
+    p = pairs["fused"]
+    res = run_ablate("gdn", str(p["lowlatency"]), str(p["base"]), tmp_path, str(plan_file), _settings(time_decode=False, bandwidth_gbs=4800))
+    rows = {v["name"]: v for v in res["variants"]}
+    want = inspect_checkpoint(open_checkpoint(p["lowlatency"], "b"))["total_bytes_per_decode_step"]
+    assert rows["build"]["bytes_per_decode_step"] == want
+    assert rows["gdn"]["bytes_per_decode_step"] > want  # BF16 GDN projections read more bytes
+    table = (tmp_path / "table.md").read_text()
+    assert "floor ms @ 4.8 TB/s" in table and f"{1000 * want / 4.8e12:.3f}" in table

@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from splicer.checkpoint import open_checkpoint
-from splicer.inspect import inspect_checkpoint
 from splicer.config_edit import MTP_IGNORE
+from splicer.inspect import inspect_checkpoint
 from splicer.splice import MTP_SHARD, splice
 
 from .test_splice import bit_equal, load_all
