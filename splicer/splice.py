@@ -65,6 +65,7 @@ class SplicePlan:
     added_modules: set[str] = field(default_factory=set)
     side_files: dict[str, Path] = field(default_factory=dict)  # file name -> the base's copy that replaces the build's
     dropped_ignore: list[str] = field(default_factory=list)
+    inherited_lint: list[str] = field(default_factory=list)  # misreadings the build's own config already had
 
 
 MTP_SHARD = "model-mtp.safetensors"
@@ -202,15 +203,37 @@ def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module],
     return plan
 
 
-def verify_plan(plan: SplicePlan, modules: dict[str, Module]) -> None:
-    """Refuse a plan whose config either reader would misread, before anything is written."""
+def verify_plan(plan: SplicePlan, modules: dict[str, Module]) -> list[str]:
+    """Refuse a plan whose config either reader would misread, before anything is written.
+
+    Every restored or added module must be read as unquantized, and no other module may be read differently from how it
+    is stored unless the build's own config already did so (e.g. a bare `lm_head` ignore entry, which only
+    compressed-tensors applies): such inherited problems are returned, for splice.json, not refused.
+    """
+    arch = plan.build.arch
     after = modules_after(modules, {n: m for n, m in plan.restore.items() if n in modules},
-                           {n: m for n, m in plan.restore.items() if n not in modules})
-    qc = plan.config.get("quantization_config") or {}
-    report = check(after, qc, plan.build.arch)
-    bad = [i for i in report.issues if i["check"] in ("vllm-refuses", "stored-quantized-read-bf16", "stored-bf16-read-quantized", "fused-shards-disagree")]
-    if bad:
-        raise SplicerError(f"the spliced config would be misread ({bad[0]['check']}, {bad[0]['naming']} naming: {bad[0]['detail']}); this is a splicer bug, please report it")
+                          {n: m for n, m in plan.restore.items() if n not in modules})
+    now = check(after, plan.config.get("quantization_config") or {}, arch)
+    before = check(modules, plan.build.quantization_config, arch)
+
+    def misread(report, mods, naming, name) -> bool:
+        r = getattr(report, naming).get(name)
+        return r is not None and (r.error is not None or (r.group is not None) != mods[name].quantized)
+
+    inherited = []
+    for naming in ("hf", "vllm"):
+        for name in after:
+            if not misread(now, after, naming, name):
+                continue
+            detail = getattr(now, naming)[name].error or f"{name} is stored {'packed' if after[name].quantized else 'BF16'} but read otherwise"
+            if name in plan.restore or not (name in modules and misread(before, modules, naming, name)):
+                raise SplicerError(f"the spliced config would be misread ({naming} naming: {detail}); this is a splicer bug, please report it")
+            inherited.append(f"{naming}: {detail}")
+    split = {i["detail"] for i in now.issues if i["check"] == "fused-shards-disagree"} - {
+        i["detail"] for i in before.issues if i["check"] == "fused-shards-disagree"}
+    if split:
+        raise SplicerError(f"the splice would leave a fused group half restored ({sorted(split)[0]}); this is a splicer bug, please report it")
+    return sorted(set(inherited))
 
 
 # ---------------------------------------------------------------- writing
@@ -308,6 +331,7 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
         "mtp_tensors_added": len(plan.mtp_added),
         "files_from_base": sorted(plan.side_files),
         "ignore_dropped": plan.dropped_ignore,
+        "inherited_lint": plan.inherited_lint[:20],
         "shards": stats,
         "ignore_added": [e for e in exclusions(plan.config.get("quantization_config") or {})
                          if e not in exclusions(plan.build.quantization_config)],
@@ -333,7 +357,7 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
     base = open_base_for(build, base_src, picked, add_mtp)
     check_output_path(Path(out), force, [build.root, base.root])
     plan = plan_splice(build, base, modules, picked, classes, add_mtp, tokenizer_from_base, drop_dead_ignore)
-    verify_plan(plan, modules)
+    plan.inherited_lint = verify_plan(plan, modules)
     return write_plan(plan, Path(out), force=force, progress=progress)
 
 

@@ -272,3 +272,31 @@ def test_hub_base_downloads_only_the_needed_shards(pairs, tmp_path, monkeypatch)
     assert sorted(q.name for q in snapshot.glob("*.safetensors")) == sorted(needed)
     base = base_per_expert(load_all(remote))
     assert bit_equal(load_all(out)["model.language_model.layers.3.self_attn.q_proj.weight"], base["model.language_model.layers.3.self_attn.q_proj.weight"])
+
+
+def test_a_problem_the_build_already_has_does_not_block_other_splices(pairs, tmp_path):
+    """Seed 000's recipe listed a bare `lm_head` in ignore while the head is stored INT8: compressed-tensors reads it as
+    BF16, vLLM (which does not rename `lm_head`) as INT8. Restoring gdn must still work, and say what it inherited."""
+    import shutil
+
+    build = tmp_path / "build"
+    shutil.copytree(pairs["fused"]["lowlatency"], build)
+    cfg = json.loads((build / "config.json").read_text())
+    cfg["quantization_config"]["ignore"].append("lm_head")
+    (build / "config.json").write_text(json.dumps(cfg))
+    record = splice(str(build), str(pairs["fused"]["base"]), tmp_path / "out", "gdn", progress=False)
+    assert record["inherited_lint"] == ["hf: lm_head is stored packed but read otherwise"]
+    # restoring the head itself clears it
+    record = splice(str(build), str(pairs["fused"]["base"]), tmp_path / "out2", "lm_head", progress=False)
+    assert record["inherited_lint"] == []
+
+
+def test_verify_refuses_a_config_that_misreads_a_restored_module(pairs, monkeypatch, tmp_path):
+    """The safety net itself: an ignore entry generator that writes HF-only regexes is caught before writing."""
+    import splicer.config_edit as ce
+
+    orig = ce.ignore_entries
+    monkeypatch.setattr(ce, "ignore_entries", lambda *a: [e.replace(r"(model\.language_model|language_model\.model)", r"model\.language_model") for e in orig(*a)])
+    with pytest.raises(SplicerError, match="would be misread .*vllm naming"):
+        splice(str(pairs["fused"]["lowlatency"]), str(pairs["fused"]["base"]), tmp_path / "out", "gdn", progress=False)
+    assert not (tmp_path / "out").exists()
