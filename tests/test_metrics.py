@@ -101,3 +101,27 @@ def test_position_records_and_summary_by_hand():
     top1 = sum(int(bt.indices[i, 0] == vt.indices[i, 0]) for i in range(n)) / n
     assert s["top1"] == pytest.approx(top1)
     assert s["kl_full"] == pytest.approx(float(kl_full(base_lp, var_lp).double().mean()), rel=1e-5)
+
+
+def test_hub_corpus_through_the_datasets_api(monkeypatch, pairs):
+    """kind = "hub" reads rows from datasets.load_dataset(..., streaming=True) (a stand-in module here: no network)."""
+    import sys
+    import types
+
+    from transformers import AutoTokenizer
+
+    from splicer.corpora import build_corpus
+
+    asked = {}
+
+    def load_dataset(name, config, split, streaming):
+        asked.update(name=name, config=config, split=split, streaming=streaming)
+        return iter([{"text": "The river rises in a chain of low hills. " * 40} for _ in range(10)])
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    tok = AutoTokenizer.from_pretrained(str(pairs["fused"]["base"]))
+    spec = {"name": "wiki-en", "kind": "hub", "dataset": "Salesforce/wikitext", "config": "wikitext-2-raw-v1", "split": "test",
+            "field": "text", "chunk_tokens": 64, "max_chunks": 5}
+    c = build_corpus(spec, tok, 4096, None)
+    assert asked == {"name": "Salesforce/wikitext", "config": "wikitext-2-raw-v1", "split": "test", "streaming": True}
+    assert len(c.sequences) == 5 and all(len(s) == 64 for s in c.sequences)
