@@ -259,21 +259,30 @@ def write_plan(plan: SplicePlan, out: Path, force: bool = False, progress: bool 
 
     out = Path(out)
     tmp = partial_dir(out)
-    stats = {"linked": 0, "copied": 0, "rewritten": 0}
+    stats = {"linked": 0, "copied": 0, "rewritten": 0, "resumed": 0}
+    key = _plan_key(plan)
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by an interrupted run: never loaded (no config.json is final there), safe to drop
-        tmp.mkdir(parents=True)
+        done = _resumable(tmp, key)  # shards an interrupted run of this same plan finished
+        tmp.mkdir(parents=True, exist_ok=True)
         total = sum(t.nbytes for ts in plan.shards_rewritten.values() for t in ts)
         with tqdm(total=total, unit="B", unit_scale=True, desc="splice", disable=not progress or None, leave=False) as bar:
             for shard in plan.shards_linked:
-                stats[_link_or_copy(plan.build.root / shard, tmp / shard)] += 1
+                if shard not in done:
+                    done[shard] = {"how": _link_or_copy(plan.build.root / shard, tmp / shard)}
+                stats[done[shard]["how"]] += 1
+            _save_progress(tmp, key, done)
             for shard, tensors in plan.shards_rewritten.items():
-                meta = (plan.build.headers[shard].metadata if shard in plan.build.headers else None) or {"format": "pt"}
-                write_shard(tmp / shard, tensors, meta)
+                if shard in done and done[shard].get("size") == _size(tmp / shard):
+                    stats["resumed"] += 1
+                else:
+                    meta = (plan.build.headers[shard].metadata if shard in plan.build.headers else None) or {"format": "pt"}
+                    write_shard(tmp / shard, tensors, meta)
+                    done[shard] = {"how": "rewritten", "size": _size(tmp / shard)}
+                    _save_progress(tmp, key, done)
                 stats["rewritten"] += 1
                 bar.update(sum(t.nbytes for t in tensors))
                 faults.point("splice:shard-written")
+        (tmp / PROGRESS_FILE).unlink()
         for p in plan.build.other_files():
             rel = p.relative_to(plan.build.root)
             if rel.name in ("config.json", "splice.json"):
@@ -297,10 +306,49 @@ def write_plan(plan: SplicePlan, out: Path, force: bool = False, progress: bool 
         if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
             raise SplicerError(f"cannot write under {out.parent} ({e.strerror}); choose a writable -o") from None
         raise
+    except KeyboardInterrupt:
+        raise  # keep the partial folder: the next run of the same splice resumes from its finished shards
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return record
+
+
+PROGRESS_FILE = ".splice-progress.json"
+
+
+def _plan_key(plan: SplicePlan) -> str:
+    """What a partial folder must have been written for to be reused: every output tensor's source, and the config."""
+    shards = {shard: [(t.name, t.dtype, list(t.shape), str(t.source.path), t.source.start, t.source.nbytes) for t in ts]
+              for shard, ts in plan.shards_rewritten.items()}
+    blob = json.dumps([sorted(plan.shards_linked), shards, plan.config], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _resumable(tmp: Path, key: str) -> dict:
+    if not tmp.exists():
+        return {}
+    try:
+        state = json.loads((tmp / PROGRESS_FILE).read_text())
+    except (OSError, ValueError):
+        state = None
+    if isinstance(state, dict) and state.get("key") == key:
+        return dict(state.get("done") or {})
+    shutil.rmtree(tmp)  # left by an interrupted run of another plan: never loaded, safe to drop
+    return {}
+
+
+def _save_progress(tmp: Path, key: str, done: dict) -> None:
+    part = tmp / (PROGRESS_FILE + ".tmp")
+    part.write_text(json.dumps({"key": key, "done": done}))
+    os.replace(part, tmp / PROGRESS_FILE)
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 def _replace_dir(tmp: Path, out: Path, force: bool) -> None:

@@ -208,3 +208,24 @@ def test_untrusted_files_are_never_executed(pairs, tmp_path, plan_file):
         r = _cli(*args)
         assert r.returncode == 0, r.stderr
         assert not marker.exists(), args
+
+
+def test_rerun_after_a_kill_resumes_from_finished_shards(pairs, tmp_path, reference, monkeypatch):
+    import splicer.splice as sp
+    from splicer.splice import splice
+
+    p = pairs["fused"]
+    out = tmp_path / "out"
+    killed = _cli("splice", "-q", "--restore", "gdn,lm_head", p["lowlatency"], p["base"], "-o", out, env={"SPLICER_FAULT": "splice:shard-written#2"})
+    assert killed.returncode == -9
+    written = []
+    orig = sp.write_shard
+    monkeypatch.setattr(sp, "write_shard", lambda path, *a, **k: written.append(path.name) or orig(path, *a, **k))
+    record = splice(str(p["lowlatency"]), str(p["base"]), out, "gdn,lm_head", progress=False)
+    assert record["shards"]["resumed"] == 2 and len(written) == record["shards"]["rewritten"] - 2
+    assert _same(out, reference) and not (out / ".splice-progress.json").exists()
+    # a partial folder from another plan is not reused
+    killed = _cli("splice", "-q", "--restore", "attention", p["lowlatency"], p["base"], "-o", tmp_path / "o2", env={"SPLICER_FAULT": "splice:before-rename"})
+    written.clear()
+    record = splice(str(p["lowlatency"]), str(p["base"]), tmp_path / "o2", "gdn,lm_head", progress=False)
+    assert record["shards"]["resumed"] == 0 and _same(tmp_path / "o2", reference)
