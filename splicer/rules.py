@@ -116,8 +116,7 @@ class HfReader:
 class VllmReader:
     def __init__(self, qc: dict, arch: Architecture):
         self.arch = arch
-        self.ignore_list = [arch.vllm_rename_entry(e) for e in qc.get("ignore") or []]
-        self.ignore = Entries(self.ignore_list)
+        self.ignore = Entries(arch.vllm_rename_entry(e) for e in qc.get("ignore") or [])
         self.targets = [(g, arch.vllm_rename_entry(t)) for g, ts in _groups(qc) for t in ts]
         self.name_targets = [(g, t, re.compile(t[3:]) if t.startswith("re:") else None) for g, t in self.targets]
         self.tested: set[str] = set()  # every name vLLM tests against ignore (for dead entries)
@@ -254,6 +253,24 @@ class GptqVllmReader:
         return reading
 
 
+def _record_dead(report: Report, entries: list[tuple[str, str, str]], hf_names: set[str], vllm_names: set[str], what: str) -> None:
+    """Entries (raw, as HF reads it, as vLLM reads it; `re:` or exact) that match no module name a reader tests.
+
+    An entry only vLLM skips (e.g. mlp.gate, which vLLM never quantizes) is still needed by the HF-side reader;
+    one that neither reader uses is dead weight (seed 000 shipped 60).
+    """
+    def matches(entry: str, names: set[str]) -> bool:
+        if not entry.startswith("re:"):
+            return entry in names
+        p = re.compile(entry[3:])
+        return any(p.match(n) for n in names)
+
+    report.dead_ignore["hf"] = [raw for raw, hf, _ in entries if not matches(hf, hf_names)]
+    report.dead_ignore["vllm"] = [raw for raw, _, vl in entries if not matches(vl, vllm_names)]
+    dead_both = [e for e in report.dead_ignore["hf"] if e in report.dead_ignore["vllm"]]
+    if dead_both:
+        report.add("dead-ignore", "hf+vllm", f"{len(dead_both)} {what} match no module, e.g. {dead_both[0]!r}")
+
 
 def _readings_vs_storage(modules: dict[str, Module], report: Report) -> None:
     for naming, readings in (("hf", report.hf), ("vllm", report.vllm)):
@@ -288,17 +305,15 @@ def _check_gptq(modules: dict[str, Module], qc: dict, arch: Architecture, report
         report.vllm[name] = vr.reading(modules[name])
     _readings_vs_storage(modules, report)
     _fused_on_disk(modules, arch, report)
-    rules = [k for k in (qc.get("dynamic") or {}) if k.startswith("-:")]
-    report.dead_ignore["hf"] = [k for k in rules if not any(re.match(k[2:], n) for n in modules)]
-    report.dead_ignore["vllm"] = [k for k in rules if not any(re.match(k[2:], n) for n in vr.tested)]
-    dead_both = [k for k in report.dead_ignore["hf"] if k in report.dead_ignore["vllm"]]
-    if dead_both:
-        report.add("dead-ignore", "hf+vllm", f"{len(dead_both)} dynamic exclusions match no module, e.g. {dead_both[0]!r}")
+    # `-:X` rules are re.match'ed against HF names by GPTQModel and against vLLM names, unrenamed, by vLLM.
+    rules = [(k, "re:" + k[2:], "re:" + k[2:]) for k in (qc.get("dynamic") or {}) if k.startswith("-:")]
+    _record_dead(report, rules, set(modules), vr.tested, "dynamic exclusions")
     bits = {(m.bits, m.group_size) for m in modules.values() if m.quantized}
     want = (qc.get("bits"), qc.get("group_size"))
     if bits and bits != {want}:
         report.add("scheme-mismatch", "hf", f"config says {want[0]}-bit g{want[1]}, tensors are {sorted(bits)}")
     return report
+
 
 def check(modules: dict[str, Module], qc: dict | None, arch: Architecture) -> Report:
     """Lint a checkpoint's config against its tensors, under HF and vLLM naming."""
@@ -313,26 +328,8 @@ def check(modules: dict[str, Module], qc: dict | None, arch: Architecture) -> Re
         report.vllm[name] = vr.reading(m)
     _readings_vs_storage(modules, report)
     _fused_on_disk(modules, arch, report)
-    # Ignore entries that match no Linear module.
-    def dead(entries: list[str], names) -> list[str]:
-        out = []
-        for raw, e in entries:
-            if e.startswith("re:"):
-                p = re.compile(e[3:])
-                if not any(p.match(n) for n in names):
-                    out.append(raw)
-            elif e not in names:
-                out.append(raw)
-        return out
-
     ignore = qc.get("ignore") or []
-    report.dead_ignore["hf"] = dead([(e, e) for e in ignore], set(modules))
-    report.dead_ignore["vllm"] = dead([(e, arch.vllm_rename_entry(e)) for e in ignore], vr.tested)
-    # An entry only vLLM skips (e.g. mlp.gate, which vLLM never quantizes) is still needed
-    # by compressed-tensors; one that neither reader uses is dead weight (seed 000 shipped 60).
-    dead_both = [e for e in report.dead_ignore["hf"] if e in report.dead_ignore["vllm"]]
-    if dead_both:
-        report.add("dead-ignore", "hf+vllm", f"{len(dead_both)} ignore entries match no module, e.g. {dead_both[0]!r}")
+    _record_dead(report, [(e, e, arch.vllm_rename_entry(e)) for e in ignore], set(modules), vr.tested, "ignore entries")
     # compressed-tensors' model-free dequantizer (entrypoints/convert, CompressedTensorsDequantizer.process)
     # takes the first group in file order whose targets match, class targets included; with `Linear`
     # listed before `re:.*lm_head$` (seed 000's layout) it reads the INT8 head as INT4.
