@@ -20,35 +20,40 @@ MTP_IGNORE = r"re:mtp\..+$"
 
 def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[str, Module],
                     added: dict[str, Module] | None = None, drop_dead: bool = False) -> tuple[dict, list[str]]:
-    """config.json with ignore entries for the restored modules and groups that target nothing removed.
-
-    Edited as a plain dict: a pydantic round-trip through compressed-tensors 0.20 rejects
-    fields that 0.17 wrote.
-    """
+    """config.json with exclusions for the restored (and added) modules; returns it and the dead entries dropped."""
     arch = build.arch
     config = json.loads(json.dumps(build.config))
     qc = config["quantization_config"]
     if is_gptq(qc):
-        return _restored_gptq_config(config, build, modules, picked, added, drop_dead)
-    ignore = list(qc.get("ignore") or [])
-    for entry in ignore_entries(picked, modules, arch):
-        if entry not in ignore:
-            ignore.append(entry)
-    qc["ignore"] = ignore
-    if "lm_head" in picked:
-        # A group aimed at the head (re:.*lm_head$) would otherwise still claim it.
-        for g in qc["config_groups"].values():
-            g["targets"] = [t for t in g.get("targets") or [] if not _targets_only_head(t)]
+        # vLLM and GPTQModel stop at the first `dynamic` rule that matches: the new `-:` rules go first. They name the
+        # restored modules and the vLLM layers those load into (fused names, the MoE prefix), under both namings.
+        units = {arch.atomic_unit(n) for n in picked}
+        names = dict(picked) | {u: Module(u, arch.module_class(u), shape=(0, 0)) for u in units}
+        universe = dict(modules)
+        for u in {arch.atomic_unit(n) for n, m in modules.items() if m.quantized}:
+            universe[u] = Module(u, arch.module_class(u), packed={"qweight": None}, shape=(0, 0))
+        _add_exclusions(qc, ignore_entries(names, universe, arch))
+        if "lm_head" in picked:
+            qc["lm_head"] = False
+    else:
+        _add_exclusions(qc, ignore_entries(picked, modules, arch))
+        if "lm_head" in picked:
+            # A group aimed at the head (re:.*lm_head$) would otherwise still claim it.
+            for g in qc["config_groups"].values():
+                g["targets"] = [t for t in g.get("targets") or [] if not _targets_only_head(t)]
     after = modules_after(modules, picked, added)
     report = check(after, qc, arch)
     if added and any(r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if n in added):
-        qc["ignore"].append(MTP_IGNORE)  # the added BF16 MTP head must not be read as quantized
+        _add_exclusions(qc, [MTP_IGNORE])  # the added BF16 MTP head must not be read as quantized
         report = check(after, qc, arch)
     dropped = []
     if drop_dead:
-        dead = set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", []))
-        dropped = [e for e in qc["ignore"] if e in dead]
-        qc["ignore"] = [e for e in qc["ignore"] if e not in dead]
+        dropped = sorted(set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", [])), key=exclusions(qc).index)
+        _remove_exclusions(qc, set(dropped))
+    if is_gptq(qc):
+        if not any(m.quantized for m in after.values()):
+            del config["quantization_config"]
+        return config, dropped
     live = {r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if r.group and after[n].quantized}
     for gname in list(qc["config_groups"]):
         if gname not in live or not qc["config_groups"][gname].get("targets"):
@@ -58,38 +63,21 @@ def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[
     return config, dropped
 
 
-def _restored_gptq_config(config: dict, build: Checkpoint, modules: dict[str, Module], picked: dict[str, Module],
-                          added: dict[str, Module] | None, drop_dead: bool) -> tuple[dict, list[str]]:
-    """GPTQ: `-:` rules first in `dynamic` (vLLM and GPTQModel stop at the first rule that matches), naming the restored
-    modules and the vLLM layers they load into (fused names, the MoE prefix) under both namings."""
-    arch = build.arch
-    qc = config["quantization_config"]
-    units = {arch.atomic_unit(n) for n in picked}
-    names = {n: picked[n] for n in picked} | {u: Module(u, arch.module_class(u), shape=(0, 0)) for u in units}
-    universe = dict(modules)
-    for u in {arch.atomic_unit(n) for n, m in modules.items() if m.quantized}:
-        universe[u] = Module(u, arch.module_class(u), packed={"qweight": None}, shape=(0, 0))
-    rules = []
-    for entry in ignore_entries(names, universe, arch):
-        rules.append("-:" + (entry[3:] if entry.startswith("re:") else re.escape(entry) + "$"))
-    old = qc.get("dynamic") or {}
-    qc["dynamic"] = {**{r: {} for r in rules if r not in old}, **old}
-    if "lm_head" in picked:
-        qc["lm_head"] = False
-    after = modules_after(modules, picked, added)
-    if added:
-        report = check(after, qc, arch)
-        if any(r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if n in added):
-            qc["dynamic"] = {"-:mtp\\..+$": {}, **qc["dynamic"]}
-    dropped = []
-    if drop_dead:
-        report = check(after, qc, arch)
-        dead = set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", []))
-        dropped = [k for k in qc["dynamic"] if k in dead]
-        qc["dynamic"] = {k: v for k, v in qc["dynamic"].items() if k not in dead}
-    if not any(m.quantized for m in after.values()):
-        del config["quantization_config"]
-    return config, dropped
+def _add_exclusions(qc: dict, entries: list[str]) -> None:
+    """`re:X` entries appended to `ignore` (compressed-tensors), or `-:X` rules put first in `dynamic` (GPTQ)."""
+    if is_gptq(qc):
+        rules = ["-:" + (e[3:] if e.startswith("re:") else re.escape(e) + "$") for e in entries]
+        old = qc.get("dynamic") or {}
+        qc["dynamic"] = {**{r: {} for r in rules if r not in old}, **old}
+    else:
+        qc["ignore"] = list(qc.get("ignore") or []) + [e for e in entries if e not in (qc.get("ignore") or [])]
+
+
+def _remove_exclusions(qc: dict, entries: set[str]) -> None:
+    if is_gptq(qc):
+        qc["dynamic"] = {k: v for k, v in qc["dynamic"].items() if k not in entries}
+    else:
+        qc["ignore"] = [e for e in qc["ignore"] if e not in entries]
 
 
 def _targets_only_head(target: str) -> bool:
