@@ -13,7 +13,7 @@ from .arch import Architecture
 from .checkpoint import Checkpoint, is_packed_tensor
 from .errors import SplicerError
 from .modules import Module
-from .rules import is_gptq, validate_regexes
+from .rules import HfReader, is_gptq, validate_regexes
 
 
 def validate_build(build: Checkpoint) -> None:
@@ -55,8 +55,6 @@ def _validate_gptq(build: Checkpoint, qc: dict) -> None:
 
 def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
     """Every packed module must agree with the config group that claims it (bits, group size dividing its input dim)."""
-    from .rules import HfReader
-
     qc = build.quantization_config
     if is_gptq(qc):
         if any(k.startswith("+:") for k in qc.get("dynamic") or {}):
@@ -133,9 +131,6 @@ def parse_layers(spec: str | None) -> set[int] | None:
     except ValueError:
         raise SplicerError(f"--layers {spec!r} is not a list of layer numbers or ranges like 0,4-7") from None
     return layers
-
-
-# ---------------------------------------------------------------- planning
 
 
 def check_output_path(out: Path, force: bool, inputs: list[Path]) -> None:

@@ -12,6 +12,7 @@ import pytest
 from splicer.cli import main
 
 from .conftest import tree_digest
+from .test_ablate import PLAN
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -51,22 +52,6 @@ def _unpacked_build(base: Path, tmp: Path) -> Path:
     return dst
 
 
-TINY_PLAN = """name = "t"
-[[corpus]]
-name = "wiki-en"
-kind = "builtin"
-text = "wiki-en"
-chunk_tokens = 64
-max_chunks = 2
-[[row]]
-name = "build"
-restore = []
-[[row]]
-name = "gdn"
-restore = ["gdn"]
-"""
-
-
 def _plan(tmp: Path, text: str) -> Path:
     path = tmp / "plan.toml"
     path.write_text(text)
@@ -91,7 +76,7 @@ def _group_96(folder: Path) -> None:
 
 def _ablate(p, t, *extra, plan=None, build=None, base=None):
     return ["ablate", "all", str(build or p["lowlatency"]), str(base or p["base"]), "-o", str(t / "out"), "-q", "--no-time",
-            "--device", "cpu", "--plan", str(plan or _plan(t, TINY_PLAN)), *extra]
+            "--device", "cpu", "--plan", str(plan or _plan(t, PLAN)), *extra]
 
 
 # (id, argv builder, expected message fragment). Builders get (pairs, tmp) and return argv.
@@ -118,16 +103,16 @@ CASES = [
     ("hub-id-offline", lambda p, t: ["splice", "--restore", "gdn", "nobody/no-such-build", str(p["base"]), "-o", str(t / "out")], "HF_HUB_OFFLINE"),
     ("base-other-vocab", lambda p, t: ["splice", "--restore", "gdn", str(p["lowlatency"]), str(_other_vocab_base(t)), "-o", str(t / "out")], "vocab_size=1024"),
     ("group-size-not-dividing", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, _group_96)), str(p["base"]), "-o", str(t / "out")], "does not divide the input dim"),
-    ("plan-unknown-key", lambda p, t: _ablate(p, t, plan=_plan(t, 'colour = "red"\n' + TINY_PLAN)), "unknown key 'colour'"),
-    ("plan-unknown-class", lambda p, t: _ablate(p, t, plan=_plan(t, TINY_PLAN.replace('["gdn"]', '["gnd"]'))), "unknown class 'gnd'"),
+    ("plan-unknown-key", lambda p, t: _ablate(p, t, plan=_plan(t, 'colour = "red"\n' + PLAN)), "unknown key 'colour'"),
+    ("plan-unknown-class", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace('["gdn"]', '["gnd"]'))), "unknown class 'gnd'"),
     ("plan-empty", lambda p, t: _ablate(p, t, plan=_plan(t, 'name = "empty"\n')), "declares no [[row]]"),
     ("plan-not-toml", lambda p, t: _ablate(p, t, plan=_plan(t, "[[row]\nname = 1")), "not valid TOML"),
     ("plan-unknown-name", lambda p, t: _ablate(p, t, plan="no-such-plan"), "no plan named 'no-such-plan'"),
-    ("ablate-unknown-row", lambda p, t: ["ablate", "rotary", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out"), "--plan", str(_plan(t, TINY_PLAN))], "'rotary' is not in plan t"),
+    ("ablate-unknown-row", lambda p, t: ["ablate", "rotary", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out"), "--plan", str(_plan(t, PLAN))], "'rotary' is not in plan tiny"),
     ("corpus-empty-file", lambda p, t: _ablate(p, t, "--corpus", f"wiki-en={_file(t, 'empty.txt', b'  ')}"), "hold no text"),
     ("corpus-not-utf8", lambda p, t: _ablate(p, t, "--corpus", f"wiki-en={_file(t, 'latin1.txt', 'Größe'.encode('latin-1'))}"), "not UTF-8"),
     ("corpus-unknown-name", lambda p, t: _ablate(p, t, "--corpus", f"wiki-fr={_file(t, 'fr.txt', b'bonjour')}"), "has no corpus 'wiki-fr'"),
-    ("sequence-longer-than-context", lambda p, t: _ablate(p, t, plan=_plan(t, TINY_PLAN + '[[corpus]]\nname = "chat"\nkind = "chat"\nconversations = 2\nanswer_tokens = 5000\n')), "context is 4096"),
+    ("sequence-longer-than-context", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace("answer_tokens = 8", "answer_tokens = 5000"))), "context is 4096"),
     ("ablate-hub-id-offline", lambda p, t: _ablate(p, t, base="nobody/no-such-base"), "HF_HUB_OFFLINE"),
     ("ablate-engine-arg-without-vllm", lambda p, t: _ablate(p, t, "--engine-arg", "max_model_len=2048"), "apply to --backend vllm only"),
     ("inspect-missing", lambda p, t: ["inspect", str(t / "nope")], "does not exist"),
