@@ -404,9 +404,9 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
 
 def _bytes_per_step(folder: Path) -> int:
     """Weight bytes one batch-1 decode step reads (inspect's figure: routed experts count top-k of E)."""
-    from .inspect import inspect_checkpoint
+    from .inspect import bytes_per_decode_step
 
-    return int(inspect_checkpoint(open_checkpoint(folder, "variant"))["total_bytes_per_decode_step"])
+    return bytes_per_decode_step(open_checkpoint(folder, "variant"))
 
 
 def _splice_is_current(folder: Path, build, restored: list[str]) -> bool:

@@ -32,6 +32,12 @@ def decode_fraction(ckpt: Checkpoint, tensor: str, shape) -> float:
     return 1.0
 
 
+def bytes_per_decode_step(ckpt: Checkpoint) -> int:
+    """Weight bytes one batch-1 decode step reads, from the shard headers alone."""
+    return int(sum(info.nbytes * decode_fraction(ckpt, name, info.shape)
+                   for hdr in ckpt.headers.values() for name, info in hdr.tensors.items()))
+
+
 def inspect_checkpoint(ckpt: Checkpoint) -> dict:
     qc = ckpt.quantization_config or {}
     validate_regexes(qc, ckpt.label)
