@@ -181,17 +181,13 @@ class TorchBackend:
         Sequences of equal length are batched (no padding: the GDN layers take no attention mask).
         """
         model = self._need()
-        order = list(range(len(sequences)))
         results: dict[int, SequenceScores] = {}
         next_out = 0
-        pending = defaultdict(list)
-        for i in order:
-            pending[len(sequences[i])].append(i)
-        batches = []
-        for length, idxs in pending.items():
-            for s in range(0, len(idxs), batch_size):
-                batches.append(idxs[s:s + batch_size])
-        batches.sort(key=lambda b: b[0])
+        by_length = defaultdict(list)
+        for i, seq in enumerate(sequences):
+            by_length[len(seq)].append(i)
+        batches = sorted((idxs[s:s + batch_size] for idxs in by_length.values() for s in range(0, len(idxs), batch_size)),
+                         key=lambda b: b[0])
         with torch.inference_mode():
             for batch in batches:
                 ids = torch.tensor([sequences[i] for i in batch], dtype=torch.long, device=self.device)
@@ -209,12 +205,9 @@ class TorchBackend:
                         target_logprobs=lp.gather(1, target[:, None])[:, 0].cpu(), gathered=gathered,
                         full=lp.cpu() if want_full else None,
                     )
-                while next_out in results:
+                while next_out in results:  # every index lands in some batch, so this drains all of them
                     yield results.pop(next_out)
                     next_out += 1
-        while next_out in results:
-            yield results.pop(next_out)
-            next_out += 1
 
     # ------------------------------------------------------------ generation
     def generate(self, prompts, max_new_tokens, stop_ids) -> list[list[int]]:
