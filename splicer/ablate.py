@@ -176,16 +176,14 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ou
         if backend.exact_gather:
             vocab = vocab or _vocab_size(base_root)
             want_full = c.positions() * vocab * 4 <= FULL_VOCAB_CACHE_LIMIT
-        scores = list(_pbar(backend.score(c.sequences, plan.top_k, want_full=want_full, batch_size=settings.batch_size or getattr(backend, "default_batch", 4)),
+        batch = _batch_size(settings, backend)
+        scores = list(_pbar(backend.score(c.sequences, plan.top_k, want_full=want_full, batch_size=batch),
                             total=len(c.sequences), desc=f"base {c.name}", disable=not settings.progress or None, leave=False))
         _save_scores(cache / f"{c.name}.safetensors", scores)
-        # Noise floor: the same model on the same tokens, batched and ordered differently.
-        order = list(reversed(range(len(c.sequences))))
-        batch = settings.batch_size or getattr(backend, "default_batch", 4)
-        noise_batch = 1 if batch > 1 else 2
-        noise = list(backend.score([c.sequences[i] for i in order], plan.top_k, batch_size=noise_batch,
-                                   gather_ids=[scores[i].topk_ids for i in order] if backend.exact_gather else None, want_full=want_full))
-        noise = [noise[order.index(i)] for i in range(len(order))]
+        # Noise floor: the same model on the same tokens, in reverse order and another batch size.
+        noise = list(backend.score(c.sequences[::-1], plan.top_k, batch_size=1 if batch > 1 else 2,
+                                   gather_ids=[s.topk_ids for s in scores[::-1]] if backend.exact_gather else None,
+                                   want_full=want_full))[::-1]
         _save_scores(cache / f"noise-{c.name}.safetensors", noise,
                      {"gathered": torch.cat([n.gathered for n in noise])} if backend.exact_gather else None)
         timings[f"score_{c.name}_s"] = time.perf_counter() - t0
@@ -193,6 +191,10 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ou
     (cache / "corpora.json").write_text(json.dumps([c.to_json() for c in corpora]))
     _atomic_json(done, {"timings": timings, "backend": backend.describe()})
     return cache, corpora
+
+
+def _batch_size(settings: AblateSettings, backend) -> int:
+    return settings.batch_size or getattr(backend, "default_batch", 4)
 
 
 def _vocab_size(folder: Path) -> int:
@@ -245,7 +247,7 @@ def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], pla
         offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), base["lengths"]]), 0)
         gather = [base["topk_ids"][offsets[i]:offsets[i + 1]] for i in range(len(c.sequences))] if backend.exact_gather else None
         scores = list(_pbar(backend.score(c.sequences, plan.top_k, gather_ids=gather, want_full="full" in base,
-                                          batch_size=settings.batch_size or getattr(backend, "default_batch", 4)),
+                                          batch_size=_batch_size(settings, backend)),
                             total=len(c.sequences), desc=f"  {folder.name} {c.name}", disable=not settings.progress or None, leave=False))
         var = {
             "topk_ids": torch.cat([s.topk_ids for s in scores]), "topk_logprobs": torch.cat([s.topk_logprobs for s in scores]),
