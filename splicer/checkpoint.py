@@ -10,6 +10,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from .arch import PACKED_SUFFIXES, Architecture, get_architecture
@@ -30,8 +31,8 @@ class Checkpoint:
     index_metadata: dict
     headers: dict[str, ShardHeader] = field(default_factory=dict)  # shard file name -> header
 
-    @property
-    def arch(self) -> Architecture:
+    @cached_property
+    def arch(self) -> Architecture:  # looked up per tensor by inspect: resolve the model type once
         return get_architecture(self.config)
 
     @property
@@ -44,9 +45,6 @@ class Checkpoint:
 
     def tensor(self, name: str) -> TensorInfo:
         return self.headers[self.weight_map[name]].tensors[name]
-
-    def has(self, name: str) -> bool:
-        return name in self.weight_map
 
     def header_digest(self) -> str:
         return headers_digest(self.headers.values())
