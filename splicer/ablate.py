@@ -48,6 +48,8 @@ class AblateSettings:
     bandwidth_gbs: float | None = None  # memory bandwidth for the decode floor column (H200: 4800)
     bootstrap: int = 1000
     progress: bool = True
+    process_per_variant: bool = False  # vllm: a fresh worker process per variant instead of one for the run
+    allow_quantized_base: bool = False  # a stand-in reference that keeps some classes quantized (see validate_base)
 
 
 def _atomic_json(path: Path, data) -> None:
@@ -163,6 +165,7 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ou
     t0 = time.perf_counter()
     backend.load(base_root)
     load_s = time.perf_counter() - t0
+    engine_info = backend.load_info() if hasattr(backend, "load_info") else None
     stop = [t for t in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int) and t >= 0]
     for c in corpora:
         if c.kind == "chat":
@@ -189,7 +192,7 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ou
         timings[f"score_{c.name}_s"] = time.perf_counter() - t0
     backend.unload()
     (cache / "corpora.json").write_text(json.dumps([c.to_json() for c in corpora]))
-    _atomic_json(done, {"timings": timings, "backend": backend.describe()})
+    _atomic_json(done, {"timings": timings, "backend": backend.describe(), "engine": engine_info})
     return cache, corpora
 
 
@@ -304,12 +307,13 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         if bad or not wanted:
             raise SplicerError(f"row {bad[0] if bad else '(none)'!r} is not in plan {plan.name}; its rows: {', '.join(r.name for r in rows)}")
         selected = {"build", *wanted}  # the build row is every other row's reference
-    options = {"engine_args": settings.engine_args, "log_dir": out / "logs"} if settings.backend == "vllm" else {}
+    options = ({"engine_args": settings.engine_args, "log_dir": out / "logs", "cache_dir": out / "cache" / "engine",
+                "one_process": not settings.process_per_variant} if settings.backend == "vllm" else {})
     backend = make_backend(settings.backend, settings.device, **options)
     base = open_checkpoint(base_src, "base")
     from .validate import validate_base
 
-    validate_base(base, build)
+    frozen = validate_base(base, build, settings.allow_quantized_base)
     base_digest = base.header_digest()
     base_root = base.root
     tok, corpora = prepare_corpora(base_root, plan, settings)
@@ -318,7 +322,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                "build": {"source": str(build_src), "header_digest": build.header_digest()},
                "base": {"source": str(base_src), "digest": base_digest},
                "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
-                            "engine_args": settings.engine_args,
+                            "engine_args": settings.engine_args, "allow_quantized_base": settings.allow_quantized_base,
                             "time_decode": settings.time_decode, "corpus_overrides": settings.corpus_overrides}}
         results_path = out / RESULTS
         previous = json.loads(results_path.read_text()) if results_path.exists() else None
@@ -329,13 +333,13 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         t_start = time.perf_counter()
         cache, corpora = base_pass(backend, base_root, plan, settings, out, base_digest, tok, corpora)
         results = {
-            "schema": 1, "job": job, "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
+            "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job, "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
             "backend": None, "engine_version": None, "device": None,
             "inputs": {"build": job["build"], "base": job["base"]},
             "corpora": {c.name: {"kind": c.kind, "sequences": len(c.sequences), "positions": c.positions(),
                                  "answer_tokens": (sum(len(s) - p for s, p in zip(c.sequences, c.prompt_lens)) if c.prompt_lens else None)}
                         for c in corpora},
-            "quantized_classes": quantized, "noise_floor": noise_floor(cache, corpora, settings.bootstrap),
+            "quantized_classes": quantized, "base_quantized_classes": frozen, "noise_floor": noise_floor(cache, corpora, settings.bootstrap),
             "timing_settings": plan.timing if settings.time_decode else None,
             "bandwidth_bytes_per_s": settings.bandwidth_gbs * 1e9 if settings.bandwidth_gbs else None,
             "variants": [], "skipped": [],
@@ -348,21 +352,26 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             if restored is not None and row.restore and not restored:
                 results["skipped"].append({"name": row.name, "reason": f"{', '.join(row.restore)} not quantized in this build"})
                 continue
+            if restored and set(restored) & set(frozen):
+                results["skipped"].append({"name": row.name, "reason": f"needs BF16 {', '.join(sorted(set(restored) & set(frozen)))}, "
+                                                                       "which the base keeps quantized"})
+                continue
             # Restoring every quantized class is kept as its own row: it must reproduce the base
             # exactly, which checks the splice and the scoring end to end.
             key = ("BASE",) if restored is None else tuple(sorted(restored))
-            if key in seen_sets:
+            if key in seen_sets and not row.repeat:
                 results["skipped"].append({"name": row.name, "reason": f"same variant as {seen_sets[key]}"})
                 continue
-            seen_sets[key] = row.name
-            todo.append((row, restored))
-        for row, restored in _pbar(todo, desc="ablate", disable=not settings.progress or None):
+            seen_sets.setdefault(key, row.name)
+            todo.append((row, restored, seen_sets[key]))  # a repeat row reuses the first row's splice
+        for row, restored, splice_name in _pbar(todo, desc="ablate", disable=not settings.progress or None):
             if row.name in done:  # finished in an earlier run of the same job: kept, chosen or not
                 results["variants"].append(done[row.name])
                 continue
             if row.name not in selected:
                 continue
             entry = {"name": row.name, "restored": restored if restored is not None else "base",
+                     **({"repeat_of": splice_name} if splice_name != row.name else {}),
                      "status": "running", "elapsed": {}}
             try:
                 t0 = time.perf_counter()
@@ -371,10 +380,11 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 elif not restored:
                     folder = build.root
                 else:
-                    folder = out / "variants" / row.name
+                    folder = out / "variants" / splice_name
                     folder.parent.mkdir(parents=True, exist_ok=True)
                     if not _splice_is_current(folder, build, restored):
-                        splice(str(build_src), str(base_src), folder, ",".join(restored), force=True, progress=False)
+                        splice(str(build_src), str(base_src), folder, ",".join(restored), force=True, progress=False,
+                               allow_quantized_base=settings.allow_quantized_base)
                 entry["elapsed"]["splice_s"] = time.perf_counter() - t0
                 entry["size_bytes"] = _folder_bytes(folder)
                 entry["bytes_per_decode_step"] = _bytes_per_step(folder)
@@ -400,6 +410,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             _finish(results, out, backend)
             faults.point("ablate:row-done")
         results["elapsed_s"] = time.perf_counter() - t_start
+        getattr(backend, "close", lambda: None)()
         _finish(results, out, backend)
         return results
 
@@ -419,6 +430,26 @@ def _splice_is_current(folder: Path, build, restored: list[str]) -> bool:
     return r.get("build", {}).get("header_digest") == build.header_digest() and r.get("restored_classes") == restored
 
 
+def time_breakdown(results: dict) -> dict:
+    """Seconds spent per stage over the rows run (a resumed run counts the rows it kept from earlier runs too)."""
+    parts = {"base pass": 0.0, "splice": 0.0, "engine start": 0.0, "of which compile": 0.0, "of which weight loading": 0.0,
+             "scoring": 0.0, "timing": 0.0}
+    base = (results.get("base_pass") or {}).get("timings") or {}
+    parts["base pass"] = sum(v for k, v in base.items() if k.endswith("_s"))
+    for v in results.get("variants", []):
+        e = v.get("elapsed") or {}
+        parts["splice"] += e.get("splice_s", 0.0)
+        parts["engine start"] += e.get("load_s", 0.0)
+        sb = (v.get("engine") or {}).get("startup_breakdown") or {}
+        parts["of which compile"] += sb.get("compile_s", 0.0)
+        parts["of which weight loading"] += sb.get("model_load_s", sb.get("weights_load_s", 0.0))
+        parts["scoring"] += sum(x for k, x in e.items() if k.startswith("score_"))
+        parts["timing"] += e.get("time_s", 0.0)
+    if results.get("elapsed_s") is not None:
+        parts["this run, wall"] = results["elapsed_s"]
+    return {k: round(x, 1) for k, x in parts.items() if x}
+
+
 def _finish(results: dict, out: Path, backend) -> None:
     from .table import paired_vs_build, render_markdown
 
@@ -427,6 +458,7 @@ def _finish(results: dict, out: Path, backend) -> None:
     results["engine_version"] = info.get("engine")
     results["device"] = info.get("device")
     results["backend_info"] = info
+    results["time_breakdown"] = time_breakdown(results)
     paired_vs_build(results, out)
     _atomic_json(out / RESULTS, results)
     (out / "table.md").write_text(render_markdown(results) + "\n")

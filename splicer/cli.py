@@ -20,12 +20,17 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+ALLOW_QUANTIZED_BASE_HELP = ("accept a base that keeps some classes quantized exactly as the build stores them "
+                             "(a stand-in reference, e.g. INT4 experts); those classes cannot be restored")
+
+
 def _cmd_splice(args) -> int:
     from .splice import splice
 
     record = splice(args.build, args.base, args.out, args.restore, layers=args.layers,
                     modules_regex=args.modules, force=args.force, progress=not args.quiet,
-                    tokenizer_from_base=args.tokenizer_from_base, drop_dead_ignore=args.drop_dead_ignore)
+                    tokenizer_from_base=args.tokenizer_from_base, drop_dead_ignore=args.drop_dead_ignore,
+                    allow_quantized_base=args.allow_quantized_base)
     s = record["shards"]
     print(f"wrote {args.out}: restored {record['restored_modules']} modules ({', '.join(record['restored_classes'])}); "
           f"shards rewritten {s['rewritten']}, hard-linked {s['linked']}, copied {s['copied']}")
@@ -34,6 +39,18 @@ def _cmd_splice(args) -> int:
 
 def _cmd_fixture(args) -> int:
     from .fixtures import FixtureSpec, write_pair
+
+    if args.full_dims:
+        from .standin import write_standin
+
+        device = "cuda" if args.device == "auto" else args.device
+        if device.startswith("cuda") and not __import__("torch").cuda.is_available():
+            raise SplicerError("--full-dims draws ~35B parameters and wants a GPU (--device cuda); torch sees none. "
+                               "Use --device cpu only if you can wait (tens of minutes) and have ~30 GB of disk")
+        r = write_standin(args.out, FixtureSpec(preset="full", seed=args.seed), device=device)
+        print(f"build: {r['build']}\nreference: {r['reference']}\ngenerated in {r['generate_s']:.1f} s, "
+              f"reference spliced in {r['splice_reference_s']:.1f} s")
+        return 0
 
     kinds = [k for k in args.builds.split(",") if k]
     paths = write_pair(args.out, FixtureSpec(preset=args.preset, experts_layout=args.experts_layout, seed=args.seed), kinds)
@@ -63,6 +80,7 @@ def _cmd_ablate(args) -> int:
         raise SplicerError("engine options (--engine-arg, --max-model-len, ...) apply to --backend vllm only")
     settings = AblateSettings(backend=args.backend, device=args.device, time_decode=not args.no_time,
                               corpus_overrides=overrides, batch_size=args.batch_size, progress=not args.quiet,
+                              allow_quantized_base=args.allow_quantized_base, process_per_variant=args.process_per_variant,
                               engine_args=engine_args, bandwidth_gbs=args.bandwidth_gbs)
     if args.demo:
         if args.build or args.base:
@@ -124,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer-from-base", action="store_true", help="copy the base's tokenizer, chat template and generation config verbatim")
     s.add_argument("--drop-dead-ignore", action="store_true", help="remove ignore entries that match no module under either naming")
     s.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=_cmd_splice)
 
@@ -143,8 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu-memory-utilization", type=float, help="vllm: share of GPU memory the engine may take")
     s.add_argument("--moe-backend", help="vllm: MoE kernel backend, e.g. marlin")
     s.add_argument("--language-model-only", action="store_true", help="vllm: skip the vision tower")
+    s.add_argument("--process-per-variant", action="store_true",
+                   help="vllm: a fresh process (and engine-core process) per variant instead of one worker for the run")
     s.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="vllm: any vllm.LLM keyword (VALUE as JSON), repeatable")
     s.add_argument("--no-time", action="store_true", help="skip decode timing")
+    s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP + "; rows that restore them are skipped")
     s.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth in GB/s: adds the decode floor (bytes read per step / bandwidth) to the table")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=_cmd_ablate)
@@ -166,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--experts-layout", default="fused", choices=["fused", "per_expert"])
     s.add_argument("--builds", default="lowlatency,experts-g32", help="comma list of lowlatency, lowlatency-nomtp, experts-g32, gptq-experts-g32")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--full-dims", action="store_true",
+                   help="Qwen3.6-35B-A3B's real text dims with random weights: DIR/build (seed-000-like INT4) and DIR/reference "
+                        "(BF16 except the INT4 routed experts; ablate it with --allow-quantized-base)")
+    s.add_argument("--device", default="auto", help="--full-dims: where to draw and quantize (default cuda)")
     s.set_defaults(func=_cmd_fixture)
     return p
 

@@ -5,6 +5,9 @@ Kinds:
   text     - the user's UTF-8 text or JSONL files (`files`, `field` for JSONL), cut into chunks
   hub      - a Hub dataset (`dataset`, `config`, `split`, `field`), only when online and `datasets` is installed
   chat     - the built-in synthetic chat set; the base's greedy answers are added in the base pass
+  random   - `max_chunks` sequences of `chunk_tokens` token ids drawn uniformly (seeded) from the tokenizer's
+             vocabulary: for stand-ins with random weights, where text means no more than noise and the
+             built-in texts are too short for 100k positions
 Text corpora are cut into `chunk_tokens`-token chunks (at most `max_chunks`); every position is scored.
 Chat sequences are prompt + answer; only answer positions count for dNLL.
 """
@@ -19,9 +22,9 @@ from pathlib import Path
 
 from .errors import SplicerError
 
-KINDS = ("builtin", "text", "hub", "chat")
+KINDS = ("builtin", "text", "hub", "chat", "random")
 CORPUS_KEYS = {"name", "kind", "text", "files", "field", "dataset", "config", "split", "chunk_tokens", "max_chunks",
-               "conversations", "history_turns", "answer_tokens"}
+               "conversations", "history_turns", "answer_tokens", "seed"}
 
 
 @dataclass
@@ -124,6 +127,14 @@ def build_corpus(spec: dict, tokenizer, max_positions: int | None, base_dir: Pat
             ids = tokenizer.apply_chat_template(conv, add_generation_prompt=True, enable_thinking=False, tokenize=True)
             prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
         corpus = Corpus(spec["name"], kind, prompts, [len(p) for p in prompts], spec)
+    elif kind == "random":
+        import torch
+
+        gen = torch.Generator().manual_seed(int(spec.get("seed", 0)))
+        shape = (int(spec.get("max_chunks", 100)), int(spec.get("chunk_tokens", 1024)))
+        # Ids below the special tokens' range would do too; the tokenizer's size keeps them valid for any base.
+        seqs = torch.randint(0, len(tokenizer), shape, generator=gen).tolist()
+        corpus = Corpus(spec["name"], kind, seqs, None, spec)
     else:
         if kind == "builtin":
             texts = [(resources.files("splicer") / "data" / f"demo_{spec['text'].replace('-', '_')}.txt").read_text(encoding="utf-8")]

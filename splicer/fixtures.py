@@ -46,6 +46,14 @@ TEXT_PRESETS = {
         linear_num_value_heads=4, moe_intermediate_size=256, shared_expert_intermediate_size=256,
         num_experts=16, num_experts_per_tok=4, max_position_embeddings=4096,
     ),
+    # Qwen3.6-35B-A3B's text dimensions (its config.json; transformers' Qwen3_5MoeTextConfig defaults agree):
+    # for the full-size stand-in (splicer.standin), generated on a GPU.
+    "full": dict(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_conv_kernel_dim=4, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        num_experts=256, num_experts_per_tok=8, max_position_embeddings=262144,
+    ),
     # For the splice benchmark: ~2.2 GB BF16.
     "bench": dict(
         vocab_size=16384, hidden_size=1024, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1,
@@ -128,19 +136,20 @@ def base_shapes(spec: FixtureSpec, cfg) -> dict[str, tuple[int, ...]]:
 
 
 def _init(name: str, shape, gen: torch.Generator) -> torch.Tensor:
-    """Deterministic values of a plausible scale (norms near their zero-centred identity)."""
+    """Deterministic values of a plausible scale (norms near their zero-centred identity), on the generator's device."""
     leaf = name.rsplit(".", 1)[-1]
+    dev = gen.device
     if "norm" in name or leaf == "bias":
-        t = torch.randn(shape, generator=gen) * 0.02
+        t = torch.randn(shape, generator=gen, device=dev) * 0.02
     elif leaf == "A_log":
-        t = torch.log(torch.rand(shape, generator=gen) * 15 + 1)
+        t = torch.log(torch.rand(shape, generator=gen, device=dev) * 15 + 1)
     elif leaf == "dt_bias":
-        t = torch.ones(shape)
+        t = torch.ones(shape, device=dev)
     else:
         fan_in = shape[-1] if len(shape) >= 2 else 1
         if len(shape) > 2 and not QWEN3_5_MOE.fused_expert_parts(name):
             fan_in = math.prod(shape[1:])
-        t = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+        t = torch.randn(shape, generator=gen, device=dev) / math.sqrt(fan_in)
         if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")):
             # Blocks that write into the residual stream write small updates, as in a trained
             # model; with full-size random updates the net is chaotic and any rounding flips it.

@@ -18,7 +18,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 PLAN_KEYS = {"name", "description", "top_k", "corpus", "timing", "row"}
-ROW_KEYS = {"name", "restore", "keep", "base"}
+ROW_KEYS = {"name", "restore", "keep", "base", "repeat"}
 TIMING_KEYS = {"prompt_tokens", "new_tokens", "warmup", "runs"}
 
 
@@ -28,6 +28,9 @@ class Row:
     restore: list[str] | None = None  # these classes restored
     keep: list[str] | None = None  # every quantized class restored except these
     base: bool = False
+    # A second measurement of a variant another row already covers (e.g. the build again at the end
+    # of the run): the spread between the two timings is the run's timing noise band.
+    repeat: bool = False
 
     def restored(self, quantized: list[str]) -> list[str] | None:
         """Classes this row restores in a build that quantizes `quantized` (None: the base itself)."""
@@ -108,7 +111,7 @@ def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
             for c in r.get(key) or []:
                 if c not in classes:
                     raise SplicerError(f"{where}: row {name!r} names unknown class {c!r}; classes: {', '.join(classes)}")
-        rows.append(Row(name, r.get("restore"), r.get("keep"), bool(r.get("base", False))))
+        rows.append(Row(name, r.get("restore"), r.get("keep"), bool(r.get("base", False)), bool(r.get("repeat", False))))
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
     return Plan(data.get("name", path.stem), data.get("description", ""), int(data.get("top_k", 20)), corpora, timing, rows,
                 str(path), digest)

@@ -117,6 +117,9 @@ def _wanted_base_tensors(build: Checkpoint, picked: dict[str, Module], base_weig
         if f"{name}.weight" in base_weight_map:
             out[name] = f"{name}.weight"
             continue
+        if any(f"{name}.{s}" in base_weight_map for s in ("weight_packed", "qweight")):
+            raise SplicerError(f"{name} ({picked[name].cls}) is quantized in the base too, so it cannot be restored from it; "
+                               f"drop {picked[name].cls} from --restore or pass a base that holds it in BF16")
         parts = arch.expert_parts(name)
         if parts:
             fused = f"{parts[0]}.{'down_proj' if parts[2] == 'down_proj' else 'gate_up_proj'}"
@@ -127,7 +130,8 @@ def _wanted_base_tensors(build: Checkpoint, picked: dict[str, Module], base_weig
     return out
 
 
-def open_base_for(build: Checkpoint, base_source: str, picked: dict[str, Module], add_mtp: bool = False) -> Checkpoint:
+def open_base_for(build: Checkpoint, base_source: str, picked: dict[str, Module], add_mtp: bool = False,
+                  allow_quantized_base: bool = False) -> Checkpoint:
     """Open the base reading (and, for a Hub id, downloading) only the shards that hold what we restore."""
 
     def shards(wm: dict) -> set[str]:
@@ -137,7 +141,7 @@ def open_base_for(build: Checkpoint, base_source: str, picked: dict[str, Module]
         return {wm[t] for t in tensors}
 
     base = open_checkpoint(base_source, "base", wanted_files=lambda index: shards(index.get("weight_map") or {}), shards=set())
-    validate_base(base, build)
+    validate_base(base, build, allow_quantized_base)
     if add_mtp and not any(t.startswith("mtp.") for t in base.weight_map):
         raise SplicerError(f"the build has no MTP head and neither has the base {base.label}; drop mtp from --restore")
     for shard in sorted(shards(base.weight_map)):
@@ -392,7 +396,7 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
 
 def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers: str | None = None,
            modules_regex: str | None = None, force: bool = False, progress: bool = True,
-           tokenizer_from_base: bool = False, drop_dead_ignore: bool = False) -> dict:
+           tokenizer_from_base: bool = False, drop_dead_ignore: bool = False, allow_quantized_base: bool = False) -> dict:
     build = open_checkpoint(build_src, "build")
     validate_build(build)
     check_output_path(Path(out), force, [build.root])
@@ -402,7 +406,7 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
     classes = parse_classes(restore, build.arch, modules, build_has_mtp=has_mtp)
     add_mtp = "mtp" in classes and not has_mtp  # seed 000's exporter dropped the MTP head: put the base's back
     picked = select_modules(modules, classes, build.arch, parse_layers(layers), modules_regex, allow_empty=add_mtp)
-    base = open_base_for(build, base_src, picked, add_mtp)
+    base = open_base_for(build, base_src, picked, add_mtp, allow_quantized_base)
     check_output_path(Path(out), force, [build.root, base.root])
     plan = plan_splice(build, base, modules, picked, classes, add_mtp, tokenizer_from_base, drop_dead_ignore)
     plan.inherited_lint = verify_plan(plan, modules)

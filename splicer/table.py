@@ -59,6 +59,7 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
         headers.append("dNLL")
     bw = results.get("bandwidth_bytes_per_s")
     headers += ["decode ms/tok"] + ([f"floor ms @ {bw / 1e12:g} TB/s"] if bw else []) + ["Δ decode", "ΔKL vs build"]
+    band = timing_noise_band(results)
     rows = []
     for v in variants:
         restored = v["restored"] if isinstance(v["restored"], str) else (", ".join(v["restored"]) or "none (the build)")
@@ -79,7 +80,11 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
         if bw:  # the time the step's weight bytes take at the card's bandwidth: how far decode is from the memory floor
             step = v.get("bytes_per_decode_step")
             row.append(f"{1000 * step / bw:.3f}" if step else "")
-        row.append(f"{100 * (ms / build_ms - 1):+.1f} %" if ms is not None and build_ms and v["name"] != "build" else "")
+        if ms is not None and build_ms and v["name"] != "build":
+            d = ms / build_ms - 1
+            row.append(f"{100 * d:+.1f} %" + (" ≈" if band is not None and abs(d) <= band and not v.get("repeat_of") else ""))
+        else:
+            row.append("")
         kl = _mean_kl(v)
         row.append(f"{100 * (kl / build_kl - 1):+.1f} %" if kl is not None and build_kl and v["name"] != "build" else "")
         rows.append(row)
@@ -87,8 +92,30 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
     return headers, rows, notes
 
 
+def timing_noise_band(results: dict) -> float | None:
+    """Largest relative decode-time difference between a row and its repeat (e.g. the build at start and end)."""
+    ok = {v["name"]: v for v in results.get("variants", []) if v.get("status") == "ok"}
+    spreads = []
+    for v in ok.values():
+        first = ok.get(v.get("repeat_of") or "")
+        a, b = (first or {}).get("decode_ms_per_token"), v.get("decode_ms_per_token")
+        if a and b:
+            spreads.append(abs(b / a - 1))
+    return max(spreads) if spreads else None
+
+
 def _footnotes(results: dict, build_kl: float | None) -> list[str]:
     notes = []
+    band = timing_noise_band(results)
+    if band is not None:
+        pairs = [f"{v['repeat_of']} {next(w['decode_ms_per_token'] for w in results['variants'] if w['name'] == v['repeat_of']):.3f} → "
+                 f"{v['name']} {v['decode_ms_per_token']:.3f} ms/token" for v in results["variants"]
+                 if v.get("repeat_of") and v.get("status") == "ok" and v.get("decode_ms_per_token")]
+        notes.append(f"Timing noise band ±{100 * band:.1f} % (the same variant timed twice in this run: {'; '.join(pairs)}); "
+                     "Δ decode marked ≈ is inside it.")
+    tb = results.get("time_breakdown")
+    if tb:
+        notes.append("Wall time of the run: " + ", ".join(f"{k} {v:.0f} s" for k, v in tb.items()) + ".")
     nf = results.get("noise_floor") or {}
     if nf:
         parts = [f"{c}: top-1 {100 * m['top1']:.1f} %, KL {m['kl']:.4f}" for c, m in nf.items()]

@@ -82,12 +82,28 @@ def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
                                "the config does not match the shards, re-export the build")
 
 
-def validate_base(base: Checkpoint, build: Checkpoint) -> None:
-    if base.quantization_config:
-        raise SplicerError(f"base {base.label} is itself quantized ({base.quantization_config.get('quant_method')}); pass the BF16 model the build was made from")
+def validate_base(base: Checkpoint, build: Checkpoint, allow_quantized: bool = False) -> list[str]:
+    """Check that BASE can serve as the build's reference; returns the classes the base itself keeps quantized.
+
+    A partly quantized base (allow_quantized) is a stand-in reference: e.g. experts kept INT4 because BF16
+    experts do not fit the disk. Its quantized modules must be stored exactly as in the build (same packed
+    tensors), so that the reference and every variant share them; those classes cannot be restored.
+    """
     packed = next((t for t in base.weight_map if is_packed_tensor(t)), None)
-    if packed:
-        raise SplicerError(f"base {base.label} holds packed tensors ({packed}); pass the BF16 model the build was made from")
+    if (base.quantization_config or packed) and not allow_quantized:
+        what = f"is itself quantized ({base.quantization_config.get('quant_method')})" if base.quantization_config else f"holds packed tensors ({packed})"
+        raise SplicerError(f"base {base.label} {what}; pass the BF16 model the build was made from "
+                           "(or --allow-quantized-base to use it as a partly quantized reference)")
+    frozen: list[str] = []
+    if base.quantization_config or packed:
+        if not base.quantization_config:
+            raise SplicerError(f"base {base.label} holds packed tensors ({packed}) but no quantization_config; it cannot be loaded, re-export it")
+        missing = next((t for t in base.weight_map if is_packed_tensor(t) and t not in build.weight_map), None)
+        if missing:
+            raise SplicerError(f"base {base.label} has the packed tensor {missing} and the build has not; a partly quantized "
+                               "reference must keep its quantized modules exactly as the build stores them")
+        # From names alone: a base opened for a splice has read only the headers of the shards it restores from.
+        frozen = sorted({base.arch.module_class(t.rpartition(".")[0]) for t in base.weight_map if is_packed_tensor(t)} - {"other"})
     if base.config.get("model_type") != build.config.get("model_type"):
         raise SplicerError(
             f"base {base.label} is a {base.config.get('model_type')!r} model but the build is {build.config.get('model_type')!r}; "
@@ -97,6 +113,7 @@ def validate_base(base: Checkpoint, build: Checkpoint) -> None:
         a, b = base.text_config.get(key), build.text_config.get(key)
         if a != b:
             raise SplicerError(f"base {base.label} has {key}={a} but the build has {b}; pass the base the build was made from")
+    return frozen
 
 
 def parse_classes(spec: str, arch: Architecture, modules: dict[str, Module], build_has_mtp: bool = True) -> list[str]:

@@ -38,6 +38,12 @@ def test_scores_match_the_reference_through_the_worker(pairs, fake_vllm, tmp_pat
     timing = b.time_decode(seqs[0], 4, 0, 2)
     info = b.load_info()
     b.unload()
+    assert b.proc is not None and b.proc.is_alive()  # one worker for the run: the next variant reuses it
+    b.load(pairs["fused"]["lowlatency"])
+    again = list(b.score(seqs[:1], 20, batch_size=1))
+    assert b.load_info()["pid"] == info["pid"] and b.worker_starts == 1
+    assert torch.equal(again[0].topk_ids, got[0].topk_ids)
+    b.close()
     assert b.proc is None
     ref = TorchBackend("cpu")
     ref.load(pairs["fused"]["lowlatency"])
@@ -56,6 +62,23 @@ def test_engine_refusal_is_an_error_and_the_worker_is_gone(pairs, fake_vllm, tmp
         b.load(pairs["fused"]["lowlatency"])
     assert b.proc is None
     assert "Traceback" in (tmp_path / "lowlatency.log").read_text()  # the engine's own output is kept
+    monkeypatch.setenv("FAKE_VLLM_FAIL_ON", "no-such-folder")
+    b.load(pairs["fused"]["base"])  # the next variant gets a fresh worker
+    assert b.worker_starts == 2 and b.proc.is_alive()
+    b.close()
+
+
+def test_startup_breakdown_reads_vllm_0_26_log_lines():
+    from splicer.backends.vllm_backend import startup_breakdown
+
+    # The format strings of vLLM 0.26.0 (default_loader.py, gpu_model_runner.py, monitor.py, core.py), filled in.
+    log = ("INFO [default_loader.py:431] Loading weights took 27.51 seconds\n"
+           "INFO [gpu_model_runner.py:5348] Model loading took 19.87 GiB memory and 30.123456 seconds\n"
+           "INFO [monitor.py:48] torch.compile took 47.02 s in total\n"
+           "INFO [gpu_model_runner.py:6845] Graph capturing finished in 12 secs, took 0.45 GiB\n"
+           "INFO [core.py:341] init engine (profile, create kv cache, warmup model) took 201.50 s (compilation: 47.02 s)\n")
+    assert startup_breakdown(log) == {"weights_load_s": 27.51, "model_load_s": 30.123456, "weight_memory_gib": 19.87,
+                                      "compile_s": 47.02, "graph_capture_s": 12.0, "init_engine_s": 201.5}
 
 
 def test_ablate_with_the_vllm_backend_path(pairs, fake_vllm, tmp_path, monkeypatch):
@@ -75,3 +98,5 @@ def test_ablate_with_the_vllm_backend_path(pairs, fake_vllm, tmp_path, monkeypat
     assert rows["all"]["metrics"]["en"]["kl"] == pytest.approx(0, abs=1e-6) and rows["all"]["metrics"]["en"]["kl_full"] is None
     assert rows["build"]["metrics"]["en"]["kl"] > 0.01 and rows["build"]["engine"]["vllm"] == "0.0.0-fake"
     assert res["backend"] == "vllm"
+    assert rows["build"]["engine"]["pid"] == rows["all"]["engine"]["pid"] and res["backend_info"]["worker_starts"] == 1
+    assert res["time_breakdown"]["engine start"] > 0 and res["time_breakdown"]["scoring"] > 0

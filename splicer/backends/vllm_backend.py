@@ -1,9 +1,11 @@
-"""vLLM backend: the serving engine itself, one engine per checkpoint in a child process.
+"""vLLM backend: the serving engine itself, in a child process that outlives the variants.
 
-Each `load()` starts a fresh child (multiprocessing "spawn": a script that uses this backend must keep its work
-under `if __name__ == "__main__":`, since the child re-imports it) that builds `vllm.LLM` and answers requests over a pipe;
-`unload()` ends it. A crash, an out-of-memory error or a load refusal in one variant
-therefore cannot take `ablate` down, and the GPU is fully released between variants.
+The child (multiprocessing "spawn": a script that uses this backend must keep its work under
+`if __name__ == "__main__":`, since the child re-imports it) imports vLLM once and builds one
+`vllm.LLM` per variant with the engine core in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
+freeing it before the next. A crash, an out-of-memory error or a load refusal ends that child
+(the variant is recorded as failed) and the next variant starts a fresh one, so one variant
+cannot take `ablate` down. Compile, Triton and autotuning caches live in one folder per run.
 
 Scoring uses `SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False)`: per
 prompt position vLLM returns its own top-k plus the actual next token. Its top-k need not
@@ -130,31 +132,111 @@ def _kernel_probe(model):
     return out
 
 
-def _worker(conn, folder: str, engine_args: dict, env: dict, log_path: str) -> None:
-    """Child process: build the engine, then serve score/generate/time requests until told to stop."""
+# Lines of vLLM's own start-up log that split an engine's start into its parts (vllm 0.26 wording).
+STARTUP_LINES = {
+    "weights_load_s": re.compile(r"Loading weights took ([\d.]+) seconds"),
+    "model_load_s": re.compile(r"Model loading took [\d.]+ GiB(?: memory)? and ([\d.]+) seconds"),
+    "weight_memory_gib": re.compile(r"Model loading took ([\d.]+) GiB"),
+    "compile_s": re.compile(r"torch\.compile took ([\d.]+) s in total"),
+    "graph_capture_s": re.compile(r"Graph capturing finished in ([\d.]+) secs"),
+    "init_engine_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
+    "kv_cache_gib": re.compile(r"Available KV cache memory: ([\d.]+) GiB"),
+}
+
+
+def startup_breakdown(log_text: str) -> dict:
+    """{part: seconds or GiB} from one engine's log (the last match of each line)."""
+    out = {}
+    for key, pat in STARTUP_LINES.items():
+        found = pat.findall(log_text)
+        if found:
+            out[key] = float(found[-1])
+    return out
+
+
+def _redirect_output(log_path: str) -> None:
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    os.environ.update(env)
-    llm = None
+    os.close(fd)
+
+
+def _release(llm) -> None:
+    """Free one in-process engine so the next can start in the same process (as vLLM's own tests do)."""
+    import gc
+
     try:
-        t0 = time.perf_counter()
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception:
+        traceback.print_exc()
+    # Dynamo's guards hold the old model; the next engine compiles (or loads from vLLM's cache) afresh anyway.
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _worker(conn, env: dict, log_path: str) -> None:
+    """Child process: import vLLM once, then load engines one after another and serve requests on each.
+
+    Keeping one process for the whole run keeps what vLLM and Triton hold in memory (imports, autotuning
+    results, compiled kernels) from one variant to the next; the caches on disk (env) survive a restart.
+    """
+    _redirect_output(log_path)
+    os.environ.update(env)
+    t0 = time.perf_counter()
+    try:
         import vllm
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
+    except BaseException as e:
+        traceback.print_exc()
+        conn.send(("error", f"{e.__class__.__name__}: {e}"))
+        return
+    import_s = time.perf_counter() - t0
+    llm = None
 
+    def load(folder, engine_args, variant_log):
+        nonlocal llm
+        _redirect_output(variant_log)
+        try:  # vLLM logs many choices once per process; each engine's log should name its own
+            from vllm import logger as vlogger
+
+            for fn in ("_print_info_once", "_print_warning_once", "_print_debug_once"):
+                getattr(vlogger, fn, None) and getattr(vlogger, fn).cache_clear()
+        except Exception:
+            pass
+        t = time.perf_counter()
         llm = LLM(model=folder, **engine_args)
-        startup = time.perf_counter() - t0
+        startup = time.perf_counter() - t
         try:
             probe = llm.apply_model(_kernel_probe)
             layers = probe[0] if isinstance(probe, list) and probe else probe
         except Exception as e:  # the probe is informative only
             layers = {"error": f"{e.__class__.__name__}: {e}"}
-        conn.send(("ready", {"vllm": vllm.__version__, "startup_s": startup, "layers": layers}))
-    except BaseException as e:
-        traceback.print_exc()
-        conn.send(("error", f"{e.__class__.__name__}: {e}"))
-        return
+        compile_s = None
+        try:  # in-process engines share the config object the compiler adds its time to
+            compile_s = float(llm.llm_engine.vllm_config.compilation_config.compilation_time)
+        except Exception:
+            pass
+        return {"vllm": vllm.__version__, "startup_s": startup, "import_s": import_s, "compile_time_s": compile_s,
+                "layers": layers, "pid": os.getpid()}
+
+    def unload():
+        nonlocal llm
+        if llm is not None:
+            engine, llm = llm, None
+            _release(engine)
 
     def score(seqs, top_k, chunk):
         params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, detokenize=False, temperature=0.0)
@@ -193,7 +275,8 @@ def _worker(conn, folder: str, engine_args: dict, env: dict, log_path: str) -> N
                 "ttft_min_max": [min(ttft), max(ttft)], "runs": runs, "warmup": warmup, "prompt_tokens": len(prompt),
                 "new_tokens": n, "method": "(t(n) - t(1)) / (n - 1), wall clock around LLM.generate, batch 1"}
 
-    ops = {"score": score, "generate": generate, "time": time_decode}
+    ops = {"load": load, "unload": unload, "score": score, "generate": generate, "time": time_decode}
+    conn.send(("started", {"import_s": import_s}))
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
@@ -203,16 +286,25 @@ def _worker(conn, folder: str, engine_args: dict, env: dict, log_path: str) -> N
         except BaseException as e:
             traceback.print_exc()
             conn.send(("error", f"{e.__class__.__name__}: {e}"))
+            if msg[0] == "load":  # a failed start can leave a half-built engine holding GPU memory: end the process
+                break
     llm = None  # drop the engine before answering, so the GPU is free when the parent moves on
     conn.send(("stopped", None))
 
 
 class VllmBackend:
+    """vLLM engines in one long-lived child process (in-process engine core), one engine per variant at a time.
+
+    `one_process=False` starts a fresh child per variant instead (the engine core then runs in its own process,
+    vLLM's default): slower, since every variant imports vLLM twice and redoes in-memory autotuning.
+    """
+
     name = "vllm"
     exact_gather = False
 
     def __init__(self, device: str = "auto", engine_args: dict | None = None, log_dir: Path | None = None,
-                 start_timeout_s: float = 1200, require_cuda: bool = True):
+                 start_timeout_s: float = 1800, require_cuda: bool = True, cache_dir: Path | None = None,
+                 one_process: bool = True):
         if importlib.util.find_spec("vllm") is None:
             raise SplicerError("the vLLM backend needs vllm (pip install 'splicer[vllm]' on a GPU machine); use --backend torch here")
         if require_cuda and not torch.cuda.is_available():
@@ -221,37 +313,62 @@ class VllmBackend:
         self.engine_args = {**defaults, **(engine_args or {})}
         if device.startswith("cuda:"):
             self.env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        self.one_process = one_process
+        if one_process:
+            self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the worker itself: one import, shared caches
+        if cache_dir is not None:
+            # Compiled graphs, Triton kernels and autotuning results on disk, shared by every engine of the run and by
+            # a resumed run; a value the user set in the environment wins.
+            cache_dir = Path(cache_dir).resolve()
+            for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+                if var not in os.environ:
+                    self.env[var] = str(cache_dir / sub)
         self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "vllm-logs"
         self.start_timeout_s = start_timeout_s
         self.proc = None
         self.conn = None
+        self.loaded = False
+        self.worker_starts = 0
         self.info: dict = {}
         self.max_positions = None
         self.default_batch = 256
 
-    def load(self, folder: Path) -> None:
-        self.unload()
+    # ------------------------------------------------------------ the worker process
+
+    def _start_worker(self) -> float:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{Path(folder).name}.log"
-        log_path.write_text("")
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        # Not a daemon: vLLM starts its own engine-core process, which a daemonic process may not do.
-        self.proc = ctx.Process(target=_worker, args=(child, str(folder), self.engine_args, self.env, str(log_path)))
+        # Not a daemon: with one_process=False vLLM starts its own engine-core process, which a daemon may not do.
+        log = self.log_dir / f"worker-{self.worker_starts}.log"
+        self.proc = ctx.Process(target=_worker, args=(child, self.env, str(log)))
         t0 = time.perf_counter()
         self.proc.start()
         self.conn = parent
+        self.worker_starts += 1
         kind, payload = self._recv(self.start_timeout_s)
-        if kind != "ready":
-            tail = log_path.read_text(errors="replace")[-4000:]
-            self.unload()
-            raise RuntimeError(f"vLLM could not load {folder}: {payload}\n{tail}")
-        lines = [m.group(0) for line in log_path.read_text(errors="replace").splitlines() if (m := KERNEL_LINE.search(line))]
-        self.info = dict(payload, spawn_to_ready_s=time.perf_counter() - t0, log=str(log_path),
-                         kernel_log_lines=sorted(set(lines)), engine_args=self.engine_args,
-                         kernels_by_class=kernels_by_class(payload.get("layers") or {}))
-        cfg = json.loads((Path(folder) / "config.json").read_text())
-        self.max_positions = self.engine_args.get("max_model_len") or cfg.get("text_config", cfg).get("max_position_embeddings")
+        if kind != "started":
+            self._stop_worker()
+            raise RuntimeError(f"vLLM worker could not start: {payload}\n{log.read_text(errors='replace')[-3000:]}")
+        return time.perf_counter() - t0
+
+    def _stop_worker(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            if self.proc.is_alive():
+                self.conn.send(("stop",))
+            deadline = time.monotonic() + 60
+            while self.proc.is_alive() and time.monotonic() < deadline:  # a worker that failed is already on its way out
+                if self.conn.poll(0.2) and self.conn.recv()[0] == "stopped":
+                    break
+        except (BrokenPipeError, EOFError, OSError):
+            pass
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+        self.proc, self.conn, self.loaded = None, None, False
 
     def _recv(self, timeout: float):
         if not self.conn.poll(timeout):
@@ -260,6 +377,7 @@ class VllmBackend:
             return self.conn.recv()
         except EOFError:
             code = self.proc.exitcode if self.proc else None
+            self.proc, self.conn, self.loaded = None, None, False
             raise RuntimeError(f"vLLM worker died (exit code {code}); see its log in {self.log_dir}") from None
 
     def _call(self, *msg, timeout: float = 3600):
@@ -270,6 +388,36 @@ class VllmBackend:
         if kind != "ok":
             raise RuntimeError(f"vLLM: {payload}")
         return payload
+
+    # ------------------------------------------------------------ the Backend interface
+
+    def load(self, folder: Path) -> None:
+        self.unload()
+        t0 = time.perf_counter()
+        worker_start_s = 0.0
+        if self.proc is None or not self.proc.is_alive():
+            self._stop_worker()
+            worker_start_s = self._start_worker()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{Path(folder).name}.log"
+        log_path.write_text("")
+        try:
+            payload = self._call("load", str(folder), self.engine_args, str(log_path), timeout=self.start_timeout_s)
+        except RuntimeError as e:
+            self._stop_worker()  # the worker ends itself after a failed load; the next load starts a fresh one
+            tail = log_path.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"vLLM could not load {folder}: {e}\n{tail}") from None
+        self.loaded = True
+        text = log_path.read_text(errors="replace")
+        lines = [m.group(0) for line in text.splitlines() if (m := KERNEL_LINE.search(line))]
+        breakdown = startup_breakdown(text)
+        if payload.get("compile_time_s") is not None:
+            breakdown.setdefault("compile_s", payload["compile_time_s"])
+        self.info = dict(payload, spawn_to_ready_s=time.perf_counter() - t0, worker_start_s=worker_start_s, log=str(log_path),
+                         startup_breakdown=breakdown, kernel_log_lines=sorted(set(lines)), engine_args=self.engine_args,
+                         one_process=self.one_process, kernels_by_class=kernels_by_class(payload.get("layers") or {}))
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+        self.max_positions = self.engine_args.get("max_model_len") or cfg.get("text_config", cfg).get("max_position_embeddings")
 
     def score(self, sequences, top_k=20, gather_ids=None, want_full=False, batch_size=None) -> Iterator[SequenceScores]:
         yield from self._call("score", sequences, top_k, batch_size or self.default_batch)
@@ -286,21 +434,18 @@ class VllmBackend:
     def unload(self) -> None:
         if self.proc is None:
             return
-        try:
-            if self.proc.is_alive():
-                self.conn.send(("stop",))
-            deadline = time.monotonic() + 60
-            while self.proc.is_alive() and time.monotonic() < deadline:  # a worker that failed is already on its way out
-                if self.conn.poll(0.2):
-                    self.conn.recv()
-                    break
-        except (BrokenPipeError, EOFError, OSError):
-            pass
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(10)
-        self.proc, self.conn = None, None
+        if not self.one_process:
+            self._stop_worker()
+            return
+        if self.loaded:
+            try:
+                self._call("unload", timeout=300)
+            except (RuntimeError, OSError):
+                self._stop_worker()  # a worker that cannot free its engine is replaced
+            self.loaded = False
+
+    def close(self) -> None:
+        self._stop_worker()
 
     def describe(self) -> dict:
         try:
@@ -311,7 +456,8 @@ class VllmBackend:
             version = "unknown"
         return {"backend": "vllm", "engine": f"vllm {version}", "torch": torch.__version__,
                 "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "engine_args": self.engine_args,
-                "env": {k: v for k, v in self.env.items()}, "python": sys.version.split()[0]}
+                "env": {k: v for k, v in self.env.items()}, "python": sys.version.split()[0], "one_process": self.one_process,
+                "worker_starts": self.worker_starts}
 
 
 def parse_engine_args(items: list[str] | None) -> dict:

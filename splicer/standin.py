@@ -1,0 +1,167 @@
+"""A stand-in with Qwen3.6-35B-A3B's real text dimensions and random weights, generated on a GPU.
+
+The real checkpoints cannot be downloaded where the tool is measured, but decode cost depends on shapes and
+kernels, not on weight values, so a pair with the real shapes times like the real model. Written under ROOT:
+
+* ``build/``: like seed 000's raw export: INT4 g128 sym on every decoder Linear, INT8 g128 on the lm_head
+  (compressed-tensors pack-quantized, round to nearest), no MTP head. Routed experts sit in their own shards
+  (``experts-layerNNN.safetensors``), written once, in INT4 only.
+* ``reference/``: the base the variants are scored against. BF16 routed experts (~64 GB) do not fit the GPU
+  machine's disk, so the reference keeps the build's INT4 experts and holds everything else in BF16. It is made
+  by splicing: the BF16 non-expert tensors are drawn into a parts folder, and
+  ``splice --restore gdn,attention,shared_expert,lm_head`` puts them into the build (the expert shards are
+  hard-linked, the parts folder is removed). Use it with ``--allow-quantized-base``; no row can restore experts.
+
+Every tensor is drawn on the device with the fixture's initialisation (`fixtures._init`) and quantized there
+with compressed-tensors; the expert tensors of one layer are drawn stacked ([E*N, K]) and quantized in one call,
+which is the same as per expert since groups never cross rows.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .arch.qwen3_5_moe import QWEN3_5_MOE
+from .checkpoint import INDEX_NAME
+from .fixtures import (
+    FixtureSpec,
+    _build_plan,
+    _init,
+    _write_side_files,
+    base_shapes,
+    hf_config,
+)
+from .quantize import make_scheme, quantize_weight
+
+NON_EXPERT_CLASSES = "gdn,attention,shared_expert,lm_head"
+
+
+def _shard_of(name: str) -> str:
+    li = QWEN3_5_MOE.layer_index(name)
+    if li is not None:
+        return f"model-layer{li:03d}.safetensors"
+    if name in ("lm_head.weight", "model.language_model.norm.weight"):
+        return "model-tail.safetensors"
+    return "model-head.safetensors"
+
+
+class _ShardWriter:
+    """Collects tensors per shard file and writes each shard in a thread while the GPU draws the next."""
+
+    def __init__(self, folder: Path, pool: ThreadPoolExecutor):
+        self.folder, self.pool = folder, pool
+        self.weight_map: dict[str, str] = {}
+        self.total = 0
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.futures = []
+
+    def add(self, shard: str, name: str, t: torch.Tensor) -> None:
+        t = t.contiguous().cpu()
+        self.pending.setdefault(shard, {})[name] = t
+        self.weight_map[name] = shard
+        self.total += t.numel() * t.element_size()
+
+    def flush(self, shard: str) -> None:
+        tensors = self.pending.pop(shard, None)
+        if tensors:
+            self.futures.append(self.pool.submit(save_file, tensors, str(self.folder / shard), {"format": "pt"}))
+
+    def finish(self, config: dict) -> None:
+        for shard in list(self.pending):
+            self.flush(shard)
+        for f in self.futures:
+            f.result()
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(self.weight_map.items()))}
+        (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        (self.folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _experts_of_layer(prefix: str, n_exp: int, shapes: dict, gen: torch.Generator, scheme, out: _ShardWriter, shard: str) -> None:
+    """Draw one layer's routed experts stacked per projection, quantize once, store per expert."""
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        n, k = shapes[f"{prefix}.0.{proj}.weight"]
+        w = _init(f"{prefix}.{proj}.weight", (n_exp * n, k), gen)  # same scale rule as one expert's weight
+        packed = quantize_weight(w, scheme)
+        del w
+        cpu = {key: v.cpu() for key, v in packed.items() if key != "weight_shape"}
+        for e in range(n_exp):
+            module = f"{prefix}.{e}.{proj}"
+            for key, v in cpu.items():
+                out.add(shard, f"{module}.{key}", v[e * n:(e + 1) * n].clone())
+            out.add(shard, f"{module}.weight_shape", torch.tensor([n, k], dtype=torch.int64))
+
+
+def write_standin(root: Path, spec: FixtureSpec | None = None, device: str = "cuda", progress: bool = True) -> dict:
+    """Write ROOT/build and ROOT/reference; returns their paths and the seconds each step took."""
+    from tqdm.auto import tqdm
+
+    from .splice import splice
+
+    spec = spec or FixtureSpec(preset="full", experts_layout="per_expert")
+    spec.experts_layout = "per_expert"
+    root = Path(root)
+    build, parts, reference = root / "build", root / ".bf16-parts", root / "reference"
+    for p in (build, parts, reference):
+        shutil.rmtree(p, ignore_errors=True)
+        p.mkdir(parents=True)
+    t0 = time.perf_counter()
+    cfg = hf_config(spec)
+    shapes = {k: v for k, v in base_shapes(spec, cfg).items() if not k.startswith("mtp.")}  # seed 000's raw export: no MTP
+    qc, pick = _build_plan("lowlatency-nomtp")
+    schemes: dict[tuple, object] = {}
+    gen = torch.Generator(device=device).manual_seed(spec.seed)
+    n_exp = cfg.text_config.num_experts
+    by_layer: dict[str, list[str]] = {}
+    experts_prefixes: dict[int, str] = {}
+    for name in shapes:
+        parts_ = QWEN3_5_MOE.expert_parts(name.rpartition(".")[0])
+        if parts_:
+            experts_prefixes[QWEN3_5_MOE.layer_index(name)] = parts_[0]
+            continue
+        by_layer.setdefault(_shard_of(name), []).append(name)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        b_out, p_out = _ShardWriter(build, pool), _ShardWriter(parts, pool)
+        steps = sorted(by_layer) + [f"experts-layer{li:03d}.safetensors" for li in sorted(experts_prefixes)]
+        for shard in tqdm(steps, desc="stand-in", disable=not progress or None):
+            if shard.startswith("experts-"):
+                li = int(shard[len("experts-layer"):-len(".safetensors")])
+                _experts_of_layer(experts_prefixes[li], n_exp, shapes, gen, schemes.setdefault((4, 128), make_scheme(4, 128)), b_out, shard)
+                b_out.flush(shard)
+                continue
+            for name in by_layer[shard]:
+                t = _init(name, shapes[name], gen)
+                p_out.add(shard, name, t)
+                module, _, leaf = name.rpartition(".")
+                choice = pick(module) if leaf == "weight" and t.dim() == 2 else None
+                if choice is None:
+                    b_out.add(shard, name, t)
+                else:
+                    for key, v in quantize_weight(t, schemes.setdefault(choice, make_scheme(*choice))).items():
+                        b_out.add(shard, f"{module}.{key}", v)
+            p_out.flush(shard)
+            b_out.flush(shard)
+        config = cfg.to_dict()
+        config["dtype"] = "bfloat16"
+        config["text_config"]["eos_token_id"] = 2  # <|im_end|> of the demo tokenizer
+        p_out.finish(dict(config))
+        b_out.finish(dict(config, quantization_config=qc))
+    _write_side_files(build, cfg.text_config.vocab_size)
+    (build / "fixture.json").write_text(json.dumps({"standin": "full-dims", "preset": spec.preset, "seed": spec.seed,
+                                                    "text_overrides": spec.text_overrides}, indent=2) + "\n")
+    generated = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    shutil.rmtree(reference)
+    record = splice(str(build), str(parts), reference, NON_EXPERT_CLASSES, progress=False)
+    shutil.rmtree(parts)
+    return {"build": build, "reference": reference, "generate_s": generated, "splice_reference_s": time.perf_counter() - t0,
+            "reference_shards": record["shards"]}
+
+
+__all__ = ["NON_EXPERT_CLASSES", "write_standin"]
