@@ -67,6 +67,15 @@ def _jsonable(o):
 
 
 @contextmanager
+def _closing(backend):
+    """End the backend's worker process however the run ends (finished, failed, interrupted)."""
+    try:
+        yield backend
+    finally:
+        getattr(backend, "close", lambda: None)()
+
+
+@contextmanager
 def _lock(out: Path):
     out.mkdir(parents=True, exist_ok=True)
     f = open(out / ".lock", "w")
@@ -317,7 +326,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     base_digest = base.header_digest()
     base_root = base.root
     tok, corpora = prepare_corpora(base_root, plan, settings)
-    with _lock(out):
+    with _lock(out), _closing(backend):
         job = {"tool": f"splicer {__version__}", "plan": plan.name, "plan_digest": plan.digest,
                "build": {"source": str(build_src), "header_digest": build.header_digest()},
                "base": {"source": str(base_src), "digest": base_digest},
@@ -343,6 +352,9 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             "timing_settings": plan.timing if settings.time_decode else None,
             "bandwidth_bytes_per_s": settings.bandwidth_gbs * 1e9 if settings.bandwidth_gbs else None,
             "variants": [], "skipped": [],
+            # One entry per invocation that worked on this job (a resumed job has several).
+            "runs": [*((previous or {}).get("runs", []) if same_job else []),
+                     {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows_run": [], "finished": False}],
         }
         done = {v["name"]: v for v in (previous or {}).get("variants", []) if same_job and v.get("status") == "ok"}
         seen_sets: dict[tuple, str] = {}
@@ -407,10 +419,13 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             finally:
                 backend.unload()
             results["variants"].append(entry)
+            results["runs"][-1]["rows_run"].append(row.name)
+            results["runs"][-1]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
             _finish(results, out, backend)
             faults.point("ablate:row-done")
         results["elapsed_s"] = time.perf_counter() - t_start
         getattr(backend, "close", lambda: None)()
+        results["runs"][-1].update(elapsed_s=round(results["elapsed_s"], 1), finished=True)
         _finish(results, out, backend)
         return results
 

@@ -163,14 +163,34 @@ def _redirect_output(log_path: str) -> None:
     os.close(fd)
 
 
-def _release(llm) -> None:
-    """Free one in-process engine so the next can start in the same process (as vLLM's own tests do)."""
+def _die_with_parent() -> None:
+    """Linux: end this worker (and free its GPU memory) if the parent dies, even by SIGKILL."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _release(holder: list) -> None:
+    """Free the in-process engine in holder (the only reference left) so the next can start in this process.
+
+    As vLLM's own tests do between engines: shut the engine core down, drop the last reference (vLLM 0.26's
+    LLMEngine finalizer then removes the bytecode hooks that pin the compiled model), tear down the distributed
+    state and give the memory back to the driver.
+    """
     import gc
 
+    llm = holder.pop()
     try:
+        finalize = getattr(llm.llm_engine, "_finalizer", None)
         llm.llm_engine.engine_core.shutdown()
+        if finalize is not None:
+            finalize()
     except Exception:
-        pass
+        traceback.print_exc()
     del llm
     gc.collect()
     try:
@@ -179,11 +199,18 @@ def _release(llm) -> None:
         cleanup_dist_env_and_memory()
     except Exception:
         traceback.print_exc()
-    # Dynamo's guards hold the old model; the next engine compiles (or loads from vLLM's cache) afresh anyway.
+    # Dynamo's caches may still hold the old model; the next engine compiles (or loads from vLLM's cache) afresh anyway.
     torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _drafter_probe(worker):
+    """Runs inside vLLM's worker: _kernel_probe on the speculative drafter (e.g. the MTP head), if there is one."""
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    model = getattr(drafter, "model", None)
+    return _kernel_probe(model) if model is not None else {}
 
 
 def _worker(conn, env: dict, log_path: str) -> None:
@@ -193,6 +220,7 @@ def _worker(conn, env: dict, log_path: str) -> None:
     results, compiled kernels) from one variant to the next; the caches on disk (env) survive a restart.
     """
     _redirect_output(log_path)
+    _die_with_parent()
     os.environ.update(env)
     t0 = time.perf_counter()
     try:
@@ -235,8 +263,8 @@ def _worker(conn, env: dict, log_path: str) -> None:
     def unload():
         nonlocal llm
         if llm is not None:
-            engine, llm = llm, None
-            _release(engine)
+            holder, llm = [llm], None
+            _release(holder)
 
     def score(seqs, top_k, chunk):
         params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, detokenize=False, temperature=0.0)
@@ -275,7 +303,20 @@ def _worker(conn, env: dict, log_path: str) -> None:
                 "ttft_min_max": [min(ttft), max(ttft)], "runs": runs, "warmup": warmup, "prompt_tokens": len(prompt),
                 "new_tokens": n, "method": "(t(n) - t(1)) / (n - 1), wall clock around LLM.generate, batch 1"}
 
-    ops = {"load": load, "unload": unload, "score": score, "generate": generate, "time": time_decode}
+    def drafter_layers():
+        res = llm.collective_rpc(_drafter_probe)
+        return res[0] if isinstance(res, list) and res else res
+
+    def metrics(prefix):
+        """Counters and gauges from vLLM's own metrics whose name starts with prefix (needs disable_log_stats=False)."""
+        out = {}
+        for m in llm.get_metrics():
+            if m.name.startswith(prefix):
+                out[m.name] = getattr(m, "value", None) if not hasattr(m, "values") else list(m.values)
+        return out
+
+    ops = {"load": load, "unload": unload, "score": score, "generate": generate, "time": time_decode,
+           "drafter_layers": drafter_layers, "metrics": metrics}
     conn.send(("started", {"import_s": import_s}))
     while True:
         msg = conn.recv()
@@ -394,6 +435,21 @@ class VllmBackend:
     def load(self, folder: Path) -> None:
         self.unload()
         t0 = time.perf_counter()
+        reused = self.proc is not None and self.proc.is_alive()
+        try:
+            self._load(folder, t0)
+        except RuntimeError as first:
+            if not reused:
+                raise
+            # An engine that will not start in a worker that already served others may be short of memory the
+            # earlier engines did not give back: try once more in a fresh process before calling it a failure.
+            try:
+                self._load(folder, t0)
+            except RuntimeError as second:
+                raise second from first
+            self.info["retried_in_fresh_worker"] = str(first)[:500]
+
+    def _load(self, folder: Path, t0: float) -> None:
         worker_start_s = 0.0
         if self.proc is None or not self.proc.is_alive():
             self._stop_worker()
@@ -430,6 +486,13 @@ class VllmBackend:
 
     def load_info(self) -> dict:
         return self.info
+
+    def drafter_layers(self) -> dict:
+        """Per-layer quantization method of the speculative drafter (MTP head), as for the main model."""
+        return self._call("drafter_layers")
+
+    def engine_metrics(self, prefix: str = "vllm:spec_decode") -> dict:
+        return self._call("metrics", prefix)
 
     def unload(self) -> None:
         if self.proc is None:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On the GPU machine, after install_bundle.sh: the Qwen3.6-35B-A3B-shaped stand-in and `splicer ablate all` on it with
+# the vLLM backend under vLLM's default engine settings (torch.compile on, FULL_AND_PIECEWISE CUDA graphs), except that
+# CUDA graphs are captured for batch sizes 1-32 only instead of vLLM's 51 sizes up to 512: batch-1 decode replays the
+# size-1 graph either way, and the scoring and timing prefills are longer than 512 tokens, so no measured figure
+# changes, while every engine start saves the capture of ~90 graphs.
+# Resumable: call it again on the same machine and it keeps the pair, the finished rows, the base pass and the caches.
+# BUDGET_S: the ablate is interrupted after this many seconds of the call (one device call may run 600 s), so that
+# what is finished comes back under $OUT; the next call continues.
+set -uo pipefail
+source scripts/gpu/env.sh
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+WORK=${WORK:-/tmp/fulldims}; BUDGET_S=${BUDGET_S:-540}
+t0=$(date +%s)
+mkdir -p "$WORK"
+if [ ! -f "$WORK/pair/reference/config.json" ]; then
+  python3 -m splicer fixture "$WORK/pair" --full-dims 2>&1 | tail -4 | tee "$OUT/standin.log"
+fi
+du -sh --apparent-size "$WORK/pair/build" "$WORK/pair/reference" > "$OUT/disk.txt" 2>&1; du -sh "$WORK" >> "$OUT/disk.txt"; df -h "$WORK" >> "$OUT/disk.txt"
+CMD=(python3 -m splicer ablate all "$WORK/pair/build" "$WORK/pair/reference" -o "$WORK/run" --plan h200-fulldims
+     --backend vllm --allow-quantized-base --language-model-only --gpu-memory-utilization 0.5 --bandwidth-gbs 4800 -q
+     --engine-arg 'compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}')
+left=$(( BUDGET_S - ($(date +%s) - t0) ))
+timeout -s INT -k 30 "$left" "${CMD[@]}" > "$OUT/ablate.log" 2>&1
+rc=$?
+sleep 2; pkill -9 -f "multiprocessing.spawn" 2>/dev/null  # a worker left behind by a killed run would hold the GPU
+{ echo "command: splicer fixture DIR --full-dims; ${CMD[*]:3} (paths shortened: BUILD, REFERENCE under DIR)" | sed "s#$WORK#DIR#g"
+  echo "exit $rc (124/130: stopped at the call's budget; rerun to resume), call wall $(( $(date +%s) - t0 )) s"; date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import vllm, torch, transformers, compressed_tensors as ct; print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| compressed-tensors', ct.__version__)"
+  nproc; free -g | head -2
+} > "$OUT/run.txt" 2>&1
+cp "$WORK/run/results.json" "$WORK/run/table.md" "$WORK/run/job.json" "$OUT/" 2>/dev/null
+mkdir -p "$OUT/logs"; for f in "$WORK"/run/logs/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/logs/$(basename "$f")"; done
+tail -5 "$OUT/ablate.log"; cat "$OUT/run.txt"; cat "$OUT/table.md" 2>/dev/null | head -30
