@@ -44,7 +44,7 @@ def gpu_pair(tmp_path_factory):
 def engine(tmp_path_factory):
     b = VllmBackend(engine_args=ENGINE_ARGS, log_dir=tmp_path_factory.mktemp("logs"))
     yield b
-    b.unload()
+    b.close()
 
 
 def _seqs(n=6, length=96, vocab=2000, seed=0):
