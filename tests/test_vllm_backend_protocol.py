@@ -43,6 +43,7 @@ def test_scores_match_the_reference_through_the_worker(pairs, fake_vllm, tmp_pat
     again = list(b.score(seqs[:1], 20, batch_size=1))
     assert b.load_info()["pid"] == info["pid"] and b.worker_starts == 1
     assert torch.equal(again[0].topk_ids, got[0].topk_ids)
+    assert (tmp_path / "lowlatency-2.log").exists()  # a second load of the same folder keeps the first log
     b.close()
     assert b.proc is None
     ref = TorchBackend("cpu")
@@ -66,6 +67,43 @@ def test_engine_refusal_is_an_error_and_the_worker_is_gone(pairs, fake_vllm, tmp
     b.load(pairs["fused"]["base"])  # the next variant gets a fresh worker
     assert b.worker_starts == 2 and b.proc.is_alive()
     b.close()
+
+
+def test_flat_and_dict_prompt_logprobs_parse_alike():
+    """The fast path (vLLM's FlatLogprobs) and the per-position dicts give the same scores, and bad layouts are refused."""
+    import sys
+
+    sys.path.insert(0, FAKE)
+    try:
+        from vllm import FlatLogprobs, Logprob
+    finally:
+        sys.path.remove(FAKE)
+    from splicer.backends.vllm_backend import scores_from_flat_logprobs, scores_from_prompt_logprobs
+
+    prompt, k = [5, 9, 9, 2], 3
+    # position t: actual token prompt[t+1], top-3 (actual sometimes inside, sometimes outside)
+    tops = [[9, 1, 4], [7, 9, 3], [8, 6, 5]]
+    lps = [[-0.5, -1.0, -2.0], [-0.2, -0.9, -3.0], [-0.1, -0.4, -0.7]]
+    actual_lp = [-0.5, -0.9, -5.0]
+    actual_rank = [1, 2, 9]
+    flat = FlatLogprobs([0], [0], [], [], [])
+    dicts = [None]
+    for t in range(3):
+        flat.start_indices.append(len(flat.token_ids))
+        flat.token_ids += [prompt[t + 1], *tops[t]]
+        flat.logprobs += [actual_lp[t], *lps[t]]
+        flat.ranks += [actual_rank[t], 1, 2, 3]
+        flat.end_indices.append(len(flat.token_ids))
+        d = {tok: Logprob(lp, r + 1) for r, (tok, lp) in enumerate(zip(tops[t], lps[t]))}
+        d.setdefault(prompt[t + 1], Logprob(actual_lp[t], actual_rank[t]))
+        dicts.append(d)
+    a, b = scores_from_flat_logprobs(prompt, flat, k), scores_from_prompt_logprobs(prompt, dicts, k)
+    assert torch.equal(a.topk_ids, b.topk_ids) and torch.equal(a.topk_logprobs, b.topk_logprobs)
+    assert torch.equal(a.target_logprobs, b.target_logprobs) and torch.equal(a.target_logprobs, torch.tensor(actual_lp))
+    with pytest.raises(RuntimeError, match="actual next token"):
+        scores_from_flat_logprobs([5, 9, 9, 3], flat, k)
+    with pytest.raises(RuntimeError, match="entries"):
+        scores_from_flat_logprobs(prompt, flat, 4)
 
 
 def test_startup_breakdown_reads_vllm_0_26_log_lines():

@@ -65,6 +65,32 @@ def scores_from_prompt_logprobs(prompt_ids: list[int], prompt_logprobs: list, to
     return SequenceScores(topk_ids=ids, topk_logprobs=lps, target_logprobs=target)
 
 
+def scores_from_flat_logprobs(prompt_ids: list[int], flat, top_k: int) -> SequenceScores:
+    """vLLM's FlatLogprobs (SamplingParams(flat_logprobs=True), vLLM >= 0.12) -> SequenceScores without per-logprob objects.
+
+    vLLM appends, for every prompt position after the first, the actual next token with its rank followed by
+    the top-k in rank order (vllm/logprobs.py, append_logprobs_for_next_position): k + 1 entries per position.
+    """
+    n = len(prompt_ids) - 1
+    starts = torch.tensor(flat.start_indices[1:], dtype=torch.long)
+    ends = torch.tensor(flat.end_indices[1:], dtype=torch.long)
+    if len(starts) != n or not bool(((ends - starts) == top_k + 1).all()):
+        raise RuntimeError(f"vLLM's flat prompt logprobs do not hold {top_k} + 1 entries at each of {n} positions")
+    idx = starts[:, None] + torch.arange(top_k + 1)
+    ids = torch.tensor(flat.token_ids, dtype=torch.long)[idx]
+    lps = torch.tensor(flat.logprobs, dtype=torch.float32)[idx]
+    if not torch.equal(ids[:, 0], torch.tensor(prompt_ids[1:], dtype=torch.long)):
+        raise RuntimeError("vLLM's flat prompt logprobs do not start each position with the actual next token")
+    return SequenceScores(topk_ids=ids[:, 1:].to(torch.int32).contiguous(), topk_logprobs=lps[:, 1:].contiguous(),
+                          target_logprobs=lps[:, 0].contiguous())
+
+
+def _scores(prompt_ids, prompt_logprobs, top_k) -> SequenceScores:
+    if hasattr(prompt_logprobs, "start_indices"):
+        return scores_from_flat_logprobs(prompt_ids, prompt_logprobs, top_k)
+    return scores_from_prompt_logprobs(prompt_ids, prompt_logprobs, top_k)
+
+
 # vLLM layer names (after the probe folded layer numbers into *) -> splicer's module classes.
 _VLLM_CLASS = (
     ("lm_head", re.compile(r"(language_model\.)?lm_head$")),
@@ -267,12 +293,16 @@ def _worker(conn, env: dict, log_path: str) -> None:
             _release(holder)
 
     def score(seqs, top_k, chunk):
-        params = SamplingParams(max_tokens=1, prompt_logprobs=top_k, detokenize=False, temperature=0.0)
+        kw = dict(max_tokens=1, prompt_logprobs=top_k, detokenize=False, temperature=0.0)
+        try:  # flat lists instead of one dict of Logprob objects per position: far less Python work per position
+            params = SamplingParams(**kw, flat_logprobs=True)
+        except TypeError:  # a vLLM without flat logprobs
+            params = SamplingParams(**kw)
         out = []
         for s in range(0, len(seqs), chunk):
             batch = seqs[s:s + chunk]
             res = llm.generate([TokensPrompt(prompt_token_ids=q) for q in batch], params, use_tqdm=False)
-            out += [scores_from_prompt_logprobs(q, r.prompt_logprobs, top_k) for q, r in zip(batch, res)]
+            out += [_scores(q, r.prompt_logprobs, top_k) for q, r in zip(batch, res)]
         return out
 
     def generate(prompts, n, stop):
@@ -376,12 +406,22 @@ class VllmBackend:
 
     # ------------------------------------------------------------ the worker process
 
+    def _fresh_log(self, stem: str) -> Path:
+        """DIR/stem.log, or stem-2.log, stem-3.log ... when a variant is loaded again or a run is resumed."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        path, i = self.log_dir / f"{stem}.log", 1
+        while path.exists():
+            i += 1
+            path = self.log_dir / f"{stem}-{i}.log"
+        path.write_text("")
+        return path
+
     def _start_worker(self) -> float:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         # Not a daemon: with one_process=False vLLM starts its own engine-core process, which a daemon may not do.
-        log = self.log_dir / f"worker-{self.worker_starts}.log"
+        log = self._fresh_log("worker")
         self.proc = ctx.Process(target=_worker, args=(child, self.env, str(log)))
         t0 = time.perf_counter()
         self.proc.start()
@@ -455,8 +495,7 @@ class VllmBackend:
             self._stop_worker()
             worker_start_s = self._start_worker()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{Path(folder).name}.log"
-        log_path.write_text("")
+        log_path = self._fresh_log(Path(folder).name)
         try:
             payload = self._call("load", str(folder), self.engine_args, str(log_path), timeout=self.start_timeout_s)
         except RuntimeError as e:

@@ -23,9 +23,20 @@ class Logprob:
 
 class SamplingParams:
     def __init__(self, max_tokens=16, prompt_logprobs=None, temperature=1.0, stop_token_ids=None, detokenize=True,
-                 min_tokens=0, ignore_eos=False):
-        self.max_tokens, self.prompt_logprobs = max_tokens, prompt_logprobs
+                 min_tokens=0, ignore_eos=False, flat_logprobs=False):
+        self.max_tokens, self.prompt_logprobs, self.flat_logprobs = max_tokens, prompt_logprobs, flat_logprobs
         self.stop_token_ids = stop_token_ids or []
+
+
+@dataclass
+class FlatLogprobs:
+    """vLLM's flat layout: per position [actual next token, top-1 .. top-k] (vllm/logprobs.py)."""
+
+    start_indices: list
+    end_indices: list
+    token_ids: list
+    logprobs: list
+    ranks: list
 
 
 @dataclass
@@ -73,6 +84,16 @@ class LLM:
                     if actual not in entry:
                         entry[actual] = Logprob(float(full[actual]), int((full > full[actual]).sum()) + 1)
                     plp.append(entry)
+                if params.flat_logprobs:
+                    flat = FlatLogprobs([0], [0], [], [], [])
+                    for t in range(len(ids) - 1):
+                        full, actual = s.full[t], ids[t + 1]
+                        flat.start_indices.append(len(flat.token_ids))
+                        flat.token_ids += [actual, *s.topk_ids[t].tolist()]
+                        flat.logprobs += [float(full[actual]), *[float(full[i]) for i in s.topk_ids[t].tolist()]]
+                        flat.ranks += [int((full > full[actual]).sum()) + 1, *range(1, params.prompt_logprobs + 1)]
+                        flat.end_indices.append(len(flat.token_ids))
+                    plp = flat
                 gen = [int(torch.argmax(s.full[-1]))]
             else:
                 gen = self._ref.generate([ids], params.max_tokens, params.stop_token_ids)[0]
