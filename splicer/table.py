@@ -140,12 +140,44 @@ def _footnotes(results: dict, build_kl: float | None) -> list[str]:
     return notes
 
 
+def speed_rows(results: dict) -> tuple[list[str], list[list]] | None:
+    """Per variant: decode spread, TTFT, weight memory and engine start as the engine reported them, scoring speed."""
+    variants = [v for v in results.get("variants", []) if v.get("status") == "ok" and (v.get("engine") or v.get("timing"))]
+    base = results.get("base_pass") or {}
+    if not variants:
+        return None
+    headers = ["variant", "decode ms/tok median [IQR] (min-max)", "TTFT ms median (min-max)", "weights GiB",
+               "engine start s", "weight load s", "compile s", "scoring positions/s (all corpora)"]
+    rows = []
+    entries = ([("base pass", base.get("engine") or {}, None, (base.get("timings") or {}))] if base.get("engine") else [])
+    entries += [(v["name"], v.get("engine") or {}, v.get("timing"), v.get("elapsed") or {}) for v in variants]
+    for name, eng, timing, elapsed in entries:
+        sb = eng.get("startup_breakdown") or {}
+        t = timing or {}
+        dec = (f"{t['decode_ms_per_token']:.2f} [{t['decode_iqr'][0]:.2f}, {t['decode_iqr'][1]:.2f}] "
+               f"({t['decode_min_max'][0]:.2f}-{t['decode_min_max'][1]:.2f})") if t.get("decode_ms_per_token") else ""
+        ttft = f"{t['ttft_ms']:.0f} ({t['ttft_min_max'][0]:.0f}-{t['ttft_min_max'][1]:.0f})" if t.get("ttft_ms") else ""
+        positions = sum(c.get("positions", 0) for c in results.get("corpora", {}).values())
+        secs = sum(x for k, x in elapsed.items() if k.startswith("score_") and k.endswith("_s"))
+        pps = [positions / secs] if timing is not None and secs else []  # all corpora together; the base pass adds a noise pass
+        start = elapsed.get("load_s")
+        rows.append([name, dec, ttft, f"{sb['weight_memory_gib']:.2f}" if "weight_memory_gib" in sb else "",
+                     f"{start:.0f}" if start else "", f"{sb['model_load_s']:.0f}" if "model_load_s" in sb else "",
+                     f"{sb['compile_s']:.0f}" if "compile_s" in sb else "", f"{max(pps):,.0f}" if pps else ""])
+    return headers, rows
+
+
 def render_markdown(results: dict) -> str:
     from tabulate import tabulate
 
     headers, rows, notes = _rows(results)
     text = tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
-    return text + "\n\n" + "\n".join(f"- {n}" for n in notes)
+    text += "\n\n" + "\n".join(f"- {n}" for n in notes)
+    speed = speed_rows(results)
+    if speed and any(r[4] or r[3] for r in speed[1]):  # only where an engine reported its start (vLLM)
+        text += "\n\nSpeed per variant (engine start, weight memory and compile time as vLLM logged them):\n\n"
+        text += tabulate(speed[1], headers=speed[0], tablefmt="github", disable_numparse=True)
+    return text
 
 
 def render(out_dir: Path, fmt: str = "markdown") -> str:

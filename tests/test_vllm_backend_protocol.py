@@ -138,3 +138,23 @@ def test_ablate_with_the_vllm_backend_path(pairs, fake_vllm, tmp_path, monkeypat
     assert res["backend"] == "vllm"
     assert rows["build"]["engine"]["pid"] == rows["all"]["engine"]["pid"] and res["backend_info"]["worker_starts"] == 1
     assert res["time_breakdown"]["engine start"] > 0 and res["time_breakdown"]["scoring"] > 0
+
+
+def test_kernel_probe_keeps_layers_that_differ():
+    """A splice of some layers: layers of one name pattern load with different methods, and both must show."""
+    from splicer.backends.vllm_backend import _kernel_probe, kernels_by_class
+
+    class Method:
+        pass
+
+    class Unquantized:
+        pass
+
+    layers = torch.nn.ModuleDict({str(i): torch.nn.ModuleDict({"experts": torch.nn.Module()}) for i in range(3)})
+    for i in range(3):
+        layers[str(i)]["experts"].quant_method = Unquantized() if i in (0, 2) else Method()
+    model = torch.nn.Module()
+    model.layers = layers
+    probe = _kernel_probe(model)
+    assert probe == {"layers.*.experts": "Method | Unquantized"}
+    assert kernels_by_class({"model.layers.*.mlp.experts": probe["layers.*.experts"]}) == {"experts": ["Method", "Unquantized"]}

@@ -109,7 +109,7 @@ def kernels_by_class(layers: dict) -> dict:
             continue
         cls = next((c for c, p in _VLLM_CLASS if p.match(name)), None)
         if cls:
-            out.setdefault(cls, set()).add(re.sub(r" at 0x[0-9a-f]+>", ">", str(desc)))
+            out.setdefault(cls, set()).update(re.sub(r" at 0x[0-9a-f]+>", ">", d) for d in str(desc).split(" | "))
     return {c: sorted(v) for c, v in out.items()}
 
 
@@ -154,8 +154,9 @@ def _kernel_probe(model):
             elif not isinstance(v, (str, int, float, bool)):
                 v = getattr(v, "name", None) or type(v).__name__  # enums by name, other objects by class
             parts.append(f"{attr}={v}")
-        out[re.sub(r"\.\d+\.", ".*.", name)] = " / ".join(parts)
-    return out
+        # Layer numbers folded into *; layers of one pattern that differ (a splice of some layers) keep every variant.
+        out.setdefault(re.sub(r"\.\d+\.", ".*.", name), set()).add(" / ".join(parts))
+    return {k: " | ".join(sorted(v)) for k, v in out.items()}
 
 
 # Lines of vLLM's own start-up log that split an engine's start into its parts (vllm 0.26 wording).
