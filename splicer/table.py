@@ -174,7 +174,7 @@ def render_markdown(results: dict) -> str:
     text = tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
     text += "\n\n" + "\n".join(f"- {n}" for n in notes)
     speed = speed_rows(results)
-    if speed and any(r[4] or r[3] for r in speed[1]):  # only where an engine reported its start (vLLM)
+    if speed and results.get("backend") == "vllm":  # start-up, weight memory and compile come from vLLM's log
         text += "\n\nSpeed per variant (engine start, weight memory and compile time as vLLM logged them):\n\n"
         text += tabulate(speed[1], headers=speed[0], tablefmt="github", disable_numparse=True)
     return text

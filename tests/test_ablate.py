@@ -172,6 +172,7 @@ def test_demo_from_the_cli(tmp_path, capsys):
     assert set(results["corpora"]) == {"wiki-zh", "wiki-en", "chat"}
     assert all(m["kl"] == pytest.approx(0, abs=1e-7) for m in rows["all"]["metrics"].values())
     assert "Additivity" in (tmp_path / "demo" / "table.md").read_text()
+    assert "Speed per variant" not in (tmp_path / "demo" / "table.md").read_text()  # torch: no engine log to report
 
 
 def test_plan_name_beside_a_folder_of_that_name(tmp_path, monkeypatch):

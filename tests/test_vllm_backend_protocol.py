@@ -138,6 +138,7 @@ def test_ablate_with_the_vllm_backend_path(pairs, fake_vllm, tmp_path, monkeypat
     assert res["backend"] == "vllm"
     assert rows["build"]["engine"]["pid"] == rows["all"]["engine"]["pid"] and res["backend_info"]["worker_starts"] == 1
     assert res["time_breakdown"]["engine start"] > 0 and res["time_breakdown"]["scoring"] > 0
+    assert "Speed per variant" in (tmp_path / "out" / "table.md").read_text()
 
 
 def test_kernel_probe_keeps_layers_that_differ():
