@@ -79,6 +79,14 @@ def _ablate(p, t, *extra, plan=None, build=None, base=None):
             "--device", "cpu", "--plan", str(plan or _plan(t, PLAN)), *extra]
 
 
+def _partly_quantized_reference(p, t: Path) -> Path:
+    """The build with every class but the experts restored: a reference that keeps the build's INT4 experts."""
+    from splicer.splice import splice
+
+    splice(str(p["lowlatency"]), str(p["base"]), t / "reference", "gdn,attention,shared_expert,lm_head", progress=False)
+    return t / "reference"
+
+
 # (id, argv builder, expected message fragment). Builders get (pairs, tmp) and return argv.
 CASES = [
     ("unknown-class", lambda p, t: ["splice", "--restore", "gdn,rotary", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out")], "unknown class 'rotary'"),
@@ -88,6 +96,8 @@ CASES = [
     ("missing-base-folder", lambda p, t: ["splice", "--restore", "gdn", str(p["lowlatency"]), str(t / "nope"), "-o", str(t / "out")], "does not exist"),
     ("build-not-quantized", lambda p, t: ["splice", "--restore", "gdn", str(p["base"]), str(p["base"]), "-o", str(t / "out")], "not a quantized build"),
     ("base-is-quantized", lambda p, t: ["splice", "--restore", "gdn", str(p["lowlatency"]), str(p["experts-g32"]), "-o", str(t / "out")], "itself quantized"),
+    ("quantized-base-unlike-build", lambda p, t: ["splice", "--restore", "gdn", "--allow-quantized-base", str(p["lowlatency"]), str(p["experts-g32"]), "-o", str(t / "out")], "and the build has not"),
+    ("restore-class-quantized-in-base", lambda p, t: ["splice", "--restore", "experts", "--allow-quantized-base", str(p["lowlatency"]), str(_partly_quantized_reference(p, t)), "-o", str(t / "out")], "quantized in the base too"),
     ("mismatched-base", lambda p, t: ["splice", "--restore", "gdn", str(p["lowlatency"]), str(_mismatched_base(t)), "-o", str(t / "out")], "hidden_size=128"),
     ("truncated-shard", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, _truncate_a_shard)), str(p["base"]), "-o", str(t / "out")], "truncated"),
     ("invalid-config-json", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, lambda f: (f / "config.json").write_text("{not json"))), str(p["base"]), "-o", str(t / "out")], "not valid JSON"),
