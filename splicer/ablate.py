@@ -17,7 +17,9 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
+import sys
 import time
 import traceback
 from contextlib import contextmanager
@@ -354,7 +356,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             "variants": [], "skipped": [],
             # One entry per invocation that worked on this job (a resumed job has several).
             "runs": [*((previous or {}).get("runs", []) if same_job else []),
-                     {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows_run": [], "finished": False}],
+                     {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows_run": [], "finished": False,
+                      "command": " ".join(shlex.quote(a) for a in ["splicer", *sys.argv[1:]]) if _from_cli() else None}],
         }
         done = {v["name"]: v for v in (previous or {}).get("variants", []) if same_job and v.get("status") == "ok"}
         seen_sets: dict[tuple, str] = {}
@@ -443,6 +446,11 @@ def _splice_is_current(folder: Path, build, restored: list[str]) -> bool:
         return False
     r = json.loads(record.read_text())
     return r.get("build", {}).get("header_digest") == build.header_digest() and r.get("restored_classes") == restored
+
+
+def _from_cli() -> bool:
+    """True when the splicer command line is running (then sys.argv is the command to record)."""
+    return Path(sys.argv[0]).name in ("splicer", "__main__.py") or sys.argv[0].endswith("splicer/__main__.py")
 
 
 def time_breakdown(results: dict) -> dict:
