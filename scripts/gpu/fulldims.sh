@@ -31,5 +31,6 @@ sleep 2; pkill -9 -f "multiprocessing.spawn" 2>/dev/null  # a worker left behind
   nproc; free -g | head -2
 } > "$OUT/run.txt" 2>&1
 cp "$WORK/run/results.json" "$WORK/run/table.md" "$WORK/run/job.json" "$OUT/" 2>/dev/null
-mkdir -p "$OUT/logs"; for f in "$WORK"/run/logs/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/logs/$(basename "$f")"; done
+# One archive: a device call brings back at most 8 files.
+( cd "$WORK/run" && tar czf "$OUT/logs.tgz" logs cache/base-*/done.json 2>/dev/null )
 tail -5 "$OUT/ablate.log"; cat "$OUT/run.txt"; cat "$OUT/table.md" 2>/dev/null | head -30
