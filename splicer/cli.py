@@ -47,7 +47,9 @@ def _cmd_fixture(args) -> int:
         if device.startswith("cuda") and not __import__("torch").cuda.is_available():
             raise SplicerError("--full-dims draws ~35B parameters and wants a GPU (--device cuda); torch sees none. "
                                "Use --device cpu only if you can wait (tens of minutes) and have ~30 GB of disk")
-        r = write_standin(args.out, FixtureSpec(preset="full", seed=args.seed), device=device)
+        from .standin import RESIDUAL_SCALE
+
+        r = write_standin(args.out, FixtureSpec(preset="full", seed=args.seed, residual_scale=RESIDUAL_SCALE), device=device)
         print(f"build: {r['build']}\nreference: {r['reference']}\ngenerated in {r['generate_s']:.1f} s, "
               f"reference spliced in {r['splice_reference_s']:.1f} s")
         return 0

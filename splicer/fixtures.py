@@ -76,6 +76,9 @@ class FixtureSpec:
     experts_layout: str = "fused"  # fused | per_expert (base only; builds are always per expert)
     seed: int = 0
     text_overrides: dict = field(default_factory=dict)
+    # Extra factor on the projections that write into the residual stream. 1.0 keeps the tiny fixture as it was;
+    # a 40-layer random stack needs much smaller updates or it is chaotic (see splicer.standin).
+    residual_scale: float = 1.0
 
     def text_config(self) -> dict:
         cfg = dict(TEXT_PRESETS[self.preset])
@@ -135,7 +138,7 @@ def base_shapes(spec: FixtureSpec, cfg) -> dict[str, tuple[int, ...]]:
     return dict(sorted(shapes.items()))
 
 
-def _init(name: str, shape, gen: torch.Generator) -> torch.Tensor:
+def _init(name: str, shape, gen: torch.Generator, residual_scale: float = 1.0) -> torch.Tensor:
     """Deterministic values of a plausible scale (norms near their zero-centred identity), on the generator's device."""
     leaf = name.rsplit(".", 1)[-1]
     dev = gen.device
@@ -153,7 +156,7 @@ def _init(name: str, shape, gen: torch.Generator) -> torch.Tensor:
         if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")):
             # Blocks that write into the residual stream write small updates, as in a trained
             # model; with full-size random updates the net is chaotic and any rounding flips it.
-            t = t * 0.25
+            t = t * (0.25 * residual_scale)
         if name.endswith("mlp.gate.weight"):
             t = t * 4  # decisive routing: near-ties between experts would flip on any rounding
         if name == "lm_head.weight":
@@ -218,7 +221,7 @@ def write_base(out: Path, spec: FixtureSpec | None = None) -> Path:
     n_layers = cfg.text_config.num_hidden_layers
     by_shard: dict[str, dict[str, torch.Tensor]] = {}
     for name, shape in shapes.items():
-        by_shard.setdefault(_shard_key(name, n_layers), {})[name] = _init(name, shape, gen)
+        by_shard.setdefault(_shard_key(name, n_layers), {})[name] = _init(name, shape, gen, spec.residual_scale)
     config = cfg.to_dict()
     config["dtype"] = "bfloat16"
     config["text_config"]["eos_token_id"] = 2  # <|im_end|> of the demo tokenizer

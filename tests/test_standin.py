@@ -110,3 +110,30 @@ def test_random_corpus_is_seeded_and_in_the_tokenizer_range(standin):
     c = build_corpus(dict(spec, seed=4), tok, None, standin["build"])
     assert a.sequences == b.sequences != c.sequences and len(a.sequences) == 4 and a.positions() == 60
     assert max(max(s) for s in a.sequences) < len(tok)
+
+
+def _build_vs_base(root, spec):
+    from splicer.backends.torch_ref import TorchBackend
+    from splicer.fixtures import write_pair
+    from splicer.metrics import fill_missing, kl_top_lumped
+
+    p = write_pair(root, spec, kinds=("lowlatency",))
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(10, 2000, (64,), generator=g).tolist() for _ in range(3)]
+    b = TorchBackend("cpu")
+    b.load(p["base"])
+    base = list(b.score(seqs, 20, batch_size=3))
+    b.load(p["lowlatency"])
+    var = list(b.score(seqs, 20, batch_size=3))
+    kl = torch.cat([kl_top_lumped(x.topk_logprobs, fill_missing(x.topk_ids, y.topk_ids, y.topk_logprobs)) for x, y in zip(base, var)])
+    return kl.mean().item()
+
+
+def test_residual_scale_keeps_a_deep_random_stack_out_of_chaos(tmp_path):
+    """The stand-in's depth fix: with the tiny fixture's scales a 16-layer random stack is chaotic under INT4 rounding."""
+    from splicer.standin import RESIDUAL_SCALE
+
+    over = {"num_hidden_layers": 16}
+    chaotic = _build_vs_base(tmp_path / "a", FixtureSpec(preset="tiny", text_overrides=over))
+    tamed = _build_vs_base(tmp_path / "b", FixtureSpec(preset="tiny", text_overrides=over, residual_scale=RESIDUAL_SCALE))
+    assert chaotic > 1.0 and tamed < chaotic / 5, (chaotic, tamed)
