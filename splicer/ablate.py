@@ -51,6 +51,7 @@ class AblateSettings:
     bootstrap: int = 1000
     progress: bool = True
     process_per_variant: bool = False  # vllm: a fresh worker process per variant instead of one for the run
+    overlap_starts: bool = False  # vllm: start the next variant's engine while the current one scores
     allow_quantized_base: bool = False  # a stand-in reference that keeps some classes quantized (see validate_base)
 
 
@@ -162,7 +163,7 @@ def prepare_corpora(base_root: Path, plan: Plan, settings: AblateSettings):
 
 
 def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, out: Path, base_digest: str,
-              tok, corpora: list[Corpus]) -> tuple[Path, list[Corpus]]:
+              tok, corpora: list[Corpus], after_load=None) -> tuple[Path, list[Corpus]]:
     """Generate the base's chat answers and score the base (and a noise pass) once; cached by inputs and settings."""
     key = _digest(base_digest, [c.digest() for c in corpora], [c.spec for c in corpora], plan.top_k, backend.name,
                   settings.device, settings.batch_size, settings.engine_args)
@@ -177,6 +178,8 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ou
     backend.load(base_root)
     load_s = time.perf_counter() - t0
     engine_info = backend.load_info() if hasattr(backend, "load_info") else None
+    if after_load:
+        after_load()
     stop = [t for t in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int) and t >= 0]
     for c in corpora:
         if c.kind == "chat":
@@ -245,7 +248,7 @@ def position_records(base: dict, var: dict, corpus: Corpus, gathered: torch.Tens
 
 
 def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], plan: Plan, settings: AblateSettings,
-                  score_dir: Path) -> tuple[dict, dict]:
+                  score_dir: Path, after_load=None) -> tuple[dict, dict]:
     from safetensors.torch import save_file
 
     metrics, timings = {}, {}
@@ -254,6 +257,8 @@ def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], pla
     timings["load_s"] = time.perf_counter() - t0
     if hasattr(backend, "load_info"):
         timings["engine"] = backend.load_info()
+    if after_load:
+        after_load()
     score_dir.mkdir(parents=True, exist_ok=True)
     for c in corpora:
         t0 = time.perf_counter()
@@ -319,7 +324,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             raise SplicerError(f"row {bad[0] if bad else '(none)'!r} is not in plan {plan.name}; its rows: {', '.join(r.name for r in rows)}")
         selected = {"build", *wanted}  # the build row is every other row's reference
     options = ({"engine_args": settings.engine_args, "log_dir": out / "logs", "cache_dir": out / "cache" / "engine",
-                "one_process": not settings.process_per_variant} if settings.backend == "vllm" else {})
+                "one_process": not settings.process_per_variant, "overlap_starts": settings.overlap_starts}
+               if settings.backend == "vllm" else {})
     backend = make_backend(settings.backend, settings.device, **options)
     base = open_checkpoint(base_src, "base")
     from .validate import validate_base
@@ -334,6 +340,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                "base": {"source": str(base_src), "digest": base_digest},
                "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
                             "engine_args": settings.engine_args, "allow_quantized_base": settings.allow_quantized_base,
+                            "overlap_starts": settings.overlap_starts,
                             "time_decode": settings.time_decode, "corpus_overrides": settings.corpus_overrides}}
         results_path = out / RESULTS
         previous = json.loads(results_path.read_text()) if results_path.exists() else None
@@ -342,7 +349,59 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         same_job = previous is not None and previous.get("job") == job
         _atomic_json(out / "job.json", job)
         t_start = time.perf_counter()
-        cache, corpora = base_pass(backend, base_root, plan, settings, out, base_digest, tok, corpora)
+        done = {v["name"]: v for v in (previous or {}).get("variants", []) if same_job and v.get("status") == "ok"}
+        seen_sets: dict[tuple, str] = {}
+        todo, skipped = [], []
+        for row in rows:
+            restored = row.restored(quantized)
+            if restored is not None and row.restore and not restored:
+                skipped.append({"name": row.name, "reason": f"{', '.join(row.restore)} not quantized in this build"})
+                continue
+            if restored and set(restored) & set(frozen):
+                skipped.append({"name": row.name, "reason": f"needs BF16 {', '.join(sorted(set(restored) & set(frozen)))}, "
+                                                                       "which the base keeps quantized"})
+                continue
+            # Restoring every quantized class is kept as its own row: it must reproduce the base
+            # exactly, which checks the splice and the scoring end to end.
+            key = ("BASE",) if restored is None else tuple(sorted(restored))
+            if key in seen_sets and not row.repeat:
+                skipped.append({"name": row.name, "reason": f"same variant as {seen_sets[key]}"})
+                continue
+            seen_sets.setdefault(key, row.name)
+            todo.append((row, restored, seen_sets[key]))  # a repeat row reuses the first row's splice
+        # Rows this invocation runs, in order; with --overlap-starts the next one is spliced and its engine started
+        # while the current one scores (the vLLM backend times decode only once that start has finished).
+        run_list = [(r, rs, sn) for r, rs, sn in todo if r.name not in done and r.name in selected]
+        prepared: dict[str, tuple] = {}
+
+        def folder_for(row, restored, splice_name) -> tuple[Path, float]:
+            if row.name in prepared:
+                return prepared.pop(row.name)
+            t0 = time.perf_counter()
+            if restored is None:
+                folder = base_root
+            elif not restored:
+                folder = build.root
+            else:
+                folder = out / "variants" / splice_name
+                folder.parent.mkdir(parents=True, exist_ok=True)
+                if not _splice_is_current(folder, build, restored):
+                    splice(str(build_src), str(base_src), folder, ",".join(restored), force=True, progress=False,
+                           allow_quantized_base=settings.allow_quantized_base)
+            return folder, time.perf_counter() - t0
+
+        def start_next(i: int) -> None:
+            if not getattr(backend, "overlap_starts", False) or i + 1 >= len(run_list):
+                return
+            nxt = run_list[i + 1]
+            try:
+                prepared[nxt[0].name] = folder_for(*nxt)
+            except SplicerError:
+                return  # the row records its own error when its turn comes
+            backend.prefetch(prepared[nxt[0].name][0])
+
+        cache, corpora = base_pass(backend, base_root, plan, settings, out, base_digest, tok, corpora,
+                                   after_load=lambda: start_next(-1))
         results = {
             "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job, "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
             "backend": None, "engine_version": None, "device": None,
@@ -353,32 +412,12 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             "quantized_classes": quantized, "base_quantized_classes": frozen, "noise_floor": noise_floor(cache, corpora, settings.bootstrap),
             "timing_settings": plan.timing if settings.time_decode else None,
             "bandwidth_bytes_per_s": settings.bandwidth_gbs * 1e9 if settings.bandwidth_gbs else None,
-            "variants": [], "skipped": [],
+            "variants": [], "skipped": skipped,
             # One entry per invocation that worked on this job (a resumed job has several).
             "runs": [*((previous or {}).get("runs", []) if same_job else []),
                      {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows_run": [], "finished": False,
                       "command": " ".join(shlex.quote(a) for a in ["splicer", *sys.argv[1:]]) if _from_cli() else None}],
         }
-        done = {v["name"]: v for v in (previous or {}).get("variants", []) if same_job and v.get("status") == "ok"}
-        seen_sets: dict[tuple, str] = {}
-        todo = []
-        for row in rows:
-            restored = row.restored(quantized)
-            if restored is not None and row.restore and not restored:
-                results["skipped"].append({"name": row.name, "reason": f"{', '.join(row.restore)} not quantized in this build"})
-                continue
-            if restored and set(restored) & set(frozen):
-                results["skipped"].append({"name": row.name, "reason": f"needs BF16 {', '.join(sorted(set(restored) & set(frozen)))}, "
-                                                                       "which the base keeps quantized"})
-                continue
-            # Restoring every quantized class is kept as its own row: it must reproduce the base
-            # exactly, which checks the splice and the scoring end to end.
-            key = ("BASE",) if restored is None else tuple(sorted(restored))
-            if key in seen_sets and not row.repeat:
-                results["skipped"].append({"name": row.name, "reason": f"same variant as {seen_sets[key]}"})
-                continue
-            seen_sets.setdefault(key, row.name)
-            todo.append((row, restored, seen_sets[key]))  # a repeat row reuses the first row's splice
         for row, restored, splice_name in _pbar(todo, desc="ablate", disable=not settings.progress or None):
             if row.name in done:  # finished in an earlier run of the same job: kept, chosen or not
                 results["variants"].append(done[row.name])
@@ -389,21 +428,12 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                      **({"repeat_of": splice_name} if splice_name != row.name else {}),
                      "status": "running", "elapsed": {}}
             try:
-                t0 = time.perf_counter()
-                if restored is None:
-                    folder = base_root
-                elif not restored:
-                    folder = build.root
-                else:
-                    folder = out / "variants" / splice_name
-                    folder.parent.mkdir(parents=True, exist_ok=True)
-                    if not _splice_is_current(folder, build, restored):
-                        splice(str(build_src), str(base_src), folder, ",".join(restored), force=True, progress=False,
-                               allow_quantized_base=settings.allow_quantized_base)
-                entry["elapsed"]["splice_s"] = time.perf_counter() - t0
+                folder, entry["elapsed"]["splice_s"] = folder_for(row, restored, splice_name)
                 entry["size_bytes"] = _folder_bytes(folder)
                 entry["bytes_per_decode_step"] = _bytes_per_step(folder)
-                metrics, timings = score_variant(backend, folder, cache, corpora, plan, settings, out / "scores" / row.name)
+                index = next(k for k, r in enumerate(run_list) if r[0].name == row.name)
+                metrics, timings = score_variant(backend, folder, cache, corpora, plan, settings, out / "scores" / row.name,
+                                                 after_load=lambda k=index: start_next(k))
                 entry["metrics"] = metrics
                 entry["engine"] = timings.pop("engine", None)
                 entry["elapsed"].update(timings)

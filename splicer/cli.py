@@ -78,11 +78,14 @@ def _cmd_ablate(args) -> int:
             engine_args[flag] = getattr(args, flag)
     if args.language_model_only:
         engine_args["language_model_only"] = True
+    if (args.overlap_starts or args.process_per_variant) and args.backend != "vllm":
+        raise SplicerError("--overlap-starts and --process-per-variant apply to --backend vllm only")
     if engine_args and args.backend != "vllm":
         raise SplicerError("engine options (--engine-arg, --max-model-len, ...) apply to --backend vllm only")
     settings = AblateSettings(backend=args.backend, device=args.device, time_decode=not args.no_time,
                               corpus_overrides=overrides, batch_size=args.batch_size, progress=not args.quiet,
                               allow_quantized_base=args.allow_quantized_base, process_per_variant=args.process_per_variant,
+                              overlap_starts=args.overlap_starts,
                               engine_args=engine_args, bandwidth_gbs=args.bandwidth_gbs)
     if args.demo:
         if args.build or args.base:
@@ -166,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--language-model-only", action="store_true", help="vllm: skip the vision tower")
     s.add_argument("--process-per-variant", action="store_true",
                    help="vllm: a fresh process (and engine-core process) per variant instead of one worker for the run")
+    s.add_argument("--overlap-starts", action="store_true",
+                   help="vllm: start the next variant's engine in a second worker while the current one scores (decode is "
+                        "still timed alone); each engine then gets a fixed 16 GiB KV cache unless --engine-arg kv_cache_memory_bytes=...")
     s.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="vllm: any vllm.LLM keyword (VALUE as JSON), repeatable")
     s.add_argument("--no-time", action="store_true", help="skip decode timing")
     s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP + "; rows that restore them are skipped")

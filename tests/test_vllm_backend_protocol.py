@@ -159,3 +159,50 @@ def test_kernel_probe_keeps_layers_that_differ():
     probe = _kernel_probe(model)
     assert probe == {"layers.*.experts": "Method | Unquantized"}
     assert kernels_by_class({"model.layers.*.mlp.experts": probe["layers.*.experts"]}) == {"experts": ["Method", "Unquantized"]}
+
+
+def test_overlapped_start_serves_the_next_variant_from_the_second_worker(pairs, fake_vllm, tmp_path):
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=True)
+    assert b.engine_args["kv_cache_memory_bytes"] == 16 << 30  # fixed KV cache: no profiling against a moving GPU
+    seqs = [list(range(20, 60))]
+    b.load(pairs["fused"]["lowlatency"])
+    first = b.load_info()
+    b.prefetch(pairs["fused"]["base"])
+    got_build = list(b.score(seqs, 20, batch_size=1))
+    timing = b.time_decode(seqs[0], 3, 0, 1)  # waits for the prefetched start before timing
+    assert all(w.pending is None for w in b.workers) and timing["runs"] == 1
+    b.unload()
+    b.load(pairs["fused"]["base"])
+    second = b.load_info()
+    assert second["prefetched"] and second["pid"] != first["pid"] and b.worker_starts == 2
+    got_base = list(b.score(seqs, 20, batch_size=1))
+    assert not torch.equal(got_base[0].topk_logprobs, got_build[0].topk_logprobs)
+    b.unload()
+    b.load(pairs["fused"]["lowlatency"])  # not prefetched: loads in the idle worker, no new process
+    assert b.load_info()["pid"] == first["pid"] and b.worker_starts == 2
+    again = list(b.score(seqs, 20, batch_size=1))
+    assert torch.equal(again[0].topk_logprobs, got_build[0].topk_logprobs)
+    b.close()
+    assert all(w.proc is None for w in b.workers)
+
+
+def test_ablate_with_overlapped_starts_gives_the_same_scores(pairs, fake_vllm, tmp_path, monkeypatch):
+    from splicer.ablate import AblateSettings, run_ablate
+
+    orig = fake_vllm.VllmBackend.__init__
+    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
+    plan = tmp_path / "p.toml"
+    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 2\n'
+                    '[timing]\nprompt_tokens = 16\nnew_tokens = 3\nwarmup = 0\nruns = 1\n'
+                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n[[row]]\nname = "all"\nkeep = []\n')
+    p = pairs["fused"]
+    runs = {}
+    for mode in (False, True):
+        runs[mode] = run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path / f"out-{mode}", str(plan),
+                                AblateSettings(backend="vllm", progress=False, bootstrap=20, overlap_starts=mode))
+    a, b = ({v["name"]: v for v in runs[m]["variants"]} for m in (False, True))
+    assert list(a) == list(b) == ["build", "gdn", "all"]
+    for name in a:
+        assert b[name]["status"] == "ok" and a[name]["metrics"]["en"]["kl"] == pytest.approx(b[name]["metrics"]["en"]["kl"], abs=1e-9)
+    assert all(b[n]["engine"].get("prefetched") for n in ("build", "gdn", "all"))  # each started during the previous scoring
+    assert runs[True]["backend_info"]["worker_starts"] == 2 and runs[False]["backend_info"]["worker_starts"] == 1

@@ -11,15 +11,17 @@ set -uo pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/fulldims}; BUDGET_S=${BUDGET_S:-540}
+RUN=${RUN:-run}   # results folder under WORK; OVERLAP=1 adds --overlap-starts (use another RUN to compare)
 t0=$(date +%s)
 mkdir -p "$WORK"
 if [ ! -f "$WORK/pair/reference/config.json" ]; then
   python3 -m splicer fixture "$WORK/pair" --full-dims 2>&1 | tail -4 | tee "$OUT/standin.log"
 fi
 du -sh --apparent-size "$WORK/pair/build" "$WORK/pair/reference" > "$OUT/disk.txt" 2>&1; du -sh "$WORK" >> "$OUT/disk.txt"; df -h "$WORK" >> "$OUT/disk.txt"
-CMD=(python3 -m splicer ablate all "$WORK/pair/build" "$WORK/pair/reference" -o "$WORK/run" --plan h200-fulldims
+CMD=(python3 -m splicer ablate all "$WORK/pair/build" "$WORK/pair/reference" -o "$WORK/$RUN" --plan h200-fulldims
      --backend vllm --allow-quantized-base --language-model-only --gpu-memory-utilization 0.5 --bandwidth-gbs 4800 -q
      --engine-arg 'compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}')
+[ "${OVERLAP:-0}" = 1 ] && CMD+=(--overlap-starts)
 left=$(( BUDGET_S - ($(date +%s) - t0) ))
 timeout -s INT -k 30 "$left" "${CMD[@]}" > "$OUT/ablate.log" 2>&1
 rc=$?
@@ -30,7 +32,7 @@ sleep 2; pkill -9 -f "multiprocessing.spawn" 2>/dev/null  # a worker left behind
   python3 -c "import vllm, torch, transformers, compressed_tensors as ct; print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| compressed-tensors', ct.__version__)"
   nproc; free -g | head -2
 } > "$OUT/run.txt" 2>&1
-cp "$WORK/run/results.json" "$WORK/run/table.md" "$WORK/run/job.json" "$OUT/" 2>/dev/null
+cp "$WORK/$RUN/results.json" "$WORK/$RUN/table.md" "$WORK/$RUN/job.json" "$OUT/" 2>/dev/null
 # One archive: a device call brings back at most 8 files.
-( cd "$WORK/run" && tar czf "$OUT/logs.tgz" logs cache/base-*/done.json 2>/dev/null )
+( cd "$WORK/$RUN" && tar czf "$OUT/logs.tgz" logs cache/base-*/done.json 2>/dev/null )
 tail -5 "$OUT/ablate.log"; cat "$OUT/run.txt"; cat "$OUT/table.md" 2>/dev/null | head -30

@@ -364,77 +364,43 @@ def _worker(conn, env: dict, log_path: str) -> None:
     conn.send(("stopped", None))
 
 
-class VllmBackend:
-    """vLLM engines in one long-lived child process (in-process engine core), one engine per variant at a time.
+class _Worker:
+    """One child process that serves vLLM engines (see _worker), and the pipe to it."""
 
-    `one_process=False` starts a fresh child per variant instead (the engine core then runs in its own process,
-    vLLM's default): slower, since every variant imports vLLM twice and redoes in-memory autotuning.
-    """
-
-    name = "vllm"
-    exact_gather = False
-
-    def __init__(self, device: str = "auto", engine_args: dict | None = None, log_dir: Path | None = None,
-                 start_timeout_s: float = 1800, require_cuda: bool = True, cache_dir: Path | None = None,
-                 one_process: bool = True):
-        if importlib.util.find_spec("vllm") is None:
-            raise SplicerError("the vLLM backend needs vllm (pip install 'splicer[vllm]' on a GPU machine); use --backend torch here")
-        if require_cuda and not torch.cuda.is_available():
-            raise SplicerError("the vLLM backend needs a CUDA GPU and torch sees none; use --backend torch")
-        defaults, self.env = default_engine_args()
-        self.engine_args = {**defaults, **(engine_args or {})}
-        if device.startswith("cuda:"):
-            self.env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-        self.one_process = one_process
-        if one_process:
-            self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the worker itself: one import, shared caches
-        if cache_dir is not None:
-            # Compiled graphs, Triton kernels and autotuning results on disk, shared by every engine of the run and by
-            # a resumed run; a value the user set in the environment wins.
-            cache_dir = Path(cache_dir).resolve()
-            for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
-                if var not in os.environ:
-                    self.env[var] = str(cache_dir / sub)
-        self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "vllm-logs"
-        self.start_timeout_s = start_timeout_s
+    def __init__(self, backend: "VllmBackend"):
+        self.backend = backend
         self.proc = None
         self.conn = None
+        self.started = False  # the child answered "started" (vLLM imported)
         self.loaded = False
-        self.worker_starts = 0
-        self.info: dict = {}
-        self.max_positions = None
-        self.default_batch = 256
+        self.pending: tuple | None = None  # (folder, log_path, t0, worker_start_s): a load sent and not yet answered
+        self.prefetched: dict | None = None  # {"folder", "info" or "error"}: a prefetched start, finished
 
-    # ------------------------------------------------------------ the worker process
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
 
-    def _fresh_log(self, stem: str) -> Path:
-        """DIR/stem.log, or stem-2.log, stem-3.log ... when a variant is loaded again or a run is resumed."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        path, i = self.log_dir / f"{stem}.log", 1
-        while path.exists():
-            i += 1
-            path = self.log_dir / f"{stem}-{i}.log"
-        path.write_text("")
-        return path
-
-    def _start_worker(self) -> float:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+    def spawn(self) -> None:
+        b = self.backend
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         # Not a daemon: with one_process=False vLLM starts its own engine-core process, which a daemon may not do.
-        log = self._fresh_log("worker")
-        self.proc = ctx.Process(target=_worker, args=(child, self.env, str(log)))
-        t0 = time.perf_counter()
+        self.log = b._fresh_log("worker")
+        self.proc = ctx.Process(target=_worker, args=(child, b.env, str(self.log)))
         self.proc.start()
-        self.conn = parent
-        self.worker_starts += 1
-        kind, payload = self._recv(self.start_timeout_s)
-        if kind != "started":
-            self._stop_worker()
-            raise RuntimeError(f"vLLM worker could not start: {payload}\n{log.read_text(errors='replace')[-3000:]}")
+        self.conn, self.started, self.loaded, self.pending = parent, False, False, None
+        b.worker_starts += 1
+
+    def wait_started(self) -> float:
+        t0 = time.perf_counter()
+        if not self.started:
+            kind, payload = self.recv(self.backend.start_timeout_s)
+            if kind != "started":
+                self.stop()
+                raise RuntimeError(f"vLLM worker could not start: {payload}\n{self.log.read_text(errors='replace')[-3000:]}")
+            self.started = True
         return time.perf_counter() - t0
 
-    def _stop_worker(self) -> None:
+    def stop(self) -> None:
         if self.proc is None:
             return
         try:
@@ -450,70 +416,213 @@ class VllmBackend:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(10)
-        self.proc, self.conn, self.loaded = None, None, False
+        self.proc, self.conn, self.started, self.loaded, self.pending = None, None, False, False, None
+        self.prefetched = None
 
-    def _recv(self, timeout: float):
+    def recv(self, timeout: float):
         if not self.conn.poll(timeout):
             raise RuntimeError(f"vLLM worker gave no answer in {timeout:.0f} s")
         try:
             return self.conn.recv()
         except EOFError:
             code = self.proc.exitcode if self.proc else None
-            self.proc, self.conn, self.loaded = None, None, False
-            raise RuntimeError(f"vLLM worker died (exit code {code}); see its log in {self.log_dir}") from None
+            self.proc, self.conn, self.started, self.loaded, self.pending = None, None, False, False, None
+            raise RuntimeError(f"vLLM worker died (exit code {code}); see its log in {self.backend.log_dir}") from None
 
-    def _call(self, *msg, timeout: float = 3600):
+    def call(self, *msg, timeout: float = 3600):
         if self.proc is None:
             raise RuntimeError("load() a checkpoint first")
         self.conn.send(msg)
-        kind, payload = self._recv(timeout)
+        kind, payload = self.recv(timeout)
         if kind != "ok":
             raise RuntimeError(f"vLLM: {payload}")
         return payload
 
-    # ------------------------------------------------------------ the Backend interface
-
-    def load(self, folder: Path) -> None:
-        self.unload()
-        t0 = time.perf_counter()
-        reused = self.proc is not None and self.proc.is_alive()
-        try:
-            self._load(folder, t0)
-        except RuntimeError as first:
-            if not reused:
-                raise
-            # An engine that will not start in a worker that already served others may be short of memory the
-            # earlier engines did not give back: try once more in a fresh process before calling it a failure.
-            try:
-                self._load(folder, t0)
-            except RuntimeError as second:
-                raise second from first
-            self.info["retried_in_fresh_worker"] = str(first)[:500]
-
-    def _load(self, folder: Path, t0: float) -> None:
+    def send_load(self, folder: Path, t0: float) -> float:
+        """Start building an engine for folder; returns the seconds spent starting the process (0 if it was running)."""
+        b = self.backend
         worker_start_s = 0.0
-        if self.proc is None or not self.proc.is_alive():
-            self._stop_worker()
-            worker_start_s = self._start_worker()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self._fresh_log(Path(folder).name)
+        if not self.alive():
+            self.stop()
+            t = time.perf_counter()
+            self.spawn()
+            worker_start_s = time.perf_counter() - t
+        log_path = b._fresh_log(Path(folder).name)
+        self.conn.send(("load", str(folder), b.engine_args, str(log_path)))
+        self.pending = (Path(folder), log_path, t0, worker_start_s)
+        return worker_start_s
+
+    def finish_load(self) -> dict:
+        """Wait for the pending load; returns the engine info (raises RuntimeError with the log's tail on failure)."""
+        folder, log_path, t0, worker_start_s = self.pending
+        b = self.backend
         try:
-            payload = self._call("load", str(folder), self.engine_args, str(log_path), timeout=self.start_timeout_s)
+            worker_start_s += self.wait_started()
+            kind, payload = self.recv(b.start_timeout_s)
+            if kind != "ok":
+                raise RuntimeError(f"vLLM: {payload}")
         except RuntimeError as e:
-            self._stop_worker()  # the worker ends itself after a failed load; the next load starts a fresh one
+            self.stop()  # the worker ends itself after a failed load; the next load starts a fresh one
             tail = log_path.read_text(errors="replace")[-4000:]
             raise RuntimeError(f"vLLM could not load {folder}: {e}\n{tail}") from None
-        self.loaded = True
+        self.pending, self.loaded = None, True
         text = log_path.read_text(errors="replace")
         lines = [m.group(0) for line in text.splitlines() if (m := KERNEL_LINE.search(line))]
         breakdown = startup_breakdown(text)
         if payload.get("compile_time_s") is not None:
             breakdown.setdefault("compile_s", payload["compile_time_s"])
-        self.info = dict(payload, spawn_to_ready_s=time.perf_counter() - t0, worker_start_s=worker_start_s, log=str(log_path),
-                         startup_breakdown=breakdown, kernel_log_lines=sorted(set(lines)), engine_args=self.engine_args,
-                         one_process=self.one_process, kernels_by_class=kernels_by_class(payload.get("layers") or {}))
+        return dict(payload, spawn_to_ready_s=time.perf_counter() - t0, worker_start_s=worker_start_s, log=str(log_path),
+                    startup_breakdown=breakdown, kernel_log_lines=sorted(set(lines)), engine_args=b.engine_args,
+                    one_process=b.one_process, kernels_by_class=kernels_by_class(payload.get("layers") or {}))
+
+    def unload(self) -> None:
+        if self.loaded:
+            try:
+                self.call("unload", timeout=300)
+            except (RuntimeError, OSError):
+                self.stop()  # a worker that cannot free its engine is replaced
+            self.loaded = False
+
+
+# With overlapped starts each engine gets a fixed KV cache instead of a profiled share of the GPU: vLLM's memory
+# profiling assumes no other process changes its GPU memory meanwhile (gpu_worker.determine_available_memory).
+OVERLAP_DEFAULTS = {"kv_cache_memory_bytes": 16 << 30, "gpu_memory_utilization": 0.3}
+
+
+class VllmBackend:
+    """vLLM engines in a long-lived child process (in-process engine core), one engine per variant at a time.
+
+    `one_process=False` starts a fresh child per variant instead (the engine core then runs in its own process,
+    vLLM's default): slower, since every variant imports vLLM twice and redoes in-memory autotuning.
+    `overlap_starts=True` keeps a second child that builds the next variant's engine (`prefetch`) while the current
+    one scores; timing waits until that start has finished (`wait_prefetch`), so decode is timed on a quiet GPU.
+    """
+
+    name = "vllm"
+    exact_gather = False
+
+    def __init__(self, device: str = "auto", engine_args: dict | None = None, log_dir: Path | None = None,
+                 start_timeout_s: float = 1800, require_cuda: bool = True, cache_dir: Path | None = None,
+                 one_process: bool = True, overlap_starts: bool = False):
+        if importlib.util.find_spec("vllm") is None:
+            raise SplicerError("the vLLM backend needs vllm (pip install 'splicer[vllm]' on a GPU machine); use --backend torch here")
+        if require_cuda and not torch.cuda.is_available():
+            raise SplicerError("the vLLM backend needs a CUDA GPU and torch sees none; use --backend torch")
+        if overlap_starts and not one_process:
+            raise SplicerError("--overlap-starts needs one worker per engine slot; drop --process-per-variant")
+        defaults, self.env = default_engine_args()
+        self.engine_args = {**defaults, **(OVERLAP_DEFAULTS if overlap_starts else {}), **(engine_args or {})}
+        if device.startswith("cuda:"):
+            self.env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        self.one_process = one_process
+        self.overlap_starts = overlap_starts
+        if one_process:
+            self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the worker itself: one import, shared caches
+        if cache_dir is not None:
+            # Compiled graphs, Triton kernels and autotuning results on disk, shared by every engine of the run and by
+            # a resumed run; a value the user set in the environment wins.
+            cache_dir = Path(cache_dir).resolve()
+            for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+                if var not in os.environ:
+                    self.env[var] = str(cache_dir / sub)
+        self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "vllm-logs"
+        self.start_timeout_s = start_timeout_s
+        self.workers = [_Worker(self) for _ in range(2 if overlap_starts else 1)]
+        self.active: _Worker | None = None
+        self.worker_starts = 0
+        self.info: dict = {}
+        self.max_positions = None
+        self.default_batch = 256
+
+    @property
+    def proc(self):
+        """The serving worker's process (None when no worker is running)."""
+        w = self.active or self.workers[0]
+        return w.proc
+
+    def _fresh_log(self, stem: str) -> Path:
+        """DIR/stem.log, or stem-2.log, stem-3.log ... when a variant is loaded again or a run is resumed."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        path, i = self.log_dir / f"{stem}.log", 1
+        while path.exists():
+            i += 1
+            path = self.log_dir / f"{stem}-{i}.log"
+        path.write_text("")
+        return path
+
+    def _idle_worker(self) -> _Worker:
+        return next(w for w in self.workers if w is not self.active and w.pending is None)
+
+    # ------------------------------------------------------------ the Backend interface
+
+    def prefetch(self, folder: Path) -> None:
+        """Start building the engine for folder in the spare worker while the current one keeps serving."""
+        if not self.overlap_starts or any(w.pending for w in self.workers):
+            return
+        self._idle_worker().send_load(Path(folder), time.perf_counter())
+
+    def wait_prefetch(self) -> None:
+        """Block until a prefetched engine has finished starting (or failed: that shows at its load())."""
+        for w in self.workers:
+            if w.pending is not None and w is not self.active:
+                folder = w.pending[0]
+                try:
+                    w.prefetched = {"folder": folder, "info": w.finish_load(), "error": None}
+                except RuntimeError as e:
+                    w.prefetched = {"folder": folder, "info": None, "error": e}
+
+    def load(self, folder: Path) -> None:
+        self.unload()
+        folder = Path(folder)
+        t0 = time.perf_counter()
+        self.wait_prefetch()
+        for w in self.workers:  # an engine prefetched for another folder (the plan changed course) is dropped
+            if w.prefetched and w.prefetched["folder"] != folder:
+                w.prefetched = None
+                w.unload()
+        ready = next((w for w in self.workers if w.prefetched), None)
+        if ready is not None:
+            done, ready.prefetched = ready.prefetched, None
+            if done["info"] is not None:
+                self.active, self.info = ready, dict(done["info"], prefetched=True)
+                self._set_max_positions(folder)
+                return
+            first = done["error"]  # the prefetched start failed: one more try in a fresh process, as below
+        else:
+            worker = self._idle_worker()
+            reused = worker.alive()
+            try:
+                self.info = self._load_on(worker, folder, t0)
+                return
+            except RuntimeError as e:
+                if not reused:
+                    raise
+                first = e
+        # An engine that will not start in a worker that already served others may be short of memory the earlier
+        # engines did not give back: try once more in a fresh process before calling it a failure.
+        worker = self._idle_worker()
+        worker.stop()
+        try:
+            self.info = self._load_on(worker, folder, t0)
+        except RuntimeError as second:
+            raise second from first
+        self.info["retried_in_fresh_worker"] = str(first)[:500]
+
+    def _load_on(self, worker: _Worker, folder: Path, t0: float) -> dict:
+        worker.send_load(folder, t0)
+        info = worker.finish_load()
+        self.active = worker
+        self._set_max_positions(folder)
+        return info
+
+    def _set_max_positions(self, folder: Path) -> None:
         cfg = json.loads((Path(folder) / "config.json").read_text())
         self.max_positions = self.engine_args.get("max_model_len") or cfg.get("text_config", cfg).get("max_position_embeddings")
+
+    def _call(self, *msg, timeout: float = 3600):
+        if self.active is None:
+            raise RuntimeError("load() a checkpoint first")
+        return self.active.call(*msg, timeout=timeout)
 
     def score(self, sequences, top_k=20, gather_ids=None, want_full=False, batch_size=None) -> Iterator[SequenceScores]:
         yield from self._call("score", sequences, top_k, batch_size or self.default_batch)
@@ -522,6 +631,7 @@ class VllmBackend:
         return self._call("generate", prompts, max_new_tokens, list(stop_ids))
 
     def time_decode(self, prompt, new_tokens, warmup, runs):
+        self.wait_prefetch()  # decode is timed with no other engine starting on the GPU
         return self._call("time", prompt, new_tokens, warmup, runs)
 
     def load_info(self) -> dict:
@@ -535,20 +645,20 @@ class VllmBackend:
         return self._call("metrics", prefix)
 
     def unload(self) -> None:
-        if self.proc is None:
+        w, self.active = self.active, None
+        if w is None:
             return
         if not self.one_process:
-            self._stop_worker()
+            w.stop()
             return
-        if self.loaded:
-            try:
-                self._call("unload", timeout=300)
-            except (RuntimeError, OSError):
-                self._stop_worker()  # a worker that cannot free its engine is replaced
-            self.loaded = False
+        # Never free GPU memory while another engine is starting: its memory accounting would see it.
+        self.wait_prefetch()
+        w.unload()
 
     def close(self) -> None:
-        self._stop_worker()
+        self.active = None
+        for w in self.workers:
+            w.stop()
 
     def describe(self) -> dict:
         try:
@@ -560,7 +670,7 @@ class VllmBackend:
         return {"backend": "vllm", "engine": f"vllm {version}", "torch": torch.__version__,
                 "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "engine_args": self.engine_args,
                 "env": {k: v for k, v in self.env.items()}, "python": sys.version.split()[0], "one_process": self.one_process,
-                "worker_starts": self.worker_starts}
+                "overlap_starts": self.overlap_starts, "worker_starts": self.worker_starts}
 
 
 def parse_engine_args(items: list[str] | None) -> dict:
