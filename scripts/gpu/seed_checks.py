@@ -30,6 +30,12 @@ def _classes_of(layers: dict) -> dict:
     return {k: v for k, v in sorted(layers.items()) if any(s in k for s in ("experts", "proj", "fc", "lm_head"))}
 
 
+def _save(out: Path, report: dict) -> None:
+    """After every check: a call stopped by its time limit still brings back what finished."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "seed-checks.json").write_text(json.dumps(report, indent=2, default=str))
+
+
 def main() -> int:
     out = Path(os.environ.get("OUT", "/tmp/out"))
     work = Path("/tmp/seed-checks")
@@ -66,6 +72,7 @@ def main() -> int:
             engine.unload()
         report[name] = row
         print(name, json.dumps({k: v for k, v in row.items() if k != "quantization_config"}, indent=1), flush=True)
+        _save(out, report)
 
     # --- seed 004 (MTP experts quantized) and seed 000's raw export (no MTP), with MTP speculative decoding
     ep = write_pair(work / "mtp", FixtureSpec(), kinds=("experts-g32", "lowlatency-nomtp"))
@@ -97,11 +104,11 @@ def main() -> int:
             engine.unload()
         report[name] = row
         print(name, json.dumps(row, indent=1, default=str), flush=True)
+        _save(out, report)
     engine.close()
     report["wall_s"] = round(time.time() - t_all, 1)
     report["worker_starts"] = engine.worker_starts
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "seed-checks.json").write_text(json.dumps(report, indent=2, default=str))
+    _save(out, report)
     return 0 if all(r.get("ok") for k, r in report.items() if isinstance(r, dict) and "ok" in r) else 1
 
 
