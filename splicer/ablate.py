@@ -457,7 +457,6 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             _finish(results, out, backend)
             faults.point("ablate:row-done")
         results["elapsed_s"] = time.perf_counter() - t_start
-        getattr(backend, "close", lambda: None)()
         results["runs"][-1].update(elapsed_s=round(results["elapsed_s"], 1), finished=True)
         _finish(results, out, backend)
         return results

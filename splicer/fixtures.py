@@ -213,6 +213,14 @@ def _write_side_files(out: Path, vocab_size: int) -> None:
     (out / "README.md").write_text("Synthetic qwen3_5_moe checkpoint made by splicer.fixtures; random weights.\n")
 
 
+def base_config(cfg) -> dict:
+    """config.json of a fixture base: the HF config in BF16, ending generation at the demo tokenizer's <|im_end|>."""
+    config = cfg.to_dict()
+    config["dtype"] = "bfloat16"
+    config["text_config"]["eos_token_id"] = 2  # <|im_end|> of the demo tokenizer
+    return config
+
+
 def write_base(out: Path, spec: FixtureSpec | None = None) -> Path:
     spec = spec or FixtureSpec()
     cfg = hf_config(spec)
@@ -222,9 +230,7 @@ def write_base(out: Path, spec: FixtureSpec | None = None) -> Path:
     by_shard: dict[str, dict[str, torch.Tensor]] = {}
     for name, shape in shapes.items():
         by_shard.setdefault(_shard_key(name, n_layers), {})[name] = _init(name, shape, gen, spec.residual_scale)
-    config = cfg.to_dict()
-    config["dtype"] = "bfloat16"
-    config["text_config"]["eos_token_id"] = 2  # <|im_end|> of the demo tokenizer
+    config = base_config(cfg)
     _write_sharded(Path(out), by_shard, config)
     _write_side_files(Path(out), cfg.text_config.vocab_size)
     (Path(out) / "fixture.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__, faults
-from .arch import Architecture
+from .arch import PACKED_SUFFIXES, Architecture
 from .checkpoint import (
     INDEX_NAME,
     Checkpoint,
@@ -117,7 +117,7 @@ def _wanted_base_tensors(build: Checkpoint, picked: dict[str, Module], base_weig
         if f"{name}.weight" in base_weight_map:
             out[name] = f"{name}.weight"
             continue
-        if any(f"{name}.{s}" in base_weight_map for s in ("weight_packed", "qweight")):
+        if any(f"{name}.{s}" in base_weight_map for s in PACKED_SUFFIXES):
             raise SplicerError(f"{name} ({picked[name].cls}) is quantized in the base too, so it cannot be restored from it; "
                                f"drop {picked[name].cls} from --restore or pass a base that holds it in BF16")
         parts = arch.expert_parts(name)

@@ -29,6 +29,7 @@ import json
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ from .fixtures import (
     _build_plan,
     _init,
     _write_side_files,
+    base_config,
     base_shapes,
     hf_config,
 )
@@ -112,8 +114,7 @@ def write_standin(root: Path, spec: FixtureSpec | None = None, device: str = "cu
 
     from .splice import splice
 
-    spec = spec or FixtureSpec(preset="full", experts_layout="per_expert", residual_scale=RESIDUAL_SCALE)
-    spec.experts_layout = "per_expert"
+    spec = replace(spec or FixtureSpec(preset="full", residual_scale=RESIDUAL_SCALE), experts_layout="per_expert")
     root = Path(root)
     build, parts, reference = root / "build", root / ".bf16-parts", root / "reference"
     for p in (build, parts, reference):
@@ -126,25 +127,25 @@ def write_standin(root: Path, spec: FixtureSpec | None = None, device: str = "cu
     schemes: dict[tuple, object] = {}
     gen = torch.Generator(device=device).manual_seed(spec.seed)
     n_exp = cfg.text_config.num_experts
-    by_layer: dict[str, list[str]] = {}
+    names_by_shard: dict[str, list[str]] = {}
     experts_prefixes: dict[int, str] = {}
     for name in shapes:
-        parts_ = QWEN3_5_MOE.expert_parts(name.rpartition(".")[0])
-        if parts_:
-            experts_prefixes[QWEN3_5_MOE.layer_index(name)] = parts_[0]
+        expert = QWEN3_5_MOE.expert_parts(name.rpartition(".")[0])
+        if expert:
+            experts_prefixes[QWEN3_5_MOE.layer_index(name)] = expert[0]
             continue
-        by_layer.setdefault(_shard_of(name), []).append(name)
+        names_by_shard.setdefault(_shard_of(name), []).append(name)
     with ThreadPoolExecutor(max_workers=4) as pool:
         b_out, p_out = _ShardWriter(build, pool), _ShardWriter(parts, pool)
-        steps = sorted(by_layer) + [f"experts-layer{li:03d}.safetensors" for li in sorted(experts_prefixes)]
-        for shard in tqdm(steps, desc="stand-in", disable=not progress or None):
-            if shard.startswith("experts-"):
-                li = int(shard[len("experts-layer"):-len(".safetensors")])
-                _experts_of_layer(experts_prefixes[li], n_exp, shapes, gen, schemes.setdefault((4, 128), make_scheme(4, 128)), b_out, shard,
+        steps = [(shard, None) for shard in sorted(names_by_shard)]
+        steps += [(f"experts-layer{li:03d}.safetensors", prefix) for li, prefix in sorted(experts_prefixes.items())]
+        for shard, experts_prefix in tqdm(steps, desc="stand-in", disable=not progress or None):
+            if experts_prefix is not None:
+                _experts_of_layer(experts_prefix, n_exp, shapes, gen, schemes.setdefault((4, 128), make_scheme(4, 128)), b_out, shard,
                                   spec.residual_scale)
                 b_out.flush(shard)
                 continue
-            for name in by_layer[shard]:
+            for name in names_by_shard[shard]:
                 t = _init(name, shapes[name], gen, spec.residual_scale)
                 p_out.add(shard, name, t)
                 module, _, leaf = name.rpartition(".")
@@ -156,9 +157,7 @@ def write_standin(root: Path, spec: FixtureSpec | None = None, device: str = "cu
                         b_out.add(shard, f"{module}.{key}", v)
             p_out.flush(shard)
             b_out.flush(shard)
-        config = cfg.to_dict()
-        config["dtype"] = "bfloat16"
-        config["text_config"]["eos_token_id"] = 2  # <|im_end|> of the demo tokenizer
+        config = base_config(cfg)
         p_out.finish(dict(config))
         b_out.finish(dict(config, quantization_config=qc))
     _write_side_files(build, cfg.text_config.vocab_size)

@@ -148,6 +148,7 @@ def speed_rows(results: dict) -> tuple[list[str], list[list]] | None:
         return None
     headers = ["variant", "decode ms/tok median [IQR] (min-max)", "TTFT ms median (min-max)", "weights GiB",
                "engine start s", "weight load s", "compile s", "scoring positions/s (all corpora)"]
+    positions = sum(c.get("positions", 0) for c in results.get("corpora", {}).values())
     rows = []
     entries = ([("base pass", base.get("engine") or {}, None, (base.get("timings") or {}))] if base.get("engine") else [])
     entries += [(v["name"], v.get("engine") or {}, v.get("timing"), v.get("elapsed") or {}) for v in variants]
@@ -157,7 +158,6 @@ def speed_rows(results: dict) -> tuple[list[str], list[list]] | None:
         dec = (f"{t['decode_ms_per_token']:.2f} [{t['decode_iqr'][0]:.2f}, {t['decode_iqr'][1]:.2f}] "
                f"({t['decode_min_max'][0]:.2f}-{t['decode_min_max'][1]:.2f})") if t.get("decode_ms_per_token") else ""
         ttft = f"{t['ttft_ms']:.0f} ({t['ttft_min_max'][0]:.0f}-{t['ttft_min_max'][1]:.0f})" if t.get("ttft_ms") else ""
-        positions = sum(c.get("positions", 0) for c in results.get("corpora", {}).values())
         secs = sum(x for k, x in elapsed.items() if k.startswith("score_") and k.endswith("_s"))
         pps = [positions / secs] if timing is not None and secs else []  # all corpora together; the base pass adds a noise pass
         start = elapsed.get("load_s")

@@ -78,7 +78,10 @@ def test_flat_and_dict_prompt_logprobs_parse_alike():
         from vllm import FlatLogprobs, Logprob
     finally:
         sys.path.remove(FAKE)
-    from splicer.backends.vllm_backend import scores_from_flat_logprobs, scores_from_prompt_logprobs
+    from splicer.backends.vllm_backend import (
+        scores_from_flat_logprobs,
+        scores_from_prompt_logprobs,
+    )
 
     prompt, k = [5, 9, 9, 2], 3
     # position t: actual token prompt[t+1], top-3 (actual sometimes inside, sometimes outside)

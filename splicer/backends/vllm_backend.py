@@ -369,8 +369,11 @@ class _Worker:
 
     def __init__(self, backend: "VllmBackend"):
         self.backend = backend
-        self.proc = None
-        self.conn = None
+        self._forget()
+
+    def _forget(self, proc=None, conn=None) -> None:
+        """Point at a new process (or none): nothing started, loaded or pending on it yet."""
+        self.proc, self.conn = proc, conn
         self.started = False  # the child answered "started" (vLLM imported)
         self.loaded = False
         self.pending: tuple | None = None  # (folder, log_path, t0, worker_start_s): a load sent and not yet answered
@@ -385,9 +388,9 @@ class _Worker:
         parent, child = ctx.Pipe()
         # Not a daemon: with one_process=False vLLM starts its own engine-core process, which a daemon may not do.
         self.log = b._fresh_log("worker")
-        self.proc = ctx.Process(target=_worker, args=(child, b.env, str(self.log)))
-        self.proc.start()
-        self.conn, self.started, self.loaded, self.pending = parent, False, False, None
+        proc = ctx.Process(target=_worker, args=(child, b.env, str(self.log)))
+        proc.start()
+        self._forget(proc, parent)
         b.worker_starts += 1
 
     def wait_started(self) -> float:
@@ -416,8 +419,7 @@ class _Worker:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(10)
-        self.proc, self.conn, self.started, self.loaded, self.pending = None, None, False, False, None
-        self.prefetched = None
+        self._forget()
 
     def recv(self, timeout: float):
         if not self.conn.poll(timeout):
@@ -426,7 +428,7 @@ class _Worker:
             return self.conn.recv()
         except EOFError:
             code = self.proc.exitcode if self.proc else None
-            self.proc, self.conn, self.started, self.loaded, self.pending = None, None, False, False, None
+            self._forget()
             raise RuntimeError(f"vLLM worker died (exit code {code}); see its log in {self.backend.log_dir}") from None
 
     def call(self, *msg, timeout: float = 3600):
@@ -438,8 +440,8 @@ class _Worker:
             raise RuntimeError(f"vLLM: {payload}")
         return payload
 
-    def send_load(self, folder: Path, t0: float) -> float:
-        """Start building an engine for folder; returns the seconds spent starting the process (0 if it was running)."""
+    def send_load(self, folder: Path, t0: float) -> None:
+        """Start building an engine for folder (in a new process if none runs); finish_load collects it."""
         b = self.backend
         worker_start_s = 0.0
         if not self.alive():
@@ -450,7 +452,6 @@ class _Worker:
         log_path = b._fresh_log(Path(folder).name)
         self.conn.send(("load", str(folder), b.engine_args, str(log_path)))
         self.pending = (Path(folder), log_path, t0, worker_start_s)
-        return worker_start_s
 
     def finish_load(self) -> dict:
         """Wait for the pending load; returns the engine info (raises RuntimeError with the log's tail on failure)."""
