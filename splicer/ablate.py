@@ -51,7 +51,7 @@ class AblateSettings:
     bootstrap: int = 1000
     progress: bool = True
     process_per_variant: bool = False  # vllm: a fresh worker process per variant instead of one for the run
-    overlap_starts: bool = False  # vllm: start the next variant's engine while the current one scores
+    overlap_starts: int = 0  # vllm: engines started ahead (in spare workers) while the current one scores
     allow_quantized_base: bool = False  # a stand-in reference that keeps some classes quantized (see validate_base)
 
 
@@ -248,7 +248,8 @@ def position_records(base: dict, var: dict, corpus: Corpus, gathered: torch.Tens
 
 
 def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], plan: Plan, settings: AblateSettings,
-                  score_dir: Path, after_load=None) -> tuple[dict, dict]:
+                  score_dir: Path, before_scoring=None) -> tuple[dict, dict]:
+    """Load folder's model and score it against the cached base pass; before_scoring runs once it is loaded."""
     from safetensors.torch import save_file
 
     metrics, timings = {}, {}
@@ -257,8 +258,8 @@ def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], pla
     timings["load_s"] = time.perf_counter() - t0
     if hasattr(backend, "load_info"):
         timings["engine"] = backend.load_info()
-    if after_load:
-        after_load()
+    if before_scoring:
+        before_scoring()
     score_dir.mkdir(parents=True, exist_ok=True)
     for c in corpora:
         t0 = time.perf_counter()
@@ -369,10 +370,13 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 continue
             seen_sets.setdefault(key, row.name)
             todo.append((row, restored, seen_sets[key]))  # a repeat row reuses the first row's splice
-        # Rows this invocation runs, in order; with --overlap-starts the next one is spliced and its engine started
-        # while the current one scores (the vLLM backend times decode only once that start has finished).
+        # Rows this invocation runs, in order. With --overlap-starts N the next N rows are spliced and their engines
+        # started while the current one scores, as a group: a new group starts only once every started engine has
+        # been timed, because decode is timed with no engine starting and a row timed behind a fresh start would wait
+        # for it.
         run_list = [(r, rs, sn) for r, rs, sn in todo if r.name not in done and r.name in selected]
         prepared: dict[str, tuple] = {}
+        started_ahead: set[int] = set()
 
         def folder_for(row, restored, splice_name) -> tuple[Path, float]:
             if row.name in prepared:
@@ -390,18 +394,23 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                            allow_quantized_base=settings.allow_quantized_base)
             return folder, time.perf_counter() - t0
 
-        def start_next(i: int) -> None:
-            if not getattr(backend, "overlap_starts", False) or i + 1 >= len(run_list):
+        def start_ahead(i: int) -> None:
+            """Row i is loaded and timed: start the next group of engines unless one is already waiting its turn."""
+            depth = int(getattr(backend, "overlap_starts", 0) or 0)
+            if not depth or any(j > i for j in started_ahead):
                 return
-            nxt = run_list[i + 1]
-            try:
-                prepared[nxt[0].name] = folder_for(*nxt)
-            except SplicerError:
-                return  # the row records its own error when its turn comes
-            backend.prefetch(prepared[nxt[0].name][0])
+            for j in range(i + 1, min(i + 1 + depth, len(run_list))):
+                nxt = run_list[j]
+                try:
+                    prepared[nxt[0].name] = folder_for(*nxt)
+                except SplicerError:
+                    continue  # the row records its own error when its turn comes
+                if not backend.prefetch(prepared[nxt[0].name][0]):
+                    break
+                started_ahead.add(j)
 
         cache, corpora = base_pass(backend, base_root, plan, settings, out, base_digest, tok, corpora,
-                                   after_load=lambda: start_next(-1))
+                                   after_load=lambda: start_ahead(-1))
         results = {
             "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job, "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
             "backend": None, "engine_version": None, "device": None,
@@ -432,17 +441,23 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 entry["size_bytes"] = _folder_bytes(folder)
                 entry["bytes_per_decode_step"] = _bytes_per_step(folder)
                 index = next(k for k, r in enumerate(run_list) if r[0].name == row.name)
+                entry["timing"] = None
+
+                def time_then_start_ahead(entry=entry, index=index) -> None:
+                    # Timed before scoring, so that the next group's engines can start while this one scores.
+                    if settings.time_decode and plan.timing:
+                        t0 = time.perf_counter()
+                        entry["timing"] = backend.time_decode(_timing_prompt(corpora, int(plan.timing["prompt_tokens"])),
+                                                              int(plan.timing["new_tokens"]), int(plan.timing["warmup"]),
+                                                              int(plan.timing["runs"]))
+                        entry["elapsed"]["time_s"] = time.perf_counter() - t0
+                    start_ahead(index)
+
                 metrics, timings = score_variant(backend, folder, cache, corpora, plan, settings, out / "scores" / row.name,
-                                                 after_load=lambda k=index: start_next(k))
+                                                 before_scoring=time_then_start_ahead)
                 entry["metrics"] = metrics
                 entry["engine"] = timings.pop("engine", None)
                 entry["elapsed"].update(timings)
-                entry["timing"] = None
-                if settings.time_decode and plan.timing:
-                    t0 = time.perf_counter()
-                    entry["timing"] = backend.time_decode(_timing_prompt(corpora, int(plan.timing["prompt_tokens"])),
-                                                          int(plan.timing["new_tokens"]), int(plan.timing["warmup"]), int(plan.timing["runs"]))
-                    entry["elapsed"]["time_s"] = time.perf_counter() - t0
                 entry["decode_ms_per_token"] = (entry["timing"] or {}).get("decode_ms_per_token")
                 entry["status"] = "ok"
             except SplicerError as e:

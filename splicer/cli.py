@@ -78,6 +78,8 @@ def _cmd_ablate(args) -> int:
             engine_args[flag] = getattr(args, flag)
     if args.language_model_only:
         engine_args["language_model_only"] = True
+    if args.overlap_starts < 0:
+        raise SplicerError(f"--overlap-starts {args.overlap_starts}: give how many engines to start ahead (1 or more), or leave it out")
     if (args.overlap_starts or args.process_per_variant) and args.backend != "vllm":
         raise SplicerError("--overlap-starts and --process-per-variant apply to --backend vllm only")
     if engine_args and args.backend != "vllm":
@@ -169,9 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--language-model-only", action="store_true", help="vllm: skip the vision tower")
     s.add_argument("--process-per-variant", action="store_true",
                    help="vllm: a fresh process (and engine-core process) per variant instead of one worker for the run")
-    s.add_argument("--overlap-starts", action="store_true",
-                   help="vllm: start the next variant's engine in a second worker while the current one scores (decode is "
-                        "still timed alone); each engine then gets a fixed 16 GiB KV cache unless --engine-arg kv_cache_memory_bytes=...")
+    s.add_argument("--overlap-starts", type=int, nargs="?", const=1, default=0, metavar="N",
+                   help="vllm: start the next N variants' engines (default 1) in spare workers while the current one "
+                        "scores; decode is still timed with no engine starting; each engine then gets a fixed 12 GiB KV "
+                        "cache unless --engine-arg kv_cache_memory_bytes=...")
     s.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="vllm: any vllm.LLM keyword (VALUE as JSON), repeatable")
     s.add_argument("--no-time", action="store_true", help="skip decode timing")
     s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP + "; rows that restore them are skipped")

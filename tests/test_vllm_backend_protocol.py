@@ -166,7 +166,7 @@ def test_kernel_probe_keeps_layers_that_differ():
 
 def test_overlapped_start_serves_the_next_variant_from_the_second_worker(pairs, fake_vllm, tmp_path):
     b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=True)
-    assert b.engine_args["kv_cache_memory_bytes"] == 16 << 30  # fixed KV cache: no profiling against a moving GPU
+    assert b.engine_args["kv_cache_memory_bytes"] == 12 << 30  # fixed KV cache: no profiling against a moving GPU
     seqs = [list(range(20, 60))]
     b.load(pairs["fused"]["lowlatency"])
     first = b.load_info()
@@ -189,23 +189,78 @@ def test_overlapped_start_serves_the_next_variant_from_the_second_worker(pairs, 
     assert all(w.proc is None for w in b.workers)
 
 
-def test_ablate_with_overlapped_starts_gives_the_same_scores(pairs, fake_vllm, tmp_path, monkeypatch):
+def test_two_engines_start_ahead_and_a_third_waits_for_a_free_worker(pairs, fake_vllm, tmp_path):
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=2)
+    p = pairs["fused"]
+    seqs = [list(range(20, 60))]
+    b.load(p["lowlatency"])
+    assert b.prefetch(p["base"]) and b.prefetch(p["base"])  # the same folder twice starts one engine
+    assert b.prefetch(pairs["per_expert"]["lowlatency"])
+    assert not b.prefetch(pairs["per_expert"]["base"])  # both spare workers are busy
+    assert sum(w.pending is not None for w in b.workers) == 2
+    b.time_decode(seqs[0], 2, 0, 1)
+    assert all(w.pending is None for w in b.workers)  # timing waited for both starts
+    want = list(b.score(seqs, 20, batch_size=1))
+    b.load(pairs["per_expert"]["lowlatency"])  # the later one first: the other prefetched engine stays ready
+    assert b.load_info()["prefetched"] and any(w.prefetched for w in b.workers)
+    b.load(p["base"])
+    assert b.load_info()["prefetched"] and b.worker_starts == 3
+    b.load(p["lowlatency"])  # not prefetched: the free worker (the first) serves it again
+    assert torch.equal(list(b.score(seqs, 20, batch_size=1))[0].topk_logprobs, want[0].topk_logprobs)
+    assert b.worker_starts == 3
+    b.close()
+
+
+def _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, modes):
     from splicer.ablate import AblateSettings, run_ablate
 
     orig = fake_vllm.VllmBackend.__init__
     monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
+    events = []
+    for name in ("load", "prefetch", "time_decode"):
+        method = getattr(fake_vllm.VllmBackend, name)
+
+        def logged(self, *a, _name=name, _method=method, **k):
+            if _name != "time_decode":
+                events.append((_name, Path(a[0]).name))
+            result = _method(self, *a, **k)
+            if _name == "time_decode":
+                events.append(("time", [w.pending is not None for w in self.workers]))
+            return result
+
+        monkeypatch.setattr(fake_vllm.VllmBackend, name, logged)
     plan = tmp_path / "p.toml"
     plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 2\n'
                     '[timing]\nprompt_tokens = 16\nnew_tokens = 3\nwarmup = 0\nruns = 1\n'
                     '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n[[row]]\nname = "all"\nkeep = []\n')
     p = pairs["fused"]
-    runs = {}
-    for mode in (False, True):
+    runs, logs = {}, {}
+    for mode in modes:
+        events.clear()
         runs[mode] = run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path / f"out-{mode}", str(plan),
                                 AblateSettings(backend="vllm", progress=False, bootstrap=20, overlap_starts=mode))
-    a, b = ({v["name"]: v for v in runs[m]["variants"]} for m in (False, True))
-    assert list(a) == list(b) == ["build", "gdn", "all"]
-    for name in a:
-        assert b[name]["status"] == "ok" and a[name]["metrics"]["en"]["kl"] == pytest.approx(b[name]["metrics"]["en"]["kl"], abs=1e-9)
-    assert all(b[n]["engine"].get("prefetched") for n in ("build", "gdn", "all"))  # each started during the previous scoring
-    assert runs[True]["backend_info"]["worker_starts"] == 2 and runs[False]["backend_info"]["worker_starts"] == 1
+        logs[mode] = list(events)
+    return runs, logs
+
+
+def test_ablate_with_overlapped_starts_gives_the_same_scores(pairs, fake_vllm, tmp_path, monkeypatch):
+    runs, logs = _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, (0, 1, 2))
+    a = {v["name"]: v for v in runs[0]["variants"]}
+    assert list(a) == ["build", "gdn", "all"]
+    for mode in (1, 2):
+        b = {v["name"]: v for v in runs[mode]["variants"]}
+        assert list(b) == list(a)
+        for name in a:
+            assert b[name]["status"] == "ok" and a[name]["metrics"]["en"]["kl"] == pytest.approx(b[name]["metrics"]["en"]["kl"], abs=1e-9)
+        assert all(b[n]["engine"].get("prefetched") for n in ("build", "gdn", "all"))  # each started ahead of its turn
+        assert runs[mode]["backend_info"]["worker_starts"] == 1 + mode
+    assert runs[0]["backend_info"]["worker_starts"] == 1
+    assert all(not any(e[1]) for e in logs[2] if e[0] == "time")  # never timed while an engine was starting
+    # One ahead: each row starts the next once it is timed. Two ahead: a group of two, and the next group only once
+    # both of the group are timed, so that no row's timing waits behind a start begun after it was loaded.
+    assert [e for e in logs[1] if e[0] != "time"] == [
+        ("load", "base"), ("prefetch", "lowlatency"), ("load", "lowlatency"), ("prefetch", "gdn"), ("load", "gdn"),
+        ("prefetch", "all"), ("load", "all")]
+    assert [e[0] if e[0] == "time" else e for e in logs[2]] == [
+        ("load", "base"), ("prefetch", "lowlatency"), ("prefetch", "gdn"), ("load", "lowlatency"), "time",
+        ("load", "gdn"), "time", ("prefetch", "all"), ("load", "all"), "time"]

@@ -11,7 +11,7 @@ set -uo pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/fulldims}; BUDGET_S=${BUDGET_S:-540}
-RUN=${RUN:-run}   # results folder under WORK; OVERLAP=1 adds --overlap-starts (use another RUN to compare)
+RUN=${RUN:-run}   # results folder under WORK; OVERLAP=N adds --overlap-starts N (use another RUN to compare)
 t0=$(date +%s)
 mkdir -p "$WORK"
 if [ ! -f "$WORK/pair/reference/config.json" ]; then
@@ -19,9 +19,10 @@ if [ ! -f "$WORK/pair/reference/config.json" ]; then
 fi
 du -sh --apparent-size "$WORK/pair/build" "$WORK/pair/reference" > "$OUT/disk.txt" 2>&1; du -sh "$WORK" >> "$OUT/disk.txt"; df -h "$WORK" >> "$OUT/disk.txt"
 CMD=(python3 -m splicer ablate all "$WORK/pair/build" "$WORK/pair/reference" -o "$WORK/$RUN" --plan h200-fulldims
-     --backend vllm --allow-quantized-base --language-model-only --gpu-memory-utilization 0.5 --bandwidth-gbs 4800 -q
+     --backend vllm --allow-quantized-base --language-model-only --bandwidth-gbs 4800 -q
      --engine-arg 'compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}')
-[ "${OVERLAP:-0}" = 1 ] && CMD+=(--overlap-starts)
+# Without overlap one engine has the GPU and half of it is enough; with overlap each engine gets a fixed KV cache.
+if [ "${OVERLAP:-0}" -gt 0 ]; then CMD+=(--overlap-starts "$OVERLAP"); else CMD+=(--gpu-memory-utilization 0.5); fi
 left=$(( BUDGET_S - ($(date +%s) - t0) ))
 timeout -s INT -k 30 "$left" "${CMD[@]}" > "$OUT/ablate.log" 2>&1
 rc=$?

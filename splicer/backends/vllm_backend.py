@@ -486,8 +486,11 @@ class _Worker:
 
 
 # With overlapped starts each engine gets a fixed KV cache instead of a profiled share of the GPU: vLLM's memory
-# profiling assumes no other process changes its GPU memory meanwhile (gpu_worker.determine_available_memory).
-OVERLAP_DEFAULTS = {"kv_cache_memory_bytes": 16 << 30, "gpu_memory_utilization": 0.3}
+# profiling assumes no other process changes its GPU memory meanwhile (gpu_worker.determine_available_memory skips
+# it when kv_cache_memory_bytes is set). 12 GiB holds ~200 sequences of GDN state at Qwen3.6-35B-A3B's size, and three
+# such engines (one serving, two starting) fit an H200 with their ~20 GiB of weights each. The utilization only gates
+# vLLM's start-up check (free memory >= utilization x total) while other engines hold memory.
+OVERLAP_DEFAULTS = {"kv_cache_memory_bytes": 12 << 30, "gpu_memory_utilization": 0.25}
 
 
 class VllmBackend:
@@ -495,8 +498,9 @@ class VllmBackend:
 
     `one_process=False` starts a fresh child per variant instead (the engine core then runs in its own process,
     vLLM's default): slower, since every variant imports vLLM twice and redoes in-memory autotuning.
-    `overlap_starts=True` keeps a second child that builds the next variant's engine (`prefetch`) while the current
-    one scores; timing waits until that start has finished (`wait_prefetch`), so decode is timed on a quiet GPU.
+    `overlap_starts=N` keeps N more children that build the next variants' engines (`prefetch`) while the current
+    one serves. Engine start-up is mostly single-threaded CPU work (loading ~92 k expert tensors, Dynamo, Inductor), so
+    starts in parallel processes overlap well. Decode is timed only while no engine is starting (`time_decode` waits).
     """
 
     name = "vllm"
@@ -504,11 +508,14 @@ class VllmBackend:
 
     def __init__(self, device: str = "auto", engine_args: dict | None = None, log_dir: Path | None = None,
                  start_timeout_s: float = 1800, require_cuda: bool = True, cache_dir: Path | None = None,
-                 one_process: bool = True, overlap_starts: bool = False):
+                 one_process: bool = True, overlap_starts: int = 0):
         if importlib.util.find_spec("vllm") is None:
             raise SplicerError("the vLLM backend needs vllm (pip install 'splicer[vllm]' on a GPU machine); use --backend torch here")
         if require_cuda and not torch.cuda.is_available():
             raise SplicerError("the vLLM backend needs a CUDA GPU and torch sees none; use --backend torch")
+        overlap_starts = int(overlap_starts)  # True (the old flag) means one
+        if overlap_starts < 0:
+            raise SplicerError(f"--overlap-starts {overlap_starts}: give the number of engines to start ahead (1 or more)")
         if overlap_starts and not one_process:
             raise SplicerError("--overlap-starts needs one worker per engine slot; drop --process-per-variant")
         defaults, self.env = default_engine_args()
@@ -528,7 +535,7 @@ class VllmBackend:
                     self.env[var] = str(cache_dir / sub)
         self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "vllm-logs"
         self.start_timeout_s = start_timeout_s
-        self.workers = [_Worker(self) for _ in range(2 if overlap_starts else 1)]
+        self.workers = [_Worker(self) for _ in range(1 + overlap_starts)]
         self.active: _Worker | None = None
         self.worker_starts = 0
         self.info: dict = {}
@@ -551,46 +558,71 @@ class VllmBackend:
         path.write_text("")
         return path
 
-    def _idle_worker(self) -> _Worker:
-        return next(w for w in self.workers if w is not self.active and w.pending is None)
+    def _free_worker(self) -> _Worker | None:
+        """A worker with no engine and nothing starting (None when every one is busy)."""
+        return next((w for w in self.workers if w is not self.active and w.pending is None and w.prefetched is None), None)
+
+    def _worker_for(self, folder: Path) -> _Worker | None:
+        """The worker starting, or holding a started engine, for folder."""
+        for w in self.workers:
+            if w is not self.active and folder in ((w.pending or (None,))[0], (w.prefetched or {}).get("folder")):
+                return w
+        return None
+
+    def _settle(self, w: _Worker) -> None:
+        """Wait for w's pending start; the outcome (engine info or error) is kept until load() asks for it."""
+        folder = w.pending[0]
+        try:
+            w.prefetched = {"folder": folder, "info": w.finish_load(), "error": None}
+        except RuntimeError as e:
+            w.prefetched = {"folder": folder, "info": None, "error": e}
 
     # ------------------------------------------------------------ the Backend interface
 
-    def prefetch(self, folder: Path) -> None:
-        """Start building the engine for folder in the spare worker while the current one keeps serving."""
-        if not self.overlap_starts or any(w.pending for w in self.workers):
-            return
-        self._idle_worker().send_load(Path(folder), time.perf_counter())
+    def prefetch(self, folder: Path) -> bool:
+        """Start building folder's engine in a spare worker while others keep serving; False when none is spare."""
+        folder = Path(folder)
+        if not self.overlap_starts:
+            return False
+        if self._worker_for(folder) is not None:
+            return True
+        w = self._free_worker()
+        if w is None:
+            return False
+        w.send_load(folder, time.perf_counter())
+        return True
 
     def wait_prefetch(self) -> None:
-        """Block until a prefetched engine has finished starting (or failed: that shows at its load())."""
+        """Block until every prefetched engine has finished starting (or failed: that shows at its load())."""
         for w in self.workers:
             if w.pending is not None and w is not self.active:
-                folder = w.pending[0]
-                try:
-                    w.prefetched = {"folder": folder, "info": w.finish_load(), "error": None}
-                except RuntimeError as e:
-                    w.prefetched = {"folder": folder, "info": None, "error": e}
+                self._settle(w)
+
+    def _fixed_kv_cache(self) -> bool:
+        return bool(self.engine_args.get("kv_cache_memory_bytes"))
 
     def load(self, folder: Path) -> None:
         self.unload()
         folder = Path(folder)
         t0 = time.perf_counter()
-        self.wait_prefetch()
-        for w in self.workers:  # an engine prefetched for another folder (the plan changed course) is dropped
-            if w.prefetched and w.prefetched["folder"] != folder:
-                w.prefetched = None
-                w.unload()
-        ready = next((w for w in self.workers if w.prefetched), None)
+        ready = self._worker_for(folder)
         if ready is not None:
+            if ready.pending is not None:
+                self._settle(ready)
             done, ready.prefetched = ready.prefetched, None
             if done["info"] is not None:
-                self.active, self.info = ready, dict(done["info"], prefetched=True)
+                self.active, self.info = ready, dict(done["info"], prefetched=True, waited_s=time.perf_counter() - t0)
                 self._set_max_positions(folder)
                 return
             first = done["error"]  # the prefetched start failed: one more try in a fresh process, as below
+            worker = ready
         else:
-            worker = self._idle_worker()
+            worker = self._free_worker()
+            if worker is None:  # every spare worker holds an engine for another folder (the plan changed course)
+                self.wait_prefetch()
+                worker = next(w for w in self.workers if w is not self.active)
+                worker.prefetched = None
+                worker.unload()
             reused = worker.alive()
             try:
                 self.info = self._load_on(worker, folder, t0)
@@ -601,7 +633,6 @@ class VllmBackend:
                 first = e
         # An engine that will not start in a worker that already served others may be short of memory the earlier
         # engines did not give back: try once more in a fresh process before calling it a failure.
-        worker = self._idle_worker()
         worker.stop()
         try:
             self.info = self._load_on(worker, folder, t0)
@@ -652,8 +683,9 @@ class VllmBackend:
         if not self.one_process:
             w.stop()
             return
-        # Never free GPU memory while another engine is starting: its memory accounting would see it.
-        self.wait_prefetch()
+        if not self._fixed_kv_cache():
+            # Never free GPU memory while another engine profiles memory: it would count the freed memory as its own.
+            self.wait_prefetch()
         w.unload()
 
     def close(self) -> None:
