@@ -53,6 +53,7 @@ class AblateSettings:
     process_per_variant: bool = False  # vllm: a fresh worker process per variant instead of one for the run
     overlap_starts: int = 0  # vllm: engines started ahead (in spare workers) while the current one scores
     allow_quantized_base: bool = False  # a stand-in reference that keeps some classes quantized (see validate_base)
+    engine_cache_dir: Path | None = None  # vllm: compile/Triton/Inductor caches; None: their per-user defaults
 
 
 def _atomic_json(path: Path, data) -> None:
@@ -324,7 +325,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         if bad or not wanted:
             raise SplicerError(f"row {bad[0] if bad else '(none)'!r} is not in plan {plan.name}; its rows: {', '.join(r.name for r in rows)}")
         selected = {"build", *wanted}  # the build row is every other row's reference
-    options = ({"engine_args": settings.engine_args, "log_dir": out / "logs", "cache_dir": out / "cache" / "engine",
+    options = ({"engine_args": settings.engine_args, "log_dir": out / "logs", "cache_dir": settings.engine_cache_dir,
                 "one_process": not settings.process_per_variant, "overlap_starts": settings.overlap_starts}
                if settings.backend == "vllm" else {})
     backend = make_backend(settings.backend, settings.device, **options)
@@ -498,22 +499,33 @@ def _from_cli() -> bool:
 
 
 def time_breakdown(results: dict) -> dict:
-    """Seconds spent per stage over the rows run (a resumed run counts the rows it kept from earlier runs too)."""
-    parts = {"base pass": 0.0, "splice": 0.0, "engine start": 0.0, "of which compile": 0.0, "of which weight loading": 0.0,
-             "scoring": 0.0, "timing": 0.0}
+    """Seconds spent per stage over the rows run (a resumed run counts the rows it kept from earlier runs too).
+
+    "waiting for engines" is what the run waited for engine starts; compile and weight loading are summed over the
+    engines (the base's included) and can exceed it when starts overlap each other or scoring (--overlap-starts).
+    """
+    parts = {"base pass": 0.0, "splice": 0.0, "waiting for engines": 0.0, "compile, summed over engines": 0.0,
+             "weight loading, summed over engines": 0.0, "scoring": 0.0, "timing": 0.0}
     base = (results.get("base_pass") or {}).get("timings") or {}
     parts["base pass"] = sum(v for k, v in base.items() if k.endswith("_s"))
+    engines = [(results.get("base_pass") or {}).get("engine")]
     for v in results.get("variants", []):
         e = v.get("elapsed") or {}
         parts["splice"] += e.get("splice_s", 0.0)
-        parts["engine start"] += e.get("load_s", 0.0)
-        sb = (v.get("engine") or {}).get("startup_breakdown") or {}
-        parts["of which compile"] += sb.get("compile_s", 0.0)
-        parts["of which weight loading"] += sb.get("model_load_s", sb.get("weights_load_s", 0.0))
+        parts["waiting for engines"] += e.get("load_s", 0.0)
         parts["scoring"] += sum(x for k, x in e.items() if k.startswith("score_"))
         parts["timing"] += e.get("time_s", 0.0)
+        engines.append(v.get("engine"))
+    for engine in engines:
+        sb = (engine or {}).get("startup_breakdown") or {}
+        parts["compile, summed over engines"] += sb.get("compile_s", 0.0)
+        parts["weight loading, summed over engines"] += sb.get("model_load_s", sb.get("weights_load_s", 0.0))
     if results.get("elapsed_s") is not None:
         parts["this run, wall"] = results["elapsed_s"]
+    runs = results.get("runs") or []
+    if len(runs) > 1 and all(r.get("elapsed_s") is not None for r in runs):
+        # An interrupted run records its time up to its last finished row: work cut off after that is not counted.
+        parts[f"all {len(runs)} runs of this job, wall"] = sum(r["elapsed_s"] for r in runs)
     return {k: round(x, 1) for k, x in parts.items() if x}
 
 

@@ -80,14 +80,14 @@ def _cmd_ablate(args) -> int:
         engine_args["language_model_only"] = True
     if args.overlap_starts < 0:
         raise SplicerError(f"--overlap-starts {args.overlap_starts}: give how many engines to start ahead (1 or more), or leave it out")
-    if (args.overlap_starts or args.process_per_variant) and args.backend != "vllm":
-        raise SplicerError("--overlap-starts and --process-per-variant apply to --backend vllm only")
+    if (args.overlap_starts or args.process_per_variant or args.engine_cache_dir) and args.backend != "vllm":
+        raise SplicerError("--overlap-starts, --process-per-variant and --engine-cache-dir apply to --backend vllm only")
     if engine_args and args.backend != "vllm":
         raise SplicerError("engine options (--engine-arg, --max-model-len, ...) apply to --backend vllm only")
     settings = AblateSettings(backend=args.backend, device=args.device, time_decode=not args.no_time,
                               corpus_overrides=overrides, batch_size=args.batch_size, progress=not args.quiet,
                               allow_quantized_base=args.allow_quantized_base, process_per_variant=args.process_per_variant,
-                              overlap_starts=args.overlap_starts,
+                              overlap_starts=args.overlap_starts, engine_cache_dir=args.engine_cache_dir,
                               engine_args=engine_args, bandwidth_gbs=args.bandwidth_gbs)
     if args.demo:
         if args.build or args.base:
@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vllm: start the next N variants' engines (default 1) in spare workers while the current one "
                         "scores; decode is still timed with no engine starting; each engine then gets a fixed 12 GiB KV "
                         "cache unless --engine-arg kv_cache_memory_bytes=...")
+    s.add_argument("--engine-cache-dir", type=Path, metavar="PATH",
+                   help="vllm: keep vLLM's compile cache and Triton's and Inductor's caches (autotuning included) in PATH "
+                        "instead of their per-user defaults, which later runs on the machine reuse")
     s.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="vllm: any vllm.LLM keyword (VALUE as JSON), repeatable")
     s.add_argument("--no-time", action="store_true", help="skip decode timing")
     s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP + "; rows that restore them are skipped")

@@ -113,7 +113,10 @@ def _footnotes(results: dict, build_kl: float | None) -> list[str]:
                  if v.get("repeat_of") and v.get("status") == "ok" and v.get("decode_ms_per_token")]
         notes.append(f"Timing noise band ±{100 * band:.1f} % (the same variant timed twice in this run: {'; '.join(pairs)}); "
                      "Δ decode marked ≈ is inside it.")
-    tb = results.get("time_breakdown")
+    # Recomputed from the rows rather than read back, so results written by older versions get today's labels.
+    from .ablate import time_breakdown
+
+    tb = time_breakdown(results) if results.get("time_breakdown") is not None else None
     if tb:
         notes.append("Wall time of the run: " + ", ".join(f"{k} {v:.0f} s" for k, v in tb.items()) + ".")
     nf = results.get("noise_floor") or {}

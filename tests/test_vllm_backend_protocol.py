@@ -140,7 +140,7 @@ def test_ablate_with_the_vllm_backend_path(pairs, fake_vllm, tmp_path, monkeypat
     assert rows["build"]["metrics"]["en"]["kl"] > 0.01 and rows["build"]["engine"]["vllm"] == "0.0.0-fake"
     assert res["backend"] == "vllm"
     assert rows["build"]["engine"]["pid"] == rows["all"]["engine"]["pid"] and res["backend_info"]["worker_starts"] == 1
-    assert res["time_breakdown"]["engine start"] > 0 and res["time_breakdown"]["scoring"] > 0
+    assert res["time_breakdown"]["waiting for engines"] > 0 and res["time_breakdown"]["scoring"] > 0
     assert "Speed per variant" in (tmp_path / "out" / "table.md").read_text()
 
 
@@ -264,3 +264,15 @@ def test_ablate_with_overlapped_starts_gives_the_same_scores(pairs, fake_vllm, t
     assert [e[0] if e[0] == "time" else e for e in logs[2]] == [
         ("load", "base"), ("prefetch", "lowlatency"), ("prefetch", "gdn"), ("load", "lowlatency"), "time",
         ("load", "gdn"), "time", ("prefetch", "all"), ("load", "all"), "time"]
+
+
+def test_engine_caches_stay_in_the_per_user_folders_unless_moved(fake_vllm, tmp_path, monkeypatch):
+    for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    default = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False)
+    assert not {"VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"} & set(default.env)
+    assert default.describe()["engine_cache_dir"] == "per-user defaults"
+    moved = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, cache_dir=tmp_path / "c")
+    assert moved.env["TRITON_CACHE_DIR"] == str((tmp_path / "c" / "triton").resolve())
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))  # the user's own setting wins
+    assert "TRITON_CACHE_DIR" not in fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, cache_dir=tmp_path / "c").env

@@ -526,9 +526,12 @@ class VllmBackend:
         self.overlap_starts = overlap_starts
         if one_process:
             self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the worker itself: one import, shared caches
+        # Compiled graphs, Triton kernels and autotuning results (vLLM sets TRITON_CACHE_AUTOTUNING=1) live on disk.
+        # By default they stay in vLLM's, Triton's and Inductor's per-user folders, so a later run on the machine skips
+        # the first engine's autotuning (143 s on the H200 stand-in) and every compile it has seen; cache_dir moves
+        # them, and a value the user set in the environment wins over both.
+        self.cache_dir = cache_dir
         if cache_dir is not None:
-            # Compiled graphs, Triton kernels and autotuning results on disk, shared by every engine of the run and by
-            # a resumed run; a value the user set in the environment wins.
             cache_dir = Path(cache_dir).resolve()
             for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
                 if var not in os.environ:
@@ -703,7 +706,8 @@ class VllmBackend:
         return {"backend": "vllm", "engine": f"vllm {version}", "torch": torch.__version__,
                 "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "engine_args": self.engine_args,
                 "env": {k: v for k, v in self.env.items()}, "python": sys.version.split()[0], "one_process": self.one_process,
-                "overlap_starts": self.overlap_starts, "worker_starts": self.worker_starts}
+                "overlap_starts": self.overlap_starts, "worker_starts": self.worker_starts,
+                "engine_cache_dir": str(self.cache_dir) if self.cache_dir is not None else "per-user defaults"}
 
 
 def parse_engine_args(items: list[str] | None) -> dict:
