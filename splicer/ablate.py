@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
 import shlex
 import shutil
 import sys
@@ -426,6 +427,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             # One entry per invocation that worked on this job (a resumed job has several).
             "runs": [*((previous or {}).get("runs", []) if same_job else []),
                      {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows_run": [], "finished": False,
+                      "host": host_info(),
                       "command": " ".join(shlex.quote(a) for a in ["splicer", *sys.argv[1:]]) if _from_cli() else None}],
         }
         for row, restored, splice_name in _pbar(todo, desc="ablate", disable=not settings.progress or None):
@@ -496,6 +498,25 @@ def _splice_is_current(folder: Path, build, restored: list[str]) -> bool:
 def _from_cli() -> bool:
     """True when the splicer command line is running (then sys.argv is the command to record)."""
     return Path(sys.argv[0]).name in ("splicer", "__main__.py") or sys.argv[0].endswith("splicer/__main__.py")
+
+
+def host_info() -> dict:
+    """The CPU side of the machine: engine start-up and batch-1 decode depend on it, and a resumed run may be on another."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory_gib = None
+    try:
+        kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
+        memory_gib = round(kib / 2**20, 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    return {"cpu": cpu, "logical_cores": os.cpu_count(), "memory_gib": memory_gib}
 
 
 def time_breakdown(results: dict) -> dict:

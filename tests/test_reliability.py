@@ -137,6 +137,9 @@ def test_killed_ablate_reruns_only_unfinished_rows(pairs, plan_file, tmp_path, m
                      AblateSettings(device="cpu", progress=False, bootstrap=50, time_decode=False))
     assert loads == ["lm_head", "all", "base"]  # neither the base pass nor the two finished rows again
     assert [v["name"] for v in res["variants"]] == ["build", "gdn", "lm_head", "all", "base"]
+    # each invocation says what it did and on which CPU (a resumed run may land on another machine)
+    assert [r["rows_run"] for r in res["runs"]] == [["build", "gdn"], ["lm_head", "all", "base"]]
+    assert all(r["host"]["logical_cores"] == os.cpu_count() and r["host"]["cpu"] for r in res["runs"])
 
 
 def test_changed_inputs_invalidate_caches(pairs, plan_file, tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ sleep 2; pkill -9 -f "multiprocessing.spawn" 2>/dev/null  # a worker left behind
   echo "exit $rc (124/130: stopped at the call's budget; rerun to resume), call wall $(( $(date +%s) - t0 )) s"; date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import vllm, torch, transformers, compressed_tensors as ct; print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| compressed-tensors', ct.__version__)"
-  nproc; free -g | head -2
+  nproc; lscpu | grep -E 'Model name|Socket|Core|Thread|MHz' ; free -g | head -2
 } > "$OUT/run.txt" 2>&1
 cp "$WORK/$RUN/results.json" "$WORK/$RUN/table.md" "$WORK/$RUN/job.json" "$OUT/" 2>/dev/null
 # One archive: a device call brings back at most 8 files.
