@@ -447,7 +447,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 entry["timing"] = None
 
                 def time_then_start_ahead(entry=entry, index=index) -> None:
-                    # Timed before scoring, so that the next group's engines can start while this one scores.
+                    # With overlapped starts a row is timed before it scores, so that the next group's engines can start
+                    # while it scores; without, after scoring, as in the serial H200 run whose noise band was ±1 %.
                     if settings.time_decode and plan.timing:
                         t0 = time.perf_counter()
                         entry["timing"] = backend.time_decode(_timing_prompt(corpora, int(plan.timing["prompt_tokens"])),
@@ -456,8 +457,11 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                         entry["elapsed"]["time_s"] = time.perf_counter() - t0
                     start_ahead(index)
 
+                overlapping = bool(getattr(backend, "overlap_starts", 0))
                 metrics, timings = score_variant(backend, folder, cache, corpora, plan, settings, out / "scores" / row.name,
-                                                 before_scoring=time_then_start_ahead)
+                                                 before_scoring=time_then_start_ahead if overlapping else None)
+                if not overlapping:
+                    time_then_start_ahead()
                 entry["metrics"] = metrics
                 entry["engine"] = timings.pop("engine", None)
                 entry["elapsed"].update(timings)
