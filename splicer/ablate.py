@@ -379,6 +379,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         run_list = [(r, rs, sn) for r, rs, sn in todo if r.name not in done and r.name in selected]
         prepared: dict[str, tuple] = {}
         started_ahead: set[int] = set()
+        ahead = int(getattr(backend, "overlap_starts", 0) or 0)  # engines a backend can start ahead (vLLM only)
 
         def folder_for(row, restored, splice_name) -> tuple[Path, float]:
             if row.name in prepared:
@@ -398,10 +399,9 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
 
         def start_ahead(i: int) -> None:
             """Row i is loaded and timed: start the next group of engines unless one is already waiting its turn."""
-            depth = int(getattr(backend, "overlap_starts", 0) or 0)
-            if not depth or any(j > i for j in started_ahead):
+            if not ahead or any(j > i for j in started_ahead):
                 return
-            for j in range(i + 1, min(i + 1 + depth, len(run_list))):
+            for j in range(i + 1, min(i + 1 + ahead, len(run_list))):
                 nxt = run_list[j]
                 try:
                     prepared[nxt[0].name] = folder_for(*nxt)
@@ -457,10 +457,9 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                         entry["elapsed"]["time_s"] = time.perf_counter() - t0
                     start_ahead(index)
 
-                overlapping = bool(getattr(backend, "overlap_starts", 0))
                 metrics, timings = score_variant(backend, folder, cache, corpora, plan, settings, out / "scores" / row.name,
-                                                 before_scoring=time_then_start_ahead if overlapping else None)
-                if not overlapping:
+                                                 before_scoring=time_then_start_ahead if ahead else None)
+                if not ahead:
                     time_then_start_ahead()
                 entry["metrics"] = metrics
                 entry["engine"] = timings.pop("engine", None)

@@ -500,7 +500,8 @@ class VllmBackend:
     vLLM's default): slower, since every variant imports vLLM twice and redoes in-memory autotuning.
     `overlap_starts=N` keeps N more children that build the next variants' engines (`prefetch`) while the current
     one serves. Engine start-up is mostly single-threaded CPU work (loading ~92 k expert tensors, Dynamo, Inductor), so
-    starts in parallel processes overlap well. Decode is timed only while no engine is starting (`time_decode` waits).
+    starts in parallel processes overlap, if imperfectly: on the H200 stand-in two starts together took 1.3-1.8x one
+    alone. Decode is timed only while no engine is starting (`time_decode` waits).
     """
 
     name = "vllm"
