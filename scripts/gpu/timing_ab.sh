@@ -14,6 +14,7 @@ for which in ${WHICH:-A B}; do
   case $which in
     A) extra=(--gpu-memory-utilization 0.5) ;;
     B) extra=(--overlap-starts 2) ;;
+    *) echo "WHICH takes A (serial) and/or B (overlapped), not $which"; exit 2 ;;
   esac
   left=$(( BUDGET_S - ($(date +%s) - t0) )); [ "$left" -gt 60 ] || { echo "budget spent before $which"; break; }
   timeout -s INT -k 30 "$left" python3 -m splicer ablate "${COMMON[@]}" -o "$WORK/ab-$which" "${extra[@]}" > "$OUT/ablate-$which.log" 2>&1

@@ -44,7 +44,6 @@ class TorchBackend:
             torch.set_num_threads(threads)
         self.model = None
         self.folder: Path | None = None
-        self.max_positions = None
 
     # ------------------------------------------------------------ loading
     def load(self, folder: Path) -> None:

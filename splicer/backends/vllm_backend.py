@@ -5,7 +5,8 @@ The child (multiprocessing "spawn": a script that uses this backend must keep it
 `vllm.LLM` per variant with the engine core in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
 freeing it before the next. A crash, an out-of-memory error or a load refusal ends that child
 (the variant is recorded as failed) and the next variant starts a fresh one, so one variant
-cannot take `ablate` down. Compile, Triton and autotuning caches live in one folder per run.
+cannot take `ablate` down. Compile, Triton and autotuning caches stay on disk (per-user folders, or
+cache_dir), so later engines and later runs reuse them.
 
 Scoring uses `SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False)`: per
 prompt position vLLM returns its own top-k plus the actual next token. Its top-k need not
@@ -543,7 +544,6 @@ class VllmBackend:
         self.active: _Worker | None = None
         self.worker_starts = 0
         self.info: dict = {}
-        self.max_positions = None
         self.default_batch = 256
 
     @property
@@ -616,7 +616,6 @@ class VllmBackend:
             done, ready.prefetched = ready.prefetched, None
             if done["info"] is not None:
                 self.active, self.info = ready, dict(done["info"], prefetched=True, waited_s=time.perf_counter() - t0)
-                self._set_max_positions(folder)
                 return
             first = done["error"]  # the prefetched start failed: one more try in a fresh process, as below
             worker = ready
@@ -648,12 +647,7 @@ class VllmBackend:
         worker.send_load(folder, t0)
         info = worker.finish_load()
         self.active = worker
-        self._set_max_positions(folder)
         return info
-
-    def _set_max_positions(self, folder: Path) -> None:
-        cfg = json.loads((Path(folder) / "config.json").read_text())
-        self.max_positions = self.engine_args.get("max_model_len") or cfg.get("text_config", cfg).get("max_position_embeddings")
 
     def _call(self, *msg, timeout: float = 3600):
         if self.active is None:
