@@ -164,12 +164,17 @@ def prepare_corpora(base_root: Path, plan: Plan, settings: AblateSettings):
     return tok, [build_corpus(s, tok, context, Path.cwd()) for s in specs]
 
 
-def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, out: Path, base_digest: str,
-              tok, corpora: list[Corpus], after_load=None) -> tuple[Path, list[Corpus]]:
-    """Generate the base's chat answers and score the base (and a noise pass) once; cached by inputs and settings."""
+def base_cache(backend, plan: Plan, settings: AblateSettings, out: Path, base_digest: str, corpora: list[Corpus]) -> Path:
+    """The folder of the base pass for these inputs and settings (done when it holds done.json)."""
     key = _digest(base_digest, [c.digest() for c in corpora], [c.spec for c in corpora], plan.top_k, backend.name,
                   settings.device, settings.batch_size, settings.engine_args)
-    cache = out / "cache" / f"base-{key}"
+    return out / "cache" / f"base-{key}"
+
+
+def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, out: Path, base_digest: str,
+              tok, corpora: list[Corpus]) -> tuple[Path, list[Corpus]]:
+    """Generate the base's chat answers and score the base (and a noise pass) once; cached by inputs and settings."""
+    cache = base_cache(backend, plan, settings, out, base_digest, corpora)
     done = cache / "done.json"
     if done.exists():
         corpora = [Corpus.from_json(c) for c in json.loads((cache / "corpora.json").read_text())]
@@ -180,8 +185,6 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ou
     backend.load(base_root)
     load_s = time.perf_counter() - t0
     engine_info = backend.load_info() if hasattr(backend, "load_info") else None
-    if after_load:
-        after_load()
     stop = [t for t in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int) and t >= 0]
     for c in corpora:
         if c.kind == "chat":
@@ -411,8 +414,14 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                     break
                 started_ahead.add(j)
 
-        cache, corpora = base_pass(backend, base_root, plan, settings, out, base_digest, tok, corpora,
-                                   after_load=lambda: start_ahead(-1))
+        if ahead:
+            # The base's engine and the first group's start together. The first engine on a machine is the slowest
+            # (Triton autotuning of the GDN kernels, 143 s on the H200 stand-in), and the group's engines autotune
+            # in their own processes meanwhile instead of waiting for it: the cold run's largest serial cost.
+            if not (base_cache(backend, plan, settings, out, base_digest, corpora) / "done.json").exists():
+                backend.prefetch(base_root)
+            start_ahead(-1)
+        cache, corpora = base_pass(backend, base_root, plan, settings, out, base_digest, tok, corpora)
         results = {
             "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job, "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
             "backend": None, "engine_version": None, "device": None,

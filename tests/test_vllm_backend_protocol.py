@@ -189,8 +189,12 @@ def test_overlapped_start_serves_the_next_variant_from_the_second_worker(pairs, 
     assert all(w.proc is None for w in b.workers)
 
 
-def test_two_engines_start_ahead_and_a_third_waits_for_a_free_worker(pairs, fake_vllm, tmp_path):
+def test_two_engines_start_ahead_and_a_third_waits_for_a_free_worker(pairs, fake_vllm, tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
     b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=2)
+    assert b.env["OMP_NUM_THREADS"] == "5"  # three workers share 16 cores
+    assert "OMP_NUM_THREADS" not in fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False).env
     p = pairs["fused"]
     seqs = [list(range(20, 60))]
     b.load(p["lowlatency"])
@@ -277,12 +281,16 @@ def test_ablate_with_overlapped_starts_gives_the_same_scores(pairs, fake_vllm, t
     assert [e if e == "score" or e[0] != "time" else "time" for e in logs[0]] == [
         ("load", "base"), "score", ("load", "lowlatency"), "score", "time", ("load", "gdn"), "score", "time",
         ("load", "all"), "score", "time"]
+    # With overlap the base's engine starts together with the first group (its start is the longest).
     assert [e for e in logs[1] if e == "score" or e[0] != "time"] == [
-        ("load", "base"), ("prefetch", "lowlatency"), "score", ("load", "lowlatency"), ("prefetch", "gdn"), "score",
-        ("load", "gdn"), ("prefetch", "all"), "score", ("load", "all"), "score"]
+        ("prefetch", "base"), ("prefetch", "lowlatency"), ("load", "base"), "score", ("load", "lowlatency"),
+        ("prefetch", "gdn"), "score", ("load", "gdn"), ("prefetch", "all"), "score", ("load", "all"), "score"]
     assert [e if e == "score" or e[0] != "time" else "time" for e in logs[2]] == [
-        ("load", "base"), ("prefetch", "lowlatency"), ("prefetch", "gdn"), "score", ("load", "lowlatency"), "time", "score",
-        ("load", "gdn"), "time", ("prefetch", "all"), "score", ("load", "all"), "time", "score"]
+        ("prefetch", "base"), ("prefetch", "lowlatency"), ("prefetch", "gdn"), ("load", "base"), "score",
+        ("load", "lowlatency"), "time", "score", ("load", "gdn"), "time", ("prefetch", "all"), "score", ("load", "all"),
+        "time", "score"]
+    for mode in (1, 2):
+        assert runs[mode]["base_pass"]["engine"]["prefetched"]  # the base's engine came from the start at t=0
 
 
 def test_engine_caches_stay_in_the_per_user_folders_unless_moved(fake_vllm, tmp_path, monkeypatch):

@@ -250,6 +250,8 @@ def _worker(conn, env: dict, log_path: str) -> None:
     _redirect_output(log_path)
     _die_with_parent()
     os.environ.update(env)
+    if env.get("OMP_NUM_THREADS"):  # torch was imported (with this module) before env applied
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     t0 = time.perf_counter()
     try:
         import vllm
@@ -528,6 +530,10 @@ class VllmBackend:
         self.overlap_starts = overlap_starts
         if one_process:
             self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the worker itself: one import, shared caches
+        if overlap_starts and "OMP_NUM_THREADS" not in os.environ:
+            # 1+N engines start at once on one host: each worker gets its share of the cores for torch's CPU threads
+            # instead of all of them (vLLM does the same for its own multi-process workers).
+            self.env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (1 + overlap_starts)))
         # Compiled graphs, Triton kernels and autotuning results (vLLM sets TRITON_CACHE_AUTOTUNING=1) live on disk.
         # By default they stay in vLLM's, Triton's and Inductor's per-user folders, so a later run on the machine skips
         # the first engine's autotuning (143 s on the H200 stand-in) and every compile it has seen; cache_dir moves
