@@ -53,6 +53,9 @@ def test_scores_match_the_reference_through_the_worker(pairs, fake_vllm, tmp_pat
         assert torch.equal(g.topk_ids, w.topk_ids) and torch.allclose(g.topk_logprobs, w.topk_logprobs)
         assert torch.allclose(g.target_logprobs, w.target_logprobs)
     assert len(gen[0]) == 4 and timing["runs"] == 2 and info["vllm"] == "0.0.0-fake"
+    # Decode from the engine's token times (stats on by default), the wall-clock difference beside it.
+    assert timing["method"].startswith("engine") and timing["wall_diff"]["decode_ms_per_token"] > 0
+    assert timing["decode_ms_per_token"] != timing["wall_diff"]["decode_ms_per_token"]
     assert isinstance(info["layers"], dict) and "error" not in info["layers"]  # the kernel probe ran in the worker
 
 
@@ -303,3 +306,20 @@ def test_engine_caches_stay_in_the_per_user_folders_unless_moved(fake_vllm, tmp_
     assert moved.env["TRITON_CACHE_DIR"] == str((tmp_path / "c" / "triton").resolve())
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))  # the user's own setting wins
     assert "TRITON_CACHE_DIR" not in fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, cache_dir=tmp_path / "c").env
+
+
+def test_decode_falls_back_to_the_wall_clock_without_request_stats(pairs, fake_vllm, tmp_path):
+    from splicer.backends.vllm_backend import engine_step_s
+
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, engine_args={"disable_log_stats": True})
+    b.load(pairs["fused"]["lowlatency"])
+    timing = b.time_decode(list(range(20, 60)), 4, 0, 2)
+    b.close()
+    assert timing["method"].startswith("wall") and "wall_diff" not in timing and timing["decode_ms_per_token"] > 0
+
+    class Stats:
+        first_token_ts, last_token_ts, num_generation_tokens = 10.0, 10.3, 4
+
+    assert engine_step_s(Stats()) == pytest.approx(0.1)
+    Stats.num_generation_tokens = 1  # one token: no decode step to time
+    assert engine_step_s(Stats()) is None and engine_step_s(None) is None

@@ -123,13 +123,29 @@ def _parse_engine_value(v: str):
 
 def default_engine_args() -> tuple[dict, dict]:
     """(engine kwargs, environment) that the GPU machine needs; see scripts/gpu/README.md."""
-    args = {"enable_prefix_caching": False, "max_logprobs": 20, "disable_log_stats": True}
+    # Stats on (as under `vllm serve`): each request then carries the engine's own first- and last-token times,
+    # from which decode is timed without the prefill's jitter (see time_decode).
+    args = {"enable_prefix_caching": False, "max_logprobs": 20, "disable_log_stats": False}
     env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # lets LLM.apply_model ship the kernel probe to the worker
     if importlib.util.find_spec("flashinfer") is None:
         # Without flashinfer, vLLM 0.26's FlashInfer sampler and its SM90 GDN prefill cannot start.
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
         args["gdn_prefill_backend"] = "triton"
     return args, env
+
+
+def engine_step_s(metrics) -> float | None:
+    """Seconds per decode step from a finished request's stats (vLLM's RequestStateStats), None without them."""
+    first, last = getattr(metrics, "first_token_ts", 0.0), getattr(metrics, "last_token_ts", 0.0)
+    n = getattr(metrics, "num_generation_tokens", 0)
+    if not first or not last or n < 2 or last < first:
+        return None
+    return (last - first) / (n - 1)
+
+
+def _spread(name: str, xs: list[float]) -> dict:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return {f"{name}_ms_per_token": statistics.median(xs), f"{name}_iqr": [q[0], q[2]], f"{name}_min_max": [min(xs), max(xs)]}
 
 
 def _kernel_probe(model):
@@ -316,26 +332,35 @@ def _worker(conn, env: dict, log_path: str) -> None:
 
     def time_decode(prompt, n, warmup, runs):
         def once(k):
+            """(wall seconds around generate, engine seconds per decode step or None)."""
             params = SamplingParams(max_tokens=k, min_tokens=k, ignore_eos=True, temperature=0.0, detokenize=False)
             sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
             sync()
             t = time.perf_counter()
-            llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            res = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
             sync()
-            return time.perf_counter() - t
+            wall = time.perf_counter() - t
+            return wall, engine_step_s(getattr(res[0], "metrics", None))
 
         for _ in range(warmup):
             once(n)
-        per_token, ttft = [], []
+        wall_diff, engine, ttft = [], [], []
         for _ in range(runs):
-            t1, tn = once(1), once(n)
+            (t1, _), (tn, step) = once(1), once(n)
             ttft.append(t1 * 1000)
-            per_token.append((tn - t1) * 1000 / (n - 1))
-        q = statistics.quantiles(per_token, n=4) if len(per_token) > 1 else [per_token[0]] * 3
-        return {"decode_ms_per_token": statistics.median(per_token), "decode_iqr": [q[0], q[2]],
-                "decode_min_max": [min(per_token), max(per_token)], "ttft_ms": statistics.median(ttft),
-                "ttft_min_max": [min(ttft), max(ttft)], "runs": runs, "warmup": warmup, "prompt_tokens": len(prompt),
-                "new_tokens": n, "method": "(t(n) - t(1)) / (n - 1), wall clock around LLM.generate, batch 1"}
+            wall_diff.append((tn - t1) * 1000 / (n - 1))
+            if step is not None:
+                engine.append(step * 1000)
+        # The wall-clock difference carries two prefills' jitter (TTFT of the 1.5k-token prompt ranged 85-211 ms on
+        # the H200, i.e. up to +-1 ms/token over 63 steps); the engine's own token times carry none.
+        per_token, method = ((engine, "engine: (last token time - first token time) / (n - 1), from vLLM's request "
+                                      "stats (TPOT), batch 1") if len(engine) == runs else
+                             (wall_diff, "wall: (t(n) - t(1)) / (n - 1), wall clock around LLM.generate, batch 1"))
+        out = {**_spread("decode", per_token), "ttft_ms": statistics.median(ttft), "ttft_min_max": [min(ttft), max(ttft)],
+               "runs": runs, "warmup": warmup, "prompt_tokens": len(prompt), "new_tokens": n, "method": method}
+        if per_token is engine:  # the old estimator beside it, from the same runs
+            out["wall_diff"] = _spread("decode", wall_diff)
+        return out
 
     def drafter_layers():
         res = llm.collective_rpc(_drafter_probe)
