@@ -149,8 +149,10 @@ def speed_rows(results: dict) -> tuple[list[str], list[list]] | None:
     base = results.get("base_pass") or {}
     if not variants:
         return None
+    # "engine start" is vLLM's own start (building LLM() in the worker, without the worker's one-time import); "waited"
+    # is what the row waited for it, less when it was started ahead of its turn (--overlap-starts).
     headers = ["variant", "decode ms/tok median [IQR] (min-max)", "TTFT ms median (min-max)", "weights GiB",
-               "engine start s", "weight load s", "compile s", "scoring positions/s (all corpora)"]
+               "engine start s", "waited s", "weight load s", "compile s", "scoring positions/s (all corpora)"]
     positions = sum(c.get("positions", 0) for c in results.get("corpora", {}).values())
     rows = []
     entries = ([("base pass", base.get("engine") or {}, None, (base.get("timings") or {}))] if base.get("engine") else [])
@@ -163,9 +165,10 @@ def speed_rows(results: dict) -> tuple[list[str], list[list]] | None:
         ttft = f"{t['ttft_ms']:.0f} ({t['ttft_min_max'][0]:.0f}-{t['ttft_min_max'][1]:.0f})" if t.get("ttft_ms") else ""
         secs = sum(x for k, x in elapsed.items() if k.startswith("score_") and k.endswith("_s"))
         pps = [positions / secs] if timing is not None and secs else []  # all corpora together; the base pass adds a noise pass
-        start = elapsed.get("load_s")
+        waited, start = elapsed.get("load_s"), eng.get("startup_s")
         rows.append([name, dec, ttft, f"{sb['weight_memory_gib']:.2f}" if "weight_memory_gib" in sb else "",
-                     f"{start:.0f}" if start else "", f"{sb['model_load_s']:.0f}" if "model_load_s" in sb else "",
+                     f"{start:.0f}" if start is not None else "", f"{waited:.0f}" if waited is not None else "",
+                     f"{sb['model_load_s']:.0f}" if "model_load_s" in sb else "",
                      f"{sb['compile_s']:.0f}" if "compile_s" in sb else "", f"{max(pps):,.0f}" if pps else ""])
     return headers, rows
 
@@ -180,6 +183,9 @@ def render_markdown(results: dict) -> str:
     if speed and results.get("backend") == "vllm":  # start-up, weight memory and compile come from vLLM's log
         text += "\n\nSpeed per variant (engine start, weight memory and compile time as vLLM logged them):\n\n"
         text += tabulate(speed[1], headers=speed[0], tablefmt="github", disable_numparse=True)
+        methods = sorted({(v.get("timing") or {}).get("method") for v in results.get("variants", [])} - {None})
+        if methods:
+            text += "\n\nDecode timed as " + "; and as ".join(methods) + "."
     return text
 
 

@@ -207,3 +207,20 @@ def test_decode_floor_column(pairs, plan_file, tmp_path):
     assert rows["gdn"]["bytes_per_decode_step"] > want  # BF16 GDN projections read more bytes
     table = (tmp_path / "table.md").read_text()
     assert "floor ms @ 4.8 TB/s" in table and f"{1000 * want / 4.8e12:.3f}" in table
+
+
+def test_speed_table_separates_an_engine_start_from_the_wait_for_it():
+    from splicer.table import speed_rows
+
+    timing = {"decode_ms_per_token": 4.0, "decode_iqr": [3.9, 4.1], "decode_min_max": [3.8, 4.2], "ttft_ms": 100,
+              "ttft_min_max": [90, 110], "method": "engine: token times"}
+    results = {"corpora": {"en": {"positions": 1000}}, "base_pass": {"engine": {"startup_s": 250.0}, "timings": {"load_s": 260.0}},
+               "variants": [{"name": "build", "status": "ok", "timing": timing,
+                             "engine": {"startup_s": 240.0, "startup_breakdown": {"compile_s": 30.0}},
+                             "elapsed": {"load_s": 0.5, "score_en_s": 0.1}}]}
+    headers, rows = speed_rows(results)
+    col = {h: i for i, h in enumerate(headers)}
+    base, build = rows
+    assert (base[col["engine start s"]], base[col["waited s"]]) == ("250", "260")
+    assert (build[col["engine start s"]], build[col["waited s"]]) == ("240", "0")  # started ahead of its turn
+    assert build[col["scoring positions/s (all corpora)"]] == "10,000"
