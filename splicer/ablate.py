@@ -375,8 +375,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 continue
             seen_sets.setdefault(key, row.name)
             todo.append((row, restored, seen_sets[key]))  # a repeat row reuses the first row's splice
-        # Rows this invocation runs, in order. With --overlap-starts N the next N rows are spliced and their engines
-        # started while the current one scores, as a group: a new group starts only once every started engine has
+        # Rows this invocation runs, in order. With --overlap-starts N every row is spliced at the start and the next N
+        # rows' engines are started while the current one scores, as a group: a new group starts only once every started engine has
         # been timed, because decode is timed with no engine starting and a row timed behind a fresh start would wait
         # for it.
         run_list = [(r, rs, sn) for r, rs, sn in todo if r.name not in done and r.name in selected]
@@ -421,6 +421,13 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             if not (base_cache(backend, plan, settings, out, base_digest, corpora) / "done.json").exists():
                 backend.prefetch(base_root)
             start_ahead(-1)
+            # The later rows' splices too, while those engines start: done later, a group's splices would delay its starts.
+            for r in run_list:
+                if r[0].name not in prepared:
+                    try:
+                        prepared[r[0].name] = folder_for(*r)
+                    except SplicerError:
+                        pass  # the row records its own error when its turn comes
         cache, corpora = base_pass(backend, base_root, plan, settings, out, base_digest, tok, corpora)
         results = {
             "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job, "plan": {"name": plan.name, "description": plan.description, "source": plan.source},

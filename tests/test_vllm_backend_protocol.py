@@ -232,6 +232,16 @@ def _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, modes):
         yield from orig_score(self, *a, **k)
 
     monkeypatch.setattr(fake_vllm.VllmBackend, "score", score_logged)
+    import splicer.splice
+
+    orig_splice = splicer.splice.splice
+    spliced = []
+
+    def splice_logged(*a, **k):
+        spliced.append((Path(a[2]).name, len(events)))  # which variant, and after how many load/prefetch/time events
+        return orig_splice(*a, **k)
+
+    monkeypatch.setattr(splicer.splice, "splice", splice_logged)
     for name in ("load", "prefetch", "time_decode"):
         method = getattr(fake_vllm.VllmBackend, name)
 
@@ -249,10 +259,11 @@ def _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, modes):
                     '[timing]\nprompt_tokens = 16\nnew_tokens = 3\nwarmup = 0\nruns = 1\n'
                     '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n[[row]]\nname = "all"\nkeep = []\n')
     p = pairs["fused"]
-    runs, logs = {}, {}
+    runs, logs, splices = {}, {}, {}
     for mode in modes:
         events.clear()
         scored.clear()
+        spliced.clear()
         runs[mode] = run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path / f"out-{mode}", str(plan),
                                 AblateSettings(backend="vllm", progress=False, bootstrap=20, overlap_starts=mode))
         # one line per event, "score" where a score call began (several per row: corpora, the base's noise pass)
@@ -262,11 +273,12 @@ def _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, modes):
             if e is not None:
                 merged.append(e)
         logs[mode] = [m for k, m in enumerate(merged) if not (m == "score" and k and merged[k - 1] == "score")]
-    return runs, logs
+        splices[mode] = list(spliced)
+    return runs, logs, splices
 
 
 def test_ablate_with_overlapped_starts_gives_the_same_scores(pairs, fake_vllm, tmp_path, monkeypatch):
-    runs, logs = _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, (0, 1, 2))
+    runs, logs, splices = _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, (0, 1, 2))
     a = {v["name"]: v for v in runs[0]["variants"]}
     assert list(a) == ["build", "gdn", "all"]
     for mode in (1, 2):
@@ -294,6 +306,12 @@ def test_ablate_with_overlapped_starts_gives_the_same_scores(pairs, fake_vllm, t
         "time", "score"]
     for mode in (1, 2):
         assert runs[mode]["base_pass"]["engine"]["prefetched"]  # the base's engine came from the start at t=0
+        # Every splice is made while the first engines start, before the base's engine is even collected.
+        no_scores = [e for e in logs[mode] if e != "score"]
+        first_load = next(k for k, e in enumerate(no_scores) if e[0] == "load")  # in events, as the splices count them
+        assert sorted(name for name, _ in splices[mode]) == ["all", "gdn"]
+        assert all(at <= first_load for _, at in splices[mode])
+    assert [at for _, at in splices[0]] == [3, 5]  # serial: each variant spliced at its turn, after the row before is timed
 
 
 def test_engine_caches_stay_in_the_per_user_folders_unless_moved(fake_vllm, tmp_path, monkeypatch):
