@@ -376,9 +376,9 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             seen_sets.setdefault(key, row.name)
             todo.append((row, restored, seen_sets[key]))  # a repeat row reuses the first row's splice
         # Rows this invocation runs, in order. With --overlap-starts N every row is spliced at the start and the next N
-        # rows' engines are started while the current one scores, as a group: a new group starts only once every started engine has
-        # been timed, because decode is timed with no engine starting and a row timed behind a fresh start would wait
-        # for it.
+        # rows' engines are started while the current one scores, as a group: a new group starts only once every
+        # started engine has been timed, because decode is timed with no engine starting and a row timed behind a fresh
+        # start would wait for it.
         run_list = [(r, rs, sn) for r, rs, sn in todo if r.name not in done and r.name in selected]
         prepared: dict[str, tuple] = {}
         started_ahead: set[int] = set()
