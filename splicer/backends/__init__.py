@@ -27,6 +27,15 @@ class SequenceScores:
     full: torch.Tensor | None = None  # float32 [T-1, V]: full log-softmax, where the backend sees it
 
 
+def decode_spread(per_token_ms: list[float]) -> dict:
+    """Median, interquartile range and min-max of per-run decode ms/token, under the keys results.json uses."""
+    import statistics
+
+    q = statistics.quantiles(per_token_ms, n=4) if len(per_token_ms) > 1 else [per_token_ms[0]] * 3
+    return {"decode_ms_per_token": statistics.median(per_token_ms), "decode_iqr": [q[0], q[2]],
+            "decode_min_max": [min(per_token_ms), max(per_token_ms)]}
+
+
 class Backend(Protocol):
     name: str
     exact_gather: bool  # gathered log-probs are exact (full vocabulary visible)

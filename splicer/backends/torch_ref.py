@@ -19,7 +19,7 @@ import torch
 
 from ..checkpoint import open_checkpoint
 from ..errors import SplicerError
-from . import SequenceScores
+from . import SequenceScores, decode_spread
 
 _TEXT = re.compile(r"^(model\.language_model\.|lm_head\.)")
 
@@ -244,10 +244,8 @@ class TorchBackend:
             tn = run(new_tokens)
             ttft.append(t1 * 1000)
             per_token.append((tn - t1) * 1000 / (new_tokens - 1))
-        q = statistics.quantiles(per_token, n=4) if len(per_token) > 1 else [per_token[0]] * 3
         return {
-            "decode_ms_per_token": statistics.median(per_token), "decode_iqr": [q[0], q[2]],
-            "decode_min_max": [min(per_token), max(per_token)], "ttft_ms": statistics.median(ttft),
+            **decode_spread(per_token), "ttft_ms": statistics.median(ttft),
             "ttft_min_max": [min(ttft), max(ttft)], "runs": runs, "warmup": warmup,
             "prompt_tokens": len(prompt), "new_tokens": new_tokens,
         }

@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 
 from ..errors import SplicerError
-from . import SequenceScores
+from . import SequenceScores, decode_spread
 
 PAD_LOGPROB = -1.0e4  # for a missing top-k slot: exp() is 0, and 0 * finite stays 0 in the KL sums
 
@@ -141,11 +141,6 @@ def engine_step_s(metrics) -> float | None:
     if not first or not last or n < 2 or last < first:
         return None
     return (last - first) / (n - 1)
-
-
-def _spread(name: str, xs: list[float]) -> dict:
-    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-    return {f"{name}_ms_per_token": statistics.median(xs), f"{name}_iqr": [q[0], q[2]], f"{name}_min_max": [min(xs), max(xs)]}
 
 
 def _kernel_probe(model):
@@ -356,10 +351,10 @@ def _worker(conn, env: dict, log_path: str) -> None:
         per_token, method = ((engine, "engine: (last token time - first token time) / (n - 1), from vLLM's request "
                                       "stats (TPOT), batch 1") if len(engine) == runs else
                              (wall_diff, "wall: (t(n) - t(1)) / (n - 1), wall clock around LLM.generate, batch 1"))
-        out = {**_spread("decode", per_token), "ttft_ms": statistics.median(ttft), "ttft_min_max": [min(ttft), max(ttft)],
+        out = {**decode_spread(per_token), "ttft_ms": statistics.median(ttft), "ttft_min_max": [min(ttft), max(ttft)],
                "runs": runs, "warmup": warmup, "prompt_tokens": len(prompt), "new_tokens": n, "method": method}
         if per_token is engine:  # the old estimator beside it, from the same runs
-            out["wall_diff"] = _spread("decode", wall_diff)
+            out["wall_diff"] = decode_spread(wall_diff)
         return out
 
     def drafter_layers():
