@@ -171,14 +171,13 @@ def base_cache(backend, plan: Plan, settings: AblateSettings, out: Path, base_di
     return out / "cache" / f"base-{key}"
 
 
-def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, out: Path, base_digest: str,
-              tok, corpora: list[Corpus]) -> tuple[Path, list[Corpus]]:
-    """Generate the base's chat answers and score the base (and a noise pass) once; cached by inputs and settings."""
-    cache = base_cache(backend, plan, settings, out, base_digest, corpora)
+def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, cache: Path,
+              tok, corpora: list[Corpus]) -> list[Corpus]:
+    """Generate the base's chat answers and score the base (and a noise pass) once into cache (see base_cache);
+    returns the corpora with the chat answers in them."""
     done = cache / "done.json"
     if done.exists():
-        corpora = [Corpus.from_json(c) for c in json.loads((cache / "corpora.json").read_text())]
-        return cache, corpora
+        return [Corpus.from_json(c) for c in json.loads((cache / "corpora.json").read_text())]
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True)
     t0 = time.perf_counter()
@@ -212,7 +211,7 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ou
     backend.unload()
     (cache / "corpora.json").write_text(json.dumps([c.to_json() for c in corpora]))
     _atomic_json(done, {"timings": timings, "backend": backend.describe(), "engine": engine_info})
-    return cache, corpora
+    return corpora
 
 
 def _batch_size(settings: AblateSettings, backend) -> int:
@@ -400,35 +399,38 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                            allow_quantized_base=settings.allow_quantized_base)
             return folder, time.perf_counter() - t0
 
+        def prepare(item) -> bool:
+            """Splice a row ahead of its turn (kept in prepared); False if refused: the row records that at its turn."""
+            try:
+                prepared[item[0].name] = folder_for(*item)
+                return True
+            except SplicerError:
+                return False
+
         def start_ahead(i: int) -> None:
             """Row i is loaded and timed: start the next group of engines unless one is already waiting its turn."""
             if not ahead or any(j > i for j in started_ahead):
                 return
             for j in range(i + 1, min(i + 1 + ahead, len(run_list))):
-                nxt = run_list[j]
-                try:
-                    prepared[nxt[0].name] = folder_for(*nxt)
-                except SplicerError:
-                    continue  # the row records its own error when its turn comes
-                if not backend.prefetch(prepared[nxt[0].name][0]):
+                if not prepare(run_list[j]):
+                    continue
+                if not backend.prefetch(prepared[run_list[j][0].name][0]):
                     break
                 started_ahead.add(j)
 
+        cache = base_cache(backend, plan, settings, out, base_digest, corpora)
         if ahead:
             # The base's engine and the first group's start together. The first engine on a machine is the slowest
             # (Triton autotuning of the GDN kernels, 143 s on the H200 stand-in), and the group's engines autotune
             # in their own processes meanwhile instead of waiting for it: the cold run's largest serial cost.
-            if not (base_cache(backend, plan, settings, out, base_digest, corpora) / "done.json").exists():
+            if not (cache / "done.json").exists():
                 backend.prefetch(base_root)
             start_ahead(-1)
             # The later rows' splices too, while those engines start: done later, a group's splices would delay its starts.
-            for r in run_list:
-                if r[0].name not in prepared:
-                    try:
-                        prepared[r[0].name] = folder_for(*r)
-                    except SplicerError:
-                        pass  # the row records its own error when its turn comes
-        cache, corpora = base_pass(backend, base_root, plan, settings, out, base_digest, tok, corpora)
+            for item in run_list:
+                if item[0].name not in prepared:
+                    prepare(item)
+        corpora = base_pass(backend, base_root, plan, settings, cache, tok, corpora)
         results = {
             "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job, "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
             "backend": None, "engine_version": None, "device": None,
