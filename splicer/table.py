@@ -92,15 +92,16 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
     return headers, rows, notes
 
 
+def _timed_repeats(results: dict) -> list[tuple[dict, dict]]:
+    """(first row, its repeat) for every repeat row whose variant was timed both times."""
+    ok = {v["name"]: v for v in results.get("variants", []) if v.get("status") == "ok"}
+    pairs = [(ok.get(v.get("repeat_of") or ""), v) for v in ok.values()]
+    return [(a, b) for a, b in pairs if a and a.get("decode_ms_per_token") and b.get("decode_ms_per_token")]
+
+
 def timing_noise_band(results: dict) -> float | None:
     """Largest relative decode-time difference between a row and its repeat (e.g. the build at start and end)."""
-    ok = {v["name"]: v for v in results.get("variants", []) if v.get("status") == "ok"}
-    spreads = []
-    for v in ok.values():
-        first = ok.get(v.get("repeat_of") or "")
-        a, b = (first or {}).get("decode_ms_per_token"), v.get("decode_ms_per_token")
-        if a and b:
-            spreads.append(abs(b / a - 1))
+    spreads = [abs(b["decode_ms_per_token"] / a["decode_ms_per_token"] - 1) for a, b in _timed_repeats(results)]
     return max(spreads) if spreads else None
 
 
@@ -108,9 +109,8 @@ def _footnotes(results: dict, build_kl: float | None) -> list[str]:
     notes = []
     band = timing_noise_band(results)
     if band is not None:
-        pairs = [f"{v['repeat_of']} {next(w['decode_ms_per_token'] for w in results['variants'] if w['name'] == v['repeat_of']):.3f} → "
-                 f"{v['name']} {v['decode_ms_per_token']:.3f} ms/token" for v in results["variants"]
-                 if v.get("repeat_of") and v.get("status") == "ok" and v.get("decode_ms_per_token")]
+        pairs = [f"{a['name']} {a['decode_ms_per_token']:.3f} → {b['name']} {b['decode_ms_per_token']:.3f} ms/token"
+                 for a, b in _timed_repeats(results)]
         notes.append(f"Timing noise band ±{100 * band:.1f} % (the same variant timed twice in this run: {'; '.join(pairs)}); "
                      "Δ decode marked ≈ is inside it.")
     # Recomputed from the rows rather than read back, so results written by older versions get today's labels.
@@ -164,12 +164,12 @@ def speed_rows(results: dict) -> tuple[list[str], list[list]] | None:
                f"({t['decode_min_max'][0]:.2f}-{t['decode_min_max'][1]:.2f})") if t.get("decode_ms_per_token") else ""
         ttft = f"{t['ttft_ms']:.0f} ({t['ttft_min_max'][0]:.0f}-{t['ttft_min_max'][1]:.0f})" if t.get("ttft_ms") else ""
         secs = sum(x for k, x in elapsed.items() if k.startswith("score_") and k.endswith("_s"))
-        pps = [positions / secs] if timing is not None and secs else []  # all corpora together; the base pass adds a noise pass
+        pps = positions / secs if timing is not None and secs else None  # all corpora together; the base pass adds a noise pass
         waited, start = elapsed.get("load_s"), eng.get("startup_s")
         rows.append([name, dec, ttft, f"{sb['weight_memory_gib']:.2f}" if "weight_memory_gib" in sb else "",
                      f"{start:.0f}" if start is not None else "", f"{waited:.0f}" if waited is not None else "",
                      f"{sb['model_load_s']:.0f}" if "model_load_s" in sb else "",
-                     f"{sb['compile_s']:.0f}" if "compile_s" in sb else "", f"{max(pps):,.0f}" if pps else ""])
+                     f"{sb['compile_s']:.0f}" if "compile_s" in sb else "", f"{pps:,.0f}" if pps else ""])
     return headers, rows
 
 
