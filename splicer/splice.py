@@ -34,10 +34,10 @@ from .config_edit import (
 )
 from .errors import SplicerError
 from .modules import Module, list_modules, weight_source
+from .outputs import check_output_path
 from .rules import check
 from .safetensors_io import ByteSource, OutTensor, write_shard
 from .validate import (
-    check_output_path,
     parse_classes,
     parse_layers,
     validate_base,

@@ -5,9 +5,7 @@ Each check raises SplicerError with one line naming the problem and the fix, bef
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 from .arch import Architecture
 from .checkpoint import Checkpoint, is_packed_tensor
@@ -148,18 +146,3 @@ def parse_layers(spec: str | None) -> set[int] | None:
     except ValueError:
         raise SplicerError(f"--layers {spec!r} is not a list of layer numbers or ranges like 0,4-7") from None
     return layers
-
-
-def check_output_path(out: Path, force: bool, inputs: list[Path]) -> None:
-    out = Path(out).resolve()
-    trash = out.parent / f".{out.name}.splicer-old"
-    if trash.exists() and not out.exists():
-        os.rename(trash, out)  # a --force run was killed between its two renames: put the old OUT back
-    for p in inputs:
-        p = Path(p).resolve()
-        if out == p or p in out.parents:
-            raise SplicerError(f"-o {out} is inside an input folder ({p}); inputs are never modified, choose another -o")
-    if out.exists() and not force:
-        raise SplicerError(f"{out} exists; pass --force to replace it or choose another -o")
-    if not out.parent.exists():
-        raise SplicerError(f"the parent folder of -o ({out.parent}) does not exist; create it first")
