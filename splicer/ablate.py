@@ -13,7 +13,6 @@ A rerun skips rows whose results match the current inputs and settings.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -34,7 +33,9 @@ from .checkpoint import open_checkpoint
 from .corpora import Corpus, build_corpus
 from .errors import SplicerError
 from .metrics import fill_missing, kl_full, kl_top_lumped, summarize
+from .outputs import ABLATE, check_output, exclusive
 from .plan import Plan, load_plan
+from .progress import SILENT, Stages
 
 RESULTS = "results.json"
 FULL_VOCAB_CACHE_LIMIT = 1 << 30  # keep the base's full log-softmax only while it fits in 1 GiB
@@ -55,6 +56,8 @@ class AblateSettings:
     overlap_starts: int = 0  # vllm: engines started ahead (in spare workers) while the current one scores
     allow_quantized_base: bool = False  # a stand-in reference that keeps some classes quantized (see validate_base)
     engine_cache_dir: Path | None = None  # vllm: compile/Triton/Inductor caches; None: their per-user defaults
+    own_inputs: tuple = ()  # input folders this run wrote inside DIR itself (the demo's pair), which DIR may hold
+    stages: Stages = field(default=SILENT, repr=False)  # stage lines (stderr off a terminal, and DIR/ablate.log)
 
 
 def _atomic_json(path: Path, data) -> None:
@@ -78,22 +81,6 @@ def _closing(backend):
         yield backend
     finally:
         getattr(backend, "close", lambda: None)()
-
-
-@contextmanager
-def _lock(out: Path):
-    out.mkdir(parents=True, exist_ok=True)
-    f = open(out / ".lock", "w")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise SplicerError(f"another splicer ablate is writing to {out}; wait for it to finish or use another -o") from None
-    try:
-        yield
-    finally:
-        fcntl.flock(f, fcntl.LOCK_UN)
-        f.close()
 
 
 def _pbar(iterable=None, **kw):
@@ -176,18 +163,22 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
     """Generate the base's chat answers and score the base (and a noise pass) once into cache (see base_cache);
     returns the corpora with the chat answers in them."""
     done = cache / "done.json"
+    stages = settings.stages
     if done.exists():
+        stages.line("base pass: cached")
         return [Corpus.from_json(c) for c in json.loads((cache / "corpora.json").read_text())]
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True)
     t0 = time.perf_counter()
-    backend.load(base_root)
+    with stages.stage("base: engine start"):
+        backend.load(base_root)
     load_s = time.perf_counter() - t0
     engine_info = backend.load_info() if hasattr(backend, "load_info") else None
     stop = [t for t in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int) and t >= 0]
     for c in corpora:
         if c.kind == "chat":
-            answers = backend.generate(c.sequences, int(c.spec.get("answer_tokens", 32)), stop)
+            with stages.stage(f"base: chat answers {c.name} ({len(c.sequences)} conversations)"):
+                answers = backend.generate(c.sequences, int(c.spec.get("answer_tokens", 32)), stop)
             c.sequences = [p + a for p, a in zip(c.sequences, answers)]
     vocab = None
     timings = {"load_s": load_s}
@@ -198,15 +189,16 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
             vocab = vocab or _vocab_size(base_root)
             want_full = c.positions() * vocab * 4 <= FULL_VOCAB_CACHE_LIMIT
         batch = _batch_size(settings, backend)
-        scores = list(_pbar(backend.score(c.sequences, plan.top_k, want_full=want_full, batch_size=batch),
-                            total=len(c.sequences), desc=f"base {c.name}", disable=not settings.progress or None, leave=False))
-        _save_scores(cache / f"{c.name}.safetensors", scores)
-        # Noise floor: the same model on the same tokens, in reverse order and another batch size.
-        noise = list(backend.score(c.sequences[::-1], plan.top_k, batch_size=1 if batch > 1 else 2,
-                                   gather_ids=[s.topk_ids for s in scores[::-1]] if backend.exact_gather else None,
-                                   want_full=want_full))[::-1]
-        _save_scores(cache / f"noise-{c.name}.safetensors", noise,
-                     {"gathered": torch.cat([n.gathered for n in noise])} if backend.exact_gather else None)
+        with stages.stage(f"base: scoring {c.name} ({c.positions()} positions, then the noise pass)"):
+            scores = list(_pbar(backend.score(c.sequences, plan.top_k, want_full=want_full, batch_size=batch),
+                                total=len(c.sequences), desc=f"base {c.name}", disable=not settings.progress or None, leave=False))
+            _save_scores(cache / f"{c.name}.safetensors", scores)
+            # Noise floor: the same model on the same tokens, in reverse order and another batch size.
+            noise = list(backend.score(c.sequences[::-1], plan.top_k, batch_size=1 if batch > 1 else 2,
+                                       gather_ids=[s.topk_ids for s in scores[::-1]] if backend.exact_gather else None,
+                                       want_full=want_full))[::-1]
+            _save_scores(cache / f"noise-{c.name}.safetensors", noise,
+                         {"gathered": torch.cat([n.gathered for n in noise])} if backend.exact_gather else None)
         timings[f"score_{c.name}_s"] = time.perf_counter() - t0
     backend.unload()
     (cache / "corpora.json").write_text(json.dumps([c.to_json() for c in corpora]))
@@ -257,8 +249,10 @@ def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], pla
     from safetensors.torch import save_file
 
     metrics, timings = {}, {}
+    stages = settings.stages
     t0 = time.perf_counter()
-    backend.load(folder)
+    with stages.stage(f"{score_dir.name}: engine start"):
+        backend.load(folder)
     timings["load_s"] = time.perf_counter() - t0
     if hasattr(backend, "load_info"):
         timings["engine"] = backend.load_info()
@@ -270,9 +264,11 @@ def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], pla
         base = _load_tensors(cache / f"{c.name}.safetensors")
         offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), base["lengths"]]), 0)
         gather = [base["topk_ids"][offsets[i]:offsets[i + 1]] for i in range(len(c.sequences))] if backend.exact_gather else None
-        scores = list(_pbar(backend.score(c.sequences, plan.top_k, gather_ids=gather, want_full="full" in base,
-                                          batch_size=_batch_size(settings, backend)),
-                            total=len(c.sequences), desc=f"  {folder.name} {c.name}", disable=not settings.progress or None, leave=False))
+        with stages.stage(f"{score_dir.name}: scoring {c.name} ({c.positions()} positions)"):
+            scores = list(_pbar(backend.score(c.sequences, plan.top_k, gather_ids=gather, want_full="full" in base,
+                                              batch_size=_batch_size(settings, backend)),
+                                total=len(c.sequences), desc=f"  {folder.name} {c.name}", disable=not settings.progress or None,
+                                leave=False))
         var = {
             "topk_ids": torch.cat([s.topk_ids for s in scores]), "topk_logprobs": torch.cat([s.topk_logprobs for s in scores]),
             "target_logprobs": torch.cat([s.target_logprobs for s in scores]),
@@ -311,12 +307,12 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     from .backends import make_backend
     from .splice import splice
 
-    out = Path(out)
     build = open_checkpoint(build_src, "build")
     from .modules import list_modules
     from .validate import validate_build
 
     validate_build(build)
+    out = check_output(out, [build.root], ABLATE, own=settings.own_inputs)  # before the base is read (or downloaded)
     modules = list_modules(build)
     quantized = [c for c in build.arch.classes if any(m.quantized and m.cls == c for m in modules.values())]
     plan = load_plan(plan_name, build.arch.classes)
@@ -336,10 +332,18 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     from .validate import validate_base
 
     frozen = validate_base(base, build, settings.allow_quantized_base)
+    inputs = [build.root, base.root]
+    check_output(out, inputs, ABLATE, own=settings.own_inputs)
     base_digest = base.header_digest()
     base_root = base.root
     tok, corpora = prepare_corpora(base_root, plan, settings)
-    with _lock(out), _closing(backend):
+    out.mkdir(parents=True, exist_ok=True)
+    busy = f"another splicer ablate is writing to {out}; wait for it to finish or use another -o"
+    with exclusive(out / ".lock", busy), _closing(backend):
+        check_output(out, inputs, ABLATE, own=settings.own_inputs)  # again under the lock: DIR may have changed
+        if settings.stages is SILENT or settings.stages.log_path is None:
+            settings.stages = Stages(quiet=not settings.progress, log_path=out / "ablate.log")
+        settings.stages.line(f"ablate {rows_spec} of plan {plan.name}: {build_src} against {base_src} into {out}")
         job = {"tool": f"splicer {__version__}", "plan": plan.name, "plan_digest": plan.digest,
                "build": {"source": str(build_src), "header_digest": build.header_digest()},
                "base": {"source": str(base_src), "digest": base_digest},
@@ -395,8 +399,9 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 folder = out / "variants" / splice_name
                 folder.parent.mkdir(parents=True, exist_ok=True)
                 if not _splice_is_current(folder, build, restored):
-                    splice(str(build_src), str(base_src), folder, ",".join(restored), force=True, progress=False,
-                           allow_quantized_base=settings.allow_quantized_base)
+                    with settings.stages.stage(f"{row.name}: splice {','.join(restored)}"):
+                        splice(str(build_src), str(base_src), folder, ",".join(restored), force=True, progress=False,
+                               allow_quantized_base=settings.allow_quantized_base)
             return folder, time.perf_counter() - t0
 
         def prepare(item) -> bool:
@@ -430,7 +435,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             for item in run_list:
                 if item[0].name not in prepared:
                     prepare(item)
-        corpora = base_pass(backend, base_root, plan, settings, cache, tok, corpora)
+        with settings.stages.stage("base pass"):
+            corpora = base_pass(backend, base_root, plan, settings, cache, tok, corpora)
         results = {
             "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job, "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
             "backend": None, "engine_version": None, "device": None,
@@ -469,9 +475,10 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                     # while it scores; without, after scoring, as in the serial H200 run whose noise band was ±1 %.
                     if settings.time_decode and plan.timing:
                         t0 = time.perf_counter()
-                        entry["timing"] = backend.time_decode(_timing_prompt(corpora, int(plan.timing["prompt_tokens"])),
-                                                              int(plan.timing["new_tokens"]), int(plan.timing["warmup"]),
-                                                              int(plan.timing["runs"]))
+                        with settings.stages.stage(f"{row.name}: timing"):
+                            entry["timing"] = backend.time_decode(_timing_prompt(corpora, int(plan.timing["prompt_tokens"])),
+                                                                  int(plan.timing["new_tokens"]), int(plan.timing["warmup"]),
+                                                                  int(plan.timing["runs"]))
                         entry["elapsed"]["time_s"] = time.perf_counter() - t0
                     start_ahead(index)
 
@@ -491,6 +498,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             finally:
                 backend.unload()
             results["variants"].append(entry)
+            settings.stages.line(f"{row.name}: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "")
+                                 + f", {len(results['runs'][-1]['rows_run']) + 1} of {len(run_list)} rows of this run")
             results["runs"][-1]["rows_run"].append(row.name)
             results["runs"][-1]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
             _finish(results, out, backend)

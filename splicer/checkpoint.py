@@ -50,15 +50,14 @@ class Checkpoint:
         return headers_digest(self.headers.values())
 
     def other_files(self) -> list[Path]:
-        """Every file that is not a weight shard or the index: tokenizer, templates, configs."""
+        """Every top-level file that is not a weight shard or the index: tokenizer, templates, configs.
+
+        Top level only: that is all vLLM and transformers read, and whatever else sits in subfolders (someone's
+        results, caches) must not travel into every output. Hidden files are skipped for the same reason.
+        """
         shard_names = set(self.weight_map.values())
-        out = []
-        for p in sorted(self.root.rglob("*")):
-            rel = p.relative_to(self.root)
-            if p.is_dir() or rel.parts[0].startswith(".") or str(rel) in shard_names or rel.name == INDEX_NAME:
-                continue
-            out.append(p)
-        return out
+        return [p for p in sorted(self.root.iterdir())
+                if p.is_file() and not p.name.startswith(".") and p.name not in shard_names and p.name != INDEX_NAME]
 
 
 def _load_json(path: Path, what: str) -> dict:
@@ -134,7 +133,12 @@ def open_checkpoint(source: str | Path, role: str, wanted_files=None, shards: se
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise SplicerError(f"{root / INDEX_NAME} has no weight_map; restore it from the original checkpoint")
+        for tensor, shard in weight_map.items():
+            check_shard_name(shard, root / INDEX_NAME, tensor)
         metadata = index.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise SplicerError(f"{root / INDEX_NAME}: metadata is a {type(metadata).__name__}, not an object; "
+                               "restore the index from the original checkpoint")
     elif (root / SINGLE_NAME).exists():
         header = read_header(root / SINGLE_NAME)
         weight_map = {name: SINGLE_NAME for name in header.tensors}
@@ -146,6 +150,17 @@ def open_checkpoint(source: str | Path, role: str, wanted_files=None, shards: se
     for shard in sorted(set(weight_map.values()) if shards is None else shards):
         load_shard_header(ckpt, shard)
     return ckpt
+
+
+def check_shard_name(shard, index_path: Path, tensor: str) -> None:
+    """A shard named by the index must be a plain file name in the checkpoint folder: never a path that leads out of
+    it (`../`, absolute), into a subfolder, or to something that is not safetensors; the name is later used to write
+    the output's shard of the same name."""
+    ok = (isinstance(shard, str) and shard.endswith(".safetensors") and shard == os.path.basename(shard)
+          and "\\" not in shard and not shard.startswith(".") and shard.isprintable())
+    if not ok:
+        raise SplicerError(f"{index_path} puts {tensor} in {shard!r}, which is not a .safetensors file name inside the "
+                           "checkpoint folder; restore the index from the original checkpoint")
 
 
 def load_shard_header(ckpt: Checkpoint, shard: str) -> ShardHeader:
@@ -162,6 +177,14 @@ def load_shard_header(ckpt: Checkpoint, shard: str) -> ShardHeader:
             f"{ckpt.label}: the index puts {missing[0]} in {shard} but the shard does not hold it; "
             "the index and shards disagree, re-download the checkpoint"
         )
+    # vLLM loads every tensor of every shard, whatever the index says: a tensor stored twice, or one the index does
+    # not list, would be loaded (the last copy winning) while splice follows the index.
+    extra = sorted(set(hdr.tensors) - listed)
+    if extra:
+        other = ckpt.weight_map.get(extra[0])
+        where = f"the index puts it in {other}" if other else "the index does not list it"
+        raise SplicerError(f"{ckpt.label}: shard {shard} holds {extra[0]} but {where}; the index and shards disagree, "
+                           "re-download the checkpoint")
     ckpt.headers[shard] = hdr
     return hdr
 

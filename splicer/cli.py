@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import os
 import sys
 from pathlib import Path
 
+from . import __version__
 from .errors import SplicerError
 
 
@@ -38,24 +39,32 @@ def _cmd_splice(args) -> int:
 
 
 def _cmd_fixture(args) -> int:
-    from .fixtures import FixtureSpec, write_pair
+    from .fixtures import FixtureSpec, write_fixture_folder, write_pair
 
     if args.full_dims:
-        from .standin import write_standin
+        from .standin import RESIDUAL_SCALE, write_standin
 
         device = "cuda" if args.device == "auto" else args.device
         if device.startswith("cuda") and not __import__("torch").cuda.is_available():
             raise SplicerError("--full-dims draws ~35B parameters and wants a GPU (--device cuda); torch sees none. "
                                "Use --device cpu only if you can wait (tens of minutes) and have ~30 GB of disk")
-        from .standin import RESIDUAL_SCALE
-
-        r = write_standin(args.out, FixtureSpec(preset="full", seed=args.seed, residual_scale=RESIDUAL_SCALE), device=device)
+        spec = FixtureSpec(preset="full", seed=args.seed, residual_scale=RESIDUAL_SCALE)
+        r = write_fixture_folder(args.out, lambda d: write_standin(d, spec, device=device), args.force,
+                                 {"full_dims": True, "seed": args.seed})
         print(f"build: {r['build']}\nreference: {r['reference']}\ngenerated in {r['generate_s']:.1f} s, "
               f"reference spliced in {r['splice_reference_s']:.1f} s")
         return 0
 
-    kinds = [k for k in args.builds.split(",") if k]
-    paths = write_pair(args.out, FixtureSpec(preset=args.preset, experts_layout=args.experts_layout, seed=args.seed), kinds)
+    kinds = [k for k in args.builds.split(",") if k.strip()]
+    from .fixtures import BUILD_KINDS
+
+    bad = [k for k in kinds if k not in BUILD_KINDS]
+    if bad or not kinds:
+        raise SplicerError(f"--builds {args.builds!r}: unknown build kind {bad[0] if bad else '(none)'!r}; "
+                           f"choose from {', '.join(BUILD_KINDS)}")
+    spec = FixtureSpec(preset=args.preset, experts_layout=args.experts_layout, seed=args.seed)
+    paths = write_fixture_folder(args.out, lambda d: write_pair(d, spec, kinds), args.force,
+                                 {"preset": args.preset, "builds": kinds, "seed": args.seed})
     for k, p in paths.items():
         print(f"{k}: {p}")
     return 0
@@ -78,8 +87,6 @@ def _cmd_ablate(args) -> int:
             engine_args[flag] = getattr(args, flag)
     if args.language_model_only:
         engine_args["language_model_only"] = True
-    if args.overlap_starts < 0:
-        raise SplicerError(f"--overlap-starts {args.overlap_starts}: give how many engines to start ahead (1 or more), or leave it out")
     if (args.overlap_starts or args.process_per_variant or args.engine_cache_dir) and args.backend != "vllm":
         raise SplicerError("--overlap-starts, --process-per-variant and --engine-cache-dir apply to --backend vllm only")
     if engine_args and args.backend != "vllm":
@@ -89,23 +96,36 @@ def _cmd_ablate(args) -> int:
                               allow_quantized_base=args.allow_quantized_base, process_per_variant=args.process_per_variant,
                               overlap_starts=args.overlap_starts, engine_cache_dir=args.engine_cache_dir,
                               engine_args=engine_args, bandwidth_gbs=args.bandwidth_gbs)
+    from .outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
+
     if args.demo:
         if args.build or args.base:
             raise SplicerError("--demo builds its own tiny pair; drop BUILD and BASE, or drop --demo")
-        from .fixtures import FixtureSpec, write_pair
+        from .arch.qwen3_5_moe import QWEN3_5_MOE
+        from .fixtures import FixtureSpec, write_fixture_folder, write_pair
+        from .plan import load_plan
 
-        pair_dir = args.out / "demo-pair"
-        if not (pair_dir / "lowlatency" / "config.json").exists():
-            shutil.rmtree(pair_dir, ignore_errors=True)
-            write_pair(pair_dir, FixtureSpec(), kinds=("lowlatency",))
-        build, base, plan = pair_dir / "lowlatency", pair_dir / "base", args.plan or "demo"
+        plan = args.plan or "demo"
+        load_plan(plan, QWEN3_5_MOE.classes)  # a bad --plan is refused before the pair is written
+        pair_dir = Path(args.out).absolute() / "demo-pair"
+        settings.own_inputs = (pair_dir,)
+        out = check_output(args.out, [], ABLATE, own=settings.own_inputs)
         if args.device == "auto":
             settings.device = "cpu"
     else:
         if not (args.build and args.base):
             raise SplicerError("ablate needs BUILD and BASE (or --demo)")
-        build, base, plan = args.build, args.base, args.plan or "where-error-comes-from"
-    results = run_ablate(args.rows, str(build), str(base), args.out, plan, settings)
+        out, plan = args.out, args.plan or "where-error-comes-from"
+    with removed_on_refusal(Path(out).absolute()):
+        if args.demo:
+            if not (pair_dir / FIXTURE.record).exists():
+                pair_dir.parent.mkdir(parents=True, exist_ok=True)
+                write_fixture_folder(pair_dir, lambda d: write_pair(d, FixtureSpec(), kinds=("lowlatency",)), force=True,
+                                     what={"demo": True})
+            build, base = pair_dir / "lowlatency", pair_dir / "base"
+        else:
+            build, base = args.build, args.base
+        results = run_ablate(args.rows, str(build), str(base), args.out, plan, settings)
     from .table import render_markdown
 
     print(render_markdown(results))
@@ -129,8 +149,45 @@ def _cmd_compare(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's one-line errors (argparse prints its usage block first and exits with 2)."""
+
+    def error(self, message):
+        raise SplicerError(f"{self.prog}: {message}; see {self.prog} --help")
+
+
+def _count(minimum: int, maximum: int = 2**31 - 1):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{value} is outside {minimum}..{maximum}")
+        return value
+    return parse
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def _share(text: str) -> float:
+    value = _positive(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a share of the GPU's memory between 0 and 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splicer", description="Where does the error of an INT4 checkpoint come from, and what would it cost to restore each part?")
+    p = _Parser(prog="splicer", description="Where does the error of an INT4 checkpoint come from, and what would it cost to restore each part?")
+    p.add_argument("--version", action="version", version=f"splicer {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("inspect", help="classes, bits, bytes and config lint of a checkpoint")
@@ -148,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--modules", metavar="REGEX", help="only modules whose HF name matches REGEX (fused groups must stay whole)")
     s.add_argument("--tokenizer-from-base", action="store_true", help="copy the base's tokenizer, chat template and generation config verbatim")
     s.add_argument("--drop-dead-ignore", action="store_true", help="remove ignore entries that match no module under either naming")
-    s.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    s.add_argument("--force", action="store_true", help="replace OUT if it exists and an earlier splice wrote it")
     s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=_cmd_splice)
@@ -163,15 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", default="torch", choices=["torch", "vllm"])
     s.add_argument("--device", default="auto", help="torch backend: cpu, cuda, cuda:N or auto")
     s.add_argument("--corpus", action="append", metavar="NAME=FILE", help="replace a plan corpus with a local .txt/.jsonl file")
-    s.add_argument("--batch-size", type=int, default=None, help="sequences per forward/engine call (torch 4, vllm 256)")
-    s.add_argument("--tensor-parallel-size", type=int, help="vllm: GPUs per engine")
-    s.add_argument("--max-model-len", type=int, help="vllm: context length")
-    s.add_argument("--gpu-memory-utilization", type=float, help="vllm: share of GPU memory the engine may take")
+    s.add_argument("--batch-size", type=_count(1), default=None, help="sequences per forward/engine call (torch 4, vllm 256)")
+    s.add_argument("--tensor-parallel-size", type=_count(1), help="vllm: GPUs per engine")
+    s.add_argument("--max-model-len", type=_count(2), help="vllm: context length")
+    s.add_argument("--gpu-memory-utilization", type=_share, help="vllm: share of GPU memory the engine may take")
     s.add_argument("--moe-backend", help="vllm: MoE kernel backend, e.g. marlin")
     s.add_argument("--language-model-only", action="store_true", help="vllm: skip the vision tower")
     s.add_argument("--process-per-variant", action="store_true",
                    help="vllm: a fresh process (and engine-core process) per variant instead of one worker for the run")
-    s.add_argument("--overlap-starts", type=int, nargs="?", const=1, default=0, metavar="N",
+    s.add_argument("--overlap-starts", type=_count(0), nargs="?", const=1, default=0, metavar="N",
                    help="vllm: start the next N variants' engines (default 1) in spare workers while the current one "
                         "scores; decode is still timed with no engine starting; each engine then gets a fixed 12 GiB KV "
                         "cache unless --engine-arg kv_cache_memory_bytes=...")
@@ -181,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="vllm: any vllm.LLM keyword (VALUE as JSON), repeatable")
     s.add_argument("--no-time", action="store_true", help="skip decode timing")
     s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP + "; rows that restore them are skipped")
-    s.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth in GB/s: adds the decode floor (bytes read per step / bandwidth) to the table")
+    s.add_argument("--bandwidth-gbs", type=_positive, help="memory bandwidth in GB/s: adds the decode floor (bytes read per step / bandwidth) to the table")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=_cmd_ablate)
 
@@ -201,19 +258,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--preset", default="tiny", choices=["tiny", "gpu", "bench"])
     s.add_argument("--experts-layout", default="fused", choices=["fused", "per_expert"])
     s.add_argument("--builds", default="lowlatency,experts-g32", help="comma list of lowlatency, lowlatency-nomtp, experts-g32, gptq-experts-g32")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_count(0), default=0)
     s.add_argument("--full-dims", action="store_true",
                    help="Qwen3.6-35B-A3B's real text dims with random weights: DIR/build (seed-000-like INT4) and DIR/reference "
                         "(BF16 except the INT4 routed experts; ablate it with --allow-quantized-base)")
     s.add_argument("--device", default="auto", help="--full-dims: where to draw and quantize (default cuda)")
+    s.add_argument("--force", action="store_true", help="replace DIR if it exists and an earlier splicer fixture wrote it")
     s.set_defaults(func=_cmd_fixture)
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
+    except BrokenPipeError:
+        # Output piped into a reader that stopped (`splicer table DIR | head -3`): nothing left to say, and Python
+        # would otherwise report the broken pipe again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except SplicerError as e:
         print(f"splicer: error: {e}", file=sys.stderr)
         return 2

@@ -357,4 +357,35 @@ def write_pair(root: Path, spec: FixtureSpec | None = None, kinds=("lowlatency",
     return paths
 
 
-__all__ = ["FixtureSpec", "write_base", "write_build", "write_pair", "BUILD_KINDS"]
+def write_fixture_folder(out: Path, writer, force: bool = False, what: dict | None = None):
+    """Run writer(folder) into OUT's partial sibling and rename the result into place, under OUT's lock.
+
+    So a fixture is either whole or absent (a killed or failed run leaves only the hidden partial folder, dropped by
+    the next run), an existing folder is replaced only with --force and only when a fixture command wrote it, and
+    the record it leaves (`splicer-fixture.json`) is what lets `--force` and `ablate --demo` recognise it.
+    Returns writer's result with its paths moved from the partial folder to OUT.
+    """
+    from . import __version__
+    from .outputs import FIXTURE, PARTIAL_SUFFIX, check_output, lock_output, replace_dir, sibling
+
+    out = check_output(out, [], FIXTURE, force)
+    with lock_output(out, FIXTURE):
+        out = check_output(out, [], FIXTURE, force, recover=True)
+        tmp = sibling(out, PARTIAL_SUFFIX)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            result = writer(tmp)
+            (tmp / FIXTURE.record).write_text(json.dumps({"tool": f"splicer {__version__}", **(what or {})}, indent=2) + "\n")
+            replace_dir(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def moved(v):
+        return out / Path(v).relative_to(tmp) if isinstance(v, Path) and Path(v).is_relative_to(tmp) else v
+
+    return {k: moved(v) for k, v in result.items()}
+
+
+__all__ = ["FixtureSpec", "write_base", "write_build", "write_pair", "write_fixture_folder", "BUILD_KINDS"]

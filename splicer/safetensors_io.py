@@ -84,15 +84,15 @@ def read_header(path: Path) -> ShardHeader:
         raise SplicerError(f"{path} has a header that is not a JSON object; re-download the shard")
     data_start = 8 + hlen
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SplicerError(f"{path}: __metadata__ is not an object of strings; the header is corrupt, re-download the shard")
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for name, spec in header.items():
-        try:
-            dtype = spec["dtype"]
-            shape = tuple(int(d) for d in spec["shape"])
-            begin, end = (int(x) for x in spec["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise SplicerError(f"{path}: tensor {name!r} has a malformed header entry; re-download the shard") from None
+        if not _valid_entry(spec):
+            raise SplicerError(f"{path}: tensor {name!r} has a malformed header entry; re-download the shard")
+        dtype, shape = spec["dtype"], tuple(spec["shape"])
+        begin, end = spec["data_offsets"]
         if dtype not in DTYPE_SIZES or any(d < 0 for d in shape) or begin < 0 or end < begin:
             raise SplicerError(f"{path}: tensor {name!r} has an invalid dtype, shape or offsets; re-download the shard")
         if (end - begin) != math.prod(shape) * DTYPE_SIZES[dtype]:
@@ -111,7 +111,29 @@ def read_header(path: Path) -> ShardHeader:
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise SplicerError(f"{path}: tensors {n0!r} and {n1!r} overlap; the shard is corrupt, re-download it")
+    # The header must cover the data block exactly, as the safetensors library itself demands: bytes it does not
+    # cover (a gap, or anything appended) are data no reader will load and no splice would carry over.
+    covered, pos = 0, 0
+    for b, e, _ in spans:
+        if b != pos:
+            break
+        covered, pos = e, e
+    if covered != size - data_start:
+        raise SplicerError(f"{path}: its header covers {covered} of the {size - data_start} data bytes (a gap or bytes "
+                           "appended after the tensors); the shard is corrupt, re-download it")
     return ShardHeader(path, raw, tensors, {str(k): str(v) for k, v in metadata.items()})
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _valid_entry(spec) -> bool:
+    """A tensor entry as safetensors writes it: a dtype string, a shape of ints, two int offsets (never floats,
+    which int() would silently truncate)."""
+    return (isinstance(spec, dict) and isinstance(spec.get("dtype"), str) and isinstance(spec.get("shape"), list)
+            and all(_is_int(d) for d in spec["shape"]) and isinstance(spec.get("data_offsets"), list)
+            and len(spec["data_offsets"]) == 2 and all(_is_int(x) for x in spec["data_offsets"]))
 
 
 def headers_digest(headers: Iterable[ShardHeader]) -> str:

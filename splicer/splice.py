@@ -34,7 +34,7 @@ from .config_edit import (
 )
 from .errors import SplicerError
 from .modules import Module, list_modules, weight_source
-from .outputs import check_output_path
+from .outputs import PARTIAL_SUFFIX, SPLICE, check_output, lock_output, replace_dir, sibling, write_error
 from .rules import check
 from .safetensors_io import ByteSource, OutTensor, write_shard
 from .validate import (
@@ -46,7 +46,6 @@ from .validate import (
 )
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
-PARTIAL_MARKER = ".splicer-partial"
 
 
 @dataclass
@@ -244,6 +243,9 @@ def verify_plan(plan: SplicePlan, modules: dict[str, Module]) -> list[str]:
 
 
 def _link_or_copy(src: Path, dst: Path) -> str:
+    # The real file, never the link: a Hub-cache snapshot holds relative symlinks into blobs/, and Linux's link(2)
+    # would hard-link the symlink itself, leaving OUT with dangling links (or, for absolute links, tied to the cache).
+    src = Path(os.path.realpath(src))
     try:
         os.link(src, dst)
         return "linked"
@@ -255,10 +257,11 @@ def _link_or_copy(src: Path, dst: Path) -> str:
 
 
 def partial_dir(out: Path) -> Path:
-    return out.parent / f".{out.name}{PARTIAL_MARKER}"
+    return sibling(out, PARTIAL_SUFFIX)
 
 
-def write_plan(plan: SplicePlan, out: Path, force: bool = False, progress: bool = True) -> dict:
+def write_plan(plan: SplicePlan, out: Path, progress: bool = True) -> dict:
+    """Write the plan into OUT's partial sibling and rename it into place (OUT checked and locked by the caller)."""
     from tqdm.auto import tqdm
 
     out = Path(out)
@@ -302,14 +305,11 @@ def write_plan(plan: SplicePlan, out: Path, force: bool = False, progress: bool 
         record = splice_record(plan, stats)
         (tmp / "splice.json").write_text(json.dumps(record, indent=2) + "\n")
         faults.point("splice:before-rename")
-        _replace_dir(tmp, out, force)
+        # OUT is gone, the new one not yet in place between the renames: the next run must recover (check_output)
+        replace_dir(tmp, out, before_swap=lambda: faults.point("splice:between-renames"))
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno == errno.ENOSPC:
-            raise SplicerError(f"no space left on the device holding {out.parent}; free space or choose another -o") from None
-        if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
-            raise SplicerError(f"cannot write under {out.parent} ({e.strerror}); choose a writable -o") from None
-        raise
+        raise (write_error(e, out.parent) or e) from None
     except KeyboardInterrupt:
         raise  # keep the partial folder: the next run of the same splice resumes from its finished shards
     except BaseException:
@@ -355,20 +355,6 @@ def _size(path: Path) -> int | None:
         return None
 
 
-def _replace_dir(tmp: Path, out: Path, force: bool) -> None:
-    if out.exists():
-        if not force:
-            raise SplicerError(f"{out} exists; pass --force to replace it or choose another -o")
-        trash = out.parent / f".{out.name}.splicer-old"
-        shutil.rmtree(trash, ignore_errors=True)
-        os.rename(out, trash)
-        faults.point("splice:between-renames")  # OUT is gone, the new one not yet in place: the next run must recover
-        os.rename(tmp, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-
-
 def _config_digest(ckpt: Checkpoint) -> str:
     return hashlib.sha256(json.dumps(ckpt.config, sort_keys=True).encode()).hexdigest()
 
@@ -399,7 +385,7 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
            tokenizer_from_base: bool = False, drop_dead_ignore: bool = False, allow_quantized_base: bool = False) -> dict:
     build = open_checkpoint(build_src, "build")
     validate_build(build)
-    check_output_path(Path(out), force, [build.root])
+    check_output(out, [build.root], SPLICE, force)  # refuse a bad -o before the base is read (or downloaded)
     modules = list_modules(build)
     validate_schemes(build, modules)
     has_mtp = any(t.startswith("mtp.") for t in build.weight_map)
@@ -407,10 +393,14 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
     add_mtp = "mtp" in classes and not has_mtp  # seed 000's exporter dropped the MTP head: put the base's back
     picked = select_modules(modules, classes, build.arch, parse_layers(layers), modules_regex, allow_empty=add_mtp)
     base = open_base_for(build, base_src, picked, add_mtp, allow_quantized_base)
-    check_output_path(Path(out), force, [build.root, base.root])
+    inputs = [build.root, base.root]
+    out = check_output(out, inputs, SPLICE, force)
     plan = plan_splice(build, base, modules, picked, classes, add_mtp, tokenizer_from_base, drop_dead_ignore)
     plan.inherited_lint = verify_plan(plan, modules)
-    return write_plan(plan, Path(out), force=force, progress=progress)
+    with lock_output(out, SPLICE):
+        # Again under the lock: another run may have finished OUT meanwhile, or a killed --force run parked it aside.
+        out = check_output(out, inputs, SPLICE, force, recover=True)
+        return write_plan(plan, out, progress=progress)
 
 
 __all__ = ["splice", "plan_splice", "select_modules", "verify_plan", "write_plan"]

@@ -119,7 +119,7 @@ CASES = [
     ("plan-not-toml", lambda p, t: _ablate(p, t, plan=_plan(t, "[[row]\nname = 1")), "not valid TOML"),
     ("plan-unknown-name", lambda p, t: _ablate(p, t, plan="no-such-plan"), "no plan named 'no-such-plan'"),
     ("engine-cache-for-torch", lambda p, t: _ablate(p, t, "--engine-cache-dir", str(t / "c")), "apply to --backend vllm only"),
-    ("overlap-negative", lambda p, t: _ablate(p, t, "--backend", "vllm", "--overlap-starts", "-1"), "--overlap-starts -1"),
+    ("overlap-negative", lambda p, t: _ablate(p, t, "--backend", "vllm", "--overlap-starts", "-1"), "--overlap-starts: -1 is outside"),
     ("ablate-unknown-row", lambda p, t: ["ablate", "rotary", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out"), "--plan", str(_plan(t, PLAN))], "'rotary' is not in plan tiny"),
     ("corpus-empty-file", lambda p, t: _ablate(p, t, "--corpus", f"wiki-en={_file(t, 'empty.txt', b'  ')}"), "hold no text"),
     ("corpus-not-utf8", lambda p, t: _ablate(p, t, "--corpus", f"wiki-en={_file(t, 'latin1.txt', 'Größe'.encode('latin-1'))}"), "not UTF-8"),
