@@ -33,7 +33,7 @@ from .checkpoint import open_checkpoint
 from .corpora import Corpus, build_corpus
 from .errors import SplicerError
 from .metrics import fill_missing, kl_full, kl_top_lumped, summarize
-from .outputs import ABLATE, check_output, exclusive
+from .outputs import ABLATE, check_output, exclusive, local_folder
 from .plan import Plan, load_plan
 from .progress import SILENT, Stages
 
@@ -312,7 +312,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     from .validate import validate_build
 
     validate_build(build)
-    out = check_output(out, [build.root], ABLATE, own=settings.own_inputs)  # before the base is read (or downloaded)
+    # Before the base is read (or downloaded).
+    out = check_output(out, [build.root, *local_folder(base_src)], ABLATE, own=settings.own_inputs)
     modules = list_modules(build)
     quantized = [c for c in build.arch.classes if any(m.quantized and m.cls == c for m in modules.values())]
     plan = load_plan(plan_name, build.arch.classes)

@@ -66,6 +66,12 @@ def protected_paths(roots: list[Path]) -> list[Path]:
     return sorted(out)
 
 
+def local_folder(source) -> list[Path]:
+    """[the folder] when an input given as text is a local folder, else [] (a Hub id, checked once resolved)."""
+    p = Path(str(source)).expanduser()
+    return [p] if p.is_dir() else []
+
+
 def _written_by_splicer(folder: Path, kind: OutputKind) -> bool:
     try:
         record = json.loads((folder / kind.record).read_text())

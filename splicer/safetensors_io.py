@@ -158,15 +158,37 @@ class ByteSource:
 
 
 @dataclass(frozen=True)
+class CastSource:
+    """A float tensor stored as `from_dtype` at `raw`, written cast to `to_dtype` (round to nearest even, as torch
+    and vLLM cast), a chunk at a time."""
+
+    raw: ByteSource
+    from_dtype: str
+    to_dtype: str
+
+    @property
+    def path(self) -> Path:
+        return self.raw.path
+
+    @property
+    def start(self) -> int:
+        return self.raw.start
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes // DTYPE_SIZES[self.from_dtype] * DTYPE_SIZES[self.to_dtype]
+
+
+@dataclass(frozen=True)
 class OutTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    source: ByteSource | bytes
+    source: ByteSource | CastSource | bytes
 
     @property
     def nbytes(self) -> int:
-        return self.source.nbytes if isinstance(self.source, ByteSource) else len(self.source)
+        return len(self.source) if isinstance(self.source, bytes) else self.source.nbytes
 
 
 def _copy_range(src: BinaryIO, dst: BinaryIO, start: int, nbytes: int) -> None:
@@ -189,6 +211,23 @@ def _copy_range(src: BinaryIO, dst: BinaryIO, start: int, nbytes: int) -> None:
         if not chunk:
             raise SplicerError(f"{src.name} ended early while copying; it changed during the splice, rerun")
         dst.write(chunk)
+        remaining -= len(chunk)
+
+
+def _cast_range(src: BinaryIO, dst: BinaryIO, source: CastSource) -> None:
+    import torch
+
+    from .dtypes import torch_dtype
+
+    step = _COPY_CHUNK - _COPY_CHUNK % DTYPE_SIZES[source.from_dtype]
+    src.seek(source.raw.start)
+    remaining = source.raw.nbytes
+    while remaining:
+        chunk = src.read(min(remaining, step))
+        if not chunk:
+            raise SplicerError(f"{src.name} ended early while copying; it changed during the splice, rerun")
+        values = torch.frombuffer(bytearray(chunk), dtype=torch_dtype(source.from_dtype))
+        dst.write(values.to(torch_dtype(source.to_dtype)).view(torch.uint8).numpy().tobytes())
         remaining -= len(chunk)
 
 
@@ -228,11 +267,14 @@ def write_shard(path: Path, tensors: list[OutTensor], metadata: dict[str, str] |
             out.write(struct.pack("<Q", len(hjson)))
             out.write(hjson)
             for source in _coalesce(t.source for t in tensors):
-                if isinstance(source, ByteSource):
+                if isinstance(source, (ByteSource, CastSource)):
                     src = open_files.get(source.path)
                     if src is None:
                         src = open_files[source.path] = open(source.path, "rb")
-                    _copy_range(src, out, source.start, source.nbytes)
+                    if isinstance(source, CastSource):
+                        _cast_range(src, out, source)
+                    else:
+                        _copy_range(src, out, source.start, source.nbytes)
                 else:
                     out.write(source)
     finally:

@@ -34,9 +34,9 @@ from .config_edit import (
 )
 from .errors import SplicerError
 from .modules import Module, list_modules, weight_source
-from .outputs import PARTIAL_SUFFIX, SPLICE, check_output, lock_output, replace_dir, sibling, write_error
+from .outputs import PARTIAL_SUFFIX, SPLICE, check_output, local_folder, lock_output, replace_dir, sibling, write_error
 from .rules import check
-from .safetensors_io import ByteSource, OutTensor, write_shard
+from .safetensors_io import ByteSource, CastSource, OutTensor, write_shard
 from .validate import (
     parse_classes,
     parse_layers,
@@ -65,6 +65,8 @@ class SplicePlan:
     side_files: dict[str, Path] = field(default_factory=dict)  # file name -> the base's copy that replaces the build's
     dropped_ignore: list[str] = field(default_factory=list)
     inherited_lint: list[str] = field(default_factory=list)  # misreadings the build's own config already had
+    float_dtype: str = "BF16"  # the dtype the build keeps its unquantized weights in; restored weights get it too
+    dtype_cast: dict[str, int] = field(default_factory=dict)  # base dtype -> restored weights cast from it
 
 
 MTP_SHARD = "model-mtp.safetensors"
@@ -148,10 +150,30 @@ def open_base_for(build: Checkpoint, base_source: str, picked: dict[str, Module]
     return base
 
 
+def _from_base(info, float_dtype: str, casts: dict[str, int]) -> OutTensor:
+    """A base tensor as it goes into the output: verbatim, or cast to the build's float dtype."""
+    src = ByteSource(info.path, info.start, info.nbytes)
+    if info.dtype in FLOAT_DTYPES and info.dtype != float_dtype:
+        casts[info.dtype] = casts.get(info.dtype, 0) + 1
+        return OutTensor(info.name, float_dtype, info.shape, CastSource(src, info.dtype, float_dtype))
+    return OutTensor(info.name, info.dtype, info.shape, src)
+
+
+def build_float_dtype(build: Checkpoint) -> str:
+    """The float dtype most of the build's unquantized weights are stored in (BF16 for every build seen so far)."""
+    counts: dict[str, int] = defaultdict(int)
+    for hdr in build.headers.values():
+        for name, info in hdr.tensors.items():
+            if name.endswith(".weight") and info.dtype in FLOAT_DTYPES:
+                counts[info.dtype] += info.nbytes
+    return max(counts, key=counts.get) if counts else "BF16"
+
+
 def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module], picked: dict[str, Module], classes: list[str],
                 add_mtp: bool = False, tokenizer_from_base: bool = False, drop_dead_ignore: bool = False) -> SplicePlan:
     base_modules = list_modules(base)
     plan = SplicePlan(build, base, classes, restore={}, base_modules=base_modules)
+    float_dtype = plan.float_dtype = build_float_dtype(build)
     drop: set[str] = set()
     add_to_shard: dict[str, list[OutTensor]] = defaultdict(list)
     for name, m in sorted(picked.items()):
@@ -161,6 +183,11 @@ def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module],
         dtype, shape, src = weight_source(b)
         if dtype not in FLOAT_DTYPES:
             raise SplicerError(f"the base stores {name} as {dtype}, not a float type; pass the BF16 base")
+        if dtype != float_dtype:
+            # vLLM would cast it to the model's dtype on load anyway; cast once here, so the output holds one float
+            # dtype as the build does, and record it (splice.json: dtype_cast).
+            plan.dtype_cast[dtype] = plan.dtype_cast.get(dtype, 0) + 1
+            src, dtype = CastSource(src, dtype, float_dtype), float_dtype
         if tuple(shape) != tuple(m.shape):
             raise SplicerError(
                 f"the base's {name} is {list(shape)} but the build's weight_shape is {list(m.shape)}; "
@@ -192,7 +219,7 @@ def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module],
     added = {}
     if add_mtp:
         infos = sorted((base.tensor(t) for t in base.weight_map if t.startswith("mtp.")), key=lambda i: (str(i.path), i.start))
-        plan.shards_rewritten[MTP_SHARD] = [OutTensor(i.name, i.dtype, i.shape, ByteSource(i.path, i.start, i.nbytes)) for i in infos]
+        plan.shards_rewritten[MTP_SHARD] = [_from_base(i, float_dtype, plan.dtype_cast) for i in infos]
         for i in infos:
             plan.weight_map[i.name] = MTP_SHARD
             plan.total_size += i.nbytes
@@ -368,6 +395,8 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
         "restored_modules": len(plan.restore) - len(plan.added_modules),
         "mtp_tensors_added": len(plan.mtp_added),
         "files_from_base": sorted(plan.side_files),
+        # Restored weights the base stores in another float dtype, cast to the build's (as vLLM casts on load).
+        "dtype_cast": ({"to": plan.float_dtype, "from": dict(sorted(plan.dtype_cast.items()))} if plan.dtype_cast else None),
         "ignore_dropped": plan.dropped_ignore,
         "inherited_lint": plan.inherited_lint[:20],
         "shards": stats,
@@ -385,7 +414,7 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
            tokenizer_from_base: bool = False, drop_dead_ignore: bool = False, allow_quantized_base: bool = False) -> dict:
     build = open_checkpoint(build_src, "build")
     validate_build(build)
-    check_output(out, [build.root], SPLICE, force)  # refuse a bad -o before the base is read (or downloaded)
+    check_output(out, [build.root, *local_folder(base_src)], SPLICE, force)  # before the base is read (or downloaded)
     modules = list_modules(build)
     validate_schemes(build, modules)
     has_mtp = any(t.startswith("mtp.") for t in build.weight_map)
