@@ -26,12 +26,13 @@ ALLOW_QUANTIZED_BASE_HELP = ("accept a base that keeps some classes quantized ex
 
 
 def _cmd_splice(args) -> int:
+    from .progress import Stages
     from .splice import splice
 
     record = splice(args.build, args.base, args.out, args.restore, layers=args.layers,
                     modules_regex=args.modules, force=args.force, progress=not args.quiet,
                     tokenizer_from_base=args.tokenizer_from_base, drop_dead_ignore=args.drop_dead_ignore,
-                    allow_quantized_base=args.allow_quantized_base)
+                    allow_quantized_base=args.allow_quantized_base, stages=Stages(quiet=args.quiet))
     s = record["shards"]
     print(f"wrote {args.out}: restored {record['restored_modules']} modules ({', '.join(record['restored_classes'])}); "
           f"shards rewritten {s['rewritten']}, hard-linked {s['linked']}, copied {s['copied']}")

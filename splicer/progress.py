@@ -12,6 +12,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from .errors import SplicerError
+
 
 class Stages:
     def __init__(self, quiet: bool = False, log_path: Path | None = None, stream=None):
@@ -19,8 +21,8 @@ class Stages:
         self.to_stream = not quiet and not _is_terminal(self.stream)
         self.log_path = log_path
 
-    def line(self, text: str) -> None:
-        if self.to_stream:
+    def line(self, text: str, log_only: bool = False) -> None:
+        if self.to_stream and not log_only:
             print(f"splicer: {text}", file=self.stream, flush=True)
         if self.log_path is not None:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -34,7 +36,9 @@ class Stages:
         try:
             yield
         except BaseException as e:
-            self.line(f"{name}: stopped after {time.perf_counter() - t0:.1f} s ({e.__class__.__name__})")
+            # A refusal is said once, in the CLI's one error line; the log keeps where it happened.
+            self.line(f"{name}: stopped after {time.perf_counter() - t0:.1f} s ({e.__class__.__name__}: {e})",
+                      log_only=isinstance(e, SplicerError))
             raise
         self.line(f"{name}: done in {time.perf_counter() - t0:.1f} s")
 

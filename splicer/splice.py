@@ -35,6 +35,7 @@ from .config_edit import (
 from .errors import SplicerError
 from .modules import Module, list_modules, weight_source
 from .outputs import PARTIAL_SUFFIX, SPLICE, check_output, local_folder, lock_output, replace_dir, sibling, write_error
+from .progress import SILENT, Stages
 from .rules import check
 from .safetensors_io import ByteSource, CastSource, OutTensor, write_shard
 from .validate import (
@@ -411,7 +412,8 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
 
 def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers: str | None = None,
            modules_regex: str | None = None, force: bool = False, progress: bool = True,
-           tokenizer_from_base: bool = False, drop_dead_ignore: bool = False, allow_quantized_base: bool = False) -> dict:
+           tokenizer_from_base: bool = False, drop_dead_ignore: bool = False, allow_quantized_base: bool = False,
+           stages: Stages = SILENT) -> dict:
     build = open_checkpoint(build_src, "build")
     validate_build(build)
     check_output(out, [build.root, *local_folder(base_src)], SPLICE, force)  # before the base is read (or downloaded)
@@ -429,7 +431,10 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
     with lock_output(out, SPLICE):
         # Again under the lock: another run may have finished OUT meanwhile, or a killed --force run parked it aside.
         out = check_output(out, inputs, SPLICE, force, recover=True)
-        return write_plan(plan, out, progress=progress)
+        rewritten = sum(t.nbytes for ts in plan.shards_rewritten.values() for t in ts)
+        with stages.stage(f"splice into {out}: {len(plan.shards_rewritten)} shards written ({rewritten / 1e9:.2f} GB), "
+                          f"{len(plan.shards_linked)} linked"):
+            return write_plan(plan, out, progress=progress)
 
 
 __all__ = ["splice", "plan_splice", "select_modules", "verify_plan", "write_plan"]
