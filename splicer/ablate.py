@@ -170,14 +170,14 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True)
     t0 = time.perf_counter()
-    with stages.stage("base: engine start"):
+    with stages.stage("base pass: engine start"):
         backend.load(base_root)
     load_s = time.perf_counter() - t0
     engine_info = backend.load_info() if hasattr(backend, "load_info") else None
     stop = [t for t in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int) and t >= 0]
     for c in corpora:
         if c.kind == "chat":
-            with stages.stage(f"base: chat answers {c.name} ({len(c.sequences)} conversations)"):
+            with stages.stage(f"base pass: chat answers {c.name} ({len(c.sequences)} conversations)"):
                 answers = backend.generate(c.sequences, int(c.spec.get("answer_tokens", 32)), stop)
             c.sequences = [p + a for p, a in zip(c.sequences, answers)]
     vocab = None
@@ -189,7 +189,7 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
             vocab = vocab or _vocab_size(base_root)
             want_full = c.positions() * vocab * 4 <= FULL_VOCAB_CACHE_LIMIT
         batch = _batch_size(settings, backend)
-        with stages.stage(f"base: scoring {c.name} ({c.positions()} positions, then the noise pass)"):
+        with stages.stage(f"base pass: scoring {c.name} ({c.positions()} positions, then the noise pass)"):
             scores = list(_pbar(backend.score(c.sequences, plan.top_k, want_full=want_full, batch_size=batch),
                                 total=len(c.sequences), desc=f"base {c.name}", disable=not settings.progress or None, leave=False))
             _save_scores(cache / f"{c.name}.safetensors", scores)
