@@ -119,3 +119,105 @@ def paired_difference(a: torch.Tensor, b: torch.Tensor, seq_index: torch.Tensor,
     """Mean of a - b on the same positions with a bootstrap interval over sequences."""
     d = a.double() - b.double()
     return {"mean": float(d.mean()), "ci": list(bootstrap_mean_ci(d, seq_index, reps))}
+
+
+# ---------------------------------------------------------------- paired verdicts
+
+
+def _t975(df: int) -> float:
+    """Two-sided 95 % quantile of Student's t (df >= 1); exact enough for intervals (scipy is not a dependency)."""
+    table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+             12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
+    if df in table:
+        return table[df]
+    if df > 60:
+        return Z95 + 2.4 / df  # within 0.001 of the exact value from df 60 on
+    lower = max(k for k in table if k < df)
+    upper = min(k for k in table if k > df)
+    return table[lower] + (table[upper] - table[lower]) * (df - lower) / (upper - lower)
+
+
+def paired_comparison(strata: dict[str, dict], reps: int = 2000, seed: int = 0) -> dict:
+    """Means of two variants' per-position values on the same positions, their difference and ratio, each with a 95 %
+    interval from a paired, stratified cluster bootstrap, per stratum and pooled.
+
+    strata: name -> {"a": [N], "b": [N], "cluster": [N] int (the independent unit: a sequence, a conversation),
+    "weight": [N] or None (0 drops a position counted elsewhere, e.g. a chat prefix shared with an earlier
+    conversation)}. The pooled estimate weighs every counted position equally across strata (position-weighted);
+    its bootstrap resamples clusters within each stratum, a and b always together. A difference is significant when
+    its interval excludes 0. Intervals are percentile intervals.
+    """
+    g = torch.Generator().manual_seed(seed)
+    per, pooled_draws, pooled_point = {}, [], torch.zeros(3, dtype=torch.float64)
+    for name, s in strata.items():
+        a, b = s["a"].double(), s["b"].double()
+        w = torch.ones_like(a) if s.get("weight") is None else s["weight"].double()
+        _, cluster = torch.unique(s["cluster"].long(), return_inverse=True)
+        n = int(cluster.max()) + 1 if cluster.numel() else 0
+        sums = torch.zeros(3, n, dtype=torch.float64)
+        for row, v in enumerate((a * w, b * w, w)):
+            sums[row].index_add_(0, cluster, v)
+        draw = torch.randint(0, max(n, 1), (reps, n), generator=g)
+        draws = sums[:, draw].sum(-1)  # [3, reps]: resampled sums of a, b and weight
+        per[name] = _comparison(sums.sum(-1), draws, n)
+        pooled_point += sums.sum(-1)
+        pooled_draws.append(draws)
+    out = {"per_stratum": per}
+    if pooled_draws:
+        out["pooled"] = _comparison(pooled_point, torch.stack(pooled_draws).sum(0), sum(p["clusters"] for p in per.values()))
+    return out
+
+
+def _comparison(point: torch.Tensor, draws: torch.Tensor, clusters: int) -> dict:
+    sa, sb, sw = point.tolist()
+    if sw <= 0:
+        return {"a": None, "b": None, "diff": None, "diff_ci": None, "rel": None, "rel_ci": None, "significant": None,
+                "positions": 0.0, "clusters": clusters}
+    ma, mb = draws[0] / draws[2], draws[1] / draws[2]
+    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
+    diff_ci = torch.quantile(ma - mb, q).tolist()
+    rel = (sa / sb - 1) if sb else None
+    rel_ci = torch.quantile(ma / mb - 1, q).tolist() if sb and bool((mb != 0).all()) else None
+    significant = bool(diff_ci[0] > 0 or diff_ci[1] < 0) if clusters > 1 else None  # one cluster: no interval
+    return {"a": sa / sw, "b": sb / sw, "diff": (sa - sb) / sw, "diff_ci": diff_ci, "rel": rel, "rel_ci": rel_ci,
+            "significant": significant, "positions": sw, "clusters": clusters}
+
+
+def decode_difference(variant: list[list[float]], reference: list[list[float]]) -> dict:
+    """Relative decode-time difference of a variant from a reference (the build), with a 95 % interval.
+
+    Each argument: per engine, the per-block ms/token that engine measured (a block = one timed generation). Engines
+    differ from each other by more than blocks of one engine do, so the interval carries both: the between-engine
+    variance is estimated from every variant with two or more engines here (the reference is timed on at least two),
+    and the interval uses Student's t with that many degrees of freedom. "resolved" when the interval excludes 0.
+    """
+    groups = [g for g in (*variant, *reference) if g]
+    if not variant or not reference or not all(variant) or not all(reference):
+        return {"rel": None, "rel_ci": None, "resolved": None, "engines": [len(variant), len(reference)], "df": 0}
+
+    def engine_means(engines):
+        return [sum(g) / len(g) for g in engines]
+
+    def within(engines):  # variance of one engine's mean from its blocks, averaged over engines
+        terms = [(sum((x - sum(g) / len(g)) ** 2 for x in g) / (len(g) - 1)) / len(g) for g in engines if len(g) > 1]
+        return sum(terms) / len(terms) if terms else 0.0
+
+    between_ss, between_df = 0.0, 0
+    for engines in (variant, reference):
+        if len(engines) > 1:
+            m = engine_means(engines)
+            mu = sum(m) / len(m)
+            between_ss += sum((x - mu) ** 2 for x in m)
+            between_df += len(m) - 1
+    if between_df == 0:
+        return {"rel": None, "rel_ci": None, "resolved": None, "engines": [len(variant), len(reference)], "df": 0,
+                "why": "no variant was timed on two engines: the engine-to-engine spread is unknown"}
+    # Var(one engine's mean) = between-engine variance + within; the spread of engine means estimates both together.
+    engine_var = max(between_ss / between_df, within(groups))
+    v, r = engine_means(variant), engine_means(reference)
+    mv, mr = sum(v) / len(v), sum(r) / len(r)
+    se = math.sqrt(engine_var / len(v) + engine_var / len(r))
+    half = _t975(between_df) * se
+    rel, lo, hi = mv / mr - 1, (mv - half) / mr - 1, (mv + half) / mr - 1
+    return {"rel": rel, "rel_ci": [lo, hi], "resolved": bool(lo > 0 or hi < 0), "variant_ms": mv, "reference_ms": mr,
+            "engines": [len(v), len(r)], "df": between_df, "engine_sd_ms": math.sqrt(engine_var)}

@@ -1,0 +1,96 @@
+"""Verdicts on synthetic scores and timings with a known truth: a null difference is called significant about 5 % of
+the time, planted differences of the sizes that matter are found."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from splicer.metrics import decode_difference, paired_comparison
+
+
+def _scores(gen: torch.Generator, clusters: int, per: int, scale: float = 1.0):
+    """Per-position KL-like values with a per-cluster effect (positions of one sequence are not independent)."""
+    effect = torch.exp(0.5 * torch.randn(clusters, generator=gen))
+    cluster = torch.arange(clusters).repeat_interleave(per)
+    base = -torch.log(torch.rand(clusters * per, generator=gen))  # exponential: KL is skewed
+    return 0.2 * scale * effect[cluster] * base, cluster
+
+
+def _variant(gen, kl, factor):
+    # The same positions, perturbed per position: the paired design cancels what both share.
+    return kl * factor * torch.exp(0.3 * torch.randn(kl.shape, generator=gen, dtype=kl.dtype) - 0.045)
+
+
+def test_a_null_difference_is_significant_about_5_percent_of_the_time():
+    gen = torch.Generator().manual_seed(1)
+    hits, trials = 0, 300
+    for t in range(trials):
+        kl, cluster = _scores(gen, 40, 30)
+        a, b = _variant(gen, kl, 1.0), _variant(gen, kl, 1.0)
+        r = paired_comparison({"c": {"a": a, "b": b, "cluster": cluster, "weight": None}}, reps=800, seed=t)
+        hits += r["pooled"]["significant"]
+    assert 0.02 <= hits / trials <= 0.09, hits / trials
+
+
+def test_a_planted_kl_difference_of_a_few_percent_is_found():
+    gen = torch.Generator().manual_seed(2)
+    found, trials = 0, 60
+    for t in range(trials):
+        kl, cluster = _scores(gen, 60, 100)
+        a, b = _variant(gen, kl, 0.96), _variant(gen, kl, 1.0)  # 4 % less KL
+        r = paired_comparison({"c": {"a": a, "b": b, "cluster": cluster, "weight": None}}, reps=800, seed=t)
+        p = r["pooled"]
+        found += p["significant"] and p["diff"] < 0 and p["rel_ci"][0] < -0.04 < p["rel_ci"][1]
+    assert found / trials >= 0.8, found / trials
+
+
+def test_pooled_estimate_is_position_weighted_and_weights_drop_positions():
+    a1, b1 = torch.full((100,), 2.0), torch.full((100,), 1.0)
+    a2, b2 = torch.full((10,), 0.0), torch.full((10,), 1.0)
+    r = paired_comparison({"big": {"a": a1, "b": b1, "cluster": torch.arange(100) // 10, "weight": None},
+                           "small": {"a": a2, "b": b2, "cluster": torch.arange(10) // 5, "weight": None}}, reps=200)
+    assert abs(r["pooled"]["diff"] - (100 * 1.0 + 10 * -1.0) / 110) < 1e-12  # not the mean of the two corpus means
+    w = torch.ones(100)
+    w[:50] = 0  # e.g. positions of a shared prefix counted once, in an earlier conversation
+    a1[:50] = 100.0
+    r = paired_comparison({"big": {"a": a1, "b": b1, "cluster": torch.arange(100) // 10, "weight": w}}, reps=200)
+    assert r["pooled"]["diff"] == 1.0 and r["pooled"]["positions"] == 50
+
+
+def _engines(rng: random.Random, true_ms: float, engines: int, blocks: int, engine_sd: float, block_sd: float):
+    out = []
+    for _ in range(engines):
+        level = true_ms * (1 + rng.gauss(0, engine_sd))
+        out.append([level * (1 + rng.gauss(0, block_sd)) for _ in range(blocks)])
+    return out
+
+
+def test_a_null_decode_difference_is_resolved_at_most_about_5_percent_of_the_time():
+    # The spreads seen on the H200 stand-in with the engine's token times: engines within ~0.1-0.25 %, blocks ~0.1 %.
+    rng = random.Random(3)
+    hits, trials = 0, 2000
+    for i in range(trials):
+        build = _engines(rng, 4.38, 2 + i % 2, 5, 0.0015, 0.001)  # two or three engines of the build
+        variant = _engines(rng, 4.38, 1, 5, 0.0015, 0.001)
+        hits += decode_difference(variant, build)["resolved"]
+    assert hits / trials <= 0.07, hits / trials
+
+
+def test_a_planted_2_percent_decode_difference_is_resolved():
+    # With the build timed on three engines (start, middle and end of a run): two leave one degree of freedom for the
+    # engine-to-engine spread, and t(1) = 12.7 widens the interval past 2 % whenever that one estimate comes out high.
+    rng = random.Random(4)
+    found, trials = 0, 500
+    for _ in range(trials):
+        build = _engines(rng, 4.38, 3, 5, 0.0015, 0.001)
+        variant = _engines(rng, 4.38 * 1.02, 1, 5, 0.0015, 0.001)
+        r = decode_difference(variant, build)
+        found += r["resolved"] and r["rel"] > 0
+    assert found / trials >= 0.8, found / trials
+
+
+def test_decode_difference_needs_two_engines_of_something():
+    r = decode_difference([[4.0, 4.1]], [[4.0, 4.0]])
+    assert r["resolved"] is None and "two engines" in r["why"]
