@@ -63,16 +63,20 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def bootstrap_mean_ci(values: torch.Tensor, seq_index: torch.Tensor, reps: int = 1000, seed: int = 0) -> tuple[float, float]:
-    """95 % interval of the mean of `values`, resampling whole sequences."""
+def bootstrap_mean_ci(values: torch.Tensor, seq_index: torch.Tensor, reps: int = 1000, seed: int = 0,
+                      weight: torch.Tensor | None = None) -> tuple[float, float]:
+    """95 % interval of the (weighted) mean of `values`, resampling whole sequences."""
     if values.numel() == 0:
         return (float("nan"), float("nan"))
     values = values.double()
+    w = torch.ones_like(values) if weight is None else weight.double()
     n_seq = int(seq_index.max()) + 1
-    sums = torch.zeros(n_seq, dtype=torch.float64).index_add_(0, seq_index.long(), values)
-    counts = torch.zeros(n_seq, dtype=torch.float64).index_add_(0, seq_index.long(), torch.ones_like(values))
+    sums = torch.zeros(n_seq, dtype=torch.float64).index_add_(0, seq_index.long(), values * w)
+    counts = torch.zeros(n_seq, dtype=torch.float64).index_add_(0, seq_index.long(), w)
     keep = counts > 0
     sums, counts = sums[keep], counts[keep]
+    if len(sums) == 0:
+        return (float("nan"), float("nan"))
     g = torch.Generator().manual_seed(seed)
     draw = torch.randint(0, len(sums), (reps, len(sums)), generator=g)
     means = sums[draw].sum(1) / counts[draw].sum(1)
@@ -81,22 +85,38 @@ def bootstrap_mean_ci(values: torch.Tensor, seq_index: torch.Tensor, reps: int =
 
 
 def summarize(pos: dict[str, torch.Tensor], reps: int = 1000) -> dict:
-    """Per-position records of one corpus -> the corpus row of results.json."""
+    """Per-position records of one corpus -> the corpus row of results.json.
+
+    Means count each position by its weight (a position repeating an earlier sequence's counts 0, see
+    ablate.first_occurrence_weights); every interval resamples whole sequences, top-1's included.
+    """
     seq = pos["seq_index"]
-    n = int(seq.numel())
-    top1 = pos["top1"].bool()
-    k = int(top1.sum())
-    kl = pos["kl_top"]
+    w = pos["weight"].double() if "weight" in pos else torch.ones(seq.numel(), dtype=torch.float64)
+    counted = w > 0
+    n = float(w.sum())
+    top1 = pos["top1"].double()
+    kl = pos["kl_top"].double()
+
+    def mean(x, m=None):
+        ww = w if m is None else w * m
+        return float((x.double() * ww).sum() / ww.sum()) if float(ww.sum()) > 0 else float("nan")
+
+    def quantile(x, q):
+        x = x.double()[counted]
+        return float(torch.quantile(x, q)) if x.numel() else float("nan")
+
     out = {
-        "positions": n,
-        "top1": k / n if n else float("nan"),
-        "top1_ci": list(wilson(k, n)),
-        "kl": float(kl.double().mean()) if n else float("nan"),
-        "kl_ci": list(bootstrap_mean_ci(kl, seq, reps)),
-        "kl_median": float(kl.double().median()) if n else float("nan"),
-        "kl_p99": float(torch.quantile(kl.double(), 0.99)) if n else float("nan"),
-        "kl_p999": float(torch.quantile(kl.double(), 0.999)) if n else float("nan"),
-        "base_tail_mass": float(pos["tail"].double().mean()) if n else float("nan"),
+        "positions": int(n) if n == int(n) else n,
+        "positions_scored": int(seq.numel()),
+        "top1": mean(top1),
+        "top1_ci": list(bootstrap_mean_ci(top1, seq, reps, weight=w)),
+        "kl": mean(kl),
+        "kl_ci": list(bootstrap_mean_ci(kl, seq, reps, weight=w)),
+        "kl_median": quantile(kl, 0.5),
+        "kl_p99": quantile(kl, 0.99),
+        "kl_p999": quantile(kl, 0.999),
+        "base_tail_mass": mean(pos["tail"]),
+        "base_ties": mean(pos["base_tie"]) if "base_tie" in pos else None,
         "kl_full": None,
         "kl_full_ci": None,
         "dnll": None,
@@ -104,14 +124,15 @@ def summarize(pos: dict[str, torch.Tensor], reps: int = 1000) -> dict:
         "answer_positions": 0,
     }
     if "kl_full" in pos:
-        out["kl_full"] = float(pos["kl_full"].double().mean())
-        out["kl_full_ci"] = list(bootstrap_mean_ci(pos["kl_full"], seq, reps))
+        out["kl_full"] = mean(pos["kl_full"])
+        out["kl_full_ci"] = list(bootstrap_mean_ci(pos["kl_full"], seq, reps, weight=w))
     mask = pos.get("answer_mask")
     if mask is not None and bool(mask.any()):
-        d = pos["dlogp"][mask.bool()]
-        out["dnll"] = float(d.double().mean())
-        out["dnll_ci"] = list(bootstrap_mean_ci(d, seq[mask.bool()], reps))
-        out["answer_positions"] = int(mask.sum())
+        m = mask.bool()
+        d = pos["dlogp"][m]
+        out["dnll"] = mean(pos["dlogp"], m.double())
+        out["dnll_ci"] = list(bootstrap_mean_ci(d, seq[m], reps, weight=w[m]))
+        out["answer_positions"] = int((w * m.double()).sum())
     return out
 
 
