@@ -94,3 +94,28 @@ def test_a_planted_2_percent_decode_difference_is_resolved():
 def test_decode_difference_needs_two_engines_of_something():
     r = decode_difference([[4.0, 4.1]], [[4.0, 4.0]])
     assert r["resolved"] is None and "two engines" in r["why"]
+
+
+def test_a_shared_prefix_counts_once():
+    from splicer.ablate import first_occurrence_weights
+
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 9, 9, 9], [7, 2, 3], [1, 2, 3, 4, 6]]
+    lengths = torch.tensor([len(s) - 1 for s in seqs])
+    w = first_occurrence_weights(seqs, lengths).tolist()
+    # seq 1 shares [1, 2, 3] with seq 0: positions 0 (1->2) and 1 (1,2->3) repeat; position 2 (->9) is new
+    # seq 3 shares [1, 2, 3, 4] with seq 0: positions 0..2 repeat, position 3 (->6) is new
+    assert w == [1, 1, 1, 1] + [0, 0, 1, 1, 1] + [1, 1] + [0, 0, 0, 1]
+
+
+def test_top1_counts_a_tie_among_the_base_maxima_as_agreement():
+    from splicer.ablate import position_records
+    from splicer.corpora import Corpus
+
+    base = {"lengths": torch.tensor([3]), "topk_ids": torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7]]),
+            "topk_logprobs": torch.tensor([[-1.0, -1.0, -2.0], [-1.0, -1.5, -2.0], [-1.0, -1.0, -1.0]]),
+            "target_logprobs": torch.zeros(3)}
+    var = {"topk_ids": torch.tensor([[6, 5, 7], [6, 5, 7], [8, 5, 6]]), "topk_logprobs": torch.tensor([[-1.0, -1.1, -2.0]] * 3),
+           "target_logprobs": torch.zeros(3)}
+    rec = position_records(base, var, Corpus("c", "text", [[0, 1, 2, 3]]), None)
+    # 6 ties 5 at position 0 (agreement); 6 is below 5 at position 1 (not); 8 is no tied maximum at position 2 (not)
+    assert rec["top1"].tolist() == [True, False, False] and rec["base_tie"].tolist() == [True, False, True]
