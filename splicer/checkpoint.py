@@ -14,6 +14,7 @@ from functools import cached_property
 from pathlib import Path
 
 from .arch import PACKED_SUFFIXES, Architecture, get_architecture
+from .config_schema import check_config
 from .errors import SplicerError
 from .safetensors_io import ShardHeader, TensorInfo, headers_digest, read_header
 
@@ -66,6 +67,10 @@ def _load_json(path: Path, what: str) -> dict:
             data = json.load(f)
     except FileNotFoundError:
         raise SplicerError(f"{path} is missing; {what} needs it") from None
+    except IsADirectoryError:
+        raise SplicerError(f"{path} is a folder, not a JSON file; restore it from the original checkpoint") from None
+    except OSError as e:
+        raise SplicerError(f"cannot read {path} ({e.strerror}); check its permissions") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SplicerError(f"{path} is not valid JSON ({e.__class__.__name__}); restore it from the original checkpoint") from None
     if not isinstance(data, dict):
@@ -128,6 +133,7 @@ def open_checkpoint(source: str | Path, role: str, wanted_files=None, shards: se
     """Read config, index and the headers of `shards` (all shards when None)."""
     root = resolve(str(source), role, wanted_files)
     config = _load_json(root / "config.json", f"{role} {source}")
+    check_config(config, f"{role} {source}")  # every field splicer reads has its JSON type and range
     if (root / INDEX_NAME).exists():
         index = _load_json(root / INDEX_NAME, f"{role} {source}")
         weight_map = index.get("weight_map")

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from .chat import HISTORY, user_turns
+from .config_schema import MISSING, check_value, describe, expect
 from .errors import SplicerError
 
 KINDS = ("builtin", "text", "hub", "chat", "random")
@@ -50,18 +53,67 @@ class Corpus:
         return cls(d["name"], d["kind"], d["sequences"], d.get("prompt_lens"), d.get("spec", {}))
 
 
+CORPUS_FIX = "fix the plan file"
+# Caps keep a typo from asking for more than any run could score (the random kind allocates its ids up front).
+MAX_CHUNK_TOKENS = 1 << 20
+MAX_RANDOM_TOKENS = 1 << 24
+CORPUS_FIELDS = {
+    "name": expect("str", required=True),
+    "kind": expect("str", required=True, choices=KINDS),
+    "text": expect("str"),
+    "files": expect("list", items="str"),
+    "field": expect("str"),
+    "dataset": expect("str"),
+    "config": expect("str|null"),
+    "split": expect("str"),
+    "chunk_tokens": expect("int", lo=2, hi=MAX_CHUNK_TOKENS),  # one token scores no position
+    "max_chunks": expect("int", lo=1, hi=1 << 20),
+    "conversations": expect("int", lo=1, hi=1 << 20),
+    "history_turns": expect("int", lo=0, hi=len(HISTORY)),
+    "answer_tokens": expect("int", lo=1, hi=1 << 16),
+    "seed": expect("int", lo=0, hi=2**63 - 1),
+}
+
+
+# Names become folder and file names under DIR (variants/<row>, scores/<row>/<corpus>.safetensors): plain names only,
+# never a path (`../x`), a hidden file or something a shell would mangle.
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}")
+
+
+def check_name(name, where: str, what: str) -> None:
+    check_value(expect("str", required=True), name, where, what, CORPUS_FIX)
+    if not SAFE_NAME.fullmatch(name):
+        raise SplicerError(f"{where}: {what} {name[:40]!r} is not a plain name (letters, digits, _ . + -, at most 100, "
+                           f"not starting with . or -); it names files under DIR, {CORPUS_FIX}")
+
+
 def validate_spec(spec: dict, where: str) -> None:
     unknown = sorted(set(spec) - CORPUS_KEYS)
     if unknown:
         raise SplicerError(f"{where}: unknown corpus key {unknown[0]!r}; allowed: {', '.join(sorted(CORPUS_KEYS))}")
-    if not spec.get("name"):
-        raise SplicerError(f"{where}: a corpus needs a name")
-    if spec.get("kind") not in KINDS:
-        raise SplicerError(f"{where}: corpus {spec.get('name')!r} has kind {spec.get('kind')!r}; use one of {', '.join(KINDS)}")
-    if spec["kind"] == "builtin" and spec.get("text") not in ("wiki-en", "wiki-zh"):
-        raise SplicerError(f"{where}: unknown built-in text {spec.get('text')!r}; use wiki-en or wiki-zh")
-    if spec["kind"] == "text" and not spec.get("files"):
-        raise SplicerError(f"{where}: corpus {spec['name']!r} of kind text needs files = [...]")
+    check_name(spec.get("name", MISSING), where, "a corpus's name")
+    name = spec["name"]
+    for key, f in CORPUS_FIELDS.items():
+        check_value(f, spec.get(key, MISSING), where, f"corpus {name!r}: {key}", CORPUS_FIX)
+    kind = spec["kind"]
+    if kind == "builtin" and spec.get("text") not in ("wiki-en", "wiki-zh"):
+        raise SplicerError(f"{where}: unknown built-in text {str(spec.get('text'))[:40]!r}; use wiki-en or wiki-zh")
+    if kind == "text" and not spec.get("files"):
+        raise SplicerError(f"{where}: corpus {name!r} of kind text needs files = [...]")
+    if kind == "text" and any(not f or "\x00" in f for f in spec["files"]):
+        raise SplicerError(f"{where}: corpus {name!r} has an empty file name or one with a NUL byte; {CORPUS_FIX}")
+    if kind == "hub" and not spec.get("dataset"):
+        raise SplicerError(f"{where}: corpus {name!r} of kind hub needs dataset = \"owner/name\"")
+    if kind == "random":
+        total = spec.get("max_chunks", 100) * spec.get("chunk_tokens", 1024)
+        if total > MAX_RANDOM_TOKENS:
+            raise SplicerError(f"{where}: corpus {name!r} asks for {total} random tokens (max_chunks x chunk_tokens), more than "
+                               f"{MAX_RANDOM_TOKENS}; lower max_chunks or chunk_tokens")
+    if kind == "chat":
+        try:
+            user_turns(spec.get("conversations", 8))
+        except ValueError as e:  # the built-in set has a fixed number of user turns
+            raise SplicerError(f"{where}: corpus {name!r}: conversations = {spec.get('conversations', 8)}, but {e}") from None
 
 
 def _read_texts(spec: dict, base_dir: Path) -> list[str]:
@@ -82,9 +134,19 @@ def _read_texts(spec: dict, base_dir: Path) -> list[str]:
                 if not line.strip():
                     continue
                 try:
-                    texts.append(str(json.loads(line)[fld]))
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise SplicerError(f"corpus {spec['name']!r}: {path} line {i} is not a JSON object with {fld!r}; fix the file or set field") from None
+                    record = json.loads(line)
+                except (json.JSONDecodeError, RecursionError):
+                    record = None
+                if not isinstance(record, dict) or fld not in record:
+                    raise SplicerError(f"corpus {spec['name']!r}: {path} line {i} is not a JSON object with {fld!r}; fix the file or set field")
+                # str() of a number or a list would score its Python repr as if it were text.
+                if not isinstance(record[fld], str):
+                    raise SplicerError(f"corpus {spec['name']!r}: {path} line {i}: {fld!r} is {describe(record[fld])}, not a "
+                                       "string of text; fix the file or set field to the text's key")
+                if not _is_unicode(record[fld]):  # a JSON escape of half a surrogate pair: no tokenizer takes it
+                    raise SplicerError(f"corpus {spec['name']!r}: {path} line {i}: {fld!r} holds an unpaired surrogate "
+                                       "(\\ud800-\\udfff escape); fix the file")
+                texts.append(record[fld])
         else:
             texts.append(text)
     if not any(t.strip() for t in texts):
@@ -92,17 +154,30 @@ def _read_texts(spec: dict, base_dir: Path) -> list[str]:
     return texts
 
 
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def _hub_texts(spec: dict) -> list[str]:
     try:
         import datasets
     except ImportError:
         raise SplicerError(f"corpus {spec['name']!r} reads a Hub dataset; pip install datasets, or use kind = \"text\" with local files") from None
+    fld = spec.get("field", "text")
     try:
         ds = datasets.load_dataset(spec["dataset"], spec.get("config"), split=spec.get("split", "train"), streaming=True)
         want = int(spec.get("max_chunks", 100)) * 4
-        return [row[spec.get("field", "text")] for row, _ in zip(ds, range(want))]
+        rows = [row.get(fld, MISSING) for row, _ in zip(ds, range(want))]
     except Exception as e:  # datasets raises many types; all mean "could not get it"
         raise SplicerError(f"corpus {spec['name']!r}: could not load {spec['dataset']} ({e.__class__.__name__}); check the name or go online") from None
+    bad = next((i for i, t in enumerate(rows) if not (isinstance(t, str) and _is_unicode(t))), None)
+    if bad is not None:  # str() of anything else would score its Python repr as if it were text
+        raise SplicerError(f"corpus {spec['name']!r}: row {bad} of {spec['dataset']} has no string field {fld!r}; set field to the text column")
+    return rows
 
 
 def _chunk(texts: list[str], tokenizer, chunk_tokens: int, max_chunks: int) -> list[list[int]]:

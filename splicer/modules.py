@@ -83,6 +83,10 @@ def list_modules(ckpt: Checkpoint) -> dict[str, Module]:
             packed = {k: v for k, v in tensors.items() if k in PACKED_SUFFIXES}
             plain = {k: v for k, v in tensors.items() if k in PLAIN_SUFFIXES}
             if packed:
+                if "weight" in plain:
+                    # A restore would add a second `weight` beside this one: the output shard would name it twice.
+                    raise SplicerError(f"{ckpt.label}: module {name} holds both packed tensors ({sorted(packed)[0]}) and an "
+                                       "unquantized weight; the build is corrupt, re-export it")
                 modules[name] = _packed_module(ckpt, name, packed, plain, reader)
             elif "weight" in plain and len(plain["weight"].shape) == 2:
                 modules[name] = Module(name, arch.module_class(name), plain=plain, shape=tuple(plain["weight"].shape))

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .corpora import validate_spec
+from .config_schema import MISSING, check_value, expect
+from .corpora import check_name, validate_spec
 from .errors import SplicerError
 
 if sys.version_info >= (3, 11):
@@ -67,17 +68,48 @@ def _plan_path(name_or_path: str) -> Path:
     raise SplicerError(f"no plan named {name_or_path!r}; known plans: {', '.join(known)} (or pass a .toml path)")
 
 
+PLAN_FIX = "fix the plan file"
+TIMING_FIELDS = {
+    "prompt_tokens": expect("int", required=True, lo=1, hi=1 << 20),
+    "new_tokens": expect("int", required=True, lo=2, hi=1 << 16),  # decode ms/token divides by new_tokens - 1
+    "warmup": expect("int", required=True, lo=0, hi=1000),
+    "runs": expect("int", required=True, lo=1, hi=1000),  # the median needs at least one run
+}
+ROW_FIELDS = {
+    "name": expect("str", required=True),
+    "restore": expect("list", items="str"),
+    "keep": expect("list", items="str"),
+    "base": expect("bool", choices=(True,)),  # `base = false` would silently make the row the build
+    "repeat": expect("bool"),
+}
+
+
+def _get(table: dict, key: str):
+    return table.get(key, MISSING)
+
+
 def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
-    path = _plan_path(name_or_path)
-    raw = path.read_bytes()
+    try:
+        path = _plan_path(name_or_path)
+        raw = path.read_bytes()
+    except OSError as e:  # a folder named x.toml, no permission, a name too long for the filesystem
+        raise SplicerError(f"cannot read plan {str(name_or_path)[:80]!r} ({e.strerror or e.__class__.__name__}); "
+                           "pass a readable .toml file or a plan name from ablations/") from None
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise SplicerError(f"plan {path} is not valid TOML ({e}); fix the file") from None
+        raise SplicerError(f"plan {path} is not valid TOML ({str(e).splitlines()[0] if str(e) else e.__class__.__name__}); fix the file") from None
     where = f"plan {path}"
     unknown = sorted(set(data) - PLAN_KEYS)
     if unknown:
         raise SplicerError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(PLAN_KEYS))}")
+    check_value(expect("str"), _get(data, "name"), where, "name", PLAN_FIX)
+    check_value(expect("str"), _get(data, "description"), where, "description", PLAN_FIX)
+    # log-probs kept per position: at least one (the top-1 metrics), and a bound a typo cannot turn into gigabytes
+    check_value(expect("int", lo=1, hi=1000), _get(data, "top_k"), where, "top_k", PLAN_FIX)
+    # [[row]] and [[corpus]] are arrays of tables; `row = "x"` or a single [row] table would iterate characters or keys.
+    for key, header in (("row", "[[row]]"), ("corpus", "[[corpus]]")):
+        check_value(expect("list", items="object"), _get(data, key), where, f"{key} (an array of {header} tables)", PLAN_FIX)
     rows_raw = data.get("row") or []
     if not rows_raw:
         raise SplicerError(f"{where} declares no [[row]]; add at least one row")
@@ -92,25 +124,31 @@ def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
         names.add(c["name"])
     timing = data.get("timing")
     if timing is not None:
+        check_value(expect("object"), timing, where, "timing (a [timing] table)", PLAN_FIX)
         bad = sorted(set(timing) - TIMING_KEYS)
         if bad:
             raise SplicerError(f"{where}: unknown timing key {bad[0]!r}; allowed: {', '.join(sorted(TIMING_KEYS))}")
+        for key, spec in TIMING_FIELDS.items():
+            check_value(spec, _get(timing, key), where, f"timing.{key}", PLAN_FIX)
     rows, seen = [], set()
     for r in rows_raw:
         bad = sorted(set(r) - ROW_KEYS)
         if bad:
-            raise SplicerError(f"{where}: row {r.get('name')!r} has unknown key {bad[0]!r}; allowed: {', '.join(sorted(ROW_KEYS))}")
-        name = r.get("name")
-        if not name or name in seen:
-            raise SplicerError(f"{where}: every row needs a unique name (problem at {name!r})")
+            raise SplicerError(f"{where}: row {str(r.get('name'))[:40]!r} has unknown key {bad[0]!r}; allowed: {', '.join(sorted(ROW_KEYS))}")
+        check_name(_get(r, "name"), where, "a row's name")
+        name = r["name"]
+        if name in seen:
+            raise SplicerError(f"{where}: every row needs a unique name ({name!r} is used twice)")
         seen.add(name)
+        for key, spec in ROW_FIELDS.items():
+            check_value(spec, _get(r, key), where, f"row {name!r}: {key}", PLAN_FIX)
         given = [k for k in ("restore", "keep", "base") if k in r]
         if len(given) != 1:
             raise SplicerError(f"{where}: row {name!r} needs exactly one of restore, keep or base")
         for key in ("restore", "keep"):
             for c in r.get(key) or []:
                 if c not in classes:
-                    raise SplicerError(f"{where}: row {name!r} names unknown class {c!r}; classes: {', '.join(classes)}")
+                    raise SplicerError(f"{where}: row {name!r} names unknown class {c[:40]!r}; classes: {', '.join(classes)}")
         rows.append(Row(name, r.get("restore"), r.get("keep"), bool(r.get("base", False)), bool(r.get("repeat", False))))
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
     return Plan(data.get("name", path.stem), data.get("description", ""), int(data.get("top_k", 20)), corpora, timing, rows,

@@ -51,6 +51,13 @@ class Report:
 
 
 def validate_regexes(qc: dict, label: str) -> None:
+    """Every regex the readers will compile: `re:` ignore entries and targets, and GPTQ's `dynamic` rules (`-:`/`+:`,
+    or bare keys, which GPTQModel treats as positive rules)."""
+    for key in (qc.get("dynamic") or {}) if is_gptq(qc) else ():
+        try:
+            re.compile(key[2:] if key[:2] in ("-:", "+:") else key)
+        except re.error as e:
+            raise SplicerError(f"{label}: dynamic rule {key[:60]!r} is not a valid regex ({e}); fix config.json") from None
     for entry in list(qc.get("ignore") or []) + [t for g in (qc.get("config_groups") or {}).values() for t in g.get("targets", [])]:
         if not isinstance(entry, str):
             raise SplicerError(f"{label}: quantization_config has a non-string ignore/target entry {entry!r}; fix config.json")

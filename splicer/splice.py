@@ -39,6 +39,7 @@ from .progress import SILENT, Stages
 from .rules import check
 from .safetensors_io import ByteSource, CastSource, OutTensor, write_shard
 from .validate import (
+    check_modules_regex,
     parse_classes,
     parse_layers,
     validate_base,
@@ -422,7 +423,8 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
     has_mtp = any(t.startswith("mtp.") for t in build.weight_map)
     classes = parse_classes(restore, build.arch, modules, build_has_mtp=has_mtp)
     add_mtp = "mtp" in classes and not has_mtp  # seed 000's exporter dropped the MTP head: put the base's back
-    picked = select_modules(modules, classes, build.arch, parse_layers(layers), modules_regex, allow_empty=add_mtp)
+    picked = select_modules(modules, classes, build.arch, parse_layers(layers, build.text_config["num_hidden_layers"]),
+                            check_modules_regex(modules_regex), allow_empty=add_mtp)
     base = open_base_for(build, base_src, picked, add_mtp, allow_quantized_base)
     inputs = [build.root, base.root]
     out = check_output(out, inputs, SPLICE, force)

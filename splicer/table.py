@@ -1,10 +1,42 @@
-"""`splicer table`: results.json -> the "where the error comes from" table (Markdown, CSV or JSON)."""
+"""`splicer table`: results.json -> the "where the error comes from" table (Markdown, CSV or JSON).
+
+Markdown is for reading and pasting into a model card: a caption line (build, base, backend, corpora and their
+positions), the table, then notes. CSV and JSON carry the same rows as numbers, for plots and comparisons. All three
+are made from `records()`: the Markdown cells are those numbers formatted, so the formats cannot disagree.
+
+CSV and JSON columns, one per quantity (JSON: a list of objects, numbers as numbers, null where a value is missing;
+CSV: plain decimal numbers, no units, an empty cell where a value is missing, true/false for flags). <corpus> is each
+corpus name of the run (results.json "corpora"), in order:
+
+  variant                        the row's name
+  restored                       classes restored to BF16, comma-separated; "" for the build, "base" for the base row
+  status                         "ok", or "error" for a row that failed (its numbers are then all missing)
+  error                          why the row failed
+  repeat_of                      the row whose variant this row runs again (timing repeats)
+  within_noise                   true when the row differs from the build by less than the noise floor on every
+                                 corpus (Markdown: "≈" after the name); missing where not computed (the build)
+  size_gb                        bytes on disk / 1e9
+  top1_<corpus>                  top-1 agreement with the base, as a fraction (Markdown shows %)
+  top1_<corpus>_ci_low, _ci_high its 95 % Wilson interval
+  kl_<corpus>                    KL(base || variant) over the base's top-20 with the rest lumped, nats per position
+  kl_<corpus>_ci_low, _ci_high   its 95 % interval (sequences resampled)
+  dnll_<corpus>                  extra nats per token on the base's greedy answers (corpora with answers: chat)
+  dnll_<corpus>_ci_low, _ci_high its 95 % interval
+  decode_ms_per_token            batch-1 decode ms per token; missing when not timed or not resolved
+  bytes_per_decode_step          weight bytes one batch-1 decode step reads (routed experts: top-k of E)
+  floor_ms_per_token             the time those bytes take at --bandwidth-gbs; missing without it
+  decode_change_vs_build         decode_ms_per_token / the build's - 1, a fraction (Markdown: "Δ decode" in %)
+  decode_change_in_noise_band    true when that change is inside the run's timing noise band (Markdown: "≈");
+                                 missing for the build, repeat rows (they define the band) and runs without a band
+  kl_change_vs_build             the mean over corpora of kl_<corpus> / the build's - 1, a fraction ("ΔKL vs build")
+"""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+import math
 from pathlib import Path
 
 from .errors import SplicerError
@@ -45,51 +77,117 @@ def _mean_kl(v: dict) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
+def _dnll_corpora(results: dict) -> list[str]:
+    """Corpora on which some variant has a dNLL (those with generated answers)."""
+    return [c for c in results.get("corpora", {})
+            if any(((v.get("metrics") or {}).get(c) or {}).get("dnll") is not None for v in results["variants"])]
+
+
+def _ci(m: dict, key: str) -> tuple[float | None, float | None]:
+    ci = m.get(f"{key}_ci")
+    return (ci[0], ci[1]) if ci else (None, None)
+
+
+def records(results: dict) -> list[dict]:
+    """One dict per variant, the columns of the module docstring: the numbers every output format is made from."""
     corpora = list(results.get("corpora", {}))
+    dnll_corpora = _dnll_corpora(results)
     variants = results["variants"]
     build = next((v for v in variants if v["name"] == "build" and v.get("status") == "ok"), None)
     build_kl = _mean_kl(build) if build else None
     build_ms = build.get("decode_ms_per_token") if build else None
+    bw = results.get("bandwidth_bytes_per_s")
+    band = timing_noise_band(results)
+    out = []
+    for v in variants:
+        ok = v.get("status") == "ok"
+        restored = v["restored"] if isinstance(v["restored"], str) else ",".join(v["restored"])
+        wn = v.get("within_noise") if ok else None
+        rec = {"variant": v["name"], "restored": restored, "status": "ok" if ok else "error",
+               "error": None if ok else (v.get("error") or ""), "repeat_of": v.get("repeat_of"),
+               "within_noise": all(wn.values()) if wn else None,
+               "size_gb": v["size_bytes"] / 1e9 if ok and v.get("size_bytes") is not None else None}
+        metrics = (v.get("metrics") or {}) if ok else {}
+        for c in corpora:
+            m = metrics.get(c) or {}
+            for key in ("top1", "kl"):
+                lo, hi = _ci(m, key)
+                rec.update({f"{key}_{c}": m.get(key), f"{key}_{c}_ci_low": lo, f"{key}_{c}_ci_high": hi})
+        for c in dnll_corpora:
+            m = metrics.get(c) or {}
+            lo, hi = _ci(m, "dnll")
+            rec.update({f"dnll_{c}": m.get("dnll"), f"dnll_{c}_ci_low": lo, f"dnll_{c}_ci_high": hi})
+        ms = v.get("decode_ms_per_token") if ok else None
+        step = v.get("bytes_per_decode_step") if ok else None
+        rec["decode_ms_per_token"] = ms
+        rec["bytes_per_decode_step"] = step
+        # the time the step's weight bytes take at the card's bandwidth: how far decode is from the memory floor
+        rec["floor_ms_per_token"] = 1000 * step / bw if bw and step else None
+        d = ms / build_ms - 1 if ok and ms is not None and build_ms and v["name"] != "build" else None
+        rec["decode_change_vs_build"] = d
+        rec["decode_change_in_noise_band"] = abs(d) <= band if d is not None and band is not None and not v.get("repeat_of") else None
+        kl = _mean_kl(v) if ok else None
+        rec["kl_change_vs_build"] = kl / build_kl - 1 if kl is not None and build_kl and v["name"] != "build" else None
+        out.append(rec)
+    return out
+
+
+def _fmt(x: float | None, spec: str, suffix: str = "", missing: str = "") -> str:
+    return missing if x is None else f"{x:{spec}}{suffix}"
+
+
+def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
+    """The Markdown table: headers, rows of formatted cells (from records()), notes."""
+    corpora = list(results.get("corpora", {}))
+    dnll_corpora = _dnll_corpora(results)
     headers = ["variant", "restored to BF16", "size GB"]
     for c in corpora:
         headers += [f"top-1 {c}", f"KL {c}"]
-    has_dnll = any((m or {}).get("dnll") is not None for v in variants for m in (v.get("metrics") or {}).values())
-    if has_dnll:
+    if dnll_corpora:
         headers.append("dNLL")
     bw = results.get("bandwidth_bytes_per_s")
     headers += ["decode ms/tok"] + ([f"floor ms @ {bw / 1e12:g} TB/s"] if bw else []) + ["Δ decode", "ΔKL vs build"]
-    band = timing_noise_band(results)
     rows = []
-    for v in variants:
-        restored = v["restored"] if isinstance(v["restored"], str) else (", ".join(v["restored"]) or "none (the build)")
-        if v.get("status") != "ok":
-            rows.append([v["name"], restored, "", *[""] * (2 * len(corpora)), *([""] if has_dnll else []), "", *([""] if bw else []),
-                         "", f"failed: {v.get('error', '')[:80]}"])
+    for r in records(results):
+        restored = r["restored"].replace(",", ", ") or "none (the build)"
+        if r["status"] != "ok":
+            rows.append([r["variant"], restored, "", *[""] * (2 * len(corpora)), *([""] if dnll_corpora else []), "",
+                         *([""] if bw else []), "", f"failed: {r['error'][:80]}"])
             continue
-        noisy = all(v.get("within_noise", {}).values()) and v.get("within_noise")
-        row = [v["name"] + (" ≈" if noisy else ""), restored, f"{v['size_bytes'] / 1e9:.3f}"]
+        row = [r["variant"] + (" ≈" if r["within_noise"] else ""), restored, _fmt(r["size_gb"], ".3f")]
         for c in corpora:
-            m = v["metrics"].get(c, {})
-            row += [f"{100 * m['top1']:.1f} %", f"{m['kl']:.4f}"]
-        if has_dnll:
-            d = next((m["dnll"] for m in v["metrics"].values() if m.get("dnll") is not None), None)
-            row.append(f"{d:+.4f}" if d is not None else "")
-        ms = v.get("decode_ms_per_token")
-        row.append(f"{ms:.2f}" if ms is not None else "-")
-        if bw:  # the time the step's weight bytes take at the card's bandwidth: how far decode is from the memory floor
-            step = v.get("bytes_per_decode_step")
-            row.append(f"{1000 * step / bw:.3f}" if step else "")
-        if ms is not None and build_ms and v["name"] != "build":
-            d = ms / build_ms - 1
-            row.append(f"{100 * d:+.1f} %" + (" ≈" if band is not None and abs(d) <= band and not v.get("repeat_of") else ""))
-        else:
-            row.append("")
-        kl = _mean_kl(v)
-        row.append(f"{100 * (kl / build_kl - 1):+.1f} %" if kl is not None and build_kl and v["name"] != "build" else "")
+            top1 = r[f"top1_{c}"]
+            row += [_fmt(None if top1 is None else 100 * top1, ".1f", " %"), _fmt(r[f"kl_{c}"], ".4f")]
+        if dnll_corpora:  # one column: the first corpus with answers that this row has a dNLL on
+            row.append(_fmt(next((r[f"dnll_{c}"] for c in dnll_corpora if r[f"dnll_{c}"] is not None), None), "+.4f"))
+        row.append(_fmt(r["decode_ms_per_token"], ".2f", missing="-"))
+        if bw:
+            row.append(_fmt(r["floor_ms_per_token"], ".3f"))
+        d = r["decode_change_vs_build"]
+        row.append(_fmt(None if d is None else 100 * d, "+.1f", " %" + (" ≈" if r["decode_change_in_noise_band"] else "")))
+        dkl = r["kl_change_vs_build"]
+        row.append(_fmt(None if dkl is None else 100 * dkl, "+.1f", " %"))
         rows.append(row)
-    notes = _footnotes(results, build_kl)
+    build = next((v for v in results["variants"] if v["name"] == "build" and v.get("status") == "ok"), None)
+    notes = _footnotes(results, _mean_kl(build) if build else None)
     return headers, rows, notes
+
+
+def caption(results: dict) -> str:
+    """One line naming what the table measured: build, base, backend, corpora and positions (for a model card)."""
+    inputs = results.get("inputs") or results.get("job") or {}
+    build = (inputs.get("build") or {}).get("source") or "unknown"
+    base = (inputs.get("base") or {}).get("source") or "unknown"
+    backend = results.get("backend") or ((results.get("job") or {}).get("settings") or {}).get("backend") or "unknown"
+    if backend == "vllm" and results.get("engine_version"):
+        backend += f" ({results['engine_version']})"
+    parts = []
+    for name, c in (results.get("corpora") or {}).items():
+        answers = f" ({c['answer_tokens']:,} of them answer tokens)" if c.get("answer_tokens") else ""
+        parts.append(f"{name} {c.get('positions', 0):,}{answers}")
+    total = sum(c.get("positions", 0) for c in (results.get("corpora") or {}).values())
+    corpora = f"positions scored per corpus: {', '.join(parts)}; {total:,} in all" if parts else "no corpora"
+    return f"Build `{build}` against base `{base}`, backend {backend}; {corpora}."
 
 
 def _timed_repeats(results: dict) -> list[tuple[dict, dict]]:
@@ -162,6 +260,8 @@ def speed_rows(results: dict) -> tuple[list[str], list[list]] | None:
         t = timing or {}
         dec = (f"{t['decode_ms_per_token']:.2f} [{t['decode_iqr'][0]:.2f}, {t['decode_iqr'][1]:.2f}] "
                f"({t['decode_min_max'][0]:.2f}-{t['decode_min_max'][1]:.2f})") if t.get("decode_ms_per_token") else ""
+        if timing and t.get("decode_ms_per_token") is None and "per_run_ms" in t:
+            dec = "not resolved"  # timed, but the estimate was not positive (the runs are in results.json)
         ttft = f"{t['ttft_ms']:.0f} ({t['ttft_min_max'][0]:.0f}-{t['ttft_min_max'][1]:.0f})" if t.get("ttft_ms") else ""
         secs = sum(x for k, x in elapsed.items() if k.startswith("score_") and k.endswith("_s"))
         pps = positions / secs if timing is not None and secs else None  # all corpora together; the base pass adds a noise pass
@@ -177,7 +277,7 @@ def render_markdown(results: dict) -> str:
     from tabulate import tabulate
 
     headers, rows, notes = _rows(results)
-    text = tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+    text = caption(results) + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
     text += "\n\n" + "\n".join(f"- {n}" for n in notes)
     speed = speed_rows(results)
     if speed and results.get("backend") == "vllm":  # start-up, weight memory and compile come from vLLM's log
@@ -187,6 +287,25 @@ def render_markdown(results: dict) -> str:
         if methods:
             text += "\n\nDecode timed as " + "; and as ".join(methods) + "."
     return text
+
+
+def _plain(x):
+    """NaN and infinities are not numbers in JSON and no CSV reader agrees on them: missing, like any other gap."""
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def _csv_cell(x) -> str:
+    """Missing -> empty; flags -> true/false; floats as plain decimals (repr's digits, so exact, but never 1e-05)."""
+    if x is None:
+        return ""
+    if isinstance(x, bool):
+        return "true" if x else "false"
+    if isinstance(x, float):
+        from decimal import Decimal
+
+        text = format(Decimal(repr(x)), "f")
+        return text if "." in text else text + ".0"
+    return str(x)
 
 
 def render(out_dir: Path, fmt: str = "markdown") -> str:
@@ -199,15 +318,16 @@ def render(out_dir: Path, fmt: str = "markdown") -> str:
         raise SplicerError(f"{path} is not valid JSON; rerun splicer ablate to rewrite it") from None
     if fmt == "markdown":
         return render_markdown(results)
-    headers, rows, _ = _rows(results)
-    if fmt == "csv":
+    if fmt in ("csv", "json"):
+        recs = [{k: _plain(x) for k, x in r.items()} for r in records(results)]
+        if fmt == "json":
+            return json.dumps(recs, indent=2, ensure_ascii=False, allow_nan=False)
         buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(headers)
-        w.writerows(rows)
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(list(recs[0]) if recs else ["variant"])
+        for r in recs:
+            w.writerow([_csv_cell(x) for x in r.values()])
         return buf.getvalue()
-    if fmt == "json":
-        return json.dumps([dict(zip(headers, r)) for r in rows], indent=2, ensure_ascii=False)
     raise SplicerError(f"unknown --format {fmt!r}; use markdown, csv or json")
 
 

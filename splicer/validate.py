@@ -5,6 +5,7 @@ Each check raises SplicerError with one line naming the problem and the fix, bef
 
 from __future__ import annotations
 
+import json
 import re
 
 from .arch import Architecture
@@ -42,11 +43,7 @@ def validate_build(build: Checkpoint) -> None:
 def _validate_gptq(build: Checkpoint, qc: dict) -> None:
     if qc.get("bits") not in (2, 3, 4, 8):
         raise SplicerError(f"build {build.label}: GPTQ bits {qc.get('bits')!r} is not 2, 3, 4 or 8; the config is invalid")
-    for key in qc.get("dynamic") or {}:
-        try:
-            re.compile(key[2:] if key[:2] in ("-:", "+:") else key)
-        except re.error as e:
-            raise SplicerError(f"build {build.label}: dynamic rule {key!r} is not a valid regex ({e}); fix config.json") from None
+    validate_regexes(qc, f"build {build.label}")
     if not any(t.endswith(".qweight") for t in build.weight_map):
         raise SplicerError(f"build {build.label}: config.json says gptq but no tensor is packed (no qweight); the shards do not belong to this config")
 
@@ -111,7 +108,24 @@ def validate_base(base: Checkpoint, build: Checkpoint, allow_quantized: bool = F
         a, b = base.text_config.get(key), build.text_config.get(key)
         if a != b:
             raise SplicerError(f"base {base.label} has {key}={a} but the build has {b}; pass the base the build was made from")
+    # The rest of the model's shape, where both configs state it: ablate builds each model from its own config, and a
+    # base that differs would be refused only by the torch backend, once the run has started writing DIR.
+    for key in SHAPE_KEYS:
+        a, b = base.text_config.get(key), build.text_config.get(key)
+        if a is not None and b is not None and a != b:
+            raise SplicerError(f"base {base.label} has {key}={_short(a)} but the build has {_short(b)}; "
+                               "pass the base the build was made from")
     return frozen
+
+
+SHAPE_KEYS = ("num_experts_per_tok", "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+              "linear_conv_kernel_dim", "layer_types", "mtp_num_hidden_layers")
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def parse_classes(spec: str, arch: Architecture, modules: dict[str, Module], build_has_mtp: bool = True) -> list[str]:
@@ -135,14 +149,50 @@ def parse_classes(spec: str, arch: Architecture, modules: dict[str, Module], bui
     return [c for c in arch.classes if c in items]
 
 
-def parse_layers(spec: str | None) -> set[int] | None:
-    if not spec:
+_LAYER_PART = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+
+
+def _clip(text: str, n: int = 40) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
+
+
+def parse_layers(spec: str | None, num_layers: int) -> set[int] | None:
+    """`--layers 0,4-7` as a set of decoder layers of a build with num_layers layers (None: all of them).
+
+    Every number is checked against the build before any range is expanded: `0-999999999` is refused in one line
+    instead of building a set of a billion ints.
+    """
+    if spec is None:
         return None
-    layers: set[int] = set()
+    last = num_layers - 1
+    have = f"this build has {num_layers} decoder layers, 0-{last}"
+    if not spec.strip():
+        raise SplicerError(f"--layers is empty; give layer numbers or ranges like 0,4-7 ({have}), or drop --layers")
+    bounds = []
+    for part in (p.strip() for p in spec.split(",")):
+        m = _LAYER_PART.fullmatch(part)
+        if m is None:
+            raise SplicerError(f"--layers {_clip(spec)}: {_clip(part)} is not a layer number or a range like 4-7; {have}")
+        ends = []
+        for text in (m.group(1), m.group(2) or m.group(1)):
+            # Longer than any layer number: out of range without converting it (int() of a huge string is slow).
+            if len(text.lstrip("0")) > 9 or int(text) > last:
+                raise SplicerError(f"--layers {_clip(spec)}: layer {_clip(text, 12)[1:-1]} is out of range; {have}")
+            ends.append(int(text))
+        if ends[0] > ends[1]:
+            raise SplicerError(f"--layers {_clip(spec)}: the range {part} runs backwards; write it as {ends[1]}-{ends[0]}")
+        bounds.append(ends)
+    return {i for lo, hi in bounds for i in range(lo, hi + 1)}
+
+
+def check_modules_regex(regex: str | None) -> str | None:
+    """`--modules REGEX` must compile (select_modules re.search'es it against every module name); returns it."""
+    if regex is None:
+        return None
     try:
-        for part in spec.split(","):
-            lo, _, hi = part.strip().partition("-")
-            layers.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise SplicerError(f"--layers {spec!r} is not a list of layer numbers or ranges like 0,4-7") from None
-    return layers
+        re.compile(regex)
+    except (re.error, RecursionError, OverflowError, ValueError) as e:
+        detail = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+        raise SplicerError(f"--modules {_clip(regex)} is not a valid Python regular expression ({detail}); fix the pattern, "
+                           "e.g. 'layers\\.[0-3]\\.' (see splicer inspect for module names)") from None
+    return regex

@@ -128,7 +128,43 @@ CASES = [
     ("ablate-hub-id-offline", lambda p, t: _ablate(p, t, base="nobody/no-such-base"), "HF_HUB_OFFLINE"),
     ("ablate-engine-arg-without-vllm", lambda p, t: _ablate(p, t, "--engine-arg", "max_model_len=2048"), "apply to --backend vllm only"),
     ("inspect-missing", lambda p, t: ["inspect", str(t / "nope")], "does not exist"),
+    # Values of another JSON type or out of range (the fuzz test, tests/test_fuzz.py, covers many more of each class).
+    ("config-ignore-is-a-string", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, lambda f: _edit_config(f, lambda c: c["quantization_config"].update(ignore="re:.*visual.*")))), str(p["base"]), "-o", str(t / "out")], "quantization_config.ignore is a string"),
+    ("config-dim-out-of-range", lambda p, t: ["inspect", str(_mut(p["lowlatency"], t, lambda f: _edit_config(f, lambda c: c["text_config"].update(num_hidden_layers=0))))], "text_config.num_hidden_layers is 0"),
+    ("base-other-head-count", lambda p, t: ["splice", "--restore", "gdn", str(p["lowlatency"]), str(_mut(p["base"], t, lambda f: _edit_config(f, lambda c: c["text_config"].update(num_attention_heads=4)))), "-o", str(t / "out")], "num_attention_heads=4 but the build has 2"),
+    ("layers-out-of-range", lambda p, t: ["splice", "--restore", "experts", "--layers", "0-999999999", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out")], "out of range; this build has 4 decoder layers"),
+    ("layers-reversed", lambda p, t: ["splice", "--restore", "experts", "--layers", "3-1", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out")], "runs backwards"),
+    ("modules-invalid-regex", lambda p, t: ["splice", "--restore", "attention", "--modules", "self_attn(", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out")], "not a valid Python regular expression"),
+    ("plan-value-wrong-type", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace("top_k = 20", 'top_k = "20"'))), "top_k is a string"),
+    ("plan-value-out-of-range", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace("new_tokens = 4", "new_tokens = 1"))), "timing.new_tokens is 1"),
+    ("plan-name-is-a-path", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace('name = "gdn"', 'name = "../gdn"'))), "not a plain name"),
+    ("plan-rows-not-tables", lambda p, t: _ablate(p, t, plan=_plan(t, 'row = "build"\n' + PLAN[:PLAN.index("[[row]]")])), "row (an array of [[row]] tables) is a string"),
+    ("plan-is-a-folder", lambda p, t: _ablate(p, t, plan=_folder(t, "plan.toml")), "cannot read plan"),
+    ("plan-too-many-conversations", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace("conversations = 3", "conversations = 500"))), "user turns"),
+    ("module-packed-and-plain", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, _plain_beside_packed)), str(p["base"]), "-o", str(t / "out")], "holds both packed tensors"),
+    ("corpus-text-not-a-string", lambda p, t: _ablate(p, t, "--corpus", "wiki-en=" + str(_file(t, "c.jsonl", b'{"text": 12}'))), "line 1: 'text' is 12, not a string"),
 ]
+
+
+def _plain_beside_packed(folder: Path) -> None:
+    """A module stored both packed and as a BF16 weight: a restore would add a second `weight` of that name."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = "model.language_model.layers.0.linear_attn.out_proj"
+    shard = folder / index["weight_map"][f"{name}.weight_packed"]
+    tensors = load_file(str(shard))
+    tensors[f"{name}.weight"] = torch.zeros(256, 256, dtype=torch.bfloat16)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index["weight_map"][f"{name}.weight"] = shard.name
+    index_path.write_text(json.dumps(index))
+
+
+def _folder(tmp: Path, name: str) -> Path:
+    (tmp / name).mkdir()
+    return tmp / name
 
 
 def _mut(src: Path, tmp: Path, fn) -> Path:

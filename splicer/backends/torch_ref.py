@@ -27,8 +27,14 @@ _TEXT = re.compile(r"^(model\.language_model\.|lm_head\.)")
 def _pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SplicerError(f"--device {device} asked for, but torch sees no CUDA device; use --device cpu")
+    # The reference runs where its weights can live and be timed: the CPU or a CUDA device (cuda, cuda:N).
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise SplicerError(f"--device {device!r} is not one the torch backend runs on; use auto, cpu, cuda or cuda:N")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SplicerError(f"--device {device} asked for, but torch sees no CUDA device; use --device cpu")
+        if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
+            raise SplicerError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA devices; pick one of them")
     return torch.device(device)
 
 

@@ -143,6 +143,51 @@ def engine_step_s(metrics) -> float | None:
     return (last - first) / (n - 1)
 
 
+ENGINE_METHOD = "engine: (last token time - first token time) / (n - 1), from vLLM's request stats (TPOT), batch 1"
+WALL_METHOD = "wall: (t(n) - t(1)) / (n - 1), wall clock around LLM.generate, batch 1"
+
+
+def _decode_summary(per_run_ms: list[float]) -> dict:
+    """decode_spread of per-run ms/token, with the per-run values kept; None in place of the spread when the median is
+    not positive. A decode step takes time, so a median <= 0 says the estimate drowned in the clock's noise (e.g. two
+    prefills' jitter in the wall-clock difference), not that decode was free: it must not enter a table as a time."""
+    if per_run_ms and statistics.median(per_run_ms) > 0:
+        return {**decode_spread(per_run_ms), "per_run_ms": list(per_run_ms)}
+    return {"decode_ms_per_token": None, "decode_iqr": None, "decode_min_max": None, "per_run_ms": list(per_run_ms)}
+
+
+def summarise_decode_runs(t1_s: list[float], tn_s: list[float], engine_step_s_runs: list[float | None], *,
+                          new_tokens: int, warmup: int, prompt_tokens: int) -> dict:
+    """The timing entry of results.json from time_decode's runs (pure: the worker measures, this summarises).
+
+    Per run: t1_s and tn_s are the wall seconds of a request generating 1 and new_tokens tokens, engine_step_s_runs
+    the engine's own seconds per decode step (engine_step_s; None where the request had no stats). The engine's
+    times are used when every run has them, else the wall-clock difference (t(n) - t(1)) / (n - 1). When the chosen
+    estimate's median is not positive, decode_ms_per_token is None, the method says it was not resolved, and the
+    per-run values stay under per_run_ms.
+    """
+    runs, n = len(tn_s), new_tokens
+    # With one new token there is no decode step to time: no per-run value at all rather than a division by zero.
+    wall_diff = [(tn - t1) * 1000 / (n - 1) for t1, tn in zip(t1_s, tn_s)] if n > 1 else []
+    engine = [s * 1000 for s in engine_step_s_runs if s is not None]
+    # The wall-clock difference carries two prefills' jitter (TTFT of the 1.5k-token prompt ranged 85-211 ms on
+    # the H200, i.e. up to +-1 ms/token over 63 steps); the engine's own token times carry none.
+    use_engine = runs > 0 and len(engine) == runs
+    per_token, method = (engine, ENGINE_METHOD) if use_engine else (wall_diff, WALL_METHOD)
+    summary = _decode_summary(per_token)
+    if summary["decode_ms_per_token"] is None:
+        median = f"{statistics.median(per_token):.4g} ms/token" if per_token else "no value (fewer than 2 new tokens or no runs)"
+        method = (f"not resolved: {method} gave a median of {median}, which is no measurement (decode steps shorter "
+                  "than the clock's noise); the per-run values are in per_run_ms")
+    ttft = [t * 1000 for t in t1_s]
+    out = {**summary, "ttft_ms": statistics.median(ttft) if ttft else None,
+           "ttft_min_max": [min(ttft), max(ttft)] if ttft else None,
+           "runs": runs, "warmup": warmup, "prompt_tokens": prompt_tokens, "new_tokens": n, "method": method}
+    if use_engine:  # the old estimator beside it, from the same runs
+        out["wall_diff"] = _decode_summary(wall_diff)
+    return out
+
+
 def _kernel_probe(model):
     """Runs inside vLLM's worker: which quantization method / scheme / kernel each layer got."""
     out = {}
@@ -339,23 +384,13 @@ def _worker(conn, env: dict, log_path: str) -> None:
 
         for _ in range(warmup):
             once(n)
-        wall_diff, engine, ttft = [], [], []
+        t1_s, tn_s, steps = [], [], []
         for _ in range(runs):
             (t1, _), (tn, step) = once(1), once(n)
-            ttft.append(t1 * 1000)
-            wall_diff.append((tn - t1) * 1000 / (n - 1))
-            if step is not None:
-                engine.append(step * 1000)
-        # The wall-clock difference carries two prefills' jitter (TTFT of the 1.5k-token prompt ranged 85-211 ms on
-        # the H200, i.e. up to +-1 ms/token over 63 steps); the engine's own token times carry none.
-        per_token, method = ((engine, "engine: (last token time - first token time) / (n - 1), from vLLM's request "
-                                      "stats (TPOT), batch 1") if len(engine) == runs else
-                             (wall_diff, "wall: (t(n) - t(1)) / (n - 1), wall clock around LLM.generate, batch 1"))
-        out = {**decode_spread(per_token), "ttft_ms": statistics.median(ttft), "ttft_min_max": [min(ttft), max(ttft)],
-               "runs": runs, "warmup": warmup, "prompt_tokens": len(prompt), "new_tokens": n, "method": method}
-        if per_token is engine:  # the old estimator beside it, from the same runs
-            out["wall_diff"] = decode_spread(wall_diff)
-        return out
+            t1_s.append(t1)
+            tn_s.append(tn)
+            steps.append(step)
+        return summarise_decode_runs(t1_s, tn_s, steps, new_tokens=n, warmup=warmup, prompt_tokens=len(prompt))
 
     def drafter_layers():
         res = llm.collective_rpc(_drafter_probe)

@@ -14,6 +14,12 @@ import torch
 
 __version__ = "0.0.0-fake"
 
+# Every generated token after the first costs this much wall time (a sleep, which never returns early), as a decode
+# step costs time in a real engine. Without it the torch reference's extra steps are shorter than the clock's jitter
+# between two calls, and the backend's wall-clock estimate (t(n) - t(1)) / (n - 1) came out negative about one run
+# in five. Only generation pays it: scoring asks for one token.
+DECODE_STEP_S = 0.05
+
 
 @dataclass
 class Logprob:
@@ -82,7 +88,6 @@ class LLM:
         out = []
         for p in prompts:
             ids = p["prompt_token_ids"]
-            start = time.monotonic()
             plp = None
             if params.prompt_logprobs:
                 s = next(self._ref.score([ids], top_k=params.prompt_logprobs, want_full=True))
@@ -107,11 +112,14 @@ class LLM:
                 gen = [int(torch.argmax(s.full[-1]))]
             else:
                 gen = self._ref.generate([ids], params.max_tokens, params.stop_token_ids)[0]
-            # vLLM fills request stats only with stats on (LLM's own default is off); here the first token's time is
-            # a fixed share of the call, enough to tell the two timing estimators apart.
+            # The reference computed every token at once: call that the prefill and first token, then pay each
+            # later token's decode step, so that the engine's token times and the wall clock both see steps of
+            # DECODE_STEP_S (the wall clock also sees the reference's compute, which tells the two estimators apart).
+            first = time.monotonic()
+            time.sleep(DECODE_STEP_S * max(len(gen) - 1, 0))
+            # vLLM fills request stats only with stats on (LLM's own default is off).
             stats = None
             if self.kwargs.get("disable_log_stats") is False:
-                end = time.monotonic()
-                stats = RequestStateStats(len(gen), start + (end - start) / 4, end)
+                stats = RequestStateStats(len(gen), first, time.monotonic())
             out.append(RequestOutput(plp, [_Completion(gen)], stats))
         return out

@@ -1,0 +1,167 @@
+"""splicer table: CSV and JSON carry numbers, one column per quantity; Markdown has a caption line; all three agree.
+
+Built from the committed results folders (a torch demo run and a vLLM run on the H200 stand-in), copied to a temporary
+folder, plus edits of them for the cases those runs do not have (a failed row, a gap, an unresolved decode time).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from splicer.table import render
+
+RESULTS = Path(__file__).parents[1] / "results"
+TEXT = {"variant", "restored", "status", "error", "repeat_of"}
+FLAGS = {"within_noise", "decode_change_in_noise_band"}
+
+
+def _write(folder: Path, results: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(results))
+    return folder
+
+
+@pytest.fixture(params=["demo", "h200-fulldims/run-3-cold"])
+def committed(request, tmp_path):
+    results = json.loads((RESULTS / request.param / "results.json").read_text())
+    return _write(tmp_path / "r", results), results
+
+
+def _csv(out: Path) -> list[dict]:
+    return list(csv.DictReader(io.StringIO(render(out, "csv"))))
+
+
+def _md_rows(md: str) -> dict[str, dict]:
+    """The first Markdown table as {variant name without its ≈: {header: cell}}."""
+    lines = [ln for ln in md.split("\n\n")[1].splitlines() if ln.startswith("|")]
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    headers = cells[0]
+    return {row[0].removesuffix(" ≈"): dict(zip(headers, row)) for row in cells[2:]}
+
+
+def test_csv_holds_plain_numbers_from_results_json(committed):
+    out, results = committed
+    rows = _csv(out)
+    assert [r["variant"] for r in rows] == [v["name"] for v in results["variants"]]
+    columns = list(rows[0])
+    for c in results["corpora"]:
+        for q in ("top1", "kl"):
+            assert {f"{q}_{c}", f"{q}_{c}_ci_low", f"{q}_{c}_ci_high"} <= set(columns)
+    numeric = [c for c in columns if c not in TEXT | FLAGS]
+    assert {"size_gb", "decode_ms_per_token", "floor_ms_per_token", "decode_change_vs_build", "kl_change_vs_build",
+            "dnll_chat"} <= set(numeric)
+    for row in rows:
+        for col in numeric:
+            # a plain decimal or nothing: no %, no thousands separator, no interval brackets, no exponent
+            assert row[col] == "" or re.fullmatch(r"-?\d+(\.\d+)?", row[col]), (col, row[col])
+        assert all(row[f] in ("", "true", "false") for f in FLAGS)
+    by_name = {v["name"]: v for v in results["variants"]}
+    for row in rows:  # the numbers themselves, unrounded
+        v = by_name[row["variant"]]
+        for c, m in v["metrics"].items():
+            assert float(row[f"top1_{c}"]) == m["top1"] and float(row[f"kl_{c}"]) == m["kl"]
+            assert [float(row[f"top1_{c}_ci_low"]), float(row[f"top1_{c}_ci_high"])] == m["top1_ci"]
+            assert [float(row[f"kl_{c}_ci_low"]), float(row[f"kl_{c}_ci_high"])] == m["kl_ci"]
+        assert float(row["size_gb"]) == v["size_bytes"] / 1e9
+        assert float(row["decode_ms_per_token"]) == v["decode_ms_per_token"]
+        assert (row["kl_change_vs_build"] == "") == (row["variant"] == "build")
+
+
+def test_json_is_a_list_of_objects_with_real_numbers_that_match_the_csv(committed):
+    out, _ = committed
+    data = json.loads(render(out, "json"), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    rows = _csv(out)
+    assert isinstance(data, list) and len(data) == len(rows)
+    numbers = 0
+    for obj, row in zip(data, rows):
+        assert list(obj) == list(row)  # the same columns in the same order
+        for key, x in obj.items():
+            if key in TEXT:
+                assert x is None or isinstance(x, str), (key, x)
+            elif key in FLAGS:
+                assert x is None or isinstance(x, bool), (key, x)
+                assert row[key] == ("" if x is None else str(x).lower())
+            else:
+                assert x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)), (key, x)
+                assert (row[key] == "") == (x is None) and (x is None or float(row[key]) == x), key
+                numbers += x is not None
+    assert numbers > 20 * len(data)  # mostly numbers, not a table of gaps
+
+
+def test_markdown_cells_are_the_exported_numbers_formatted(committed):
+    out, results = committed
+    md = _md_rows(render(out, "markdown"))
+    for r in json.loads(render(out, "json")):
+        cells = md[r["variant"]]
+        assert cells["variant"].endswith(" ≈") == bool(r["within_noise"])
+        assert cells["size GB"] == f"{r['size_gb']:.3f}"
+        for c in results["corpora"]:
+            assert cells[f"top-1 {c}"] == f"{100 * r[f'top1_{c}']:.1f} %" and cells[f"KL {c}"] == f"{r[f'kl_{c}']:.4f}"
+        assert cells["dNLL"] == f"{r['dnll_chat']:+.4f}"
+        assert cells["decode ms/tok"] == f"{r['decode_ms_per_token']:.2f}"
+        d = r["decode_change_vs_build"]
+        assert cells["Δ decode"] == ("" if d is None else f"{100 * d:+.1f} %" + (" ≈" if r["decode_change_in_noise_band"] else ""))
+
+
+def test_caption_names_build_base_backend_corpora_and_positions(committed):
+    out, results = committed
+    md = render(out, "markdown")
+    caption, table = md.split("\n\n")[:2]
+    assert "\n" not in caption and table.startswith("| variant")  # one line, then the table as before
+    assert f"`{results['inputs']['build']['source']}`" in caption and f"`{results['inputs']['base']['source']}`" in caption
+    assert f"backend {results['backend']}" in caption
+    if results["backend"] == "vllm":
+        assert f"({results['engine_version']})" in caption
+    for name, c in results["corpora"].items():
+        assert f"{name} {c['positions']:,}" in caption
+    assert f"{sum(c['positions'] for c in results['corpora'].values()):,} in all" in caption
+
+
+def test_a_failed_row_and_gaps_are_missing_values_not_text(tmp_path):
+    results = json.loads((RESULTS / "demo" / "results.json").read_text())
+    failed = results["variants"][1]
+    failed.update(status="error", error="RuntimeError: CUDA out of memory (simulated)")
+    gap = results["variants"][2]["metrics"]["wiki-en"]
+    gap["kl"], gap["kl_ci"] = float("nan"), None  # json.dumps writes NaN, which JSON itself does not allow
+    out = _write(tmp_path / "r", results)
+    data = {r["variant"]: r for r in json.loads(render(out, "json"), parse_constant=lambda c: pytest.fail(c))}
+    rows = {r["variant"]: r for r in _csv(out)}
+    name = failed["name"]
+    assert data[name]["status"] == "error" and data[name]["error"].startswith("RuntimeError")
+    assert all(data[name][k] is None for k in data[name] if k not in TEXT)
+    assert all(rows[name][k] == "" for k in rows[name] if k not in TEXT)
+    g = results["variants"][2]["name"]
+    assert data[g]["kl_wiki-en"] is None and data[g]["kl_wiki-en_ci_low"] is None and rows[g]["kl_wiki-en"] == ""
+    assert data[g]["top1_wiki-en"] == gap["top1"]  # the rest of the row is still there
+    assert f"failed: {failed['error']}" in render(out, "markdown")
+
+
+def test_an_unresolved_decode_time_is_a_gap_everywhere(tmp_path):
+    """A timed row whose decode estimate was not positive (decode_ms_per_token None): no table divides by it."""
+    from splicer.backends.vllm_backend import summarise_decode_runs
+    from splicer.table import timing_noise_band
+
+    results = json.loads((RESULTS / "demo" / "results.json").read_text())
+    results["backend"] = "vllm"  # the speed table is rendered for vLLM runs
+    unresolved = summarise_decode_runs([0.1, 0.1], [0.09, 0.1], [None, None], new_tokens=4, warmup=0, prompt_tokens=64)
+    assert unresolved["decode_ms_per_token"] is None
+    for v in results["variants"]:
+        if v["name"] in ("build", "gdn"):
+            v["timing"], v["decode_ms_per_token"] = unresolved, None
+    next(v for v in results["variants"] if v["name"] == "gdn")["repeat_of"] = "build"  # a repeat pair, neither timed
+    assert timing_noise_band(results) is None
+    out = _write(tmp_path / "r", results)
+    md = render(out, "markdown")
+    rows = _md_rows(md)
+    assert rows["build"]["decode ms/tok"] == "-" and rows["gdn"]["decode ms/tok"] == "-"
+    assert rows["attention"]["decode ms/tok"] == "5.44" and rows["attention"]["Δ decode"] == ""  # no build time
+    assert "| gdn " in md.split("Speed per variant")[1] and "not resolved" in md.split("Speed per variant")[1]
+    data = {r["variant"]: r for r in json.loads(render(out, "json"))}
+    assert data["build"]["decode_ms_per_token"] is None and data["gdn"]["decode_ms_per_token"] is None
+    assert all(r["decode_change_vs_build"] is None for r in data.values())
