@@ -17,7 +17,7 @@ corpus name of the run (results.json "corpora"), in order:
                                  corpus (Markdown: "≈" after the name); missing where not computed (the build)
   size_gb                        bytes on disk / 1e9
   top1_<corpus>                  top-1 agreement with the base, as a fraction (Markdown shows %)
-  top1_<corpus>_ci_low, _ci_high its 95 % Wilson interval
+  top1_<corpus>_ci_low, _ci_high its 95 % interval (bootstrap over sequences)
   kl_<corpus>                    KL(base || variant) over the base's top-20 with the rest lumped, nats per position
   kl_<corpus>_ci_low, _ci_high   its 95 % interval (sequences resampled)
   dnll_<corpus>                  extra nats per token on the base's greedy answers (corpora with answers: chat)
