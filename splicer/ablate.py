@@ -378,7 +378,10 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         if settings.stages is SILENT or settings.stages.log_path is None:
             settings.stages = Stages(quiet=not settings.progress, log_path=out / "ablate.log")
         settings.stages.line(f"ablate {rows_spec} of plan {plan.name}: {build_src} against {base_src} into {out}")
+        # The tokenized corpora belong to the job: finished rows are kept only when they were scored on the same
+        # positions (a corpus file edited, or a new chat set, would otherwise pair scores of different lengths).
         job = {"tool": f"splicer {__version__}", "plan": plan.name, "plan_digest": plan.digest,
+               "corpora_digest": _digest([c.digest() for c in corpora]),
                "build": {"source": str(build_src), "header_digest": build.header_digest()},
                "base": {"source": str(base_src), "digest": base_digest},
                "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
