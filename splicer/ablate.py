@@ -375,8 +375,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     busy = f"another splicer ablate is writing to {out}; wait for it to finish or use another -o"
     with exclusive(out / ".lock", busy), _closing(backend):
         check_output(out, inputs, ABLATE, own=settings.own_inputs)  # again under the lock: DIR may have changed
-        if settings.stages is SILENT or settings.stages.log_path is None:
-            settings.stages = Stages(quiet=not settings.progress, log_path=out / "ablate.log")
+        # Set per run: a settings object reused for another DIR must not keep logging into the first one's log.
+        settings.stages = Stages(quiet=not settings.progress, log_path=out / "ablate.log")
         settings.stages.line(f"ablate {rows_spec} of plan {plan.name}: {build_src} against {base_src} into {out}")
         # The tokenized corpora belong to the job: finished rows are kept only when they were scored on the same
         # positions (a corpus file edited, or a new chat set, would otherwise pair scores of different lengths).
