@@ -145,6 +145,13 @@ def _cmd_table(args) -> int:
     return 0
 
 
+def _cmd_report(args) -> int:
+    from .report import report
+
+    print(report(args.dir), end="")
+    return 0
+
+
 def _cmd_compare(args) -> int:
     from .table import compare
 
@@ -249,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("dir", metavar="DIR", type=Path)
     s.add_argument("--format", default="markdown", choices=["markdown", "csv", "json"])
     s.set_defaults(func=_cmd_table)
+
+    s = sub.add_parser("report", help="the findings of an ablate results folder as sentences (every figure from results.json)")
+    s.add_argument("dir", metavar="DIR", type=Path)
+    s.set_defaults(func=_cmd_report)
 
     s = sub.add_parser("compare", help="paired differences between two variants of a results folder, on the same positions")
     s.add_argument("dir", metavar="DIR", type=Path)

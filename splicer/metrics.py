@@ -204,15 +204,17 @@ def _comparison(point: torch.Tensor, draws: torch.Tensor, clusters: int) -> dict
             "significant": significant, "positions": sw, "clusters": clusters}
 
 
-def decode_difference(variant: list[list[float]], reference: list[list[float]]) -> dict:
+def decode_difference(variant: list[list[float]], reference: list[list[float]],
+                      extra_groups: list[list[list[float]]] = ()) -> dict:
     """Relative decode-time difference of a variant from a reference (the build), with a 95 % interval.
 
     Each argument: per engine, the per-block ms/token that engine measured (a block = one timed generation). Engines
     differ from each other by more than blocks of one engine do, so the interval carries both: the between-engine
     variance is estimated from every variant with two or more engines here (the reference is timed on at least two),
     and the interval uses Student's t with that many degrees of freedom. "resolved" when the interval excludes 0.
+    extra_groups: other variants' engines (each a list like `variant`), used only for that spread.
     """
-    groups = [g for g in (*variant, *reference) if g]
+    groups = [g for g in (*variant, *reference, *(e for x in extra_groups for e in x)) if g]
     if not variant or not reference or not all(variant) or not all(reference):
         return {"rel": None, "rel_ci": None, "resolved": None, "engines": [len(variant), len(reference)], "df": 0}
 
@@ -224,8 +226,8 @@ def decode_difference(variant: list[list[float]], reference: list[list[float]]) 
         return sum(terms) / len(terms) if terms else 0.0
 
     between_ss, between_df = 0.0, 0
-    for engines in (variant, reference):
-        if len(engines) > 1:
+    for engines in (variant, reference, *extra_groups):
+        if len(engines) > 1 and all(engines):
             m = engine_means(engines)
             mu = sum(m) / len(m)
             between_ss += sum((x - mu) ** 2 for x in m)

@@ -13,8 +13,6 @@ corpus name of the run (results.json "corpora"), in order:
   status                         "ok", or "error" for a row that failed (its numbers are then all missing)
   error                          why the row failed
   repeat_of                      the row whose variant this row runs again (timing repeats)
-  within_noise                   true when the row differs from the build by less than the noise floor on every
-                                 corpus (Markdown: "≈" after the name); missing where not computed (the build)
   size_gb                        bytes on disk / 1e9
   top1_<corpus>                  top-1 agreement with the base, as a fraction (Markdown shows %)
   top1_<corpus>_ci_low, _ci_high its 95 % interval (bootstrap over sequences)
@@ -25,10 +23,18 @@ corpus name of the run (results.json "corpora"), in order:
   decode_ms_per_token            batch-1 decode ms per token; missing when not timed or not resolved
   bytes_per_decode_step          weight bytes one batch-1 decode step reads (routed experts: top-k of E)
   floor_ms_per_token             the time those bytes take at --bandwidth-gbs; missing without it
-  decode_change_vs_build         decode_ms_per_token / the build's - 1, a fraction (Markdown: "Δ decode" in %)
-  decode_change_in_noise_band    true when that change is inside the run's timing noise band (Markdown: "≈");
-                                 missing for the build, repeat rows (they define the band) and runs without a band
-  kl_change_vs_build             the mean over corpora of kl_<corpus> / the build's - 1, a fraction ("ΔKL vs build")
+  decode_change_vs_build         the row's decode time relative to the build's, a fraction (Markdown: "Δ decode" in %),
+                                 over every engine of each (the build is timed on 2+ engines: rows with repeat = true)
+  decode_change_ci_low, _high    its 95 % interval (Student's t on the engine-to-engine spread; verdicts.py)
+  decode_change_resolved         true when that interval excludes 0 (Markdown: "not resolved" when false)
+  kl_change_vs_build             KL relative to the build's, a fraction, pooled over corpora position-weighted, paired on
+                                 the same positions ("ΔKL vs build")
+  kl_change_ci_low, _ci_high     its 95 % interval (stratified bootstrap over sequences, both rows resampled together)
+  kl_change_significant          true when that interval excludes 0 (Markdown: "n.s." when false)
+  top1_change_vs_build           top-1 minus the build's top-1, a fraction, pooled like ΔKL (Markdown: percentage points)
+  top1_change_ci_low, _ci_high   its 95 % interval
+  top1_change_significant        true when that interval excludes 0
+The build and rows that repeat another row (more engines of it, for timing) have no changes of their own.
 """
 
 from __future__ import annotations
@@ -42,41 +48,6 @@ from pathlib import Path
 from .errors import SplicerError
 
 
-def _load_scores(out: Path, row: str, corpus: str):
-    from safetensors.torch import load_file
-
-    p = out / "scores" / row / f"{corpus}.safetensors"
-    return load_file(str(p)) if p.exists() else None
-
-
-def paired_vs_build(results: dict, out: Path) -> None:
-    """Paired differences of every variant against the build on the same positions, and the noise mark."""
-    from .metrics import paired_difference
-
-    ok = {v["name"]: v for v in results["variants"] if v.get("status") == "ok"}
-    if "build" not in ok:
-        return
-    for name, v in ok.items():
-        v["paired_vs_build"], v["within_noise"] = {}, {}
-        if name == "build":
-            continue
-        for corpus in v["metrics"]:
-            a, b = _load_scores(out, name, corpus), _load_scores(out, "build", corpus)
-            if a is None or b is None:
-                continue
-            dkl = paired_difference(a["kl_top"], b["kl_top"], a["seq_index"])
-            dtop1 = paired_difference(a["top1"].float(), b["top1"].float(), a["seq_index"])
-            v["paired_vs_build"][corpus] = {"dkl": dkl, "dtop1": dtop1}
-            noise = results.get("noise_floor", {}).get(corpus)
-            if noise:
-                v["within_noise"][corpus] = abs(dkl["mean"]) <= noise["kl"] and abs(dtop1["mean"]) <= 1 - noise["top1"]
-
-
-def _mean_kl(v: dict) -> float | None:
-    vals = [m["kl"] for m in v.get("metrics", {}).values() if m.get("kl") is not None]
-    return sum(vals) / len(vals) if vals else None
-
-
 def _dnll_corpora(results: dict) -> list[str]:
     """Corpora on which some variant has a dNLL (those with generated answers)."""
     return [c for c in results.get("corpora", {})
@@ -88,24 +59,22 @@ def _ci(m: dict, key: str) -> tuple[float | None, float | None]:
     return (ci[0], ci[1]) if ci else (None, None)
 
 
+def _pooled(v: dict, quantity: str) -> dict:
+    return (((v.get("vs_build") or {}).get(quantity) or {}).get("pooled")) or {}
+
+
 def records(results: dict) -> list[dict]:
     """One dict per variant, the columns of the module docstring: the numbers every output format is made from."""
     corpora = list(results.get("corpora", {}))
     dnll_corpora = _dnll_corpora(results)
     variants = results["variants"]
-    build = next((v for v in variants if v["name"] == "build" and v.get("status") == "ok"), None)
-    build_kl = _mean_kl(build) if build else None
-    build_ms = build.get("decode_ms_per_token") if build else None
     bw = results.get("bandwidth_bytes_per_s")
-    band = timing_noise_band(results)
     out = []
     for v in variants:
         ok = v.get("status") == "ok"
         restored = v["restored"] if isinstance(v["restored"], str) else ",".join(v["restored"])
-        wn = v.get("within_noise") if ok else None
         rec = {"variant": v["name"], "restored": restored, "status": "ok" if ok else "error",
                "error": None if ok else (v.get("error") or ""), "repeat_of": v.get("repeat_of"),
-               "within_noise": all(wn.values()) if wn else None,
                "size_gb": v["size_bytes"] / 1e9 if ok and v.get("size_bytes") is not None else None}
         metrics = (v.get("metrics") or {}) if ok else {}
         for c in corpora:
@@ -123,17 +92,38 @@ def records(results: dict) -> list[dict]:
         rec["bytes_per_decode_step"] = step
         # the time the step's weight bytes take at the card's bandwidth: how far decode is from the memory floor
         rec["floor_ms_per_token"] = 1000 * step / bw if bw and step else None
-        d = ms / build_ms - 1 if ok and ms is not None and build_ms and v["name"] != "build" else None
-        rec["decode_change_vs_build"] = d
-        rec["decode_change_in_noise_band"] = abs(d) <= band if d is not None and band is not None and not v.get("repeat_of") else None
-        kl = _mean_kl(v) if ok else None
-        rec["kl_change_vs_build"] = kl / build_kl - 1 if kl is not None and build_kl and v["name"] != "build" else None
+        d = (v.get("decode_vs_build") or {}) if ok else {}
+        lo, hi = d.get("rel_ci") or (None, None)
+        rec.update({"decode_change_vs_build": d.get("rel"), "decode_change_ci_low": lo, "decode_change_ci_high": hi,
+                    "decode_change_resolved": d.get("resolved")})
+        kl, top1 = (_pooled(v, "kl"), _pooled(v, "top1")) if ok else ({}, {})
+        lo, hi = kl.get("rel_ci") or (None, None)
+        rec.update({"kl_change_vs_build": kl.get("rel"), "kl_change_ci_low": lo, "kl_change_ci_high": hi,
+                    "kl_change_significant": kl.get("significant")})
+        lo, hi = top1.get("diff_ci") or (None, None)
+        rec.update({"top1_change_vs_build": top1.get("diff"), "top1_change_ci_low": lo, "top1_change_ci_high": hi,
+                    "top1_change_significant": top1.get("significant")})
         out.append(rec)
     return out
 
 
 def _fmt(x: float | None, spec: str, suffix: str = "", missing: str = "") -> str:
     return missing if x is None else f"{x:{spec}}{suffix}"
+
+
+def fmt_change(x: float, lo: float | None, hi: float | None, scale: float = 100, unit: str = " %") -> str:
+    """'+2.7 % [+1.9, +3.5]': two decimals where every figure is below 10 (so a small interval is not shown as 0.0)."""
+    small = max(abs(scale * v) for v in (x, lo, hi) if v is not None) < 10
+    d = 2 if small else 1
+    text = f"{scale * x:+.{d}f}{unit}"
+    return text + (f" [{scale * lo:+.{d}f}, {scale * hi:+.{d}f}]" if lo is not None and hi is not None else "")
+
+
+def _change(x, lo, hi, verdict, scale: float, unit: str, quiet: str) -> str:
+    """fmt_change, with `quiet` after it when the interval includes 0 (verdict False)."""
+    if x is None:
+        return ""
+    return fmt_change(x, lo, hi, scale, unit) + (f" {quiet}" if verdict is False else "")
 
 
 def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
@@ -146,15 +136,17 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
     if dnll_corpora:
         headers.append("dNLL")
     bw = results.get("bandwidth_bytes_per_s")
-    headers += ["decode ms/tok"] + ([f"floor ms @ {bw / 1e12:g} TB/s"] if bw else []) + ["Δ decode", "ΔKL vs build"]
+    headers += ["decode ms/tok"] + ([f"floor ms @ {bw / 1e12:g} TB/s"] if bw else [])
+    headers += ["Δ decode [95 %]", "ΔKL vs build [95 %]", "Δtop-1 vs build, pp [95 %]"]
     rows = []
     for r in records(results):
         restored = r["restored"].replace(",", ", ") or "none (the build)"
         if r["status"] != "ok":
             rows.append([r["variant"], restored, "", *[""] * (2 * len(corpora)), *([""] if dnll_corpora else []), "",
-                         *([""] if bw else []), "", f"failed: {r['error'][:80]}"])
+                         *([""] if bw else []), "", "", f"failed: {r['error'][:80]}"])
             continue
-        row = [r["variant"] + (" ≈" if r["within_noise"] else ""), restored, _fmt(r["size_gb"], ".3f")]
+        name = r["variant"] + (f" (engine of {r['repeat_of']})" if r["repeat_of"] else "")
+        row = [name, restored, _fmt(r["size_gb"], ".3f")]
         for c in corpora:
             top1 = r[f"top1_{c}"]
             row += [_fmt(None if top1 is None else 100 * top1, ".1f", " %"), _fmt(r[f"kl_{c}"], ".4f")]
@@ -163,14 +155,14 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
         row.append(_fmt(r["decode_ms_per_token"], ".2f", missing="-"))
         if bw:
             row.append(_fmt(r["floor_ms_per_token"], ".3f"))
-        d = r["decode_change_vs_build"]
-        row.append(_fmt(None if d is None else 100 * d, "+.1f", " %" + (" ≈" if r["decode_change_in_noise_band"] else "")))
-        dkl = r["kl_change_vs_build"]
-        row.append(_fmt(None if dkl is None else 100 * dkl, "+.1f", " %"))
+        row.append(_change(r["decode_change_vs_build"], r["decode_change_ci_low"], r["decode_change_ci_high"],
+                           r["decode_change_resolved"], 100, " %", "not resolved"))
+        row.append(_change(r["kl_change_vs_build"], r["kl_change_ci_low"], r["kl_change_ci_high"],
+                           r["kl_change_significant"], 100, " %", "n.s."))
+        row.append(_change(r["top1_change_vs_build"], r["top1_change_ci_low"], r["top1_change_ci_high"],
+                           r["top1_change_significant"], 100, "", "n.s."))
         rows.append(row)
-    build = next((v for v in results["variants"] if v["name"] == "build" and v.get("status") == "ok"), None)
-    notes = _footnotes(results, _mean_kl(build) if build else None)
-    return headers, rows, notes
+    return headers, rows, _footnotes(results)
 
 
 def caption(results: dict) -> str:
@@ -190,27 +182,35 @@ def caption(results: dict) -> str:
     return f"Build `{build}` against base `{base}`, backend {backend}; {corpora}."
 
 
-def _timed_repeats(results: dict) -> list[tuple[dict, dict]]:
-    """(first row, its repeat) for every repeat row whose variant was timed both times."""
-    ok = {v["name"]: v for v in results.get("variants", []) if v.get("status") == "ok"}
-    pairs = [(ok.get(v.get("repeat_of") or ""), v) for v in ok.values()]
-    return [(a, b) for a, b in pairs if a and a.get("decode_ms_per_token") and b.get("decode_ms_per_token")]
+def _kl_bound(results: dict) -> str:
+    """What the KL columns are, which depends on what the backend can return."""
+    if results.get("backend") == "vllm":
+        return ("KL = KL(base ‖ variant) over the base's top-20 with the rest lumped, the variant's log-probs taken from its "
+                "own top-20 (an id missing there gets its 20th log-prob): a lower bound on the full KL, looser than the torch "
+                "backend's, so KLs of the two backends are not comparable")
+    return ("KL = KL(base ‖ variant) over the base's top-20 with the rest lumped, the variant's exact log-probs at those ids: "
+            "a lower bound on the full KL (data-processing inequality)")
 
 
-def timing_noise_band(results: dict) -> float | None:
-    """Largest relative decode-time difference between a row and its repeat (e.g. the build at start and end)."""
-    spreads = [abs(b["decode_ms_per_token"] / a["decode_ms_per_token"] - 1) for a, b in _timed_repeats(results)]
-    return max(spreads) if spreads else None
+def _footnotes(results: dict) -> list[str]:
+    from .verdicts import pooled_kl
 
-
-def _footnotes(results: dict, build_kl: float | None) -> list[str]:
     notes = []
-    band = timing_noise_band(results)
-    if band is not None:
-        pairs = [f"{a['name']} {a['decode_ms_per_token']:.3f} → {b['name']} {b['decode_ms_per_token']:.3f} ms/token"
-                 for a, b in _timed_repeats(results)]
-        notes.append(f"Timing noise band ±{100 * band:.1f} % (the same variant timed twice in this run: {'; '.join(pairs)}); "
-                     "Δ decode marked ≈ is inside it.")
+    method = (results.get("verdicts") or {}).get("method")
+    if method:
+        notes.append(f"ΔKL and Δtop-1 vs build: {method}; n.s. = not significant. ΔKL is relative to the build's KL "
+                     "(`splicer compare DIR ROW build` gives it per corpus).")
+    engines = (results.get("verdicts") or {}).get("build_engines")
+    d = next((v["decode_vs_build"] for v in results["variants"] if v.get("decode_vs_build")), None)
+    if engines:
+        ms = ", ".join(f"{n} {m:.3f}" for n, m in zip(engines["rows"], engines["mean_ms"]))
+        df = f" (df {d['df']})" if d and d.get("df") else ""
+        notes.append(f"Δ decode vs build: the build timed on {engines['engines']} engines in this run ({ms} ms/token; "
+                     f"largest difference {100 * engines['spread']:.2f} %); each interval is Student's t on the "
+                     f"engine-to-engine spread{df}; not resolved = the interval includes 0.")
+    elif any(r.get("decode_ms_per_token") for r in results["variants"]):
+        notes.append("Δ decode vs build: not computed: the build was timed on fewer than two engines, so the "
+                     "engine-to-engine spread is unknown (add a `repeat = true` row of the build).")
     # Recomputed from the rows rather than read back, so results written by older versions get today's labels.
     from .ablate import time_breakdown
 
@@ -220,23 +220,28 @@ def _footnotes(results: dict, build_kl: float | None) -> list[str]:
     nf = results.get("noise_floor") or {}
     if nf:
         parts = [f"{c}: top-1 {100 * m['top1']:.1f} %, KL {m['kl']:.4f}" for c, m in nf.items()]
-        notes.append("Noise floor (the base against itself, batched and ordered differently): " + "; ".join(parts)
-                     + ". Rows marked ≈ differ from the build by less than that on every corpus.")
-    ok = {v["name"]: v for v in results["variants"] if v.get("status") == "ok" and isinstance(v["restored"], list)}
+        notes.append("Noise floor (the base scored again, as every row is scored; a reference level for what the engine's "
+                     "own nondeterminism costs, not a significance threshold): " + "; ".join(parts) + ".")
+    ok = {v["name"]: v for v in results["variants"] if v.get("status") == "ok" and isinstance(v["restored"], list)
+          and not v.get("repeat_of")}
+    build = ok.get("build")
+    build_kl = pooled_kl(build) if build else None
     singles = {v["restored"][0]: v for v in ok.values() if len(v["restored"]) == 1}
     union = set(singles)
     together = next((v for v in ok.values() if set(v["restored"]) == union and len(union) > 1), None)
     if build_kl and together and singles:
-        red_all = build_kl - _mean_kl(together)
-        red_sum = sum(build_kl - _mean_kl(v) for v in singles.values())
+        red_all = build_kl - pooled_kl(together)
+        red_sum = sum(build_kl - pooled_kl(v) for v in singles.values())
         if red_all:
             notes.append(f"Additivity: the single-class KL reductions ({', '.join(sorted(singles))}) add up to "
-                         f"{red_sum / red_all:.2f}× the reduction of restoring them together ({together['name']}); 1.00 = additive.")
+                         f"{red_sum / red_all:.2f}× the reduction of restoring them together ({together['name']}); 1.00 = additive "
+                         "(KL pooled over corpora, position-weighted).")
     for s in results.get("skipped", []):
         notes.append(f"Row {s['name']} skipped: {s['reason']}.")
     b = results.get("backend_info") or {}
-    notes.append(f"Backend {results.get('backend')} ({results.get('engine_version')}, {results.get('device')}); KL = KL(base ‖ variant) over the "
-                 "base's top-20 with the rest lumped (a lower bound); dNLL = extra nats per token on the base's greedy chat answers; "
+    notes.append(f"Backend {results.get('backend')} ({results.get('engine_version')}, {results.get('device')}); "
+                 f"{_kl_bound(results)}; top-1 counts a variant's choice among tied maxima of the base as agreement; "
+                 "dNLL = extra nats per token on the base's greedy chat answers; "
                  f"decode = batch-1 ms/token{' on ' + b['device'] if b.get('device') else ''}.")
     return notes
 
@@ -332,10 +337,10 @@ def render(out_dir: Path, fmt: str = "markdown") -> str:
 
 
 def compare(out_dir: Path, a: str, b: str) -> str:
-    """Paired differences between any two finished variants on the same positions (bootstrap over sequences)."""
+    """Paired differences between any two finished variants on the same positions (verdicts.compare_scores)."""
     from tabulate import tabulate
 
-    from .metrics import paired_difference
+    from .verdicts import compare_scores
 
     out_dir = Path(out_dir)
     path = out_dir / "results.json"
@@ -346,20 +351,31 @@ def compare(out_dir: Path, a: str, b: str) -> str:
     for name in (a, b):
         if name not in ok:
             raise SplicerError(f"variant {name!r} has no finished scores in {out_dir}; finished: {', '.join(sorted(ok)) or 'none'}")
+    try:
+        c = compare_scores(out_dir, a, b, list(results.get("corpora", {})))
+    except ValueError as e:
+        raise SplicerError(f"{e}; rerun splicer ablate on {out_dir}") from None
+    if c is None:
+        raise SplicerError(f"no score files of {a} and {b} under {out_dir / 'scores'}; rerun splicer ablate on {out_dir}")
+
+    def cell(cmp, scale, digits, rel=False):
+        if not cmp or cmp.get("diff") is None:
+            return ""
+        x, ci = (cmp["rel"], cmp["rel_ci"]) if rel else (cmp["diff"], cmp["diff_ci"])
+        if x is None:
+            return ""
+        text = f"{scale * x:+.{digits}f}" + (f" [{scale * ci[0]:+.{digits}f}, {scale * ci[1]:+.{digits}f}]" if ci else "")
+        return text + (" n.s." if cmp.get("significant") is False else "")
+
     rows = []
-    for corpus in results.get("corpora", {}):
-        sa, sb = _load_scores(out_dir, a, corpus), _load_scores(out_dir, b, corpus)
-        if sa is None or sb is None:
-            continue
-        dkl = paired_difference(sa["kl_top"], sb["kl_top"], sa["seq_index"])
-        dtop1 = paired_difference(sa["top1"].float(), sb["top1"].float(), sa["seq_index"])
-        row = [corpus, f"{dkl['mean']:+.4f} [{dkl['ci'][0]:+.4f}, {dkl['ci'][1]:+.4f}]",
-               f"{100 * dtop1['mean']:+.2f} [{100 * dtop1['ci'][0]:+.2f}, {100 * dtop1['ci'][1]:+.2f}]"]
-        if "answer_mask" in sa:
-            m = sa["answer_mask"].bool()
-            d = paired_difference(-sa["dlogp"][m], -sb["dlogp"][m], sa["seq_index"][m])
-            row.append(f"{-d['mean']:+.4f} [{-d['ci'][1]:+.4f}, {-d['ci'][0]:+.4f}]")
-        else:
-            row.append("")
-        rows.append(row)
-    return tabulate(rows, headers=["corpus", f"ΔKL {a} − {b} [95 %]", "Δtop-1 pp [95 %]", "ΔdNLL [95 %]"], tablefmt="github")
+    names = [*c["kl"]["per_stratum"], "all (position-weighted)"]
+    for corpus in names:
+        pick = (lambda q: (c[q] or {}).get("pooled")) if corpus.startswith("all ") else (lambda q: ((c[q] or {}).get("per_stratum") or {}).get(corpus))
+        kl = pick("kl")
+        rows.append([corpus, f"{kl['positions']:,.0f}", f"{kl['clusters']:,}", cell(kl, 1, 5), cell(kl, 100, 1, rel=True), cell(pick("top1"), 100, 2),
+                     cell(pick("dnll"), 1, 5)])
+    table = tabulate(rows, headers=["corpus", "positions counted", "sequences", f"ΔKL {a} − {b} [95 %]", "ΔKL % of b's", "Δtop-1 pp", "ΔdNLL"],
+                     tablefmt="github", disable_numparse=True)
+    from .verdicts import METHOD
+
+    return table + f"\n\n{a} − {b}: {METHOD}; n.s. = not significant."

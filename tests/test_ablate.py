@@ -98,8 +98,15 @@ def test_restoring_everything_reproduces_the_base(finished):
                 assert m["dnll"] == pytest.approx(0, abs=1e-7)
     build = rows["build"]["metrics"]["wiki-en"]
     assert build["kl"] > 0.01 and build["top1"] < 1.0
-    assert rows["gdn"]["paired_vs_build"]["wiki-en"]["dkl"]["mean"] == pytest.approx(
-        rows["gdn"]["metrics"]["wiki-en"]["kl"] - build["kl"], abs=1e-6)
+    # The paired difference from the build is the difference of the two weighted means, per corpus and pooled.
+    paired = rows["gdn"]["vs_build"]["kl"]
+    assert paired["per_stratum"]["wiki-en"]["diff"] == pytest.approx(rows["gdn"]["metrics"]["wiki-en"]["kl"] - build["kl"], abs=1e-6)
+    positions = {c: m["positions"] for c, m in rows["build"]["metrics"].items()}
+    pooled_build = sum(rows["build"]["metrics"][c]["kl"] * n for c, n in positions.items()) / sum(positions.values())
+    pooled_gdn = sum(rows["gdn"]["metrics"][c]["kl"] * n for c, n in positions.items()) / sum(positions.values())
+    assert paired["pooled"]["rel"] == pytest.approx(pooled_gdn / pooled_build - 1, rel=1e-5)
+    lo, hi = paired["pooled"]["rel_ci"]
+    assert lo <= paired["pooled"]["rel"] <= hi and paired["pooled"]["significant"] == (lo > 0 or hi < 0)
 
 
 def test_rerun_skips_finished_rows(finished, pairs, plan_file, monkeypatch):
@@ -191,7 +198,7 @@ def test_compare_any_two_variants(finished, capsys):
     rows = {v["name"]: v for v in results["variants"]}
     expected = rows["gdn"]["metrics"]["wiki-en"]["kl"] - rows["lm_head"]["metrics"]["wiki-en"]["kl"]
     line = next(x for x in text.splitlines() if x.startswith("| wiki-en"))
-    assert f"{expected:+.4f}" in line
+    assert f"{expected:+.5f}" in line
     assert main(["compare", str(out), "gdn", "nope"]) == 2
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from splicer.table import render
+from splicer.table import fmt_change, render
 
 RESULTS = Path(__file__).parents[1] / "results"
 TEXT = {"variant", "restored", "status", "error", "repeat_of"}
-FLAGS = {"within_noise", "decode_change_in_noise_band"}
+FLAGS = {"decode_change_resolved", "kl_change_significant", "top1_change_significant"}
 
 
 def _write(folder: Path, results: dict) -> Path:
@@ -38,11 +38,11 @@ def _csv(out: Path) -> list[dict]:
 
 
 def _md_rows(md: str) -> dict[str, dict]:
-    """The first Markdown table as {variant name without its ≈: {header: cell}}."""
+    """The first Markdown table as {variant name: {header: cell}}."""
     lines = [ln for ln in md.split("\n\n")[1].splitlines() if ln.startswith("|")]
     cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
     headers = cells[0]
-    return {row[0].removesuffix(" ≈"): dict(zip(headers, row)) for row in cells[2:]}
+    return {row[0].split(" (engine of ")[0]: dict(zip(headers, row)) for row in cells[2:]}
 
 
 def test_csv_holds_plain_numbers_from_results_json(committed):
@@ -70,7 +70,14 @@ def test_csv_holds_plain_numbers_from_results_json(committed):
             assert [float(row[f"kl_{c}_ci_low"]), float(row[f"kl_{c}_ci_high"])] == m["kl_ci"]
         assert float(row["size_gb"]) == v["size_bytes"] / 1e9
         assert float(row["decode_ms_per_token"]) == v["decode_ms_per_token"]
-        assert (row["kl_change_vs_build"] == "") == (row["variant"] == "build")
+        # Changes from the build: none for the build and its other engines; the rest where verdicts were computed.
+        if row["variant"] == "build" or row["repeat_of"] == "build":
+            assert row["kl_change_vs_build"] == row["decode_change_vs_build"] == ""
+        elif v.get("vs_build"):
+            pooled = v["vs_build"]["kl"]["pooled"]
+            assert float(row["kl_change_vs_build"]) == pooled["rel"]
+            assert [float(row["kl_change_ci_low"]), float(row["kl_change_ci_high"])] == pooled["rel_ci"]
+            assert row["kl_change_significant"] == str(pooled["significant"]).lower()
 
 
 def test_json_is_a_list_of_objects_with_real_numbers_that_match_the_csv(committed):
@@ -91,7 +98,7 @@ def test_json_is_a_list_of_objects_with_real_numbers_that_match_the_csv(committe
                 assert x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)), (key, x)
                 assert (row[key] == "") == (x is None) and (x is None or float(row[key]) == x), key
                 numbers += x is not None
-    assert numbers > 20 * len(data)  # mostly numbers, not a table of gaps
+    assert numbers > 15 * len(data)  # mostly numbers, not a table of gaps
 
 
 def test_markdown_cells_are_the_exported_numbers_formatted(committed):
@@ -99,14 +106,18 @@ def test_markdown_cells_are_the_exported_numbers_formatted(committed):
     md = _md_rows(render(out, "markdown"))
     for r in json.loads(render(out, "json")):
         cells = md[r["variant"]]
-        assert cells["variant"].endswith(" ≈") == bool(r["within_noise"])
         assert cells["size GB"] == f"{r['size_gb']:.3f}"
         for c in results["corpora"]:
             assert cells[f"top-1 {c}"] == f"{100 * r[f'top1_{c}']:.1f} %" and cells[f"KL {c}"] == f"{r[f'kl_{c}']:.4f}"
         assert cells["dNLL"] == f"{r['dnll_chat']:+.4f}"
         assert cells["decode ms/tok"] == f"{r['decode_ms_per_token']:.2f}"
-        d = r["decode_change_vs_build"]
-        assert cells["Δ decode"] == ("" if d is None else f"{100 * d:+.1f} %" + (" ≈" if r["decode_change_in_noise_band"] else ""))
+        for col, key, scale, unit, quiet in (("Δ decode [95 %]", "decode_change", 100, " %", "not resolved"),
+                                             ("ΔKL vs build [95 %]", "kl_change", 100, " %", "n.s."),
+                                             ("Δtop-1 vs build, pp [95 %]", "top1_change", 100, "", "n.s.")):
+            x = r[f"{key}_vs_build"]
+            flag = r["decode_change_resolved" if key == "decode_change" else f"{key}_significant"]
+            want = "" if x is None else fmt_change(x, r[f"{key}_ci_low"], r[f"{key}_ci_high"], scale, unit) + (f" {quiet}" if flag is False else "")
+            assert cells[col] == want, (r["variant"], col)
 
 
 def test_caption_names_build_base_backend_corpora_and_positions(committed):
@@ -145,7 +156,7 @@ def test_a_failed_row_and_gaps_are_missing_values_not_text(tmp_path):
 def test_an_unresolved_decode_time_is_a_gap_everywhere(tmp_path):
     """A timed row whose decode estimate was not positive (decode_ms_per_token None): no table divides by it."""
     from splicer.backends.vllm_backend import summarise_decode_runs
-    from splicer.table import timing_noise_band
+    from splicer.verdicts import attach
 
     results = json.loads((RESULTS / "demo" / "results.json").read_text())
     results["backend"] = "vllm"  # the speed table is rendered for vLLM runs
@@ -154,13 +165,14 @@ def test_an_unresolved_decode_time_is_a_gap_everywhere(tmp_path):
     for v in results["variants"]:
         if v["name"] in ("build", "gdn"):
             v["timing"], v["decode_ms_per_token"] = unresolved, None
-    next(v for v in results["variants"] if v["name"] == "gdn")["repeat_of"] = "build"  # a repeat pair, neither timed
-    assert timing_noise_band(results) is None
+    out = _write(tmp_path / "r", results)
+    attach(results, out)
+    assert results["verdicts"].get("build_engines") is None  # neither build engine was resolved
     out = _write(tmp_path / "r", results)
     md = render(out, "markdown")
     rows = _md_rows(md)
     assert rows["build"]["decode ms/tok"] == "-" and rows["gdn"]["decode ms/tok"] == "-"
-    assert rows["attention"]["decode ms/tok"] == "5.44" and rows["attention"]["Δ decode"] == ""  # no build time
+    assert rows["attention"]["decode ms/tok"] != "-" and rows["attention"]["Δ decode [95 %]"] == ""  # no build time
     assert "| gdn " in md.split("Speed per variant")[1] and "not resolved" in md.split("Speed per variant")[1]
     data = {r["variant"]: r for r in json.loads(render(out, "json"))}
     assert data["build"]["decode_ms_per_token"] is None and data["gdn"]["decode_ms_per_token"] is None

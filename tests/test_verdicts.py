@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 import torch
 
 from splicer.metrics import decode_difference, paired_comparison
@@ -119,3 +121,38 @@ def test_top1_counts_a_tie_among_the_base_maxima_as_agreement():
     rec = position_records(base, var, Corpus("c", "text", [[0, 1, 2, 3]]), None)
     # 6 ties 5 at position 0 (agreement); 6 is below 5 at position 1 (not); 8 is no tied maximum at position 2 (not)
     assert rec["top1"].tolist() == [True, False, False] and rec["base_tie"].tolist() == [True, False, True]
+
+
+def test_rows_get_decode_verdicts_from_every_engine_of_the_build(tmp_path):
+    """results.json rows -> decode_vs_build: the build's engines (its row and its repeats) are the reference, their
+    spread sets the interval; a planted 3 % row is resolved, an unchanged one is not, and the table says so."""
+    from splicer.table import records, render_markdown
+    from splicer.verdicts import attach
+
+    rng = random.Random(7)
+
+    def row(name, ms, **extra):
+        from splicer.backends import decode_summary
+
+        blocks = [ms * (1 + rng.gauss(0, 0.001)) for _ in range(7)]
+        timing = decode_summary(blocks)
+        return {"name": name, "restored": [] if "build" in name else [name], "status": "ok", "metrics": {},
+                "decode_ms_per_token": timing["decode_ms_per_token"], "timing": timing, **extra}
+
+    results = {"corpora": {}, "variants": [
+        row("build", 4.380), row("gdn", 4.380 * 1.03), row("build-middle", 4.384, repeat_of="build"),
+        row("attention", 4.381), row("build-again", 4.377, repeat_of="build")]}
+    attach(results, tmp_path)
+    rows = {v["name"]: v for v in results["variants"]}
+    engines = results["verdicts"]["build_engines"]
+    assert engines["engines"] == 3 and engines["rows"] == ["build", "build-middle", "build-again"] and engines["spread"] < 0.005
+    gdn, attention = rows["gdn"]["decode_vs_build"], rows["attention"]["decode_vs_build"]
+    assert gdn["resolved"] and gdn["rel"] == pytest.approx(0.03, abs=0.003) and gdn["engines"] == [1, 3] and gdn["df"] == 2
+    assert attention["resolved"] is False and attention["rel_ci"][0] < 0 < attention["rel_ci"][1]
+    assert "decode_vs_build" not in rows["build-again"] and "decode_vs_build" not in rows["build"]
+    by_name = {r["variant"]: r for r in records(results)}
+    assert by_name["gdn"]["decode_change_resolved"] is True and by_name["attention"]["decode_change_resolved"] is False
+    md = render_markdown(results)
+    assert "not resolved" in next(line for line in md.splitlines() if line.startswith("| attention"))
+    assert "not resolved" not in next(line for line in md.splitlines() if line.startswith("| gdn"))
+    assert "the build timed on 3 engines" in md

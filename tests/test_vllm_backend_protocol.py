@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from splicer.errors import SplicerError
+
 FAKE = str(Path(__file__).parent / "fake_vllm")
 
 
@@ -205,6 +207,33 @@ def test_overlapped_start_serves_the_next_variant_from_the_second_worker(pairs, 
     assert torch.equal(again[0].topk_logprobs, got_build[0].topk_logprobs)
     b.close()
     assert all(w.proc is None for w in b.workers)
+
+
+def test_with_overlapped_starts_every_engine_sleeps_once_started_and_is_woken_at_its_turn(pairs, fake_vllm, tmp_path):
+    """Every row is timed in one state: started (ahead or at its turn), put to sleep, woken. An engine started ahead
+    waits asleep, so the one being timed is the only one awake on the GPU; serial runs never sleep."""
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=1)
+    assert b.sleep_between and b.engine_args["enable_sleep_mode"] is True
+    seqs = [list(range(20, 60))]
+    b.load(pairs["fused"]["lowlatency"])  # loaded at its turn: sleeps and wakes too
+    assert b.load_info()["wake_s"] >= 0 and b.load_info()["sleep_s"] >= 0
+    assert b.engine_metrics("fake:sleep_wake") == {"fake:sleep_wake": [1, 1]}
+    b.prefetch(pairs["fused"]["base"])
+    timing = b.time_decode(seqs[0], 3, 0, 1)
+    assert timing["state"].startswith("woken") and b.workers[1].prefetched["info"]["sleep_s"] >= 0
+    b.unload()
+    b.load(pairs["fused"]["base"])  # the prefetched engine, asleep until now
+    assert b.load_info()["prefetched"] and b.engine_metrics("fake:sleep_wake") == {"fake:sleep_wake": [1, 1]}
+    assert len(list(b.score(seqs, 20, batch_size=1))) == 1  # awake: the fake refuses to serve a sleeping engine
+    b.close()
+    serial = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False)
+    assert not serial.sleep_between and "enable_sleep_mode" not in serial.engine_args
+    serial.load(pairs["fused"]["lowlatency"])
+    assert serial.engine_metrics("fake:sleep_wake") == {"fake:sleep_wake": [0, 0]}
+    assert serial.time_decode(seqs[0], 3, 0, 1)["state"] == "fresh engine, the only one on the GPU"
+    serial.close()
+    with pytest.raises(SplicerError, match="enable_sleep_mode"):
+        fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=1, engine_args={"enable_sleep_mode": False})
 
 
 def test_two_engines_start_ahead_and_a_third_waits_for_a_free_worker(pairs, fake_vllm, tmp_path, monkeypatch):

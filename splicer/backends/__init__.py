@@ -36,6 +36,18 @@ def decode_spread(per_token_ms: list[float]) -> dict:
             "decode_min_max": [min(per_token_ms), max(per_token_ms)]}
 
 
+def decode_summary(per_run_ms: list[float]) -> dict:
+    """decode_spread of per-run ms/token, with the per-run values kept (the blocks verdicts.py pairs engines by); None in
+    place of the spread when the median is not positive. A decode step takes time, so a median <= 0 says the estimate
+    drowned in the clock's noise (e.g. two prefills' jitter in a wall-clock difference), not that decode was free: it
+    must not enter a table as a time."""
+    import statistics
+
+    if per_run_ms and statistics.median(per_run_ms) > 0:
+        return {**decode_spread(per_run_ms), "per_run_ms": list(per_run_ms)}
+    return {"decode_ms_per_token": None, "decode_iqr": None, "decode_min_max": None, "per_run_ms": list(per_run_ms)}
+
+
 class Backend(Protocol):
     name: str
     exact_gather: bool  # gathered log-probs are exact (full vocabulary visible)

@@ -19,7 +19,7 @@ import torch
 
 from ..checkpoint import open_checkpoint
 from ..errors import SplicerError
-from . import SequenceScores, decode_spread
+from . import SequenceScores, decode_summary
 
 _TEXT = re.compile(r"^(model\.language_model\.|lm_head\.)")
 
@@ -251,9 +251,10 @@ class TorchBackend:
             ttft.append(t1 * 1000)
             per_token.append((tn - t1) * 1000 / (new_tokens - 1))
         return {
-            **decode_spread(per_token), "ttft_ms": statistics.median(ttft),
+            **decode_summary(per_token), "ttft_ms": statistics.median(ttft),
             "ttft_min_max": [min(ttft), max(ttft)], "runs": runs, "warmup": warmup,
             "prompt_tokens": len(prompt), "new_tokens": new_tokens,
+            "method": "wall: (t(n) - t(1)) / (n - 1), wall clock around generate, batch 1",
         }
 
     def describe(self) -> dict:

@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 
 from ..errors import SplicerError
-from . import SequenceScores, decode_spread
+from . import SequenceScores, decode_summary
 
 PAD_LOGPROB = -1.0e4  # for a missing top-k slot: exp() is 0, and 0 * finite stays 0 in the KL sums
 
@@ -147,15 +147,6 @@ ENGINE_METHOD = "engine: (last token time - first token time) / (n - 1), from vL
 WALL_METHOD = "wall: (t(n) - t(1)) / (n - 1), wall clock around LLM.generate, batch 1"
 
 
-def _decode_summary(per_run_ms: list[float]) -> dict:
-    """decode_spread of per-run ms/token, with the per-run values kept; None in place of the spread when the median is
-    not positive. A decode step takes time, so a median <= 0 says the estimate drowned in the clock's noise (e.g. two
-    prefills' jitter in the wall-clock difference), not that decode was free: it must not enter a table as a time."""
-    if per_run_ms and statistics.median(per_run_ms) > 0:
-        return {**decode_spread(per_run_ms), "per_run_ms": list(per_run_ms)}
-    return {"decode_ms_per_token": None, "decode_iqr": None, "decode_min_max": None, "per_run_ms": list(per_run_ms)}
-
-
 def summarise_decode_runs(t1_s: list[float], tn_s: list[float], engine_step_s_runs: list[float | None], *,
                           new_tokens: int, warmup: int, prompt_tokens: int) -> dict:
     """The timing entry of results.json from time_decode's runs (pure: the worker measures, this summarises).
@@ -174,7 +165,7 @@ def summarise_decode_runs(t1_s: list[float], tn_s: list[float], engine_step_s_ru
     # the H200, i.e. up to +-1 ms/token over 63 steps); the engine's own token times carry none.
     use_engine = runs > 0 and len(engine) == runs
     per_token, method = (engine, ENGINE_METHOD) if use_engine else (wall_diff, WALL_METHOD)
-    summary = _decode_summary(per_token)
+    summary = decode_summary(per_token)
     if summary["decode_ms_per_token"] is None:
         median = f"{statistics.median(per_token):.4g} ms/token" if per_token else "no value (fewer than 2 new tokens or no runs)"
         method = (f"not resolved: {method} gave a median of {median}, which is no measurement (decode steps shorter "
@@ -184,7 +175,7 @@ def summarise_decode_runs(t1_s: list[float], tn_s: list[float], engine_step_s_ru
            "ttft_min_max": [min(ttft), max(ttft)] if ttft else None,
            "runs": runs, "warmup": warmup, "prompt_tokens": prompt_tokens, "new_tokens": n, "method": method}
     if use_engine:  # the old estimator beside it, from the same runs
-        out["wall_diff"] = _decode_summary(wall_diff)
+        out["wall_diff"] = decode_summary(wall_diff)
     return out
 
 
@@ -320,7 +311,7 @@ def _worker(conn, env: dict, log_path: str) -> None:
     import_s = time.perf_counter() - t0
     llm = None
 
-    def load(folder, engine_args, variant_log):
+    def load(folder, engine_args, variant_log, sleep_after=False):
         nonlocal llm
         _redirect_output(variant_log)
         try:  # vLLM logs many choices once per process; each engine's log should name its own
@@ -343,8 +334,18 @@ def _worker(conn, env: dict, log_path: str) -> None:
             compile_s = float(llm.llm_engine.vllm_config.compilation_config.compilation_time)
         except Exception:
             pass
-        return {"vllm": vllm.__version__, "startup_s": startup, "import_s": import_s, "compile_time_s": compile_s,
+        info = {"vllm": vllm.__version__, "startup_s": startup, "import_s": import_s, "compile_time_s": compile_s,
                 "layers": layers, "pid": os.getpid()}
+        if sleep_after:  # level 1: weights to CPU memory, KV cache dropped; the GPU is free for the engine serving now
+            t = time.perf_counter()
+            llm.sleep(level=1)
+            info["sleep_s"] = time.perf_counter() - t
+        return info
+
+    def wake():
+        t = time.perf_counter()
+        llm.wake_up()
+        return time.perf_counter() - t
 
     def unload():
         nonlocal llm
@@ -404,7 +405,7 @@ def _worker(conn, env: dict, log_path: str) -> None:
                 out[m.name] = getattr(m, "value", None) if not hasattr(m, "values") else list(m.values)
         return out
 
-    ops = {"load": load, "unload": unload, "score": score, "generate": generate, "time": time_decode,
+    ops = {"load": load, "wake": wake, "unload": unload, "score": score, "generate": generate, "time": time_decode,
            "drafter_layers": drafter_layers, "metrics": metrics}
     conn.send(("started", {"import_s": import_s}))
     while True:
@@ -508,7 +509,7 @@ class _Worker:
             self.spawn()
             worker_start_s = time.perf_counter() - t
         log_path = b._fresh_log(Path(folder).name)
-        self.conn.send(("load", str(folder), b.engine_args, str(log_path)))
+        self.conn.send(("load", str(folder), b.engine_args, str(log_path), b.sleep_between))
         self.pending = (Path(folder), log_path, t0, worker_start_s)
 
     def finish_load(self) -> dict:
@@ -560,6 +561,14 @@ class VllmBackend:
     one serves. Engine start-up is mostly single-threaded CPU work (loading ~92 k expert tensors, Dynamo, Inductor), so
     starts in parallel processes overlap, if imperfectly: on the H200 stand-in two starts together took 1.3-1.8x one
     alone. Decode is timed only while no engine is starting (`time_decode` waits).
+
+    Every row must be timed in the same state with one engine awake on the GPU. An engine started ahead and left
+    resident changed the others' decode by up to 6 % on the H200 stand-in, so with overlapped starts
+    (`sleep_between`, on by default with overlap) every engine goes to sleep once it has started (vLLM's sleep mode,
+    level 1: weights to CPU memory, KV cache dropped) and is woken at its turn; an engine loaded at its turn sleeps and
+    wakes too. After a wake, decode repeats within 0.1 % but sits ~10 % below a never-slept engine's (shared device
+    notes), so the state is the same for every row of a run and recorded with each timing; timings taken in the two
+    states are not compared.
     """
 
     name = "vllm"
@@ -567,7 +576,7 @@ class VllmBackend:
 
     def __init__(self, device: str = "auto", engine_args: dict | None = None, log_dir: Path | None = None,
                  start_timeout_s: float = 1800, require_cuda: bool = True, cache_dir: Path | None = None,
-                 one_process: bool = True, overlap_starts: int = 0):
+                 one_process: bool = True, overlap_starts: int = 0, sleep_between: bool | None = None):
         if importlib.util.find_spec("vllm") is None:
             raise SplicerError("the vLLM backend needs vllm (pip install 'splicer[vllm]' on a GPU machine); use --backend torch here")
         if require_cuda and not torch.cuda.is_available():
@@ -578,7 +587,13 @@ class VllmBackend:
         if overlap_starts and not one_process:
             raise SplicerError("--overlap-starts needs one worker per engine slot; drop --process-per-variant")
         defaults, self.env = default_engine_args()
+        self.sleep_between = bool(overlap_starts) if sleep_between is None else bool(sleep_between)
         self.engine_args = {**defaults, **(OVERLAP_DEFAULTS if overlap_starts else {}), **(engine_args or {})}
+        if self.sleep_between:
+            if self.engine_args.get("enable_sleep_mode") is False:
+                raise SplicerError("--overlap-starts times every engine after a sleep and wake (vLLM's sleep mode): "
+                                   "drop --engine-arg enable_sleep_mode=false, or time serially without --overlap-starts")
+            self.engine_args["enable_sleep_mode"] = True
         if device.startswith("cuda:"):
             self.env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
         self.one_process = one_process
@@ -666,7 +681,20 @@ class VllmBackend:
     def _fixed_kv_cache(self) -> bool:
         return bool(self.engine_args.get("kv_cache_memory_bytes"))
 
+    @property
+    def timing_state(self) -> str:
+        """The state every engine of this backend is timed in (recorded with each timing)."""
+        if self.sleep_between:
+            return "woken from vLLM's sleep mode (level 1), no other engine awake or starting on the GPU"
+        return "fresh engine, the only one on the GPU"
+
     def load(self, folder: Path) -> None:
+        self._load_engine(folder)
+        if self.sleep_between:  # every engine slept once it started: wake it for its turn
+            self.info["wake_s"] = self._call("wake", timeout=600)
+        self.info["timing_state"] = self.timing_state
+
+    def _load_engine(self, folder: Path) -> None:
         self.unload()
         folder = Path(folder)
         t0 = time.perf_counter()
@@ -722,8 +750,8 @@ class VllmBackend:
         return self._call("generate", prompts, max_new_tokens, list(stop_ids))
 
     def time_decode(self, prompt, new_tokens, warmup, runs):
-        self.wait_prefetch()  # decode is timed with no other engine starting on the GPU
-        return self._call("time", prompt, new_tokens, warmup, runs)
+        self.wait_prefetch()  # decode is timed with no other engine starting on the GPU (started ones are asleep)
+        return dict(self._call("time", prompt, new_tokens, warmup, runs), state=self.timing_state)
 
     def load_info(self) -> dict:
         return self.info
@@ -762,7 +790,7 @@ class VllmBackend:
         return {"backend": "vllm", "engine": f"vllm {version}", "torch": torch.__version__,
                 "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "engine_args": self.engine_args,
                 "env": {k: v for k, v in self.env.items()}, "python": sys.version.split()[0], "one_process": self.one_process,
-                "overlap_starts": self.overlap_starts, "worker_starts": self.worker_starts,
+                "overlap_starts": self.overlap_starts, "worker_starts": self.worker_starts, "timing_state": self.timing_state,
                 "engine_cache_dir": str(self.cache_dir) if self.cache_dir is not None else "per-user defaults"}
 
 

@@ -22,6 +22,12 @@ DECODE_STEP_S = 0.05
 
 
 @dataclass
+class _Metric:
+    name: str
+    values: list
+
+
+@dataclass
 class Logprob:
     logprob: float
     rank: int | None = None
@@ -74,6 +80,16 @@ class LLM:
         self._ref = TorchBackend("cpu")
         self._ref.load(model)
         self.kwargs = kwargs
+        self.sleeping = False
+        self.sleeps = self.wakes = 0
+
+    def sleep(self, level: int = 1):
+        if not self.kwargs.get("enable_sleep_mode"):
+            raise ValueError("Sleep mode is not enabled in the engine (fake)")  # as vLLM refuses it
+        self.sleeping, self.sleeps = True, self.sleeps + 1
+
+    def wake_up(self, tags=None):
+        self.sleeping, self.wakes = False, self.wakes + 1
 
     def apply_model(self, fn):
         return [fn(self._ref.model)]
@@ -82,9 +98,11 @@ class LLM:
         return [fn(object())]  # no worker with a drafter here
 
     def get_metrics(self):
-        return []
+        return [_Metric("fake:sleep_wake", [self.sleeps, self.wakes])]
 
     def generate(self, prompts, params, use_tqdm=True):
+        if self.sleeping:  # a real engine asleep has no weights on the GPU: serving it would be a bug in the caller
+            raise RuntimeError("generate() on a sleeping engine (fake)")
         out = []
         for p in prompts:
             ids = p["prompt_token_ids"]

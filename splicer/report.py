@@ -1,0 +1,98 @@
+"""`splicer report DIR`: the findings of an ablate run as sentences, every figure computed from DIR/results.json.
+
+A results README quotes these sentences rather than typing figures by hand; `ablate` writes them to DIR/report.md
+beside table.md after every row. Verdicts follow verdicts.py: a score difference is "significant" when its 95 %
+interval excludes 0, a decode difference "resolved" when its interval excludes 0; otherwise the sentence says not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import SplicerError
+from .table import fmt_change
+
+
+def _score_clause(cmp: dict | None, label: str, scale: float, unit: str, rel: bool) -> str | None:
+    if not cmp or cmp.get("diff") is None:
+        return None
+    x, ci = (cmp.get("rel"), cmp.get("rel_ci")) if rel else (cmp["diff"], cmp.get("diff_ci"))
+    if x is None:
+        return None
+    lo, hi = ci if ci else (None, None)
+    verdict = {True: "", False: ", not significant", None: ""}[cmp.get("significant")]
+    return f"{label} {fmt_change(x, lo, hi, scale, unit)}{verdict}"
+
+
+def _decode_clause(d: dict | None) -> str | None:
+    if not d:
+        return None
+    if d.get("rel") is None:
+        return f"decode not compared ({d.get('why', 'too few engines timed')})"
+    lo, hi = d["rel_ci"]
+    verdict = "" if d.get("resolved") else ", not resolved"
+    return f"decode {fmt_change(d['rel'], lo, hi)}{verdict} ({d['variant_ms']:.3f} vs {d['reference_ms']:.3f} ms/token)"
+
+
+def findings(results: dict) -> list[str]:
+    """One sentence per finding, in the table's row order."""
+    from .verdicts import pooled_kl
+
+    out = []
+    variants = [v for v in results.get("variants", []) if v.get("status") == "ok"]
+    build = next((v for v in variants if v["name"] == "build"), None)
+    engines = (results.get("verdicts") or {}).get("build_engines")
+    if build:
+        kl = pooled_kl(build)
+        out.append(f"build: KL {kl:.4f} nats per position pooled over corpora (position-weighted)"
+                   + (f", decode {build['decode_ms_per_token']:.3f} ms/token on its first engine" if build.get("decode_ms_per_token") else "") + ".")
+    if engines:
+        ms = ", ".join(f"{n} {m:.3f}" for n, m in zip(engines["rows"], engines["mean_ms"]))
+        out.append(f"The build on {engines['engines']} engines: {ms} ms/token (mean of each engine's blocks); largest "
+                   f"difference between two of them {100 * engines['spread']:.2f} %.")
+    for v in variants:
+        if v["name"] == "build" or v.get("repeat_of"):
+            continue
+        vs = v.get("vs_build") or {}
+        clauses = [c for c in (
+            _score_clause((vs.get("kl") or {}).get("pooled"), "ΔKL", 100, " %", rel=True),
+            _score_clause((vs.get("top1") or {}).get("pooled"), "Δtop-1", 100, " pp", rel=False),
+            _score_clause((vs.get("dnll") or {}).get("pooled"), "ΔdNLL", 1, " nats/token", rel=False),
+            _decode_clause(v.get("decode_vs_build")),
+        ) if c]
+        if build and v.get("size_bytes") is not None and build.get("size_bytes") is not None:
+            clauses.append(f"size {(v['size_bytes'] - build['size_bytes']) / 1e9:+.2f} GB")
+        restored = v["restored"] if isinstance(v["restored"], str) else ", ".join(v["restored"]) or "nothing"
+        if clauses:
+            out.append(f"{v['name']} (restores {restored}) against the build: " + "; ".join(clauses) + ".")
+    for v in results.get("variants", []):
+        if v.get("status") != "ok":
+            out.append(f"{v['name']}: failed ({(v.get('error') or '').splitlines()[0][:120]}).")
+    nf = results.get("noise_floor") or {}
+    if nf:
+        out.append("Noise floor (the base scored again as the rows are): " + "; ".join(
+            f"{c} KL {m['kl']:.4f}, top-1 {100 * m['top1']:.1f} %" for c, m in nf.items()) + ".")
+    runs = results.get("runs") or []
+    if runs and runs[-1].get("elapsed_s") is not None:
+        last = runs[-1]
+        out.append(f"This run: {len(last.get('rows_run', []))} rows in {last['elapsed_s']:.0f} s wall"
+                   + (" (finished)." if last.get("finished") else " (not finished)."))
+    return out
+
+
+def render_report(results: dict) -> str:
+    from .table import caption
+
+    return caption(results) + "\n\n" + "\n".join(f"- {s}" for s in findings(results)) + "\n"
+
+
+def report(out_dir: Path) -> str:
+    path = Path(out_dir) / "results.json"
+    if not path.exists():
+        raise SplicerError(f"{path} does not exist; run splicer ablate with -o {out_dir} first")
+    try:
+        results = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise SplicerError(f"{path} is not valid JSON; rerun splicer ablate to rewrite it") from None
+    return render_report(results)
