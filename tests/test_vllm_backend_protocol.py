@@ -185,7 +185,8 @@ def test_kernel_probe_keeps_layers_that_differ():
 
 
 def test_overlapped_start_serves_the_next_variant_from_the_second_worker(pairs, fake_vllm, tmp_path):
-    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=True)
+    # Without sleep mode (an option of the class, not of the CLI) a worker process serves one engine after another.
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=True, sleep_between=False)
     assert b.engine_args["kv_cache_memory_bytes"] == 12 << 30  # fixed KV cache: no profiling against a moving GPU
     seqs = [list(range(20, 60))]
     b.load(pairs["fused"]["lowlatency"])
@@ -225,6 +226,9 @@ def test_with_overlapped_starts_every_engine_sleeps_once_started_and_is_woken_at
     b.load(pairs["fused"]["base"])  # the prefetched engine, asleep until now
     assert b.load_info()["prefetched"] and b.engine_metrics("fake:sleep_wake") == {"fake:sleep_wake": [1, 1]}
     assert len(list(b.score(seqs, 20, batch_size=1))) == 1  # awake: the fake refuses to serve a sleeping engine
+    first_pid = b.load_info()["pid"]
+    b.load(pairs["fused"]["lowlatency"])  # sleep mode allows one engine per process: this one gets a fresh worker
+    assert b.load_info()["pid"] != first_pid and b.worker_starts == 3 and "retried_in_fresh_worker" not in b.load_info()
     b.close()
     serial = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False)
     assert not serial.sleep_between and "enable_sleep_mode" not in serial.engine_args
@@ -239,7 +243,7 @@ def test_with_overlapped_starts_every_engine_sleeps_once_started_and_is_woken_at
 def test_two_engines_start_ahead_and_a_third_waits_for_a_free_worker(pairs, fake_vllm, tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=2)
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=2, sleep_between=False)
     assert b.env["OMP_NUM_THREADS"] == "5"  # three workers share 16 cores
     assert "OMP_NUM_THREADS" not in fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False).env
     p = pairs["fused"]
@@ -331,8 +335,11 @@ def test_ablate_with_overlapped_starts_gives_the_same_scores(pairs, fake_vllm, t
         for name in a:
             assert b[name]["status"] == "ok" and a[name]["metrics"]["en"]["kl"] == pytest.approx(b[name]["metrics"]["en"]["kl"], abs=1e-9)
         assert all(b[n]["engine"].get("prefetched") for n in ("build", "gdn", "all"))  # each started ahead of its turn
-        assert runs[mode]["backend_info"]["worker_starts"] == 1 + mode
-    assert runs[0]["backend_info"]["worker_starts"] == 1
+        # Overlapped starts time every engine after a sleep, and vLLM's sleep mode allows one engine per process:
+        # one worker process per engine (the base's and three rows').
+        assert runs[mode]["backend_info"]["worker_starts"] == 4
+        assert all(b[n]["timing"]["state"].startswith("woken") for n in ("build", "gdn", "all"))
+    assert runs[0]["backend_info"]["worker_starts"] == 1  # serial: one process serves every engine
     assert all(not any(e[1]) for e in logs[2] if e[0] == "time")  # never timed while an engine was starting
     # One ahead: each row starts the next once it is timed. Two ahead: a group of two, and the next group only once
     # both of the group are timed, so that no row's timing waits behind a start begun after it was loaded.

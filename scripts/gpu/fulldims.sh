@@ -23,9 +23,13 @@ CMD=(python3 -m splicer ablate all "$WORK/pair/build" "$WORK/pair/reference" -o 
      --engine-arg 'compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}')
 # Without overlap one engine has the GPU and half of it is enough; with overlap each engine gets a fixed KV cache.
 if [ "${OVERLAP:-0}" -gt 0 ]; then CMD+=(--overlap-starts "$OVERLAP"); else CMD+=(--gpu-memory-utilization 0.5); fi
+# GPU use every 5 s beside the run (outside DIR: ablate refuses a DIR holding files it did not write).
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used,clocks.sm --format=csv -l 5 > "$WORK/gpu-$RUN.csv" 2>&1 &
+smi=$!
 left=$(( BUDGET_S - ($(date +%s) - t0) ))
 timeout -s INT -k 30 "$left" "${CMD[@]}" > "$OUT/ablate.log" 2>&1
 rc=$?
+kill $smi 2>/dev/null
 sleep 2; pkill -9 -f "multiprocessing.spawn" 2>/dev/null  # a worker left behind by a killed run would hold the GPU
 { echo "command: splicer fixture DIR --full-dims; ${CMD[*]:3} (paths shortened: BUILD, REFERENCE under DIR)" | sed "s#$WORK#DIR#g"
   echo "exit $rc (124/130: stopped at the call's budget; rerun to resume), call wall $(( $(date +%s) - t0 )) s"; date -u
@@ -33,7 +37,8 @@ sleep 2; pkill -9 -f "multiprocessing.spawn" 2>/dev/null  # a worker left behind
   python3 -c "import vllm, torch, transformers, compressed_tensors as ct; print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| compressed-tensors', ct.__version__)"
   nproc; lscpu | grep -E 'Model name|Socket|Core|Thread|MHz' ; free -g | head -2
 } > "$OUT/run.txt" 2>&1
-cp "$WORK/$RUN/results.json" "$WORK/$RUN/table.md" "$WORK/$RUN/job.json" "$OUT/" 2>/dev/null
+cp "$WORK/$RUN/results.json" "$WORK/$RUN/table.md" "$WORK/$RUN/report.md" "$WORK/$RUN/job.json" "$OUT/" 2>/dev/null
 # One archive: a device call brings back at most 8 files.
-( cd "$WORK/$RUN" && tar czf "$OUT/logs.tgz" logs cache/base-*/done.json 2>/dev/null )
+cp "$WORK/gpu-$RUN.csv" "$WORK/$RUN/logs/gpu.csv" 2>/dev/null
+( cd "$WORK/$RUN" && tar czf "$OUT/logs.tgz" logs ablate.log cache/base-*/done.json 2>/dev/null )
 tail -5 "$OUT/ablate.log"; cat "$OUT/run.txt"; cat "$OUT/table.md" 2>/dev/null | head -30

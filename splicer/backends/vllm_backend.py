@@ -437,6 +437,7 @@ class _Worker:
         self.loaded = False
         self.pending: tuple | None = None  # (folder, log_path, t0, worker_start_s): a load sent and not yet answered
         self.prefetched: dict | None = None  # {"folder", "info" or "error"}: a prefetched start, finished
+        self.engines_started = 0  # engines this process has built (sleep mode allows one: see send_load)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.is_alive()
@@ -503,7 +504,10 @@ class _Worker:
         """Start building an engine for folder (in a new process if none runs); finish_load collects it."""
         b = self.backend
         worker_start_s = 0.0
-        if not self.alive():
+        # vLLM's sleep mode allows one engine per process ("CuMem allocator can only be used for one instance per
+        # process", vllm/v1/worker/gpu_worker.py): on the H200 stand-in a second engine in a worker failed whenever
+        # the first one's memory pool had not been released. With sleep mode every engine gets a fresh process.
+        if not self.alive() or (b.sleep_between and self.engines_started):
             self.stop()
             t = time.perf_counter()
             self.spawn()
@@ -511,6 +515,7 @@ class _Worker:
         log_path = b._fresh_log(Path(folder).name)
         self.conn.send(("load", str(folder), b.engine_args, str(log_path), b.sleep_between))
         self.pending = (Path(folder), log_path, t0, worker_start_s)
+        self.engines_started += 1
 
     def finish_load(self) -> dict:
         """Wait for the pending load; returns the engine info (raises RuntimeError with the log's tail on failure)."""
@@ -767,7 +772,7 @@ class VllmBackend:
         w, self.active = self.active, None
         if w is None:
             return
-        if not self.one_process:
+        if not self.one_process or self.sleep_between:  # sleep mode: the process cannot build another engine
             w.stop()
             return
         if not self._fixed_kv_cache():

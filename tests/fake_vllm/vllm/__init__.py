@@ -19,6 +19,7 @@ __version__ = "0.0.0-fake"
 # between two calls, and the backend's wall-clock estimate (t(n) - t(1)) / (n - 1) came out negative about one run
 # in five. Only generation pays it: scoring asks for one token.
 DECODE_STEP_S = 0.05
+_SLEEP_MODE_ENGINES = 0  # engines built in this process with sleep mode on
 
 
 @dataclass
@@ -75,6 +76,13 @@ class LLM:
     def __init__(self, model: str, **kwargs):
         if os.environ.get("FAKE_VLLM_FAIL_ON") and os.environ["FAKE_VLLM_FAIL_ON"] in model:
             raise ValueError("Found a different quantization schemes for ['in_proj_qkv', 'in_proj_z'] (fake)")
+        global _SLEEP_MODE_ENGINES
+        if kwargs.get("enable_sleep_mode"):
+            # vLLM's CuMem allocator serves one engine per process (gpu_worker: "CuMem allocator can only be used for
+            # one instance per process"); the real check fails when the earlier engine's pool is still held, which
+            # this stand-in takes as always.
+            assert _SLEEP_MODE_ENGINES == 0, "CuMem allocator can only be used for one instance per process."
+            _SLEEP_MODE_ENGINES += 1
         from splicer.backends.torch_ref import TorchBackend
 
         self._ref = TorchBackend("cpu")
