@@ -6,7 +6,10 @@ then for each size and each restore choice, in alternating order:
   * copies exactly the shards the splice writes with `cp` (the same output bytes),
 and prints the ratio of the medians splice / cp. Goal (issue 2): ratio <= 1.2 and peak RSS <= 1.5 GB, flat in size.
 
-Usage: python benchmarks/splice_bench.py [WORKDIR] [--reps 3]
+Usage: python benchmarks/splice_bench.py [WORKDIR] [--reps 3] [--json OUT.json]
+
+With --json, writes the command, machine, versions, date, commit and every row with its per-run times and RSS
+(the raw data behind the medians) to OUT.json.
 """
 
 from __future__ import annotations
@@ -53,10 +56,12 @@ def main() -> None:
     ap.add_argument("workdir", nargs="?", default=None)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--layers", default="8,16")
+    ap.add_argument("--json", default=None, help="write the run's raw record (per-run times included) here")
     args = ap.parse_args()
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     work = Path(args.workdir or tempfile.mkdtemp(prefix="splice-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, runs = [], []
     for n_layers in [int(x) for x in args.layers.split(",")]:
         root = work / f"L{n_layers}"
         if not (root / "lowlatency" / "config.json").exists():
@@ -68,6 +73,7 @@ def main() -> None:
             print(f"fixture L{n_layers}: {time.perf_counter() - t0:.1f} s", flush=True)
         build, base = root / "lowlatency", root / "base"
         build_bytes = dir_bytes(build.glob("*.safetensors"))
+        base_bytes = dir_bytes(base.glob("*.safetensors"))
         for restore in ("gdn,shared_expert", "all"):
             splice_walls, cp_walls, rss = [], [], []
             ref = work / "ref"
@@ -99,11 +105,14 @@ def main() -> None:
             inproc = time.perf_counter() - t0
             s, c = statistics.median(splice_walls), statistics.median(cp_walls)
             rows.append({
-                "layers": n_layers, "build_GB": round(build_bytes / 1e9, 3), "restore": restore,
+                "layers": n_layers, "base_GB": round(base_bytes / 1e9, 3), "build_GB": round(build_bytes / 1e9, 3), "restore": restore,
                 "written_GB": round(written_bytes / 1e9, 3), "splice_s": round(s, 2), "cp_s": round(c, 2),
                 "ratio": round(s / c, 2), "splice_in_process_s": round(inproc, 2), "ratio_in_process": round(inproc / c, 2),
                 "peak_rss_MB": round(max(rss) / 1e6),
             })
+            runs.append({"layers": n_layers, "restore": restore, "written_bytes": written_bytes,
+                         "splice_runs_s": [round(x, 4) for x in splice_walls], "cp_runs_s": [round(x, 4) for x in cp_walls],
+                         "peak_rss_runs_MB": [round(x / 1e6, 1) for x in rss], "splice_in_process_s": round(inproc, 4)})
             print(json.dumps(rows[-1]), flush=True)
             for d in ("cp", "ref"):
                 shutil.rmtree(work / d, ignore_errors=True)
@@ -112,6 +121,22 @@ def main() -> None:
     print()
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; medians of {args.reps} runs")
     print(tabulate(rows, headers="keys", tablefmt="github"))
+    if args.json:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        versions = {"python": platform.python_version()}
+        for mod in ("torch", "safetensors", "compressed_tensors", "splicer"):
+            try:
+                versions[mod] = __import__(mod).__version__
+            except Exception:  # noqa: BLE001  a missing package is recorded as such
+                versions[mod] = None
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
+        record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "started": started,
+                  "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit,
+                  "machine": {"cpu": cpu, "cores": os.cpu_count(), "arch": platform.machine(),
+                              "mem_GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
+                  "versions": versions, "reps": args.reps, "rows": rows, "runs": runs}
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,181 @@
+"""No hand-typed figures in results READMEs: every number in results/*/README.md appears in that folder's raw files.
+
+Raw files are every *.json, *.csv, *.txt, *.log and *.md file under the README's folder (recursively), README.md
+itself excepted: results.json, table.md and the logs a tool or script wrote, and derived files a committed script wrote.
+
+A README number with d decimals matches a raw value v when v rounds to it at d decimals (|v - x| <= half a unit of its
+last digit): "4.34" matches 4.3449, "241" matches 241.0 but not 246. For a percentage (a "%" follows the number or the
+range it ends) v * 100 is tried as well: "48.9 %" matches 0.489.
+A number written with an explicit sign (+, −) must match the raw value with its sign; other numbers match |v|.
+"102,400" is read as 102400. Raw numbers are read from the text the same way (thousands separators included).
+
+Not checked (the only exemptions):
+  * fenced code blocks, inline `code`, HTML comments and link targets: commands, paths, hashes, placeholders;
+  * dates (2026-11-30) and clock times (12:34:56);
+  * version strings: x.y.z with any suffix (0.26.0, 2.11.0+cu130, 580.159.04), and a number right after a software
+    name (vLLM 0.26, transformers 5.17, Python 3.11, ...);
+  * labels, a number right after one of: run(s), Run(s), issue(s), seed(s), call(s), Call(s), # ("run 1", "runs 1–3",
+    "Run 3", "seed 000", "call 2", "build #1");
+  * digits that are part of a name (adjacent to a letter or "_": H200, INT4, g128, Qwen3.6, x86_64, 6th).
+Small integers are checked like any number (they nearly always match something, so exempting them gains nothing).
+
+What this catches: a figure that appears in none of the folder's raw files (typed by hand, misremembered, derived and not
+written down). What it cannot catch: a figure that matches some other raw value by chance, or a sentence whose numbers are
+all in the data but whose verdict is not; those still need reading.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+RAW_SUFFIXES = {".json", ".csv", ".txt", ".log", ".md"}
+
+SOFTWARE = r"(?:vLLM|vllm|torch|Python|python|transformers|compressed-tensors|safetensors|driver|pip)"
+LABELS = r"(?:\b(?:[Rr]uns?|issues?|seeds?|[Cc]alls?)|#)"
+_NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+# a README number: optional sign, digits (thousands separators allowed), not part of a name or a longer token
+README_NUM = re.compile(r"(?<![\w.,/])([+−±]|(?<![\w)])-(?=\d))?(" + _NUM + r")(?![\w]|\.\d|,\d{3})")
+RAW_NUM = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?")
+# what may sit between a number and the unit of the range it belongs to ("−12 … +15 %", "0.4–0.9 ms")
+_RANGE_TAIL = r"(?:\s*(?:–|-|…|to|and|,|/|\+|−|±|\d|\.|\s)*)"
+PERCENT_AFTER = re.compile(_RANGE_TAIL + r"\s*%")
+
+
+def _strip(text: str) -> str:
+    """The prose and tables of a README, without what the module docstring exempts (replaced by spaces)."""
+    blank = lambda m: re.sub(r"[^\n]", " ", m.group(0))  # noqa: E731  keep line numbers
+    text = re.sub(r"```.*?```", blank, text, flags=re.S)
+    text = re.sub(r"<!--.*?-->", blank, text, flags=re.S)
+    text = re.sub(r"`(?:[^`\n]|\n(?![ \t]*\n))*`", blank, text)  # inline code may wrap a line, not a paragraph
+    text = re.sub(r"\]\([^)\s]*\)", blank, text)
+    text = re.sub(r"https?://\S+", blank, text)
+    text = re.sub(r"\b\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2})?Z?)?\b", blank, text)
+    text = re.sub(r"\b\d{1,2}:\d{2}(?::\d{2})?\b", blank, text)
+    text = re.sub(r"\b\d+\.\d+\.\d+[\w.+-]*", blank, text)
+    text = re.sub(r"\b" + SOFTWARE + r" \d+(?:\.\d+)*", blank, text)
+    text = re.sub(LABELS + r"[ ]?\d+(?:[ ]?(?:–|-|and|,)[ ]?\d+)*\b", blank, text)
+    return text
+
+
+def readme_numbers(text: str) -> list[dict]:
+    """Every checked number of a README: value, decimals, signed, unit scales to try, line and context."""
+    stripped = _strip(text)
+    out = []
+    for m in README_NUM.finditer(stripped):
+        sign, digits = m.group(1) or "", m.group(2)
+        value = float(digits.replace(",", ""))
+        if sign in ("−", "-"):
+            value = -value
+        decimals = len(digits.split(".")[1]) if "." in digits else 0
+        after = stripped[m.end():m.end() + 60]
+        scales = [1.0]
+        if PERCENT_AFTER.match(after):
+            scales.append(100.0)
+        line = stripped.count("\n", 0, m.start()) + 1
+        ctx = text.splitlines()[line - 1].strip()
+        out.append({"text": sign + digits, "value": value, "decimals": decimals, "signed": sign in ("+", "−", "-"),
+                    "scales": scales, "line": line, "context": ctx[:160]})
+    return out
+
+
+class RawValues:
+    """The numbers of a folder's raw files, sorted, with and without sign, for lookups by rounding."""
+
+    def __init__(self, texts):
+        vals = set()
+        for t in texts:
+            for s in RAW_NUM.findall(t):
+                try:
+                    v = float(s.replace(",", ""))
+                except ValueError:
+                    continue
+                if math.isfinite(v):
+                    vals.add(v)
+        self.signed = sorted(vals)
+        self.unsigned = sorted({abs(v) for v in vals})
+
+    def has(self, n: dict) -> bool:
+        half = 0.5 * 10 ** (-n["decimals"]) * (1 + 1e-9) + 1e-12
+        arr = self.signed if n["signed"] else self.unsigned
+        x = n["value"] if n["signed"] else abs(n["value"])
+        for s in n["scales"]:
+            lo, hi = (x - half) / s, (x + half) / s
+            i = bisect.bisect_left(arr, lo - 1e-12 * max(1.0, abs(lo)))
+            if i < len(arr) and arr[i] <= hi + 1e-12 * max(1.0, abs(hi)):
+                return True
+        return False
+
+
+def raw_texts(folder: Path) -> list[str]:
+    return [p.read_text(errors="replace") for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.suffix in RAW_SUFFIXES and p.name != "README.md"]
+
+
+def missing_numbers(readme_text: str, raw: list[str]) -> list[dict]:
+    values = RawValues(raw)
+    return [n for n in readme_numbers(readme_text) if not values.has(n)]
+
+
+READMES = sorted(RESULTS.glob("*/README.md"))
+
+
+@pytest.mark.parametrize("readme", READMES, ids=[p.parent.name for p in READMES])
+def test_every_readme_number_is_in_the_folders_raw_files(readme):
+    missing = missing_numbers(readme.read_text(), raw_texts(readme.parent))
+    assert not missing, f"{len(missing)} numbers of {readme.relative_to(RESULTS.parent)} are in none of its raw files:\n" + \
+        "\n".join(f"  line {n['line']}: {n['text']}  ({n['context']})" for n in missing)
+
+
+def test_there_are_results_readmes():
+    assert len(READMES) >= 4
+
+
+# the checker itself
+
+
+def _nums(text):
+    return [n["text"] for n in readme_numbers(text)]
+
+
+def test_checker_finds_a_made_up_number():
+    raw = ['{"decode_ms": 4.344, "wall_s": 241.0, "kl": 0.18384, "top1": 0.489, "positions": 107146}']
+    good = "Decode 4.34 ms/token, wall 241 s, KL 0.1838, top-1 48.9 %, 107,146 positions."
+    assert missing_numbers(good, raw) == []
+    bad = "Decode 4.34 ms/token in 246 s (+1.81 %)."
+    assert [n["text"] for n in missing_numbers(bad, raw)] == ["246", "+1.81"]
+
+
+def test_checker_rounding_sign_and_percent():
+    raw = ['{"d": -0.0184, "t": 4.09, "n": 12}', "wall 1,500 tokens"]
+    assert missing_numbers("−1.84 % and 1.84 %", raw) == []          # ×100, unsigned matches |v|
+    assert [n["text"] for n in missing_numbers("+1.84 %", raw)] == ["+1.84"]  # an explicit sign must match
+    assert [n["text"] for n in missing_numbers("1.84 s", raw)] == ["1.84"]    # ×100 only for percentages
+    assert missing_numbers("4.09 ms, 4.1 ms, 1,500 and 1500 tokens", raw) == []  # fewer decimals, separators
+    assert [n["text"] for n in missing_numbers("4.10 ms", raw)] == ["4.10"]  # 4.09 is not 4.10
+    assert [n["text"] for n in missing_numbers("12 s or 13 s", raw)] == ["13"]
+    assert [n["text"] for n in missing_numbers("−12 … +15 %", raw)] == ["−12", "+15"]
+
+
+def test_checker_exemptions():
+    text = ("# Run 3\nvLLM 0.26.0, torch 2.11.0+cu130, vLLM 0.31, transformers 5.17, on 2026-11-30 at 12:00, commit `7549721`.\n"
+            "Runs 1–3, seed 000, call 2, build #1, H200, INT4 g128, Qwen3.6-35B-A3B, x86_64, the 6th test.\n"
+            "```bash\nsplicer ablate --reps 99\n```\n[a link](https://example.com/42)\n<!-- run 4 goes here -->\n")
+    assert _nums(text) == []
+    assert _nums("1,500-token prompt, 5.7–7.7 s, ±0.98 %, (−12 … +15 %), 3-D") == \
+        ["1,500", "5.7", "7.7", "±0.98", "−12", "+15", "3"]
+
+
+def test_checker_reads_a_folder_recursively_without_its_readme(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "results.json").write_text('{"elapsed_s": 241.02}')
+    (tmp_path / "logs" / "engine.log").write_text("Loading weights took 24.70 seconds")
+    (tmp_path / "notes.toml").write_text("wall = 246")  # not a raw suffix
+    (tmp_path / "README.md").write_text("241 s in all, weights 24.7 s; 246 s was hand-typed.\n")
+    missing = missing_numbers((tmp_path / "README.md").read_text(), raw_texts(tmp_path))
+    assert [(n["text"], n["line"]) for n in missing] == [("246", 1)]
