@@ -14,7 +14,7 @@ from .errors import SplicerError
 from .table import fmt_change
 
 
-def _score_clause(cmp: dict | None, label: str, scale: float, unit: str, rel: bool) -> str | None:
+def _score_clause(cmp: dict | None, label: str, scale: float, unit: str, rel: bool, digits: int | None = None) -> str | None:
     if not cmp or cmp.get("diff") is None:
         return None
     x, ci = (cmp.get("rel"), cmp.get("rel_ci")) if rel else (cmp["diff"], cmp.get("diff_ci"))
@@ -22,7 +22,7 @@ def _score_clause(cmp: dict | None, label: str, scale: float, unit: str, rel: bo
         return None
     lo, hi = ci if ci else (None, None)
     verdict = {True: "", False: ", not significant", None: ""}[cmp.get("significant")]
-    return f"{label} {fmt_change(x, lo, hi, scale, unit)}{verdict}"
+    return f"{label} {fmt_change(x, lo, hi, scale, unit, digits)}{verdict}"
 
 
 def _decode_clause(d: dict | None) -> str | None:
@@ -58,7 +58,7 @@ def findings(results: dict) -> list[str]:
         clauses = [c for c in (
             _score_clause((vs.get("kl") or {}).get("pooled"), "ΔKL", 100, " %", rel=True),
             _score_clause((vs.get("top1") or {}).get("pooled"), "Δtop-1", 100, " pp", rel=False),
-            _score_clause((vs.get("dnll") or {}).get("pooled"), "ΔdNLL", 1, " nats/token", rel=False),
+            _score_clause((vs.get("dnll") or {}).get("pooled"), "ΔdNLL", 1, " nats/token", rel=False, digits=4),
             _decode_clause(v.get("decode_vs_build")),
         ) if c]
         if build and v.get("size_bytes") is not None and build.get("size_bytes") is not None:

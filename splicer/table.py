@@ -111,10 +111,11 @@ def _fmt(x: float | None, spec: str, suffix: str = "", missing: str = "") -> str
     return missing if x is None else f"{x:{spec}}{suffix}"
 
 
-def fmt_change(x: float, lo: float | None, hi: float | None, scale: float = 100, unit: str = " %") -> str:
+def fmt_change(x: float, lo: float | None, hi: float | None, scale: float = 100, unit: str = " %",
+               digits: int | None = None) -> str:
     """'+2.7 % [+1.9, +3.5]': two decimals where every figure is below 10 (so a small interval is not shown as 0.0)."""
     small = max(abs(scale * v) for v in (x, lo, hi) if v is not None) < 10
-    d = 2 if small else 1
+    d = digits if digits is not None else 2 if small else 1
     text = f"{scale * x:+.{d}f}{unit}"
     return text + (f" [{scale * lo:+.{d}f}, {scale * hi:+.{d}f}]" if lo is not None and hi is not None else "")
 
