@@ -13,9 +13,10 @@ kernels, not on weight values, so a pair with the real shapes times like the rea
   hard-linked, the parts folder is removed). Use it with ``--allow-quantized-base``; no row can restore experts.
 
 Random weights at 40 layers are chaotic with the tiny fixture's scales: INT4 rounding decorrelates the output completely
-(a CPU check at 40 layers x hidden 256: build vs base KL 2.75, top-1 0 %; the first H200 run, results/h200-fulldims, had
+(benchmarks/standin_depth_check.py, 40 layers x hidden 256 on the CPU: build vs base KL 2.69, top-1 0.3 %; the first H200
+run, results/h200-fulldims, had
 this and a noise floor of 38 % top-1). The stand-in therefore scales the projections that write into the residual stream by
-RESIDUAL_SCALE more (same check: KL 0.058, top-1 76 %, about what INT4 builds of trained models show), so that its accuracy
+RESIDUAL_SCALE more (same check: KL 0.059, top-1 78.1 %; results/h200-fulldims/standin-depth-check.json), so that its accuracy
 columns and the reproduce-the-reference check mean something at full depth. Speed does not depend on it.
 
 Every tensor is drawn on the device with the fixture's initialisation (`fixtures._init`) and quantized there
