@@ -14,8 +14,7 @@ kernels, not on weight values, so a pair with the real shapes times like the rea
 
 Random weights at 40 layers are chaotic with the tiny fixture's scales: INT4 rounding decorrelates the output completely
 (benchmarks/standin_depth_check.py, 40 layers x hidden 256 on the CPU: build vs base KL 2.69, top-1 0.3 %; the first H200
-run, results/h200-fulldims, had
-this and a noise floor of 38 % top-1). The stand-in therefore scales the projections that write into the residual stream by
+run, results/h200-fulldims, had this and a noise floor of 38 % top-1). The stand-in therefore scales the projections that write into the residual stream by
 RESIDUAL_SCALE more (same check: KL 0.059, top-1 78.1 %; results/h200-fulldims/standin-depth-check.json), so that its accuracy
 columns and the reproduce-the-reference check mean something at full depth. Speed does not depend on it.
 
