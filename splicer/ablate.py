@@ -360,7 +360,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         bad = [w for w in wanted if w not in selected]
         if bad or not wanted:
             raise SplicerError(f"row {bad[0] if bad else '(none)'!r} is not in plan {plan.name}; its rows: {', '.join(r.name for r in rows)}")
-        selected = {"build", *wanted}  # the build row is every other row's reference
+        # The build row is every other row's reference, and its repeats (more engines of it) set the decode intervals.
+        selected = {"build", *wanted, *(r.name for r in rows if r.repeat and r.restored(quantized) == [])}
     options = ({"engine_args": settings.engine_args, "log_dir": out / "logs", "cache_dir": settings.engine_cache_dir,
                 "one_process": not settings.process_per_variant, "overlap_starts": settings.overlap_starts}
                if settings.backend == "vllm" else {})
@@ -418,6 +419,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 continue
             seen_sets.setdefault(key, row.name)
             todo.append((row, restored, seen_sets[key]))  # a repeat row reuses the first row's splice
+        skipped = [s for s in skipped if s["name"] in selected]  # a row not asked for is not reported as skipped
         # Rows this invocation runs, in order. With --overlap-starts N every row is spliced at the start and the next N
         # rows' engines are started while the current one scores, as a group: a new group starts only once every
         # started engine has been timed, because decode is timed with no engine starting and a row timed behind a fresh

@@ -45,8 +45,8 @@ def findings(results: dict) -> list[str]:
     engines = (results.get("verdicts") or {}).get("build_engines")
     if build:
         kl = pooled_kl(build)
-        out.append(f"build: KL {kl:.4f} nats per position pooled over corpora (position-weighted)"
-                   + (f", decode {build['decode_ms_per_token']:.3f} ms/token on its first engine" if build.get("decode_ms_per_token") else "") + ".")
+        out.append(f"build: KL {kl:.4f} nats per position pooled over corpora (position-weighted; a chat prefix shared "
+                   "with an earlier conversation counted once).")
     if engines:
         ms = ", ".join(f"{n} {m:.3f}" for n, m in zip(engines["rows"], engines["mean_ms"]))
         out.append(f"The build on {engines['engines']} engines: {ms} ms/token (mean of each engine's blocks); largest "
@@ -56,16 +56,16 @@ def findings(results: dict) -> list[str]:
             continue
         vs = v.get("vs_build") or {}
         clauses = [c for c in (
-            _score_clause((vs.get("kl") or {}).get("pooled"), "ΔKL", 100, " %", rel=True),
+            _score_clause((vs.get("kl") or {}).get("pooled"), "ΔKL", 100, " % of the build's KL", rel=True),
             _score_clause((vs.get("top1") or {}).get("pooled"), "Δtop-1", 100, " pp", rel=False),
             _score_clause((vs.get("dnll") or {}).get("pooled"), "ΔdNLL", 1, " nats/token", rel=False, digits=4),
             _decode_clause(v.get("decode_vs_build")),
         ) if c]
         if build and v.get("size_bytes") is not None and build.get("size_bytes") is not None:
-            clauses.append(f"size {(v['size_bytes'] - build['size_bytes']) / 1e9:+.2f} GB")
-        restored = v["restored"] if isinstance(v["restored"], str) else ", ".join(v["restored"]) or "nothing"
+            clauses.append(f"size {(v['size_bytes'] - build['size_bytes']) / 1e9:+.3f} GB")
+        what = "the base itself" if v["restored"] == "base" else "restores " + (", ".join(v["restored"]) or "nothing")
         if clauses:
-            out.append(f"{v['name']} (restores {restored}) against the build: " + "; ".join(clauses) + ".")
+            out.append(f"{v['name']} ({what}) against the build: " + "; ".join(clauses) + ".")
     for v in results.get("variants", []):
         if v.get("status") != "ok":
             out.append(f"{v['name']}: failed ({(v.get('error') or '').splitlines()[0][:120]}).")

@@ -138,7 +138,7 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
         headers.append("dNLL")
     bw = results.get("bandwidth_bytes_per_s")
     headers += ["decode ms/tok"] + ([f"floor ms @ {bw / 1e12:g} TB/s"] if bw else [])
-    headers += ["Δ decode [95 %]", "ΔKL vs build [95 %]", "Δtop-1 vs build, pp [95 %]"]
+    headers += ["Δ decode [95 %]", "ΔKL, % of build's [95 %]", "Δtop-1 vs build, pp [95 %]"]
     rows = []
     for r in records(results):
         restored = r["restored"].replace(",", ", ") or "none (the build)"
@@ -202,16 +202,20 @@ def _footnotes(results: dict) -> list[str]:
         notes.append(f"ΔKL and Δtop-1 vs build: {method}; n.s. = not significant. ΔKL is relative to the build's KL "
                      "(`splicer compare DIR ROW build` gives it per corpus).")
     engines = (results.get("verdicts") or {}).get("build_engines")
-    d = next((v["decode_vs_build"] for v in results["variants"] if v.get("decode_vs_build")), None)
-    if engines:
-        ms = ", ".join(f"{n} {m:.3f}" for n, m in zip(engines["rows"], engines["mean_ms"]))
-        df = f" (df {d['df']})" if d and d.get("df") else ""
-        notes.append(f"Δ decode vs build: the build timed on {engines['engines']} engines in this run ({ms} ms/token; "
-                     f"largest difference {100 * engines['spread']:.2f} %); each interval is Student's t on the "
-                     f"engine-to-engine spread{df}; not resolved = the interval includes 0.")
-    elif any(r.get("decode_ms_per_token") for r in results["variants"]):
-        notes.append("Δ decode vs build: not computed: the build was timed on fewer than two engines, so the "
-                     "engine-to-engine spread is unknown (add a `repeat = true` row of the build).")
+    d = next((v["decode_vs_build"] for v in results["variants"] if (v.get("decode_vs_build") or {}).get("rel") is not None), None)
+    timed = any(r.get("decode_ms_per_token") for r in results["variants"])
+    if d:
+        ref = f"the mean of the build's {d['engines'][1]} engines, {d['reference_ms']:.3f} ms/token"
+        spread = (f"the build's engines ({', '.join(f'{n} {m:.3f}' for n, m in zip(engines['rows'], engines['mean_ms']))}; "
+                  f"largest difference {100 * engines['spread']:.2f} %)") if engines else "engines of the rows timed more than once"
+        notes.append(f"Δ decode vs build: a row's mean over its engines' blocks against {ref} (the decode column shows each "
+                     f"row's own median); the interval is Student's t on the spread between {spread}, df {d['df']}; "
+                     "not resolved = the interval includes 0.")
+    elif timed:
+        notes.append("Δ decode vs build: not computed: the build was timed on fewer than two engines, so the engine-to-engine "
+                     "spread is unknown (run the plan's `repeat = true` row of the build too, e.g. build-again).")
+    elif results.get("timing_settings") is None and results.get("variants"):
+        notes.append("Decode was not timed in this run (--no-time).")
     # Recomputed from the rows rather than read back, so results written by older versions get today's labels.
     from .ablate import time_breakdown
 
@@ -353,7 +357,9 @@ def compare(out_dir: Path, a: str, b: str) -> str:
         if name not in ok:
             raise SplicerError(f"variant {name!r} has no finished scores in {out_dir}; finished: {', '.join(sorted(ok)) or 'none'}")
     try:
-        c = compare_scores(out_dir, a, b, list(results.get("corpora", {})))
+        # The resamples ablate used for the table's intervals, so that compare ROW build repeats them exactly.
+        reps = int((results.get("verdicts") or {}).get("bootstrap") or 2000)
+        c = compare_scores(out_dir, a, b, list(results.get("corpora", {})), reps)
     except ValueError as e:
         raise SplicerError(f"{e}; rerun splicer ablate on {out_dir}") from None
     if c is None:
@@ -369,13 +375,15 @@ def compare(out_dir: Path, a: str, b: str) -> str:
         return text + (" n.s." if cmp.get("significant") is False else "")
 
     rows = []
-    names = [*c["kl"]["per_stratum"], "all (position-weighted)"]
+    pooled = "pooled over corpora (position-weighted)"
+    names = [*c["kl"]["per_stratum"], pooled]
     for corpus in names:
-        pick = (lambda q: (c[q] or {}).get("pooled")) if corpus.startswith("all ") else (lambda q: ((c[q] or {}).get("per_stratum") or {}).get(corpus))
+        pick = (lambda q: (c[q] or {}).get("pooled")) if corpus == pooled else (lambda q: ((c[q] or {}).get("per_stratum") or {}).get(corpus))
         kl = pick("kl")
         rows.append([corpus, f"{kl['positions']:,.0f}", f"{kl['clusters']:,}", cell(kl, 1, 5), cell(kl, 100, 1, rel=True), cell(pick("top1"), 100, 2),
                      cell(pick("dnll"), 1, 5)])
-    table = tabulate(rows, headers=["corpus", "positions counted", "sequences", f"ΔKL {a} − {b} [95 %]", "ΔKL % of b's", "Δtop-1 pp", "ΔdNLL"],
+    table = tabulate(rows, headers=["corpus", "positions counted", "sequences", f"ΔKL {a} − {b}, nats [95 %]", f"ΔKL, % of {b}'s KL",
+                              "Δtop-1, pp", "ΔdNLL, nats/token"],
                      tablefmt="github", disable_numparse=True)
     from .verdicts import METHOD
 

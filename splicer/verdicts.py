@@ -84,7 +84,7 @@ def decode_vs_build(results: dict, name: str) -> dict | None:
 def attach(results: dict, out: Path, reps: int = 2000) -> None:
     """Every finished variant's paired differences from the build (scores and decode) into results.json's rows."""
     ok = {v["name"]: v for v in results.get("variants", []) if v.get("status") == "ok"}
-    results["verdicts"] = {"method": METHOD, "reference": "build"}
+    results["verdicts"] = {"method": METHOD, "reference": "build", "bootstrap": reps, "seed": 0}
     if "build" not in ok:
         return
     corpora = list(results.get("corpora", {}))
@@ -99,6 +99,8 @@ def attach(results: dict, out: Path, reps: int = 2000) -> None:
         scored = compare_scores(out, name, "build", corpora, reps) if not v.get("repeat_of") and "vs_build" not in v else None
         if scored is not None:
             v["vs_build"] = scored
+        # Recomputed every time: a later row may be another engine of the build, which changes every interval.
+        v.pop("decode_vs_build", None)
         d = decode_vs_build(results, name) if not v.get("repeat_of") else None
         if d is not None:
             v["decode_vs_build"] = d

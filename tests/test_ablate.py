@@ -232,3 +232,36 @@ def test_speed_table_separates_an_engine_start_from_the_wait_for_it():
     assert (base[col["engine start s"]], base[col["waited s"]]) == ("250", "260")
     assert (build[col["engine start s"]], build[col["waited s"]]) == ("240", "0")  # started ahead of its turn
     assert build[col["scoring positions/s (all corpora)"]] == "10,000"
+
+
+def test_report_sentences_are_the_recorded_verdicts(finished, capsys):
+    """splicer report: one sentence per row, its figures and verdict words taken from results.json's paired estimates."""
+    from splicer.table import fmt_change
+
+    out, results = finished
+    assert main(["report", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text == (out / "report.md").read_text()  # ablate wrote the same findings beside table.md
+    for v in results["variants"]:
+        if v["name"] == "build" or v.get("repeat_of") or v.get("status") != "ok":
+            continue
+        line = next(x for x in text.splitlines() if x.startswith(f"- {v['name']} "))
+        kl = v["vs_build"]["kl"]["pooled"]
+        clause = "ΔKL " + fmt_change(kl["rel"], *kl["rel_ci"], 100, " % of the build's KL")
+        assert clause in line, (clause, line)
+        assert (clause + ", not significant" in line) == (kl["rel_ci"][0] <= 0 <= kl["rel_ci"][1])
+    assert main(["report", str(out / "nope")]) == 2
+
+
+def test_chosen_rows_bring_the_builds_repeats_and_report_only_their_own_skips(pairs, plan_file, tmp_path):
+    """`ablate lm_head`: the build and its other engines run too (they set every decode interval); a row nobody asked
+    for is neither run nor listed as skipped."""
+    plan = tmp_path / "rep.toml"
+    plan.write_text(plan_file.read_text() + '\n[[row]]\nname = "gdn-twin"\nrestore = ["gdn"]\n'
+                    '\n[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n')
+    p = pairs["fused"]
+    results = run_ablate("lm_head", str(p["lowlatency"]), str(p["base"]), tmp_path / "out", str(plan), _settings(time_decode=False))
+    assert [v["name"] for v in results["variants"]] == ["build", "lm_head", "build-again"]
+    assert results["variants"][2]["repeat_of"] == "build" and results["skipped"] == []
+    both = run_ablate("gdn,gdn-twin", str(p["lowlatency"]), str(p["base"]), tmp_path / "out2", str(plan), _settings(time_decode=False))
+    assert [s["name"] for s in both["skipped"]] == ["gdn-twin"]

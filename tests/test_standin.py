@@ -92,7 +92,7 @@ def test_ablate_against_a_partly_quantized_reference(standin, tmp_path):
     assert rows["build-again"]["repeat_of"] == "build"
     assert rows["build-again"]["metrics"]["rnd"]["kl"] == pytest.approx(rows["build"]["metrics"]["rnd"]["kl"])
     table = (tmp_path / "out" / "table.md").read_text()
-    assert "Timing noise band" in table and "which the base keeps quantized" in table
+    assert "the build's 2 engines" in table and "which the base keeps quantized" in table
     with pytest.raises(Exception, match="allow-quantized-base"):
         run_ablate("all", str(standin["build"]), str(standin["reference"]), tmp_path / "out2", str(plan),
                    AblateSettings(progress=False, bootstrap=50, device="cpu"))

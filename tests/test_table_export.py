@@ -112,7 +112,7 @@ def test_markdown_cells_are_the_exported_numbers_formatted(committed):
         assert cells["dNLL"] == f"{r['dnll_chat']:+.4f}"
         assert cells["decode ms/tok"] == f"{r['decode_ms_per_token']:.2f}"
         for col, key, scale, unit, quiet in (("Δ decode [95 %]", "decode_change", 100, " %", "not resolved"),
-                                             ("ΔKL vs build [95 %]", "kl_change", 100, " %", "n.s."),
+                                             ("ΔKL, % of build's [95 %]", "kl_change", 100, " %", "n.s."),
                                              ("Δtop-1 vs build, pp [95 %]", "top1_change", 100, "", "n.s.")):
             x = r[f"{key}_vs_build"]
             flag = r["decode_change_resolved" if key == "decode_change" else f"{key}_significant"]

@@ -155,4 +155,4 @@ def test_rows_get_decode_verdicts_from_every_engine_of_the_build(tmp_path):
     md = render_markdown(results)
     assert "not resolved" in next(line for line in md.splitlines() if line.startswith("| attention"))
     assert "not resolved" not in next(line for line in md.splitlines() if line.startswith("| gdn"))
-    assert "the build timed on 3 engines" in md
+    assert "the mean of the build's 3 engines" in md
