@@ -166,7 +166,8 @@ def paired_comparison(strata: dict[str, dict], reps: int = 2000, seed: int = 0) 
     "weight": [N] or None (0 drops a position counted elsewhere, e.g. a chat prefix shared with an earlier
     conversation)}. The pooled estimate weighs every counted position equally across strata (position-weighted);
     its bootstrap resamples clusters within each stratum, a and b always together. A difference is significant when
-    its interval excludes 0. Intervals are percentile intervals.
+    its interval excludes 0. Intervals are the estimate ± t(df) x the bootstrap's standard error x sqrt(n / df), with n
+    clusters and df = n - strata (see _comparison).
     """
     g = torch.Generator().manual_seed(seed)
     per, pooled_draws, pooled_point = {}, [], torch.zeros(3, dtype=torch.float64)
@@ -185,23 +186,33 @@ def paired_comparison(strata: dict[str, dict], reps: int = 2000, seed: int = 0) 
         pooled_draws.append(draws)
     out = {"per_stratum": per}
     if pooled_draws:
-        out["pooled"] = _comparison(pooled_point, torch.stack(pooled_draws).sum(0), sum(p["clusters"] for p in per.values()))
+        out["pooled"] = _comparison(pooled_point, torch.stack(pooled_draws).sum(0), sum(p["clusters"] for p in per.values()),
+                                    strata=len(per))
     return out
 
 
-def _comparison(point: torch.Tensor, draws: torch.Tensor, clusters: int) -> dict:
+def _comparison(point: torch.Tensor, draws: torch.Tensor, clusters: int, strata: int = 1) -> dict:
     sa, sb, sw = point.tolist()
     if sw <= 0:
         return {"a": None, "b": None, "diff": None, "diff_ci": None, "rel": None, "rel_ci": None, "significant": None,
                 "positions": 0.0, "clusters": clusters}
     ma, mb = draws[0] / draws[2], draws[1] / draws[2]
-    q = torch.tensor([0.025, 0.975], dtype=torch.float64)
-    diff_ci = torch.quantile(ma - mb, q).tolist()
+    # The bootstrap's standard error with Student's t and the n/(n-1) correction, rather than its percentiles: with few
+    # independent units (a corpus of 5-12 sequences) percentile intervals are too short (a null difference came out
+    # significant 15 % of the time in simulation at 5 and 12 clusters, against 5 % here; tests/test_verdicts.py).
+    df = max(clusters - strata, 1)
+    widen = _t975(df) * math.sqrt(clusters / df) if clusters > 1 else float("nan")
+    diff = (sa - sb) / sw
+    half = widen * float((ma - mb).std())
+    diff_ci = [diff - half, diff + half]
     rel = (sa / sb - 1) if sb else None
-    rel_ci = torch.quantile(ma / mb - 1, q).tolist() if sb and bool((mb != 0).all()) else None
+    rel_ci = None
+    if rel is not None and bool((mb != 0).all()):
+        rh = widen * float((ma / mb - 1).std())
+        rel_ci = [rel - rh, rel + rh]
     significant = bool(diff_ci[0] > 0 or diff_ci[1] < 0) if clusters > 1 else None  # one cluster: no interval
-    return {"a": sa / sw, "b": sb / sw, "diff": (sa - sb) / sw, "diff_ci": diff_ci, "rel": rel, "rel_ci": rel_ci,
-            "significant": significant, "positions": sw, "clusters": clusters}
+    return {"a": sa / sw, "b": sb / sw, "diff": diff, "diff_ci": diff_ci, "rel": rel, "rel_ci": rel_ci,
+            "significant": significant, "positions": sw, "clusters": clusters, "df": df}
 
 
 def decode_difference(variant: list[list[float]], reference: list[list[float]],

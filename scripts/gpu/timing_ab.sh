@@ -27,8 +27,8 @@ import json, sys
 for v in json.load(open(sys.argv[1]))["variants"]:
     t = v.get("timing") or {}
     w = t.get("wall_diff") or {}
-    print(v["name"], "engine", round(t.get("decode_ms_per_token", 0), 3), [round(x, 2) for x in t.get("decode_min_max", [])],
-          "| wall", round(w.get("decode_ms_per_token", 0), 3), [round(x, 2) for x in w.get("decode_min_max", [])], "| ttft", t.get("ttft_min_max"))
+    ms = lambda x: "not resolved" if x.get("decode_ms_per_token") is None else (round(x["decode_ms_per_token"], 3), [round(y, 2) for y in x["decode_min_max"]])
+    print(v["name"], "engine", ms(t), "| wall", ms(w), "| ttft", t.get("ttft_min_max"))
 PY
 done
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader

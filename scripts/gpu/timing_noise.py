@@ -16,6 +16,14 @@ import time
 from pathlib import Path
 
 
+
+def _spread(timing: dict) -> str:
+    """'4.354 [4.341-4.366]', or 'not resolved' where the backend gave no positive estimate (decode_ms_per_token None)."""
+    if timing.get("decode_ms_per_token") is None:
+        return "not resolved"
+    lo, hi = timing["decode_min_max"]
+    return f"{timing['decode_ms_per_token']:.3f} [{lo:.3f}-{hi:.3f}]"
+
 def main() -> None:
     work, out = Path(sys.argv[1]), Path(sys.argv[2])
     import torch
@@ -49,11 +57,8 @@ def main() -> None:
             record["engines"].append(engine)
             (out / "timing-noise.json").write_text(json.dumps(record, indent=1))
             for b in engine["blocks"]:
-                w = b.get("wall_diff") or {}
-                print(f"{label:9s} engine {b['decode_ms_per_token']:.3f} [{b['decode_min_max'][0]:.3f}-{b['decode_min_max'][1]:.3f}]"
-                      f"  wall {w.get('decode_ms_per_token', float('nan')):.3f} [{(w.get('decode_min_max') or [0, 0])[0]:.2f}-"
-                      f"{(w.get('decode_min_max') or [0, 0])[1]:.2f}]  ttft {b['ttft_ms']:.0f} {[round(x) for x in b['ttft_min_max']]}",
-                      flush=True)
+                print(f"{label:9s} engine {_spread(b)}  wall {_spread(b.get('wall_diff') or {})}  ttft {b['ttft_ms']:.0f} "
+                      f"{[round(x) for x in b['ttft_min_max']]}", flush=True)
             print(f"{label}: engine start {engine['start_s']:.0f} s", flush=True)
     finally:
         backend.close()
