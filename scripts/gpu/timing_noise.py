@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 
 
-
 def _spread(timing: dict) -> str:
     """'4.354 [4.341-4.366]', or 'not resolved' where the backend gave no positive estimate (decode_ms_per_token None)."""
     if timing.get("decode_ms_per_token") is None:
         return "not resolved"
     lo, hi = timing["decode_min_max"]
     return f"{timing['decode_ms_per_token']:.3f} [{lo:.3f}-{hi:.3f}]"
+
 
 def main() -> None:
     work, out = Path(sys.argv[1]), Path(sys.argv[2])

@@ -347,6 +347,11 @@ def _worker(conn, env: dict, log_path: str) -> None:
         llm.wake_up()
         return time.perf_counter() - t
 
+    def sleep():
+        t = time.perf_counter()
+        llm.sleep(level=1)
+        return time.perf_counter() - t
+
     def unload():
         nonlocal llm
         if llm is not None:
@@ -405,7 +410,7 @@ def _worker(conn, env: dict, log_path: str) -> None:
                 out[m.name] = getattr(m, "value", None) if not hasattr(m, "values") else list(m.values)
         return out
 
-    ops = {"load": load, "wake": wake, "unload": unload, "score": score, "generate": generate, "time": time_decode,
+    ops = {"load": load, "wake": wake, "sleep": sleep, "unload": unload, "score": score, "generate": generate, "time": time_decode,
            "drafter_layers": drafter_layers, "metrics": metrics}
     conn.send(("started", {"import_s": import_s}))
     while True:
