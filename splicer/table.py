@@ -175,9 +175,13 @@ def caption(results: dict) -> str:
     if backend == "vllm" and results.get("engine_version"):
         backend += f" ({results['engine_version']})"
     parts = []
+    first = next((v for v in results.get("variants", []) if v.get("status") == "ok" and v.get("metrics")), {})
     for name, c in (results.get("corpora") or {}).items():
-        answers = f" ({c['answer_tokens']:,} of them answer tokens)" if c.get("answer_tokens") else ""
-        parts.append(f"{name} {c.get('positions', 0):,}{answers}")
+        notes = [f"{c['answer_tokens']:,} of them answer tokens"] if c.get("answer_tokens") else []
+        counted = ((first.get("metrics") or {}).get(name) or {}).get("positions")
+        if isinstance(counted, (int, float)) and counted < c.get("positions", 0):
+            notes.append(f"{counted:,.0f} counted, the rest repeat an earlier conversation's prefix")
+        parts.append(f"{name} {c.get('positions', 0):,}" + (f" ({'; '.join(notes)})" if notes else ""))
     total = sum(c.get("positions", 0) for c in (results.get("corpora") or {}).values())
     corpora = f"positions scored per corpus: {', '.join(parts)}; {total:,} in all" if parts else "no corpora"
     return f"Build `{build}` against base `{base}`, backend {backend}; {corpora}."
