@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, here on the CPU machine, the Python packages the GPU machine lacks for `splicer ... --backend vllm`,
-# split into parts that each fit one device transfer (64 MiB).
+# split into parts that each fit one device transfer (64 MiB) together with the working tree.
 #
 # The GPU machine has Python 3.12, torch 2.11 (CUDA 13), transformers 5.17 and no package registry. vLLM 0.26.0 is the
 # newest release built for torch 2.11; the list of its dependencies missing there, and the files a single-GPU run does
@@ -10,7 +10,7 @@
 # Usage: bash scripts/gpu/make_bundle.sh [OUT=.bundle/vb]   (OUT must be git-ignored: .git/info/exclude has /.bundle/)
 set -euo pipefail
 OUT=${1:-.bundle/vb}
-PART=62m
+PART=42m  # three parts: each travels with the working tree, and the tree needs room beside a part
 STAGE=$(mktemp -d)
 PY="--python-version 3.12 --implementation cp --only-binary=:all:"
 PLATS=""
