@@ -11,7 +11,8 @@ Per position (t predicts token t+1):
   dlogp    log p_base(next) - log p_variant(next); its mean over the base's own greedy
            answers is dNLL (extra nats per token)
 Corpus summaries use intervals over sequences (positions within a sequence are not
-independent): Wilson for top-1, a seeded bootstrap over sequences for means.
+independent): a seeded bootstrap over sequences, top-1's included. Differences between two
+variants on the same positions: paired_comparison; decode-time differences: decode_difference.
 """
 
 from __future__ import annotations
@@ -134,12 +135,6 @@ def summarize(pos: dict[str, torch.Tensor], reps: int = 1000) -> dict:
         out["dnll_ci"] = list(bootstrap_mean_ci(d, seq[m], reps, weight=w[m]))
         out["answer_positions"] = int((w * m.double()).sum())
     return out
-
-
-def paired_difference(a: torch.Tensor, b: torch.Tensor, seq_index: torch.Tensor, reps: int = 1000) -> dict:
-    """Mean of a - b on the same positions with a bootstrap interval over sequences."""
-    d = a.double() - b.double()
-    return {"mean": float(d.mean()), "ci": list(bootstrap_mean_ci(d, seq_index, reps))}
 
 
 # ---------------------------------------------------------------- paired verdicts

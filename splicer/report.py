@@ -7,11 +7,9 @@ interval excludes 0, a decode difference "resolved" when its interval excludes 0
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from .errors import SplicerError
-from .table import fmt_change
+from .table import fmt_change, load_results
 
 
 def _score_clause(cmp: dict | None, label: str, scale: float, unit: str, rel: bool, digits: int | None = None) -> str | None:
@@ -88,11 +86,4 @@ def render_report(results: dict) -> str:
 
 
 def report(out_dir: Path) -> str:
-    path = Path(out_dir) / "results.json"
-    if not path.exists():
-        raise SplicerError(f"{path} does not exist; run splicer ablate with -o {out_dir} first")
-    try:
-        results = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        raise SplicerError(f"{path} is not valid JSON; rerun splicer ablate to rewrite it") from None
-    return render_report(results)
+    return render_report(load_results(out_dir))

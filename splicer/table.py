@@ -120,11 +120,11 @@ def fmt_change(x: float, lo: float | None, hi: float | None, scale: float = 100,
     return text + (f" [{scale * lo:+.{d}f}, {scale * hi:+.{d}f}]" if lo is not None and hi is not None else "")
 
 
-def _change(x, lo, hi, verdict, scale: float, unit: str, quiet: str) -> str:
+def _change(x, lo, hi, verdict, scale: float, unit: str, quiet: str, digits: int | None = None) -> str:
     """fmt_change, with `quiet` after it when the interval includes 0 (verdict False)."""
     if x is None:
         return ""
-    return fmt_change(x, lo, hi, scale, unit) + (f" {quiet}" if verdict is False else "")
+    return fmt_change(x, lo, hi, scale, unit, digits) + (f" {quiet}" if verdict is False else "")
 
 
 def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
@@ -322,14 +322,19 @@ def _csv_cell(x) -> str:
     return str(x)
 
 
-def render(out_dir: Path, fmt: str = "markdown") -> str:
+def load_results(out_dir: Path) -> dict:
+    """DIR/results.json, or a one-line error saying how to get one (table, compare and report read it)."""
     path = Path(out_dir) / "results.json"
     if not path.exists():
         raise SplicerError(f"{path} does not exist; run splicer ablate with -o {out_dir} first")
     try:
-        results = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError:
         raise SplicerError(f"{path} is not valid JSON; rerun splicer ablate to rewrite it") from None
+
+
+def render(out_dir: Path, fmt: str = "markdown") -> str:
+    results = load_results(out_dir)
     if fmt == "markdown":
         return render_markdown(results)
     if fmt in ("csv", "json"):
@@ -352,10 +357,7 @@ def compare(out_dir: Path, a: str, b: str) -> str:
     from .verdicts import compare_scores
 
     out_dir = Path(out_dir)
-    path = out_dir / "results.json"
-    if not path.exists():
-        raise SplicerError(f"{path} does not exist; run splicer ablate with -o {out_dir} first")
-    results = json.loads(path.read_text())
+    results = load_results(out_dir)
     ok = {v["name"] for v in results["variants"] if v.get("status") == "ok"}
     for name in (a, b):
         if name not in ok:
@@ -373,10 +375,7 @@ def compare(out_dir: Path, a: str, b: str) -> str:
         if not cmp or cmp.get("diff") is None:
             return ""
         x, ci = (cmp["rel"], cmp["rel_ci"]) if rel else (cmp["diff"], cmp["diff_ci"])
-        if x is None:
-            return ""
-        text = f"{scale * x:+.{digits}f}" + (f" [{scale * ci[0]:+.{digits}f}, {scale * ci[1]:+.{digits}f}]" if ci else "")
-        return text + (" n.s." if cmp.get("significant") is False else "")
+        return _change(x, *(ci or (None, None)), cmp.get("significant"), scale, "", "n.s.", digits)
 
     rows = []
     pooled = "pooled over corpora (position-weighted)"

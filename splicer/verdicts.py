@@ -56,17 +56,22 @@ def compare_scores(out: Path, a: str, b: str, corpora: list[str], reps: int = 20
             "dnll": paired_comparison(dnll, reps, seed) if dnll else None}
 
 
-def timed_engines(results: dict, name: str) -> list[list[float]]:
-    """Per engine of variant `name` (its row and every repeat of it), the per-block decode ms/token it measured."""
-    engines = []
+def _timed_rows(results: dict, name: str) -> list[tuple[str, list[float]]]:
+    """(row name, per-block decode ms/token) for each engine of variant `name`: its row and every repeat of it."""
+    rows = []
     for v in results.get("variants", []):
         if v.get("status") != "ok" or name not in (v["name"], v.get("repeat_of")):
             continue
         t = v.get("timing") or {}
         blocks = [x for x in t.get("per_run_ms") or [] if x is not None]
         if t.get("decode_ms_per_token") is not None and blocks:
-            engines.append(blocks)
-    return engines
+            rows.append((v["name"], blocks))
+    return rows
+
+
+def timed_engines(results: dict, name: str) -> list[list[float]]:
+    """Per engine of variant `name` (its row and every repeat of it), the per-block decode ms/token it measured."""
+    return [blocks for _, blocks in _timed_rows(results, name)]
 
 
 def decode_vs_build(results: dict, name: str) -> dict | None:
@@ -108,13 +113,12 @@ def attach(results: dict, out: Path, reps: int = 2000) -> None:
 
 def build_engine_agreement(results: dict) -> dict | None:
     """The build's engines: each one's mean ms/token and the largest relative difference between two of them."""
-    engines = timed_engines(results, "build")
+    engines = _timed_rows(results, "build")
     if len(engines) < 2:
         return None
-    means = [sum(e) / len(e) for e in engines]
+    means = [sum(e) / len(e) for _, e in engines]
     return {"engines": len(engines), "mean_ms": means, "spread": max(means) / min(means) - 1,
-            "rows": [v["name"] for v in results["variants"] if v.get("status") == "ok"
-                     and "build" in (v["name"], v.get("repeat_of")) and (v.get("timing") or {}).get("decode_ms_per_token") is not None]}
+            "rows": [row for row, _ in engines]}
 
 
 def pooled_kl(v: dict) -> float | None:

@@ -177,3 +177,13 @@ def test_an_unresolved_decode_time_is_a_gap_everywhere(tmp_path):
     data = {r["variant"]: r for r in json.loads(render(out, "json"))}
     assert data["build"]["decode_ms_per_token"] is None and data["gdn"]["decode_ms_per_token"] is None
     assert all(r["decode_change_vs_build"] is None for r in data.values())
+
+
+@pytest.mark.parametrize("command", [["table"], ["compare", "build", "gdn"], ["report"]])
+def test_table_compare_and_report_refuse_a_broken_results_json_in_one_line(tmp_path, capsys, command):
+    from splicer.cli import main
+
+    (tmp_path / "results.json").write_text("{not json")
+    assert main([command[0], str(tmp_path), *command[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "is not valid JSON" in err
