@@ -133,7 +133,7 @@ def _cmd_ablate(args) -> int:
 
     print(render_markdown(results))
     failed = [v["name"] for v in results["variants"] if v.get("status") != "ok"]
-    print(f"\nwrote {args.out / 'results.json'} and {args.out / 'table.md'} in {results.get('elapsed_s', 0):.0f} s"
+    print(f"\nwrote {args.out / 'results.json'}, {args.out / 'table.md'} and {args.out / 'report.md'} in {results.get('elapsed_s', 0):.0f} s"
           + (f"; failed rows: {', '.join(failed)}" if failed else ""))
     return 0
 
