@@ -12,13 +12,14 @@ source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/fulldims}; BUDGET_S=${BUDGET_S:-540}
 RUN=${RUN:-run}   # results folder under WORK; OVERLAP=N adds --overlap-starts N (use another RUN to compare)
+ROWS=${ROWS:-all}  # or a comma list of the plan's rows (the build and its repeat rows always run)
 t0=$(date +%s)
 mkdir -p "$WORK"
 if [ ! -f "$WORK/pair/reference/config.json" ]; then
   python3 -m splicer fixture "$WORK/pair" --full-dims 2>&1 | tail -4 | tee "$OUT/standin.log"
 fi
 du -sh --apparent-size "$WORK/pair/build" "$WORK/pair/reference" > "$OUT/disk.txt" 2>&1; du -sh "$WORK" >> "$OUT/disk.txt"; df -h "$WORK" >> "$OUT/disk.txt"
-CMD=(python3 -m splicer ablate all "$WORK/pair/build" "$WORK/pair/reference" -o "$WORK/$RUN" --plan h200-fulldims
+CMD=(python3 -m splicer ablate "$ROWS" "$WORK/pair/build" "$WORK/pair/reference" -o "$WORK/$RUN" --plan h200-fulldims
      --backend vllm --allow-quantized-base --language-model-only --bandwidth-gbs 4800 -q
      --engine-arg 'compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}')
 # Without overlap one engine has the GPU and half of it is enough; with overlap each engine gets a fixed KV cache.
