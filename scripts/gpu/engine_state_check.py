@@ -14,7 +14,13 @@ every time after a sleep and wake, in five states:
 Reading: C slow and D fast -> process reuse; C and D slow, A and E fast -> the GPU's memory history; B unlike A -> the
 wake's placement; all alike -> the ablate's concurrent starts. Writes OUT/engine-state.json and prints one line per state.
 
-usage: python3 scripts/gpu/engine_state_check.py WORK OUT   (about 5 engine starts; ~5 min with warm caches)
+usage: python3 scripts/gpu/engine_state_check.py WORK OUT [--second-wake N]   (about 5 engine starts; ~5 min with warm caches)
+
+Run on 2026-12-01 (results/h200-fulldims/engine-state): A 4.375, B 4.124, C 4.394, D 4.372 ms/token; E cut by the call's
+limit. Only B, a second sleep and wake after the engine had been timed, was fast. `--second-wake N` tests that: N fresh
+processes one after another, each engine timed after its first wake (W1), then slept and woken again and timed (W2), and a
+fresh engine without sleep mode timed last (NS); if W2 is fast on every engine and W1 is not, a second wake before timing
+is the fix to build into the backend.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from pathlib import Path
 
 def main() -> None:
     work, out = Path(sys.argv[1]), Path(sys.argv[2])
-    fake = len(sys.argv) > 3 and sys.argv[3] == "--cpu-smoke-test"  # the fake vllm of tests/ (no GPU): protocol only
+    fake = "--cpu-smoke-test" in sys.argv  # the fake vllm of tests/ (no GPU): protocol only
     import torch
 
     from splicer.backends.vllm_backend import OVERLAP_DEFAULTS, VllmBackend
@@ -74,6 +80,29 @@ def main() -> None:
               + (f" (the load in P1 failed and was retried in a fresh process: {retried[:120]})" if retried else ""), flush=True)
 
     out.mkdir(parents=True, exist_ok=True)
+    if "--second-wake" in sys.argv:
+        n = int(sys.argv[sys.argv.index("--second-wake") + 1])
+        for i in range(n):
+            b = backend(f"w{i}")
+            try:
+                state(f"W1.{i}", b, f"fresh process {i}, timed after its first wake", reload=True)
+                state(f"W2.{i}", b, f"fresh process {i}, slept and woken a second time")
+            finally:
+                b.close()
+        plain = {k: v for k, v in args.items() if k != "enable_sleep_mode"}
+        b = VllmBackend(engine_args=plain, log_dir=work / "engine-state" / "logs" / "ns", sleep_between=False,
+                        require_cuda=not fake)
+        try:
+            entry = {"state": "NS", "note": "fresh process, no sleep mode, timed after load"}
+            b.load(build)
+            entry["timing"] = b.time_decode(prompt, new_tokens, warmup, runs)
+            record["states"].append(entry)
+            (out / "engine-state.json").write_text(json.dumps(record, indent=1))
+            ms = entry["timing"].get("per_run_ms") or []
+            print(f"NS: {entry['note']}: {sum(ms) / max(len(ms), 1):.3f} ms/token mean of {len(ms)} blocks", flush=True)
+        finally:
+            b.close()
+        return
     p1 = backend("p1")
     try:
         state("A", p1, "fresh process P1, empty GPU", reload=True)
