@@ -16,8 +16,8 @@ wake's placement; all alike -> the ablate's concurrent starts. Writes OUT/engine
 
 usage: python3 scripts/gpu/engine_state_check.py WORK OUT [--second-wake N]   (about 5 engine starts; ~5 min with warm caches)
 
-Run on 2026-12-01 (results/h200-fulldims/engine-state): A 4.375, B 4.124, C 4.394, D 4.372 ms/token; E cut by the call's
-limit. Only B, a second sleep and wake after the engine had been timed, was fast. `--second-wake N` tests that: N fresh
+Run on 2026-12-01 (results/h200-fulldims/engine-state): A 4.375, B 4.124, C 4.394, D 4.372 ms/token; E cut by the time limit set
+for it. Only B, a second sleep and wake after the engine had been timed, was fast. `--second-wake N` tests that: N fresh
 processes one after another, each engine timed after its first wake (W1), then slept and woken again and timed (W2), and a
 fresh engine without sleep mode timed last (NS); if W2 is fast on every engine and W1 is not, a second wake before timing
 is the fix to build into the backend.
