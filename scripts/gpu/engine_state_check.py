@@ -49,19 +49,21 @@ def main() -> None:
     new_tokens, warmup, runs = (64, 3, 7) if not fake else (3, 0, 2)
     record = {"engine_args": args, "states": []}
 
-    def backend(name):
-        return VllmBackend(engine_args=args, log_dir=work / "engine-state" / "logs" / name, sleep_between=False,
+    def backend(name, sleep_mode=True):
+        engine_args = args if sleep_mode else {k: v for k, v in args.items() if k != "enable_sleep_mode"}
+        return VllmBackend(engine_args=engine_args, log_dir=work / "engine-state" / "logs" / name, sleep_between=False,
                            require_cuda=not fake)
 
-    def state(label, b, note, reload=False):
+    def state(label, b, note, reload=False, wake=True):
         entry = {"state": label, "note": note}
         t0 = time.perf_counter()
         try:
             if reload:
                 b.load(build)
                 entry["engine"] = {k: b.load_info().get(k) for k in ("pid", "startup_s", "compile_time_s", "retried_in_fresh_worker")}
-            entry["sleep_s"] = b._call("sleep", timeout=600)
-            entry["wake_s"] = b._call("wake", timeout=600)
+            if wake:
+                entry["sleep_s"] = b._call("sleep", timeout=600)
+                entry["wake_s"] = b._call("wake", timeout=600)
             entry["timing"] = b.time_decode(prompt, new_tokens, warmup, runs)
         except Exception as e:  # a state that cannot be reached is a result too (e.g. C's CuMem assertion)
             entry["error"] = f"{e.__class__.__name__}: {str(e)[:600]}"
@@ -89,17 +91,9 @@ def main() -> None:
                 state(f"W2.{i}", b, f"fresh process {i}, slept and woken a second time")
             finally:
                 b.close()
-        plain = {k: v for k, v in args.items() if k != "enable_sleep_mode"}
-        b = VllmBackend(engine_args=plain, log_dir=work / "engine-state" / "logs" / "ns", sleep_between=False,
-                        require_cuda=not fake)
+        b = backend("ns", sleep_mode=False)
         try:
-            entry = {"state": "NS", "note": "fresh process, no sleep mode, timed after load"}
-            b.load(build)
-            entry["timing"] = b.time_decode(prompt, new_tokens, warmup, runs)
-            record["states"].append(entry)
-            (out / "engine-state.json").write_text(json.dumps(record, indent=1))
-            ms = entry["timing"].get("per_run_ms") or []
-            print(f"NS: {entry['note']}: {sum(ms) / max(len(ms), 1):.3f} ms/token mean of {len(ms)} blocks", flush=True)
+            state("NS", b, "fresh process, no sleep mode, timed after load", reload=True, wake=False)
         finally:
             b.close()
         return
