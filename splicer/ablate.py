@@ -55,6 +55,7 @@ class AblateSettings:
     progress: bool = True
     process_per_variant: bool = False  # vllm: a fresh worker process per variant instead of one for the run
     overlap_starts: int = 0  # vllm: engines started ahead (in spare workers) while the current one scores
+    rewake_before_timing: bool = False  # vllm with overlap: one more sleep and wake right before each decode timing
     allow_quantized_base: bool = False  # a stand-in reference that keeps some classes quantized (see validate_base)
     engine_cache_dir: Path | None = None  # vllm: compile/Triton/Inductor caches; None: their per-user defaults
     own_inputs: tuple = ()  # input folders this run wrote inside DIR itself (the demo's pair), which DIR may hold
@@ -363,7 +364,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         # The build row is every other row's reference, and its repeats (more engines of it) set the decode intervals.
         selected = {"build", *wanted, *(r.name for r in rows if r.repeat and r.restored(quantized) == [])}
     options = ({"engine_args": settings.engine_args, "log_dir": out / "logs", "cache_dir": settings.engine_cache_dir,
-                "one_process": not settings.process_per_variant, "overlap_starts": settings.overlap_starts}
+                "one_process": not settings.process_per_variant, "overlap_starts": settings.overlap_starts,
+                "rewake_before_timing": settings.rewake_before_timing}
                if settings.backend == "vllm" else {})
     backend = make_backend(settings.backend, settings.device, **options)
     base = open_checkpoint(base_src, "base")
@@ -390,7 +392,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                "base": {"source": str(base_src), "digest": base_digest},
                "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
                             "engine_args": settings.engine_args, "allow_quantized_base": settings.allow_quantized_base,
-                            "overlap_starts": settings.overlap_starts,
+                            "overlap_starts": settings.overlap_starts, "rewake_before_timing": settings.rewake_before_timing,
                             "time_decode": settings.time_decode, "corpus_overrides": settings.corpus_overrides}}
         results_path = out / RESULTS
         previous = json.loads(results_path.read_text()) if results_path.exists() else None

@@ -90,14 +90,15 @@ def _cmd_ablate(args) -> int:
             engine_args[flag] = getattr(args, flag)
     if args.language_model_only:
         engine_args["language_model_only"] = True
-    if (args.overlap_starts or args.process_per_variant or args.engine_cache_dir) and args.backend != "vllm":
-        raise SplicerError("--overlap-starts, --process-per-variant and --engine-cache-dir apply to --backend vllm only")
+    if (args.overlap_starts or args.process_per_variant or args.engine_cache_dir or args.rewake_before_timing) and args.backend != "vllm":
+        raise SplicerError("--overlap-starts, --rewake-before-timing, --process-per-variant and --engine-cache-dir apply to --backend vllm only")
     if engine_args and args.backend != "vllm":
         raise SplicerError("engine options (--engine-arg, --max-model-len, ...) apply to --backend vllm only")
     settings = AblateSettings(backend=args.backend, device=args.device, time_decode=not args.no_time,
                               corpus_overrides=overrides, batch_size=args.batch_size, progress=not args.quiet,
                               allow_quantized_base=args.allow_quantized_base, process_per_variant=args.process_per_variant,
                               overlap_starts=args.overlap_starts, engine_cache_dir=args.engine_cache_dir,
+                              rewake_before_timing=args.rewake_before_timing,
                               engine_args=engine_args, bandwidth_gbs=args.bandwidth_gbs)
     from .outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
 
@@ -242,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vllm: start the next N variants' engines (default 1) in spare workers while the current one "
                         "scores; decode is still timed with no engine starting; each engine then gets a fixed 12 GiB KV "
                         "cache unless --engine-arg kv_cache_memory_bytes=...")
+    s.add_argument("--rewake-before-timing", action="store_true",
+                   help="vllm with --overlap-starts: sleep and wake each engine once more right before its decode timing")
     s.add_argument("--engine-cache-dir", type=Path, metavar="PATH",
                    help="vllm: keep vLLM's compile cache and Triton's and Inductor's caches (autotuning included) in PATH "
                         "instead of their per-user defaults, which later runs on the machine reuse")

@@ -240,6 +240,21 @@ def test_with_overlapped_starts_every_engine_sleeps_once_started_and_is_woken_at
         fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=1, engine_args={"enable_sleep_mode": False})
 
 
+def test_rewake_before_timing_sleeps_and_wakes_the_engine_once_more_before_each_timing_only(pairs, fake_vllm, tmp_path):
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=1, rewake_before_timing=True)
+    seqs = [list(range(20, 60))]
+    b.load(pairs["fused"]["lowlatency"])
+    list(b.score(seqs, 20, batch_size=1))
+    assert b.engine_metrics("fake:sleep_wake") == {"fake:sleep_wake": [1, 1]}  # scoring does not cycle it
+    timing = b.time_decode(seqs[0], 3, 0, 1)
+    assert b.engine_metrics("fake:sleep_wake") == {"fake:sleep_wake": [2, 2]}
+    assert timing["state"].startswith("slept and woken a second time") and timing["rewake_wake_s"] >= 0
+    assert b.describe()["rewake_before_timing"] is True
+    b.close()
+    with pytest.raises(SplicerError, match="needs vLLM's sleep mode"):
+        fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, rewake_before_timing=True)
+
+
 def test_two_engines_start_ahead_and_a_third_waits_for_a_free_worker(pairs, fake_vllm, tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)

@@ -20,7 +20,7 @@ Run on 2026-12-01 (results/h200-fulldims/engine-state): A 4.375, B 4.124, C 4.39
 for it. Only B, a second sleep and wake after the engine had been timed, was fast. `--second-wake N` tests that: N fresh
 processes one after another, each engine timed after its first wake (W1), then slept and woken again and timed (W2), and a
 fresh engine without sleep mode timed last (NS); if W2 is fast on every engine and W1 is not, a second wake before timing
-is the fix to build into the backend.
+is the fix to build into the backend (`--rewake-before-timing`); W3, a third cycle, says whether the state then holds.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def main() -> None:
             try:
                 state(f"W1.{i}", b, f"fresh process {i}, timed after its first wake", reload=True)
                 state(f"W2.{i}", b, f"fresh process {i}, slept and woken a second time")
+                state(f"W3.{i}", b, f"fresh process {i}, slept and woken a third time")
             finally:
                 b.close()
         b = backend("ns", sleep_mode=False)
