@@ -220,6 +220,12 @@ def _footnotes(results: dict) -> list[str]:
                      "spread is unknown (run the plan's `repeat = true` row of the build too, e.g. build-again).")
     elif results.get("timing_settings") is None and results.get("variants"):
         notes.append("Decode was not timed in this run (--no-time).")
+    if any(str((r.get("timing") or {}).get("state", "")).startswith(("woken", "slept")) for r in results["variants"]):
+        # results/h200-fulldims (runs 4-8, second-wake): engines timed after vLLM's sleep and wake sat at 4.10 or 4.38
+        # ms/token for the same build, while serially started engines never left the 4.34-4.39 level.
+        notes.append("Decode was timed after vLLM's sleep and wake (--overlap-starts): on an H200 such engines of one variant "
+                     "landed in two states about 6 % apart, against 0.2-1.0 % between serially started engines; for decode "
+                     "verdicts run without --overlap-starts.")
     # Recomputed from the rows rather than read back, so results written by older versions get today's labels.
     from .ablate import time_breakdown
 
