@@ -176,7 +176,13 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
         backend.load(base_root)
     load_s = time.perf_counter() - t0
     engine_info = backend.load_info() if hasattr(backend, "load_info") else None
-    stop = [t for t in {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int) and t >= 0]
+    from .arch import get_architecture
+
+    # The end of an assistant turn: the tokenizer's EOS and the family's chat-template stop tokens it knows.
+    arch = get_architecture(json.loads((Path(base_root) / "config.json").read_text()))
+    unk = tok.unk_token_id
+    stop = sorted({t for t in (tok.eos_token_id, *(tok.convert_tokens_to_ids(s) for s in arch.chat_stop_tokens))
+                   if isinstance(t, int) and t >= 0 and t != unk})
     for c in corpora:
         if c.kind == "chat":
             with stages.stage(f"base pass: chat answers {c.name} ({len(c.sequences)} conversations)"):
@@ -353,7 +359,9 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     out = check_output(out, [build.root, *local_folder(base_src)], ABLATE, own=settings.own_inputs)
     modules = list_modules(build)
     quantized = [c for c in build.arch.classes if any(m.quantized and m.cls == c for m in modules.values())]
-    plan = load_plan(plan_name, build.arch.classes)
+    from .arch import all_classes
+
+    plan = load_plan(plan_name, all_classes())  # a plan may name any family's classes; rows this one lacks are skipped
     rows = plan.rows
     selected = {r.name for r in rows}
     if rows_spec != "all":
@@ -406,6 +414,10 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         todo, skipped = [], []
         for row in rows:
             restored = row.restored(quantized)
+            lacking = [c for c in (row.restore or []) + (row.keep or []) if c not in build.arch.classes]
+            if lacking:
+                skipped.append({"name": row.name, "reason": f"the {build.arch.name} family has no {', '.join(lacking)} class"})
+                continue
             if restored is not None and row.restore and not restored:
                 skipped.append({"name": row.name, "reason": f"{', '.join(row.restore)} not quantized in this build"})
                 continue

@@ -39,6 +39,9 @@ def _cmd_splice(args) -> int:
     return 0
 
 
+BUILDS_DEFAULT = "lowlatency,experts-g32"
+
+
 def _cmd_fixture(args) -> int:
     from .fixtures import FixtureSpec, write_fixture_folder, write_pair
 
@@ -58,6 +61,19 @@ def _cmd_fixture(args) -> int:
               f"reference spliced in {r['splice_reference_s']:.1f} s")
         return 0
 
+    if args.family != "qwen3_5_moe":
+        from .family_fixtures import FAMILY_FIXTURES, write_family_pair
+
+        if args.family not in FAMILY_FIXTURES:
+            raise SplicerError(f"--family {args.family!r}: no fixture for it; choose from qwen3_5_moe, {', '.join(sorted(FAMILY_FIXTURES))}")
+        if args.full_dims or args.preset != "tiny" or args.experts_layout != "fused" or args.builds != BUILDS_DEFAULT:
+            raise SplicerError(f"--family {args.family} writes its base and its own builds "
+                               f"({', '.join(FAMILY_FIXTURES[args.family].builds)}); drop --preset, --builds, --experts-layout and --full-dims")
+        paths = write_fixture_folder(args.out, lambda d: write_family_pair(d, args.family, seed=args.seed), args.force,
+                                     {"family": args.family, "seed": args.seed})
+        for k, p in paths.items():
+            print(f"{k}: {p}")
+        return 0
     kinds = [k for k in args.builds.split(",") if k.strip()]
     from .fixtures import BUILD_KINDS
 
@@ -211,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("base", metavar="BASE", help="its BF16 base: folder or Hub repo id (only needed shards are read)")
     s.add_argument("-o", "--out", required=True, metavar="OUT", help="output folder (must not exist unless --force)")
     s.add_argument("--restore", required=True, metavar="CLASSES",
-                   help="comma list of gdn, attention, shared_expert, lm_head, experts, mtp, or all")
+                   help="comma list of the family's module classes (splicer inspect lists them), or all")
     s.add_argument("--layers", metavar="LIST", help="only these decoder layers, e.g. 0,4-7")
     s.add_argument("--modules", metavar="REGEX", help="only modules whose HF name matches REGEX (fused groups must stay whole)")
     s.add_argument("--tokenizer-from-base", action="store_true", help="copy the base's tokenizer, chat template and generation config verbatim")
@@ -275,7 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", metavar="DIR")
     s.add_argument("--preset", default="tiny", choices=["tiny", "gpu", "bench"])
     s.add_argument("--experts-layout", default="fused", choices=["fused", "per_expert"])
-    s.add_argument("--builds", default="lowlatency,experts-g32", help="comma list of lowlatency, lowlatency-nomtp, experts-g32, gptq-experts-g32")
+    s.add_argument("--builds", default=BUILDS_DEFAULT, help="comma list of lowlatency, lowlatency-nomtp, experts-g32, gptq-experts-g32")
+    s.add_argument("--family", default="qwen3_5_moe",
+                   help="qwen3_5_moe (default), or qwen3_moe, llama, qwen3: a tiny pair of that family made from "
+                        "transformers' own model class (an int4 build; qwen3_moe also experts-g32)")
     s.add_argument("--seed", type=_count(0), default=0)
     s.add_argument("--full-dims", action="store_true",
                    help="Qwen3.6-35B-A3B's real text dims with random weights: DIR/build (seed-000-like INT4) and DIR/reference "

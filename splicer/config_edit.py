@@ -15,8 +15,6 @@ from .checkpoint import Checkpoint
 from .modules import Module
 from .rules import check, is_gptq
 
-MTP_IGNORE = r"re:mtp\..+$"
-
 
 def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[str, Module],
                     added: dict[str, Module] | None = None, drop_dead: bool = False) -> tuple[dict, list[str]]:
@@ -40,11 +38,11 @@ def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[
         if "lm_head" in picked:
             # A group aimed at the head (re:.*lm_head$) would otherwise still claim it.
             for g in qc["config_groups"].values():
-                g["targets"] = [t for t in g.get("targets") or [] if not _targets_only_head(t)]
+                g["targets"] = [t for t in g.get("targets") or [] if not _targets_only_head(t, arch)]
     after = modules_after(modules, picked, added)
     report = check(after, qc, arch)
     if added and any(r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if n in added):
-        _add_exclusions(qc, [MTP_IGNORE])  # the added BF16 MTP head must not be read as quantized
+        _add_exclusions(qc, [arch.mtp_ignore])  # the added BF16 MTP head must not be read as quantized
         report = check(after, qc, arch)
     dropped = []
     if drop_dead:
@@ -80,29 +78,59 @@ def _remove_exclusions(qc: dict, entries: set[str]) -> None:
         qc["ignore"] = [e for e in qc["ignore"] if e not in entries]
 
 
-def _targets_only_head(target: str) -> bool:
+def _targets_only_head(target: str, arch: Architecture) -> bool:
     if not target.startswith("re:"):
-        return target in ("lm_head", "language_model.lm_head")
+        return target in arch.lm_head_names
     pat = re.compile(target[3:])
-    return bool(pat.match("lm_head") or pat.match("language_model.lm_head")) and not pat.match("model.language_model.layers.0.mlp.down_proj")
+    # A regex that also reaches a decoder module (e.g. re:.*proj$) is not the head's own group.
+    decoder_module = f"{arch.decoder_roots[0][0]}.0.{next(iter(arch.fused_shards))}" if arch.decoder_roots else None
+    return any(pat.match(n) for n in arch.lm_head_names) and not (decoder_module and pat.match(decoder_module))
 
 
-_LAYERED = re.compile(r"^(?P<root>model\.language_model\.layers|mtp\.layers)\.(?P<layer>\d+)\.(?P<path>.+?)(?:\.(?P<expert>\d+))?\.(?P<proj>[^.]+)$")
+def _layered(arch: Architecture) -> re.Pattern:
+    """root.layer.path[.expert].proj for a decoder-layer module of arch (root: one of its HF decoder roots)."""
+    roots = "|".join(re.escape(hf) for hf, _ in arch.decoder_roots) or "(?!)"
+    return re.compile(rf"^(?P<root>{roots})\.(?P<layer>\d+)\.(?P<path>.+?)(?:\.(?P<expert>\d+))?\.(?P<proj>[^.]+)$")
+
+
+def _root_regex(arch: Architecture, root: str) -> str:
+    r"""A decoder root under both namings, HF's and vLLM's (they differ where vLLM's mapper renames it)."""
+    vllm = dict(arch.decoder_roots).get(root, root)
+    if vllm == root:
+        return re.escape(root)
+    a, b = root.split("."), vllm.split(".")
+    common = 0  # the dotted tail both share, written once: (model\.language_model|language_model\.model)\.layers
+    while common < min(len(a), len(b)) - 1 and a[-1 - common] == b[-1 - common]:
+        common += 1
+    head = "(" + re.escape(".".join(a[:len(a) - common])) + "|" + re.escape(".".join(b[:len(b) - common])) + ")"
+    return head + "".join(r"\." + re.escape(p) for p in a[len(a) - common:])
+
+
+def _head_regex(arch: Architecture) -> str:
+    r"""The head under every name it has (HF's, vLLM's), e.g. re:(language_model\.)?lm_head$."""
+    head, others = arch.lm_head_names[0], arch.lm_head_names[1:]
+    if not others:
+        return f"re:{re.escape(head)}$"
+    prefixes = [n[: -len(head)] for n in others if n.endswith(head)]
+    if prefixes and len(prefixes) == len(others):
+        return "re:(" + "|".join(re.escape(p) for p in prefixes) + ")?" + re.escape(head) + "$"
+    return "re:(" + "|".join(re.escape(n) for n in arch.lm_head_names) + ")$"
 
 
 def ignore_entries(picked: dict[str, Module], modules: dict[str, Module], arch: Architecture) -> list[str]:
     """A few readable regexes, each ending in `$`, that match the restored modules under both namings.
 
-    Decoder names are matched in HF form (model.language_model.) and vLLM form
-    (language_model.model.), because vLLM does not rename regexes (facts §3).
+    Decoder names are matched in HF form and vLLM form (for qwen3_5_moe model.language_model. and
+    language_model.model.), because vLLM does not rename regexes (facts §3).
     """
+    layered = _layered(arch)
     entries: list[str] = []
     parsed = {}
     projs_at: dict[tuple, set[str]] = defaultdict(set)  # (root, layer, path) -> restored projections
     for name in picked:
-        if name == "lm_head":
-            entries.append(r"re:(language_model\.)?lm_head$")
-        elif (m := _LAYERED.match(name)) is None:
+        if name == arch.lm_head_names[0]:
+            entries.append(_head_regex(arch))
+        elif (m := layered.match(name)) is None:
             entries.append(name)  # e.g. mtp.fc: exact names are renamed by vLLM where needed
         else:
             parsed[name] = m
@@ -113,12 +141,12 @@ def ignore_entries(picked: dict[str, Module], modules: dict[str, Module], arch: 
         by_key[(m["root"], m["path"], m["expert"] is not None, projs)].add(int(m["layer"]))
     all_layers: dict[tuple, set[int]] = defaultdict(set)
     for name in modules:
-        if (m := _LAYERED.match(name)) and modules[name].quantized:
+        if (m := layered.match(name)) and modules[name].quantized:
             all_layers[(m["root"], m["path"], m["proj"])].add(int(m["layer"]))
     for (root, path, is_expert, projs), layers in sorted(by_key.items(), key=lambda kv: str(kv[0])):
         everywhere = all(all_layers[(root, path, p)] <= layers for p in projs)
         layer_re = r"\d+" if everywhere else "(" + "|".join(str(i) for i in sorted(layers)) + ")"
-        root_re = r"(model\.language_model|language_model\.model)\.layers" if root.startswith("model.") else re.escape(root)
+        root_re = _root_regex(arch, root)
         proj_re = "(" + "|".join(re.escape(p) for p in sorted(projs)) + ")" if len(projs) > 1 else re.escape(next(iter(projs)))
         expert_re = r"\.\d+" if is_expert else ""
         entries.append(f"re:{root_re}\\.{layer_re}\\.{re.escape(path)}{expert_re}\\.{proj_re}$")

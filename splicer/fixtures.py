@@ -123,18 +123,10 @@ def base_shapes(spec: FixtureSpec, cfg) -> dict[str, tuple[int, ...]]:
                    "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.norm.weight": (h,)})
     if spec.experts_layout == "per_expert":
         for name, shape in list(shapes.items()):
-            parts = QWEN3_5_MOE.fused_expert_parts(name)
-            if not parts:
-                continue
-            prefix, which = parts
-            del shapes[name]
-            n_exp, rows, cols = shape
-            for e in range(n_exp):
-                if which == "gate_up_proj":
-                    shapes[f"{prefix}.{e}.gate_proj.weight"] = (rows // 2, cols)
-                    shapes[f"{prefix}.{e}.up_proj.weight"] = (rows // 2, cols)
-                else:
-                    shapes[f"{prefix}.{e}.down_proj.weight"] = (rows, cols)
+            split = QWEN3_5_MOE.per_expert_shapes(name, shape)
+            if split:
+                del shapes[name]
+                shapes.update(split)
     return dict(sorted(shapes.items()))
 
 

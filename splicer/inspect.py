@@ -8,13 +8,12 @@ from .checkpoint import Checkpoint
 from .modules import list_modules
 from .rules import check, validate_regexes
 
-CLASS_ORDER = ("gdn", "attention", "shared_expert", "lm_head", "experts", "mtp", "other")
 
 
 def tensor_class(ckpt: Checkpoint, tensor: str) -> str:
     arch = ckpt.arch
     fused = arch.fused_expert_parts(tensor)
-    module = f"{fused[0]}.0.gate_proj" if fused else tensor.rpartition(".")[0]
+    module = f"{fused[0]}.0.{dict(arch.fused_expert_shards)[fused[1]][0]}" if fused else tensor.rpartition(".")[0]
     return arch.module_class(module)
 
 
@@ -23,12 +22,12 @@ def decode_fraction(ckpt: Checkpoint, tensor: str, shape) -> float:
     arch = ckpt.arch
     tc = ckpt.text_config
     module = tensor.rpartition(".")[0]
-    if module.startswith(("model.visual", "mtp.")):
-        return 0.0  # text decode without speculative decoding reads neither
+    if not arch.is_text(module):
+        return 0.0  # text decode without speculative decoding reads neither a vision tower nor the MTP head
     if arch.is_embedding(module):
         return 1.0 / shape[0] if shape and shape[0] else 0.0  # one row
     if arch.expert_parts(module) or arch.fused_expert_parts(tensor):
-        return tc.get("num_experts_per_tok", 1) / max(tc.get("num_experts", 1), 1)
+        return arch.experts_read_per_token(tc)
     return 1.0
 
 
@@ -61,7 +60,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
             row["bytes_per_decode_step"] += info.nbytes * decode_fraction(ckpt, name, info.shape)
     report = check(modules, qc, arch)
     classes = {}
-    for cls in CLASS_ORDER:
+    for cls in (*arch.classes, "other"):
         if cls in per_class:
             row = per_class[cls]
             classes[cls] = dict(row, schemes=sorted(row["schemes"]), bytes_per_decode_step=int(row["bytes_per_decode_step"]))

@@ -137,7 +137,8 @@ def _packed_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict, reade
 
 
 def _split_fused_experts(ckpt: Checkpoint, info: TensorInfo) -> list[Module]:
-    """gate_up_proj [E, 2I, H] -> experts.e.{gate,up}_proj; down_proj [E, H, I] -> experts.e.down_proj.
+    """A fused 3-D expert tensor [E, k*I, H] -> one module per expert and stacked projection (the arch table says
+    which: gate_up_proj [E, 2I, H] -> experts.e.{gate,up}_proj, gate rows first; down_proj [E, H, I] -> experts.e.down_proj).
 
     Each slice is a contiguous byte range of the fused tensor, so it is copied, never loaded.
     """
@@ -149,20 +150,16 @@ def _split_fused_experts(ckpt: Checkpoint, info: TensorInfo) -> list[Module]:
     item = DTYPE_SIZES[info.dtype]
     per_expert = rows * cols * item
     out = []
+    projs = dict(arch.fused_expert_shards)[which]
+    if rows % len(projs):
+        raise SplicerError(f"{ckpt.label}: {info.name} stacks {len(projs)} projections but its dimension {rows} does not split evenly")
+    part = rows // len(projs)
     for e in range(n_exp):
         base = info.start + e * per_expert
-        if which == "gate_up_proj":
-            if rows % 2:
-                raise SplicerError(f"{ckpt.label}: {info.name} has an odd fused gate/up dimension {rows}")
-            half = rows // 2
-            for i, proj in enumerate(("gate_proj", "up_proj")):  # gate = rows [:I], up = rows [I:]
-                src = ByteSource(info.path, base + i * half * cols * item, half * cols * item)
-                name = f"{prefix}.{e}.{proj}"
-                out.append(Module(name, arch.module_class(name), fused_slice=(info, src, (half, cols)), shape=(half, cols)))
-        else:
-            name = f"{prefix}.{e}.down_proj"
-            src = ByteSource(info.path, base, per_expert)
-            out.append(Module(name, arch.module_class(name), fused_slice=(info, src, (rows, cols)), shape=(rows, cols)))
+        for i, proj in enumerate(projs):  # projection i = rows [i*part, (i+1)*part)
+            src = ByteSource(info.path, base + i * part * cols * item, part * cols * item)
+            name = f"{prefix}.{e}.{proj}"
+            out.append(Module(name, arch.module_class(name), fused_slice=(info, src, (part, cols)), shape=(part, cols)))
     return out
 
 

@@ -227,7 +227,7 @@ class GptqVllmReader:
     def __init__(self, qc: dict, arch: Architecture, modules: dict[str, Module]):
         self.arch, self.qc = arch, qc
         self.negative = _dynamic_negative(qc)
-        self.quantized = [arch.to_vllm_name(n) if not n.startswith("mtp.") else n for n, m in modules.items() if m.quantized]
+        self.quantized = [arch.to_vllm_name(n) if not arch.is_mtp(n) else n for n, m in modules.items() if m.quantized]
         self.tested: set[str] = set()
         self._cache: dict[str, Reading] = {}
 

@@ -89,7 +89,7 @@ def select_modules(modules: dict[str, Module], classes: list[str], arch: Archite
     for name, m in modules.items():
         if not m.quantized or m.cls not in classes:
             continue
-        if layers is not None and m.cls != "mtp" and arch.layer_index(name) not in layers:
+        if layers is not None and not arch.is_mtp(name) and arch.layer_index(name) not in layers:
             continue
         if pattern and not pattern.search(name):
             continue
@@ -125,7 +125,7 @@ def _wanted_base_tensors(build: Checkpoint, picked: dict[str, Module], base_weig
                                f"drop {picked[name].cls} from --restore or pass a base that holds it in BF16")
         parts = arch.expert_parts(name)
         if parts:
-            fused = f"{parts[0]}.{'down_proj' if parts[2] == 'down_proj' else 'gate_up_proj'}"
+            fused = arch.fused_expert_name(parts[0], parts[2])
             if fused in base_weight_map:
                 out[name] = fused
                 continue
@@ -140,12 +140,12 @@ def open_base_for(build: Checkpoint, base_source: str, picked: dict[str, Module]
     def shards(wm: dict) -> set[str]:
         tensors = set(_wanted_base_tensors(build, picked, wm).values())
         if add_mtp:
-            tensors |= {t for t in wm if t.startswith("mtp.")}
+            tensors |= {t for t in wm if build.arch.is_mtp(t)}
         return {wm[t] for t in tensors}
 
     base = open_checkpoint(base_source, "base", wanted_files=lambda index: shards(index.get("weight_map") or {}), shards=set())
     validate_base(base, build, allow_quantized_base)
-    if add_mtp and not any(t.startswith("mtp.") for t in base.weight_map):
+    if add_mtp and not any(build.arch.is_mtp(t) for t in base.weight_map):
         raise SplicerError(f"the build has no MTP head and neither has the base {base.label}; drop mtp from --restore")
     for shard in sorted(shards(base.weight_map)):
         load_shard_header(base, shard)
@@ -220,13 +220,13 @@ def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module],
             plan.total_size += t.nbytes
     added = {}
     if add_mtp:
-        infos = sorted((base.tensor(t) for t in base.weight_map if t.startswith("mtp.")), key=lambda i: (str(i.path), i.start))
+        infos = sorted((base.tensor(t) for t in base.weight_map if build.arch.is_mtp(t)), key=lambda i: (str(i.path), i.start))
         plan.shards_rewritten[MTP_SHARD] = [_from_base(i, float_dtype, plan.dtype_cast) for i in infos]
         for i in infos:
             plan.weight_map[i.name] = MTP_SHARD
             plan.total_size += i.nbytes
         plan.mtp_added = [i.name for i in infos]
-        added = {n: m for n, m in base_modules.items() if n.startswith("mtp.")}
+        added = {n: m for n, m in base_modules.items() if build.arch.is_mtp(n)}
     if tokenizer_from_base:
         plan.side_files = {name: base.root / name for name in TOKENIZER_FILES if (base.root / name).is_file()}
     plan.config, plan.dropped_ignore = restored_config(build, modules, picked, added, drop_dead_ignore)
@@ -420,7 +420,7 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
     check_output(out, [build.root, *local_folder(base_src)], SPLICE, force)  # before the base is read (or downloaded)
     modules = list_modules(build)
     validate_schemes(build, modules)
-    has_mtp = any(t.startswith("mtp.") for t in build.weight_map)
+    has_mtp = build.arch.mtp_prefix is None or any(build.arch.is_mtp(t) for t in build.weight_map)
     classes = parse_classes(restore, build.arch, modules, build_has_mtp=has_mtp)
     add_mtp = "mtp" in classes and not has_mtp  # seed 000's exporter dropped the MTP head: put the base's back
     picked = select_modules(modules, classes, build.arch, parse_layers(layers, build.text_config["num_hidden_layers"]),

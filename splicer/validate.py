@@ -110,17 +110,12 @@ def validate_base(base: Checkpoint, build: Checkpoint, allow_quantized: bool = F
             raise SplicerError(f"base {base.label} has {key}={a} but the build has {b}; pass the base the build was made from")
     # The rest of the model's shape, where both configs state it: ablate builds each model from its own config, and a
     # base that differs would be refused only by the torch backend, once the run has started writing DIR.
-    for key in SHAPE_KEYS:
+    for key in build.arch.shape_keys:
         a, b = base.text_config.get(key), build.text_config.get(key)
         if a is not None and b is not None and a != b:
             raise SplicerError(f"base {base.label} has {key}={_short(a)} but the build has {_short(b)}; "
                                "pass the base the build was made from")
     return frozen
-
-
-SHAPE_KEYS = ("num_experts_per_tok", "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-              "linear_conv_kernel_dim", "layer_types", "mtp_num_hidden_layers")
 
 
 def _short(value) -> str:

@@ -8,7 +8,9 @@ import shutil
 import pytest
 
 from splicer.checkpoint import open_checkpoint
-from splicer.config_edit import MTP_IGNORE
+from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
+
+MTP_IGNORE = QWEN3_5_MOE.mtp_ignore
 from splicer.inspect import inspect_checkpoint
 from splicer.splice import MTP_SHARD, splice
 

@@ -77,7 +77,9 @@ def test_kernels_by_class_from_a_real_probe():
 
     run = json.loads((Path(__file__).parents[1] / "results/gpu-fixture/results-run1.json").read_text())
     layers = run["variants"][0]["engine"]["layers"]
-    got = kernels_by_class(layers)
+    from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
+
+    got = kernels_by_class(layers, QWEN3_5_MOE)
     machete = "CompressedTensorsLinearMethod / CompressedTensorsWNA16 / MacheteLinearKernel"
     assert got["gdn"] == got["attention"] == got["shared_expert"] == got["lm_head"] == [machete]
     assert got["experts"][0].startswith("CompressedTensorsWNA16MarlinMoEMethod") and "wna16_backend=MARLIN" in got["experts"][0]

@@ -181,7 +181,9 @@ def test_kernel_probe_keeps_layers_that_differ():
     model.layers = layers
     probe = _kernel_probe(model)
     assert probe == {"layers.*.experts": "Method | Unquantized"}
-    assert kernels_by_class({"model.layers.*.mlp.experts": probe["layers.*.experts"]}) == {"experts": ["Method", "Unquantized"]}
+    from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
+
+    assert kernels_by_class({"model.layers.*.mlp.experts": probe["layers.*.experts"]}, QWEN3_5_MOE) == {"experts": ["Method", "Unquantized"]}
 
 
 def test_overlapped_start_serves_the_next_variant_from_the_second_worker(pairs, fake_vllm, tmp_path):

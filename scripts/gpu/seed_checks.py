@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
 from splicer.backends.vllm_backend import VllmBackend, kernels_by_class
 from splicer.fixtures import FixtureSpec, write_pair
 from splicer.metrics import fill_missing, kl_top_lumped
@@ -97,7 +98,7 @@ def main() -> int:
             with_mtp = engine.generate(prompts, 32, [])
             drafter = engine.drafter_layers()
             row.update(ok=True, greedy_equal_with_mtp=with_mtp == greedy, drafter_layers=_classes_of(drafter),
-                       drafter_by_class=kernels_by_class(drafter), spec_metrics=engine.engine_metrics("vllm:spec_decode"))
+                       drafter_by_class=kernels_by_class(drafter, QWEN3_5_MOE), spec_metrics=engine.engine_metrics("vllm:spec_decode"))
         except Exception as e:
             row.update(ok=False, error=str(e)[-2000:])
         finally:

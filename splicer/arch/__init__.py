@@ -21,6 +21,15 @@ PACKED_SUFFIXES = CT_PACKED_SUFFIXES + GPTQ_PACKED_SUFFIXES
 PLAIN_SUFFIXES = ("weight", "bias")
 
 
+def fused_group(fused: str, shards: tuple[str, ...]) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Architecture.fused_shards entries for one group vLLM loads into a single layer: every shard -> (fused, shards)."""
+    return {s: (fused, shards) for s in shards}
+
+
+ATTENTION_QKV = fused_group("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+MLP_GATE_UP = fused_group("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))
+
+
 @dataclass(frozen=True)
 class VllmLayer:
     """The vLLM layer an HF module loads into, and how vLLM decides its quantization."""
@@ -56,6 +65,32 @@ class Architecture:
     # Fused 3-D base expert tensors: groups (experts prefix, which).
     fused_expert_pattern: str
     layer_pattern: str  # groups (layer prefix, layer index) of a decoder module
+    # (HF root, vLLM root) of decoder-layer module names; an ignore regex written for a restore matches both, because
+    # vLLM renames plain names but not regexes (facts §3).
+    decoder_roots: tuple[tuple[str, str], ...] = ()
+    lm_head_names: tuple[str, ...] = ("lm_head",)  # the head's HF module name, then any vLLM layer name for it
+    mtp_prefix: str | None = None  # tensors of a separately stored MTP head ("mtp."), None when the family has none
+    non_text_prefixes: tuple[str, ...] = ()  # modules outside the text model (a vision tower): no decode reads them
+    # The torch backend builds transformers' causal LM for the (text) config through its Auto classes (the text
+    # config nested under `text_config_key` when the checkpoint is multimodal); these are the checkpoint tensors it
+    # loads and their renames into that model's names.
+    text_config_key: str | None = None
+    text_tensor_pattern: str = r"model\.|lm_head\."
+    hf_prefix_map: tuple[tuple[str, str], ...] = ()
+    # Fused 3-D routed-expert tensors (HF's in-memory layout, and some bases on disk): name -> the per-expert
+    # projections stacked in it, in row order (gate rows first in gate_up_proj).
+    fused_expert_shards: tuple[tuple[str, tuple[str, ...]], ...] = (("gate_up_proj", ("gate_proj", "up_proj")),
+                                                                     ("down_proj", ("down_proj",)))
+    chat_stop_tokens: tuple[str, ...] = ()  # tokens that end an assistant turn in the family's chat template
+    # vLLM layer names as its kernel probe reports them (layer numbers folded to *) -> splicer's classes.
+    vllm_kernel_classes: tuple[tuple[str, str], ...] = ()
+    # config.json keys (of the text config) that must agree between a build and its base.
+    shape_keys: tuple[str, ...] = ()
+    # The text config's keys for the routed-expert count and the experts each token uses (transformers 5 writes
+    # num_local_experts where the released Qwen3 MoE configs say num_experts; DeepSeek says n_routed_experts).
+    expert_count_keys: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
+    experts_per_token_keys: tuple[str, ...] = ("num_experts_per_tok",)
+    source: str = ""  # where the names were read (files of transformers and vLLM)
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
     def _re(self, pattern: str) -> re.Pattern:
@@ -81,6 +116,42 @@ class Architecture:
     def layer_index(self, module: str) -> int | None:
         m = self._re(self.layer_pattern).match(module)
         return int(m.group(2)) if m else None
+
+    def experts_read_per_token(self, text_config: dict) -> float:
+        """Share of a layer's routed experts one token reads (top-k of E); 1 when the config states neither."""
+        total = next((text_config[k] for k in self.expert_count_keys if text_config.get(k)), None)
+        used = next((text_config[k] for k in self.experts_per_token_keys if text_config.get(k)), None)
+        return used / total if total and used else 1.0
+
+    def is_mtp(self, name: str) -> bool:
+        """A tensor or module of the separately stored MTP head."""
+        return self.mtp_prefix is not None and name.startswith(self.mtp_prefix)
+
+    def is_text(self, module: str) -> bool:
+        """Part of the text model a batch-1 decode runs (not a vision tower, not the MTP head)."""
+        return not self.is_mtp(module) and not module.startswith(self.non_text_prefixes)
+
+    @property
+    def mtp_ignore(self) -> str:
+        """The ignore entry that keeps a BF16 MTP head unquantized."""
+        return f"re:{re.escape(self.mtp_prefix)}.+$"
+
+    def per_expert_shapes(self, tensor: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]] | None:
+        """A fused 3-D expert tensor's per-expert weights and their shapes (None for any other tensor)."""
+        parts = self.fused_expert_parts(tensor)
+        if not parts:
+            return None
+        prefix, which = parts
+        projs = dict(self.fused_expert_shards)[which]
+        n_exp, rows, cols = shape
+        return {f"{prefix}.{e}.{p}.weight": (rows // len(projs), cols) for e in range(n_exp) for p in projs}
+
+    def fused_expert_name(self, prefix: str, proj: str) -> str:
+        """The fused 3-D tensor that holds expert projection proj under prefix (…mlp.experts)."""
+        return f"{prefix}." + next(f for f, projs in self.fused_expert_shards if proj in projs)
+
+    def kernel_class(self, vllm_layer: str) -> str | None:
+        return next((c for c, p in self.vllm_kernel_classes if self._re(p).match(vllm_layer)), None)
 
     def is_embedding(self, module: str) -> bool:
         return bool(self._re(self.embedding_pattern).fullmatch(module))
@@ -121,14 +192,14 @@ class Architecture:
         return self.to_vllm_name(entry)
 
     def vllm_layer(self, module: str) -> VllmLayer:
-        drafter = module.startswith("mtp.")
+        drafter = self.is_mtp(module)
         packed = self.vllm_mtp_packed_modules if drafter else self.vllm_packed_modules
         vname = module if drafter else self.to_vllm_name(module)
         if self._re(self.vllm_never_quantized).fullmatch(module):
             return VllmLayer(vname, "unquantized", vname, (), drafter)
         if self.is_embedding(module):
             return VllmLayer(vname, "embedding", vname, ("VocabParallelEmbedding",), drafter)
-        if module == "lm_head":
+        if module == self.lm_head_names[0]:
             return VllmLayer(vname, "lm_head", vname, ("ParallelLMHead",), drafter)
         parts = self.expert_parts(module)
         if parts:
@@ -150,18 +221,31 @@ class Architecture:
         if layer.kind == "linear" and proj in packed:
             return [layer.name[: -len(proj)] + s for s in packed[proj]]
         if layer.kind == "moe":
-            return [f"{layer.name}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+            return [f"{layer.name}.0.{p}" for _, projs in self.fused_expert_shards for p in projs]
         return [layer.shard]
 
 
-def get_architecture(config: dict) -> Architecture:
+def families() -> tuple[Architecture, ...]:
+    """Every architecture table, in the order model types are looked up."""
+    from .dense import DENSE
     from .qwen3_5_moe import QWEN3_5_MOE
+    from .qwen3_moe import QWEN3_MOE
 
+    return (QWEN3_5_MOE, QWEN3_MOE, DENSE)
+
+
+def all_classes() -> tuple[str, ...]:
+    """Every module class some family has (a plan may name any of them; rows a family lacks are skipped)."""
+    return tuple(dict.fromkeys(c for a in families() for c in a.classes))
+
+
+def get_architecture(config: dict) -> Architecture:
     model_type = config.get("model_type")
-    for arch in (QWEN3_5_MOE,):
+    for arch in families():
         if model_type in arch.model_types:
             return arch
+    known = ", ".join(t for a in families() for t in a.model_types)
     raise SplicerError(
-        f"model_type {model_type!r} is not supported (supported: qwen3_5_moe); "
+        f"model_type {model_type!r} is not supported (supported: {known}); "
         "add an architecture table under splicer/arch/"
     )

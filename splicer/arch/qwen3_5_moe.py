@@ -13,7 +13,7 @@ On disk (HF names):
   lm_head, model.language_model.embed_tokens, model.visual.*, mtp.* (one full-attention MoE layer + fc + norms)
 """
 
-from . import Architecture
+from . import ATTENTION_QKV, Architecture, fused_group
 
 _DEC = r"model\.language_model\.layers\.\d+\."
 
@@ -31,15 +31,10 @@ QWEN3_5_MOE = Architecture(
     classes=("gdn", "attention", "shared_expert", "lm_head", "experts", "mtp"),
     # vLLM fuses these shards into one layer; they must share one scheme (facts §3, §7).
     fused_shards={
-        "self_attn.q_proj": ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        "self_attn.k_proj": ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        "self_attn.v_proj": ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        "linear_attn.in_proj_qkv": ("linear_attn.in_proj_qkvz", ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z")),
-        "linear_attn.in_proj_z": ("linear_attn.in_proj_qkvz", ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z")),
-        "linear_attn.in_proj_b": ("linear_attn.in_proj_ba", ("linear_attn.in_proj_b", "linear_attn.in_proj_a")),
-        "linear_attn.in_proj_a": ("linear_attn.in_proj_ba", ("linear_attn.in_proj_b", "linear_attn.in_proj_a")),
-        "shared_expert.gate_proj": ("shared_expert.gate_up_proj", ("shared_expert.gate_proj", "shared_expert.up_proj")),
-        "shared_expert.up_proj": ("shared_expert.gate_up_proj", ("shared_expert.gate_proj", "shared_expert.up_proj")),
+        **ATTENTION_QKV,
+        **fused_group("linear_attn.in_proj_qkvz", ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z")),
+        **fused_group("linear_attn.in_proj_ba", ("linear_attn.in_proj_b", "linear_attn.in_proj_a")),
+        **fused_group("shared_expert.gate_up_proj", ("shared_expert.gate_proj", "shared_expert.up_proj")),
     },
     vllm_packed_modules={
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -65,4 +60,23 @@ QWEN3_5_MOE = Architecture(
     expert_pattern=r"((?:mtp|model\.language_model)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)",
     fused_expert_pattern=r"((?:mtp|model\.language_model)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)",
     layer_pattern=r"((?:mtp|model\.language_model)\.layers)\.(\d+)\.",
+    decoder_roots=(("model.language_model.layers", "language_model.model.layers"), ("mtp.layers", "mtp.layers")),
+    lm_head_names=("lm_head", "language_model.lm_head"),
+    mtp_prefix="mtp.",
+    non_text_prefixes=("model.visual",),
+    text_config_key="text_config",
+    text_tensor_pattern=r"model\.language_model\.|lm_head\.",
+    hf_prefix_map=(("model.language_model.", "model."),),  # Qwen3_5MoeForCausalLM, the text model alone
+    chat_stop_tokens=("<|im_end|>",),
+    vllm_kernel_classes=(
+        ("lm_head", r"(language_model\.)?lm_head$"),
+        ("experts", r".*\.mlp\.experts(\..*)?$"),
+        ("shared_expert", r".*\.mlp\.shared_expert\.(gate_up_proj|down_proj)$"),
+        ("gdn", r".*\.linear_attn\.(in_proj_qkvz|out_proj)$"),
+        ("attention", r".*\.self_attn\.(qkv_proj|o_proj)$"),
+    ),
+    shape_keys=("num_experts_per_tok", "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                "linear_value_head_dim", "linear_conv_kernel_dim", "layer_types", "mtp_num_hidden_layers"),
+    source="transformers 5.24 models/qwen3_5_moe; vLLM 0.26.0 models/qwen3_5.py, qwen3_next.py, qwen3_5_mtp.py",
 )

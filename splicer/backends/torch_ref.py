@@ -1,4 +1,4 @@
-"""Reference backend: transformers' Qwen3.5-MoE text model in BF16, on CPU or CUDA.
+"""Reference backend: transformers' own text model of the checkpoint's family, in BF16, on CPU or CUDA.
 
 Packed modules are dequantized with compressed-tensors' own dequantizer, layer by layer,
 so the model sees exactly the weights the INT4 kernels approximate. It sees the full
@@ -20,9 +20,6 @@ import torch
 from ..checkpoint import open_checkpoint
 from ..errors import SplicerError
 from . import SequenceScores, decode_summary
-
-_TEXT = re.compile(r"^(model\.language_model\.|lm_head\.)")
-
 
 def _pick_device(device: str) -> torch.device:
     if device == "auto":
@@ -53,7 +50,7 @@ class TorchBackend:
 
     # ------------------------------------------------------------ loading
     def load(self, folder: Path) -> None:
-        from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
         try:
             from transformers.initialization import no_init_weights
         except ImportError:  # transformers < 5
@@ -61,23 +58,28 @@ class TorchBackend:
 
         self.unload()
         ckpt = open_checkpoint(folder, "checkpoint")
-        cfg_dict = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
-        text_cfg = Qwen3_5MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in ("model_type", "transformers_version")}).text_config
+        arch = ckpt.arch
+        cfg_dict = {k: v for k, v in ckpt.config.items() if k not in ("quantization_config", "model_type", "transformers_version")}
+        # transformers' own config and causal-LM classes for the model type (the text model of a multimodal one).
+        text_cfg = AutoConfig.for_model(ckpt.config["model_type"], **cfg_dict)
+        if arch.text_config_key:
+            text_cfg = getattr(text_cfg, arch.text_config_key)
         text_cfg._attn_implementation = "sdpa"
         self.max_positions = text_cfg.max_position_embeddings
         default = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with no_init_weights(), self.device:
-                model = Qwen3_5MoeForCausalLM(text_cfg)
+                model = AutoModelForCausalLM.from_config(text_cfg)
         finally:
             torch.set_default_dtype(default)
         params = dict(model.named_parameters())
         filled: set[str] = set()
         schemes = self._module_schemes(ckpt) if ckpt.quantization_config else {}
         chunks: dict[object, list[str]] = defaultdict(list)
+        text = re.compile(arch.text_tensor_pattern)
         for name in ckpt.weight_map:
-            if _TEXT.match(name):
+            if text.match(name) and not arch.is_mtp(name):
                 chunks[ckpt.arch.layer_index(name)].append(name)
         from safetensors import safe_open
 
@@ -91,9 +93,9 @@ class TorchBackend:
                     for n in names:
                         raw[n] = f.get_tensor(n)
             raw = self._dequantize(raw, schemes)
-            for name, tensor in self._to_model_names(raw).items():
+            for name, tensor in self._to_model_names(raw, arch).items():
                 if name not in params:
-                    raise SplicerError(f"{folder}: tensor {name} has no place in the text model; is this a qwen3_5_moe checkpoint?")
+                    raise SplicerError(f"{folder}: tensor {name} has no place in the text model; is this a {arch.name} checkpoint?")
                 p = params[name]
                 if tuple(p.shape) != tuple(tensor.shape):
                     raise SplicerError(f"{folder}: {name} is {list(tensor.shape)} but the config implies {list(p.shape)}")
@@ -151,23 +153,30 @@ class TorchBackend:
         return out
 
     @staticmethod
-    def _to_model_names(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Checkpoint names -> Qwen3_5MoeForCausalLM names; per-expert weights stacked into fused 3-D."""
+    def _to_model_names(raw: dict[str, torch.Tensor], arch) -> dict[str, torch.Tensor]:
+        """Checkpoint names -> the HF text model's names (the family's prefix map); per-expert weights stacked into
+        transformers' fused 3-D expert tensors (the family's fused_expert_shards, rows in their order)."""
         out: dict[str, torch.Tensor] = {}
         experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
         for name, t in raw.items():
-            name = name.replace("model.language_model.", "model.", 1)
-            m = re.match(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
-            if m:
-                experts[m.group(1)][int(m.group(2))][m.group(3)] = t
+            module, _, leaf = name.rpartition(".")
+            parts = arch.expert_parts(module) if leaf == "weight" else None
+            if parts:
+                experts[parts[0]][parts[1]][parts[2]] = t
             else:
                 out[name] = t
         for prefix, per in experts.items():
             idx = sorted(per)
-            # HF's fused layout: gate_up_proj [E, 2I, H] with gate rows first; down_proj [E, H, I].
-            out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([per[e]["gate_proj"], per[e]["up_proj"]], 0) for e in idx])
-            out[f"{prefix}.down_proj"] = torch.stack([per[e]["down_proj"] for e in idx])
-        return out
+            for fused, projs in arch.fused_expert_shards:
+                out[f"{prefix}.{fused}"] = torch.stack([torch.cat([per[e][p] for p in projs], 0) for e in idx])
+        renamed = {}
+        for name, t in out.items():
+            for ckpt_prefix, model_prefix in arch.hf_prefix_map:
+                if name.startswith(ckpt_prefix):
+                    name = model_prefix + name[len(ckpt_prefix):]
+                    break
+            renamed[name] = t
+        return renamed
 
     def unload(self) -> None:
         self.model = None

@@ -92,23 +92,20 @@ def _scores(prompt_ids, prompt_logprobs, top_k) -> SequenceScores:
     return scores_from_prompt_logprobs(prompt_ids, prompt_logprobs, top_k)
 
 
-# vLLM layer names (after the probe folded layer numbers into *) -> splicer's module classes.
-_VLLM_CLASS = (
-    ("lm_head", re.compile(r"(language_model\.)?lm_head$")),
-    ("experts", re.compile(r".*\.mlp\.experts(\..*)?$")),
-    ("shared_expert", re.compile(r".*\.mlp\.shared_expert\.(gate_up_proj|down_proj)$")),
-    ("gdn", re.compile(r".*\.linear_attn\.(in_proj_qkvz|out_proj)$")),
-    ("attention", re.compile(r".*\.self_attn\.(qkv_proj|o_proj)$")),
-)
+def _arch_of(folder):
+    from ..arch import get_architecture
+
+    return get_architecture(json.loads((Path(folder) / "config.json").read_text()))
 
 
-def kernels_by_class(layers: dict) -> dict:
-    """{class: sorted distinct 'method / scheme / kernel' strings} from the per-layer probe."""
+def kernels_by_class(layers: dict, arch) -> dict:
+    """{class: sorted distinct 'method / scheme / kernel' strings} from the per-layer probe (vLLM layer names ->
+    classes by the family's table)."""
     out: dict[str, set] = {}
     for name, desc in layers.items():
         if name == "error":
             continue
-        cls = next((c for c, p in _VLLM_CLASS if p.match(name)), None)
+        cls = arch.kernel_class(name)
         if cls:
             out.setdefault(cls, set()).update(re.sub(r" at 0x[0-9a-f]+>", ">", d) for d in str(desc).split(" | "))
     return {c: sorted(v) for c, v in out.items()}
@@ -543,7 +540,7 @@ class _Worker:
             breakdown.setdefault("compile_s", payload["compile_time_s"])
         return dict(payload, spawn_to_ready_s=time.perf_counter() - t0, worker_start_s=worker_start_s, log=str(log_path),
                     startup_breakdown=breakdown, kernel_log_lines=sorted(set(lines)), engine_args=b.engine_args,
-                    one_process=b.one_process, kernels_by_class=kernels_by_class(payload.get("layers") or {}))
+                    one_process=b.one_process, kernels_by_class=kernels_by_class(payload.get("layers") or {}, _arch_of(folder)))
 
     def unload(self) -> None:
         if self.loaded:

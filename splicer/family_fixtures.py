@@ -1,0 +1,202 @@
+"""Tiny fixture pairs for the families other than qwen3_5_moe, made from transformers' own model class.
+
+Each spec is data: the model type, a small config, and how its released checkpoints lay routed experts out on disk.
+The base's tensor names and shapes come from transformers' causal-LM class for that config built on the meta device
+(real names and layouts); values are seeded random BF16. Builds are quantized tensor by tensor with
+compressed-tensors (`splicer.quantize`: round to nearest, pack-quantized):
+
+* ``int4``: INT4 g128 on every Linear of the family's classes, INT8 g128 on the head (a group of its own, as seed
+  000 does: vLLM matches the head only through a target that names it); other Linears (a MoE router) are ignored.
+* ``experts-g32`` (families with routed experts): INT4 g32 on the routed experts only.
+
+`splicer fixture DIR --family NAME` writes one. The qwen3_5_moe pair (vision tower, MTP head, seed builds) stays in
+`splicer.fixtures`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .arch import Architecture, get_architecture
+from .checkpoint import INDEX_NAME
+from .fixtures import _ct_group, _quant_config, _write_sharded, _write_side_files
+from .quantize import make_scheme, quantize_weight
+
+
+@dataclass(frozen=True)
+class FamilyFixture:
+    model_type: str
+    config: dict
+    experts_on_disk: str = "per_expert"  # per_expert (as released) | fused (transformers' in-memory 3-D layout)
+    builds: tuple[str, ...] = ("int4",)
+    notes: str = ""
+
+
+# Every grouped input dim is a multiple of 128 (vLLM's Marlin/Machete kernels need it on a GPU).
+FAMILY_FIXTURES = {
+    "qwen3_moe": FamilyFixture(
+        "qwen3_moe",
+        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=2, num_key_value_heads=1, head_dim=128, num_experts=8, num_experts_per_tok=2,
+             max_position_embeddings=4096, tie_word_embeddings=False, norm_topk_prob=True),
+        builds=("int4", "experts-g32"),
+        notes="Qwen3-30B-A3B's layout: per-expert experts, a router per layer, no shared expert, no MTP",
+    ),
+    "llama": FamilyFixture(
+        "llama",
+        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False),
+    ),
+    "qwen3": FamilyFixture(
+        "qwen3",
+        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False),
+    ),
+}
+
+
+def _hf_config(spec: FamilyFixture):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(spec.model_type, **spec.config)
+
+
+def base_shapes(spec: FamilyFixture, arch: Architecture) -> dict[str, tuple[int, ...]]:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_hf_config(spec))
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if spec.experts_on_disk == "per_expert":
+        for name, shape in list(shapes.items()):
+            split = arch.per_expert_shapes(name, shape)
+            if split:
+                del shapes[name]
+                shapes.update(split)
+    return dict(sorted(shapes.items()))
+
+
+def _init(name: str, shape, gen: torch.Generator, arch: Architecture) -> torch.Tensor:
+    """Seeded values of a plausible scale: norms near their identity, small residual writes, a decisive router."""
+    if len(shape) < 2:
+        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+    fan_in = shape[-1]
+    t = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+        t = t * 0.25  # blocks write small updates into the residual stream, as in a trained model
+    if arch.module_class(name.rpartition(".")[0]) == "other" and not arch.is_embedding(name.rpartition(".")[0]):
+        t = t * 4  # a router: decisive routing, so rounding does not flip near-ties between experts
+    if name == f"{arch.lm_head_names[0]}.weight":
+        t = t * 4  # peaked next-token distributions, as a trained model's
+    return t.to(torch.bfloat16)
+
+
+def _shard_key(name: str, arch: Architecture) -> str:
+    li = arch.layer_index(name)
+    if name.startswith(arch.lm_head_names[0] + ".") or li is None and "norm" in name:
+        return "tail"
+    return f"layer{li:03d}" if li is not None else "head"
+
+
+def write_family_base(out: Path, family: str, seed: int = 0) -> Path:
+    spec = FAMILY_FIXTURES[family]
+    cfg = _hf_config(spec)
+    config = cfg.to_dict()
+    config["dtype"] = "bfloat16"
+    config["eos_token_id"] = 2  # <|im_end|> of the demo tokenizer
+    arch = get_architecture(config)
+    gen = torch.Generator().manual_seed(seed)
+    by_shard: dict[str, dict[str, torch.Tensor]] = {}
+    for name, shape in base_shapes(spec, arch).items():
+        by_shard.setdefault(_shard_key(name, arch), {})[name] = _init(name, shape, gen, arch)
+    out = Path(out)
+    _write_sharded(out, by_shard, config)
+    _write_side_files(out, cfg.vocab_size)
+    (out / "README.md").write_text(f"Synthetic {family} checkpoint made by splicer.family_fixtures; random weights.\n")
+    return out
+
+
+def _build_plan(arch: Architecture, kind: str) -> tuple[dict, callable, list[str]]:
+    head = arch.lm_head_names[0]
+    if kind == "int4":
+        # The head's group first: compressed-tensors' model-free dequantizer takes the first group that matches.
+        groups = {"group_0": _ct_group([f"re:.*{re.escape(head)}$"], 8, 128), "group_1": _ct_group(["Linear"], 4, 128)}
+
+        def pick(module: str):
+            cls = arch.module_class(module)
+            if cls == "lm_head":
+                return (8, 128)
+            return (4, 128) if cls in arch.classes else None
+        return _quant_config(groups, []), pick, ["Linear"]
+    if kind == "experts-g32":
+        if arch.expert_pattern == r"(?!)":
+            raise ValueError(f"{arch.name} has no routed experts; build kinds: int4")
+        target = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
+        return _quant_config({"group_0": _ct_group([target], 4, 32)}, []), (lambda m: (4, 32) if arch.expert_parts(m) else None), []
+    raise ValueError(f"unknown build kind {kind!r}; one of int4, experts-g32")
+
+
+def write_family_build(base: Path, out: Path, kind: str = "int4") -> Path:
+    """Quantize a family fixture base into a compressed-tensors build; Linears left in BF16 that a `Linear` target
+    would reach (a MoE router) go into `ignore` under their layer-free name."""
+    from safetensors import safe_open
+
+    base, out = Path(base), Path(out)
+    config = json.loads((base / "config.json").read_text())
+    arch = get_architecture(config)
+    qc, pick, class_targets = _build_plan(arch, kind)
+    index = json.loads((base / INDEX_NAME).read_text())
+    by_shard: dict[str, dict[str, torch.Tensor]] = {}
+    schemes, ignore = {}, set()
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(base / shard), "pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                parts = arch.fused_expert_parts(name)
+                if parts:  # builds are per expert, as llm-compressor writes them
+                    prefix, which = parts
+                    projs = dict(arch.fused_expert_shards)[which]
+                    rows = t.shape[1] // len(projs)
+                    items = [(f"{prefix}.{e}.{p}.weight", t[e, i * rows:(i + 1) * rows]) for e in range(t.shape[0])
+                             for i, p in enumerate(projs)]
+                else:
+                    items = [(name, t)]
+                for tname, tensor in items:
+                    module, _, leaf = tname.rpartition(".")
+                    linear = leaf == "weight" and tensor.dim() == 2 and not arch.is_embedding(module)
+                    choice = pick(module) if linear else None
+                    key = _shard_key(tname, arch) + ("-experts" if arch.expert_parts(module) else "")
+                    dest = by_shard.setdefault(key, {})
+                    if choice is None:
+                        if linear and class_targets and arch.module_class(module) == "other":
+                            ignore.add("re:.*" + re.escape(re.sub(r"^.*?\.layers\.\d+\.", "", module)) + "$")
+                        dest[tname] = tensor.contiguous()
+                        continue
+                    packed = quantize_weight(tensor.contiguous(), schemes.setdefault(choice, make_scheme(*choice)))
+                    for k, v in packed.items():
+                        dest[f"{module}.{k}"] = v
+    qc["ignore"] = sorted(ignore)
+    config["quantization_config"] = qc
+    _write_sharded(out, by_shard, config)
+    for p in base.iterdir():
+        if p.is_file() and p.name not in ("config.json", INDEX_NAME) and not p.name.endswith(".safetensors"):
+            shutil.copy2(p, out / p.name)
+    return out
+
+
+def write_family_pair(root: Path, family: str, kinds: tuple[str, ...] | None = None, seed: int = 0) -> dict[str, Path]:
+    root = Path(root)
+    paths = {"base": write_family_base(root / "base", family, seed)}
+    for kind in kinds or FAMILY_FIXTURES[family].builds:
+        paths[kind] = write_family_build(paths["base"], root / kind, kind)
+    return paths
+
+
+__all__ = ["FAMILY_FIXTURES", "FamilyFixture", "write_family_base", "write_family_build", "write_family_pair"]

@@ -1,0 +1,158 @@
+"""Families beyond qwen3_5_moe: each fixture made from transformers' own model class (real names and layouts), an INT4
+build made with compressed-tensors, then inspect's lint, a splice of every class, the torch backend on CPU (restoring
+every class scores exactly as the base), a split fused group refused, and the arch tables' knowledge kept in arch/."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from splicer.arch import families, get_architecture
+from splicer.cli import main
+from splicer.errors import SplicerError
+from splicer.family_fixtures import FAMILY_FIXTURES, write_family_pair
+from splicer.checkpoint import open_checkpoint
+from splicer.inspect import inspect_checkpoint as _inspect
+from splicer.splice import splice
+
+FAMILIES = sorted(FAMILY_FIXTURES)
+
+
+def inspect_checkpoint(folder: Path) -> dict:
+    return _inspect(open_checkpoint(str(folder), "build"))
+
+
+@pytest.fixture(scope="module")
+def family_pairs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {f: write_family_pair(root / f, f) for f in FAMILIES}
+
+
+def _logits(folder: Path, seq: list[int]) -> torch.Tensor:
+    from splicer.backends.torch_ref import TorchBackend
+
+    b = TorchBackend(device="cpu")
+    b.load(folder)
+    with torch.no_grad():
+        out = b.model(torch.tensor([seq])).logits[0].float()
+    b.unload()
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_fixture_has_the_families_real_names_and_a_clean_lint(family_pairs, family):
+    build = family_pairs[family]["int4"]
+    config = json.loads((build / "config.json").read_text())
+    arch = get_architecture(config)
+    info = inspect_checkpoint(build)
+    assert info["model_type"] == FAMILY_FIXTURES[family].model_type
+    quantized = {c for c, row in info["classes"].items() if row["quantized"]}
+    assert quantized == set(arch.classes) - {"mlp"} if "experts" in arch.classes else quantized == set(arch.classes)
+    assert not info["lint"]["issues"], info["lint"]["issues"]
+    names = json.loads((build / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.self_attn.q_proj.weight_packed" in names
+    if "experts" in arch.classes:  # per expert on disk, as Qwen3-30B-A3B ships; the router kept in BF16 and ignored
+        assert "model.layers.1.mlp.experts.7.down_proj.weight_packed" in names and "model.layers.0.mlp.gate.weight" in names
+        assert config["quantization_config"]["ignore"] == [r"re:.*mlp\.gate$"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_class_splices_and_restoring_all_scores_exactly_as_the_base(family_pairs, family, tmp_path):
+    p = family_pairs[family]
+    arch = get_architecture(json.loads((p["int4"] / "config.json").read_text()))
+    seq = list(range(5, 69))
+    base = _logits(p["base"], seq)
+    build = _logits(p["int4"], seq)
+    assert not torch.equal(build, base)
+    for cls in arch.classes:
+        if cls == "mlp" and "experts" in arch.classes:
+            continue  # the MoE fixture has no dense MLP layers (mlp_only_layers empty)
+        out = tmp_path / cls
+        record = splice(str(p["int4"]), str(p["base"]), out, cls, progress=False)
+        assert record["restored_classes"] == [cls]
+        assert not inspect_checkpoint(out)["lint"]["issues"]
+    everything = tmp_path / "all"
+    splice(str(p["int4"]), str(p["base"]), everything, "all", progress=False)
+    assert "quantization_config" not in json.loads((everything / "config.json").read_text())
+    assert torch.equal(_logits(everything, seq), base)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_split_fused_group_is_refused(family_pairs, family, tmp_path, capsys):
+    p = family_pairs[family]
+    code = main(["splice", "--restore", "attention", "--modules", r".*\.q_proj", str(p["int4"]), str(p["base"]),
+                 "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "qkv_proj" in err[0] and not (tmp_path / "out").exists()
+
+
+def test_experts_only_build_of_the_moe_family_restores_to_the_base(family_pairs, tmp_path):
+    p = family_pairs["qwen3_moe"]
+    seq = list(range(5, 69))
+    out = tmp_path / "experts"
+    splice(str(p["experts-g32"]), str(p["base"]), out, "experts", progress=False)
+    assert torch.equal(_logits(out, seq), _logits(p["base"], seq))
+
+
+def test_a_plan_row_naming_a_class_the_family_lacks_is_skipped_with_the_reason(family_pairs, tmp_path):
+    p = family_pairs["llama"]
+    plan = tmp_path / "plan.toml"
+    plan.write_text('name = "p"\ntop_k = 5\n[[corpus]]\nname = "r"\nkind = "random"\nchunk_tokens = 16\nmax_chunks = 2\n'
+                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n'
+                    '[[row]]\nname = "mlp"\nrestore = ["mlp"]\n')
+    code = main(["ablate", "all", str(p["int4"]), str(p["base"]), "-o", str(tmp_path / "run"), "--plan", str(plan), "-q",
+                 "--no-time"])
+    assert code == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert {"name": "gdn", "reason": "the dense family has no gdn class"} in results["skipped"]
+    assert [v["name"] for v in results["variants"] if v["status"] == "ok"] == ["build", "mlp"]
+
+
+def test_unknown_model_type_names_the_supported_ones():
+    with pytest.raises(SplicerError, match="not supported .*qwen3_moe.*llama"):
+        get_architecture({"model_type": "gpt2"})
+
+
+# Fragments of tensor and module names, chat tokens and model classes: architecture knowledge that belongs in an arch
+# table. String literals (not comments or docstrings) of splicer's modules outside arch/ must not spell them.
+NAME_FRAGMENTS = re.compile(
+    r"(?<![-\w])mtp\.|language_model\.|linear_attn|self_attn|shared_expert|experts\.|(gate|up|down|q|k|v|o)_proj|in_proj_|"
+    r"model\.layers|embed_tokens|<\|im_end\|>|ForCausalLM|ForConditionalGeneration|lm_head\.|\.lm_head"
+)
+# Family-specific by design, each with its reason: the qwen3_5_moe fixture and stand-in generators and the family
+# fixture specs (test data made from transformers' classes), the config.json field schema, the demo's tokenizer.
+EXEMPT = {"fixtures.py", "standin.py", "family_fixtures.py", "config_schema.py", "demo_tokenizer.py"}
+
+
+def _string_literals(tree: ast.AST):
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and n.body
+                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            yield node.lineno, node.value
+
+
+def test_no_module_outside_arch_hard_codes_a_tensor_or_module_name():
+    root = Path(__file__).parents[1] / "splicer"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if "arch" in path.relative_to(root).parts or path.name in EXEMPT:
+            continue
+        for line, text in _string_literals(ast.parse(path.read_text())):
+            if NAME_FRAGMENTS.search(text):
+                found.append(f"{path.relative_to(root)}:{line}: {text[:60]!r}")
+    assert not found, "names that belong in splicer/arch/:\n" + "\n".join(found)
+
+
+def test_every_family_table_is_consistent():
+    for arch in families():
+        assert len(set(arch.classes)) == len(arch.classes)
+        assert {c for c, _ in arch.class_patterns} <= set(arch.classes)
+        assert {c for c, _ in arch.vllm_kernel_classes} <= set(arch.classes)
+        assert arch.decoder_roots and arch.lm_head_names and arch.source
