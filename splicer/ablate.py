@@ -82,7 +82,7 @@ def _closing(backend):
     try:
         yield backend
     finally:
-        getattr(backend, "close", lambda: None)()
+        backend.close()
 
 
 def _pbar(iterable=None, **kw):
@@ -175,7 +175,7 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
     with stages.stage("base pass: engine start"):
         backend.load(base_root)
     load_s = time.perf_counter() - t0
-    engine_info = backend.load_info() if hasattr(backend, "load_info") else None
+    engine_info = backend.load_info() or None
     from .arch import get_architecture
 
     # The end of an assistant turn: the tokenizer's EOS and the family's chat-template stop tokens it knows.
@@ -217,7 +217,7 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
 
 
 def _batch_size(settings: AblateSettings, backend) -> int:
-    return settings.batch_size or getattr(backend, "default_batch", 4)
+    return settings.batch_size or backend.default_batch
 
 
 def _vocab_size(folder: Path) -> int:
@@ -297,7 +297,7 @@ def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], pla
     with stages.stage(f"{score_dir.name}: engine start"):
         backend.load(folder)
     timings["load_s"] = time.perf_counter() - t0
-    if hasattr(backend, "load_info"):
+    if backend.load_info():
         timings["engine"] = backend.load_info()
     if before_scoring:
         before_scoring()
@@ -441,7 +441,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         run_list = [(r, rs, sn) for r, rs, sn in todo if r.name not in done and r.name in selected]
         prepared: dict[str, tuple] = {}
         started_ahead: set[int] = set()
-        ahead = int(getattr(backend, "overlap_starts", 0) or 0)  # engines a backend can start ahead (vLLM only)
+        ahead = backend.overlap_starts  # engines the backend can start ahead (vLLM with --overlap-starts)
 
         def folder_for(row, restored, splice_name) -> tuple[Path, float]:
             if row.name in prepared:
@@ -605,37 +605,6 @@ def host_info() -> dict:
     return {"cpu": cpu, "logical_cores": os.cpu_count(), "memory_gib": memory_gib}
 
 
-def time_breakdown(results: dict) -> dict:
-    """Seconds spent per stage over the rows run (a resumed run counts the rows it kept from earlier runs too).
-
-    "waiting for engines" is what the run waited for engine starts; compile and weight loading are summed over the
-    engines (the base's included) and can exceed it when starts overlap each other or scoring (--overlap-starts).
-    """
-    parts = {"base pass": 0.0, "splice": 0.0, "waiting for engines": 0.0, "compile, summed over engines": 0.0,
-             "weight loading, summed over engines": 0.0, "scoring": 0.0, "timing": 0.0}
-    base = (results.get("base_pass") or {}).get("timings") or {}
-    parts["base pass"] = sum(v for k, v in base.items() if k.endswith("_s"))
-    engines = [(results.get("base_pass") or {}).get("engine")]
-    for v in results.get("variants", []):
-        e = v.get("elapsed") or {}
-        parts["splice"] += e.get("splice_s", 0.0)
-        parts["waiting for engines"] += e.get("load_s", 0.0)
-        parts["scoring"] += sum(x for k, x in e.items() if k.startswith("score_"))
-        parts["timing"] += e.get("time_s", 0.0)
-        engines.append(v.get("engine"))
-    for engine in engines:
-        sb = (engine or {}).get("startup_breakdown") or {}
-        parts["compile, summed over engines"] += sb.get("compile_s", 0.0)
-        parts["weight loading, summed over engines"] += sb.get("model_load_s", sb.get("weights_load_s", 0.0))
-    if results.get("elapsed_s") is not None:
-        parts["this run, wall"] = results["elapsed_s"]
-    runs = results.get("runs") or []
-    if len(runs) > 1 and all(r.get("elapsed_s") is not None for r in runs):
-        # An interrupted run records its time up to its last finished row: work cut off after that is not counted.
-        parts[f"all {len(runs)} runs of this job, wall"] = sum(r["elapsed_s"] for r in runs)
-    return {k: round(x, 1) for k, x in parts.items() if x}
-
-
 def _finish(results: dict, out: Path, backend, reps: int = 2000) -> None:
     from .report import render_report
     from .table import render_markdown
@@ -646,6 +615,8 @@ def _finish(results: dict, out: Path, backend, reps: int = 2000) -> None:
     results["engine_version"] = info.get("engine")
     results["device"] = info.get("device")
     results["backend_info"] = info
+    from .breakdown import time_breakdown
+
     results["time_breakdown"] = time_breakdown(results)
     attach(results, out, reps)
     _atomic_json(out / RESULTS, results)

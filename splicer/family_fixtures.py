@@ -36,6 +36,7 @@ class FamilyFixture:
     config: dict
     experts_on_disk: str = "per_expert"  # per_expert (as released) | fused (transformers' in-memory 3-D layout)
     builds: tuple[str, ...] = ("int4",)
+    absent_classes: tuple[str, ...] = ()  # classes of the family this fixture has no modules of
     notes: str = ""
 
 
@@ -46,8 +47,19 @@ FAMILY_FIXTURES = {
         dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=2, num_key_value_heads=1, head_dim=128, num_experts=8, num_experts_per_tok=2,
              max_position_embeddings=4096, tie_word_embeddings=False, norm_topk_prob=True),
-        builds=("int4", "experts-g32"),
+        builds=("int4", "experts-g32"), absent_classes=("mlp",),
         notes="Qwen3-30B-A3B's layout: per-expert experts, a router per layer, no shared expert, no MTP",
+    ),
+    "qwen3_next": FamilyFixture(
+        "qwen3_next",
+        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+             shared_expert_intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=128, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
+             linear_num_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+             tie_word_embeddings=False),
+        builds=("int4", "experts-g32"), absent_classes=("mtp",),
+        notes="Qwen3-Next-80B-A3B's layout (GDN projections fused on disk, a shared expert); no MTP head: "
+              "transformers' model has none",
     ),
     "llama": FamilyFixture(
         "llama",
@@ -127,7 +139,9 @@ def _build_plan(arch: Architecture, kind: str) -> tuple[dict, callable, list[str
     head = arch.lm_head_names[0]
     if kind == "int4":
         # The head's group first: compressed-tensors' model-free dequantizer takes the first group that matches.
-        groups = {"group_0": _ct_group([f"re:.*{re.escape(head)}$"], 8, 128), "group_1": _ct_group(["Linear"], 4, 128)}
+        # A family whose head vLLM never quantizes (qwen3_next) keeps it in BF16.
+        groups = {"group_0": _ct_group([f"re:.*{re.escape(head)}$"], 8, 128)} if "lm_head" in arch.classes else {}
+        groups[f"group_{len(groups)}"] = _ct_group(["Linear"], 4, 128)
 
         def pick(module: str):
             cls = arch.module_class(module)

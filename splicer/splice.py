@@ -134,8 +134,9 @@ def _wanted_base_tensors(build: Checkpoint, picked: dict[str, Module], base_weig
 
 
 def open_base_for(build: Checkpoint, base_source: str, picked: dict[str, Module], add_mtp: bool = False,
-                  allow_quantized_base: bool = False) -> Checkpoint:
-    """Open the base reading (and, for a Hub id, downloading) only the shards that hold what we restore."""
+                  allow_quantized_base: bool = False, mtp_optional: bool = False) -> tuple[Checkpoint, bool]:
+    """Open the base reading (and, for a Hub id, downloading) only the shards that hold what we restore; returns it
+    and whether its MTP head is added (mtp_optional: not an error when the base has none, as for `--restore all`)."""
 
     def shards(wm: dict) -> set[str]:
         tensors = set(_wanted_base_tensors(build, picked, wm).values())
@@ -146,10 +147,12 @@ def open_base_for(build: Checkpoint, base_source: str, picked: dict[str, Module]
     base = open_checkpoint(base_source, "base", wanted_files=lambda index: shards(index.get("weight_map") or {}), shards=set())
     validate_base(base, build, allow_quantized_base)
     if add_mtp and not any(build.arch.is_mtp(t) for t in base.weight_map):
-        raise SplicerError(f"the build has no MTP head and neither has the base {base.label}; drop mtp from --restore")
+        if not mtp_optional:
+            raise SplicerError(f"the build has no MTP head and neither has the base {base.label}; drop mtp from --restore")
+        add_mtp = False  # --restore all: restore what there is; a family with an MTP layout need not ship one
     for shard in sorted(shards(base.weight_map)):
         load_shard_header(base, shard)
-    return base
+    return base, add_mtp
 
 
 def _from_base(info, float_dtype: str, casts: dict[str, int]) -> OutTensor:
@@ -425,7 +428,10 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
     add_mtp = "mtp" in classes and not has_mtp  # seed 000's exporter dropped the MTP head: put the base's back
     picked = select_modules(modules, classes, build.arch, parse_layers(layers, build.text_config["num_hidden_layers"]),
                             check_modules_regex(modules_regex), allow_empty=add_mtp)
-    base = open_base_for(build, base_src, picked, add_mtp, allow_quantized_base)
+    base, add_mtp = open_base_for(build, base_src, picked, add_mtp, allow_quantized_base,
+                                  mtp_optional=restore.strip() == "all")
+    if not add_mtp and "mtp" in classes and not has_mtp:
+        classes = [c for c in classes if c != "mtp"]
     inputs = [build.root, base.root]
     out = check_output(out, inputs, SPLICE, force)
     plan = plan_splice(build, base, modules, picked, classes, add_mtp, tokenizer_from_base, drop_dead_ignore)

@@ -227,7 +227,7 @@ def _footnotes(results: dict) -> list[str]:
                      "landed in two states about 6 % apart, against 0.2-1.0 % between serially started engines; for decode "
                      "verdicts run without --overlap-starts.")
     # Recomputed from the rows rather than read back, so results written by older versions get today's labels.
-    from .ablate import time_breakdown
+    from .breakdown import time_breakdown
 
     tb = time_breakdown(results) if results.get("time_breakdown") is not None else None
     if tb:

@@ -493,8 +493,19 @@ class StubBackend:
         return {**decode_spread([1.0 + i / 100 for i in range(runs)]), "ttft_ms": 1.0, "ttft_min_max": [1.0, 1.0],
                 "runs": runs, "warmup": warmup, "prompt_tokens": len(prompt), "new_tokens": new_tokens}
 
+    overlap_starts = 0
+
+    def load_info(self):
+        return {}
+
+    def prefetch(self, folder):
+        return False
+
     def unload(self):
         self.folder = None
+
+    def close(self):
+        self.unload()
 
     def describe(self):
         return {"backend": "stub", "engine": "stub", "device": "cpu"}

@@ -445,3 +445,17 @@ def test_a_decode_estimate_that_is_not_positive_is_not_reported_as_a_time():
     one = summarise_decode_runs([0.1], [0.1], [None], new_tokens=1, warmup=0, prompt_tokens=40)
     assert one["decode_ms_per_token"] is None and one["per_run_ms"] == [] and one["method"].startswith("not resolved")
 
+
+
+def test_both_backends_offer_everything_the_backend_protocol_declares(fake_vllm, tmp_path):
+    """ablate calls these without probing (no hasattr/getattr): each implementation must have every one."""
+    from splicer.backends import Backend
+    from splicer.backends.torch_ref import TorchBackend
+
+    declared = set(Backend.__annotations__) | {n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")}
+    assert {"load", "score", "generate", "time_decode", "load_info", "prefetch", "close", "overlap_starts"} <= declared
+    vllm = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False)
+    for backend in (TorchBackend(device="cpu"), vllm):
+        missing = sorted(n for n in declared if not hasattr(backend, n))
+        assert not missing, f"{type(backend).__name__} lacks {missing}"
+    vllm.close()

@@ -230,8 +230,9 @@ def families() -> tuple[Architecture, ...]:
     from .dense import DENSE
     from .qwen3_5_moe import QWEN3_5_MOE
     from .qwen3_moe import QWEN3_MOE
+    from .qwen3_next import QWEN3_NEXT
 
-    return (QWEN3_5_MOE, QWEN3_MOE, DENSE)
+    return (QWEN3_5_MOE, QWEN3_MOE, QWEN3_NEXT, DENSE)
 
 
 def all_classes() -> tuple[str, ...]:

@@ -49,10 +49,20 @@ def decode_summary(per_run_ms: list[float]) -> dict:
 
 
 class Backend(Protocol):
+    """Everything `ablate` uses of a backend; both implementations provide all of it (no feature probes)."""
+
     name: str
     exact_gather: bool  # gathered log-probs are exact (full vocabulary visible)
+    default_batch: int  # sequences per score() call when the plan or command line does not say
+    overlap_starts: int  # engines it can start ahead while another serves (0: one at a time)
 
     def load(self, folder: Path) -> None: ...
+
+    def load_info(self) -> dict: ...  # what the last load() recorded (engine start-up, kernels); {} when nothing
+
+    def prefetch(self, folder: Path) -> bool: ...  # start folder's engine ahead; False when it cannot
+
+    def close(self) -> None: ...  # end worker processes, free the model
 
     def score(self, sequences: list[list[int]], top_k: int = 20, gather_ids: list[torch.Tensor] | None = None,
               want_full: bool = False, batch_size: int = 4) -> Iterator[SequenceScores]: ...

@@ -39,6 +39,7 @@ class TorchBackend:
     name = "torch"
     exact_gather = True
     default_batch = 4
+    overlap_starts = 0  # one model in this process at a time
 
     def __init__(self, device: str = "auto", dtype: str = "bfloat16", threads: int | None = None):
         self.device = _pick_device(device)
@@ -177,6 +178,15 @@ class TorchBackend:
                     break
             renamed[name] = t
         return renamed
+
+    def load_info(self) -> dict:
+        return {}
+
+    def prefetch(self, folder: Path) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.unload()
 
     def unload(self) -> None:
         self.model = None
