@@ -34,7 +34,7 @@ from .corpora import Corpus, build_corpus
 from .errors import SplicerError
 from .metrics import fill_missing, kl_full, kl_top_lumped, summarize
 from .outputs import ABLATE, check_output, exclusive, local_folder
-from .plan import Plan, load_plan
+from .plan import Plan, load_plan, resolve_rows
 from .progress import SILENT, Stages
 
 RESULTS = "results.json"
@@ -410,29 +410,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         _atomic_json(out / "job.json", job)
         t_start = time.perf_counter()
         done = {v["name"]: v for v in (previous or {}).get("variants", []) if same_job and v.get("status") == "ok"}
-        seen_sets: dict[tuple, str] = {}
-        todo, skipped = [], []
-        for row in rows:
-            restored = row.restored(quantized)
-            lacking = [c for c in (row.restore or []) + (row.keep or []) if c not in build.arch.classes]
-            if lacking:
-                skipped.append({"name": row.name, "reason": f"the {build.arch.name} family has no {', '.join(lacking)} class"})
-                continue
-            if restored is not None and row.restore and not restored:
-                skipped.append({"name": row.name, "reason": f"{', '.join(row.restore)} not quantized in this build"})
-                continue
-            if restored and set(restored) & set(frozen):
-                skipped.append({"name": row.name, "reason": f"needs BF16 {', '.join(sorted(set(restored) & set(frozen)))}, "
-                                                                       "which the base keeps quantized"})
-                continue
-            # Restoring every quantized class is kept as its own row: it must reproduce the base
-            # exactly, which checks the splice and the scoring end to end.
-            key = ("BASE",) if restored is None else tuple(sorted(restored))
-            if key in seen_sets and not row.repeat:
-                skipped.append({"name": row.name, "reason": f"same variant as {seen_sets[key]}"})
-                continue
-            seen_sets.setdefault(key, row.name)
-            todo.append((row, restored, seen_sets[key]))  # a repeat row reuses the first row's splice
+        planned, skipped = resolve_rows(plan, build.arch.name, build.arch.classes, quantized, frozen)
+        todo = [(p.row, p.restored, p.splice_name) for p in planned]
         skipped = [s for s in skipped if s["name"] in selected]  # a row not asked for is not reported as skipped
         # Rows this invocation runs, in order. With --overlap-starts N every row is spliced at the start and the next N
         # rows' engines are started while the current one scores, as a group: a new group starts only once every

@@ -61,6 +61,16 @@ FAMILY_FIXTURES = {
         notes="Qwen3-Next-80B-A3B's layout (GDN projections fused on disk, a shared expert); no MTP head: "
               "transformers' model has none",
     ),
+    "deepseek_v3": FamilyFixture(
+        "deepseek_v3",
+        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
+             first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=128,
+             qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1,
+             num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=4096, tie_word_embeddings=False),
+        builds=("int4", "experts-g32"),
+        notes="DeepSeek-V3's layout at toy size: MLA (q_lora_rank set), layer 0 dense, then routed + shared experts; "
+              "no MTP layer (transformers' model has none)",
+    ),
     "llama": FamilyFixture(
         "llama",
         dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,

@@ -153,3 +153,43 @@ def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
     return Plan(data.get("name", path.stem), data.get("description", ""), int(data.get("top_k", 20)), corpora, timing, rows,
                 str(path), digest)
+
+
+@dataclass
+class PlannedRow:
+    row: Row
+    restored: list[str] | None  # classes restored (None: the base itself; []: the build)
+    splice_name: str  # the row whose splice it uses (itself, or the first row of the same variant for a repeat)
+
+
+def resolve_rows(plan: Plan, family: str, family_classes: tuple[str, ...], quantized: list[str],
+                 base_quantized: list[str]) -> tuple[list[PlannedRow], list[dict]]:
+    """The plan's rows for one build: what each restores, and the rows skipped with their reason.
+
+    Skipped: a row naming a class the family lacks, a row whose classes the build does not quantize, a row that needs
+    a class the base keeps quantized, and a second row of the same variant unless it is a repeat (more engines of it).
+    Restoring every quantized class stays its own row: it must reproduce the base exactly, an end-to-end check.
+    """
+    seen: dict[tuple, str] = {}
+    todo, skipped = [], []
+    for row in plan.rows:
+        lacking = [c for c in (row.restore or []) + (row.keep or []) if c not in family_classes]
+        if lacking:
+            skipped.append({"name": row.name, "reason": f"the {family} family has no {', '.join(lacking)} class"})
+            continue
+        restored = row.restored(quantized)
+        if restored is not None and row.restore and not restored:
+            skipped.append({"name": row.name, "reason": f"{', '.join(row.restore)} not quantized in this build"})
+            continue
+        if restored and set(restored) & set(base_quantized):
+            skipped.append({"name": row.name, "reason": f"needs BF16 {', '.join(sorted(set(restored) & set(base_quantized)))}, "
+                                                        "which the base keeps quantized"})
+            continue
+        key = ("BASE",) if restored is None else tuple(sorted(restored))
+        if key in seen and not row.repeat:
+            skipped.append({"name": row.name, "reason": f"same variant as {seen[key]}"})
+            continue
+        seen.setdefault(key, row.name)
+        todo.append(PlannedRow(row, restored, seen[key]))
+    return todo, skipped
+

@@ -55,9 +55,10 @@ def test_the_fixture_has_the_families_real_names_and_a_clean_lint(family_pairs, 
     assert quantized == set(arch.classes) - set(FAMILY_FIXTURES[family].absent_classes)
     assert not info["lint"]["issues"], info["lint"]["issues"]
     names = json.loads((build / "model.safetensors.index.json").read_text())["weight_map"]
-    assert any(re.fullmatch(r"model\.layers\.\d+\.self_attn\.q_proj\.weight_packed", n) for n in names)
+    assert any(re.fullmatch(r"model\.layers\.\d+\.self_attn\.o_proj\.weight_packed", n) for n in names)
     if "experts" in arch.classes:  # per expert on disk, as the Qwen releases ship; the router kept in BF16 and ignored
-        assert "model.layers.1.mlp.experts.7.down_proj.weight_packed" in names and "model.layers.0.mlp.gate.weight" in names
+        assert any(re.fullmatch(r"model\.layers\.\d+\.mlp\.experts\.7\.down_proj\.weight_packed", n) for n in names)
+        assert any(re.fullmatch(r"model\.layers\.\d+\.mlp\.gate\.weight", n) for n in names)
         assert r"re:.*mlp\.gate$" in config["quantization_config"]["ignore"]
 
 
@@ -84,11 +85,14 @@ def test_every_class_splices_and_restoring_all_scores_exactly_as_the_base(family
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_split_fused_group_is_refused(family_pairs, family, tmp_path, capsys):
+    """Restoring one shard of the attention's fused group (q of qkv_proj; q_a of DeepSeek's fused_qkv_a_proj)."""
     p = family_pairs[family]
-    code = main(["splice", "--restore", "attention", "--modules", r".*\.q_proj", str(p["int4"]), str(p["base"]),
-                 "-o", str(tmp_path / "out")])
+    arch = get_architecture(json.loads((p["int4"] / "config.json").read_text()))
+    shard, (fused, _) = next((s, g) for s, g in arch.fused_shards.items() if s.startswith("self_attn."))
+    code = main(["splice", "--restore", "attention", "--modules", r".*\." + re.escape(shard.split(".")[-1]),
+                 str(p["int4"]), str(p["base"]), "-o", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "qkv_proj" in err[0] and not (tmp_path / "out").exists()
+    assert code == 2 and len(err) == 1 and fused.split(".")[-1] in err[0] and not (tmp_path / "out").exists()
 
 
 def test_experts_only_build_of_the_moe_family_restores_to_the_base(family_pairs, tmp_path):
@@ -156,3 +160,23 @@ def test_every_family_table_is_consistent():
         assert {c for c, _ in arch.class_patterns} <= set(arch.classes)
         assert {c for c, _ in arch.vllm_kernel_classes} <= set(arch.classes)
         assert arch.decoder_roots and arch.lm_head_names and arch.source
+
+
+def test_resolve_rows_skips_with_a_reason_each_kind_of_row_it_cannot_run():
+    from splicer.plan import Plan, Row, resolve_rows
+
+    rows = [Row("build", restore=[]), Row("gdn", restore=["gdn"]), Row("attention", restore=["attention"]),
+            Row("experts", restore=["experts"]), Row("all-but-mlp", keep=["mlp"]), Row("all", keep=[]),
+            Row("build-again", restore=[], repeat=True), Row("build-twice", restore=[]), Row("base", base=True)]
+    plan = Plan("p", "", 5, [], None, rows, "test")
+    todo, skipped = resolve_rows(plan, "dense", ("attention", "mlp", "lm_head"), ["attention", "mlp"], [])
+    assert [(p.row.name, p.restored, p.splice_name) for p in todo] == [
+        ("build", [], "build"), ("attention", ["attention"], "attention"), ("all", ["attention", "mlp"], "all"),
+        ("build-again", [], "build"), ("base", None, "base")]
+    reasons = {s["name"]: s["reason"] for s in skipped}
+    assert reasons["gdn"] == "the dense family has no gdn class"
+    assert reasons["experts"] == "the dense family has no experts class"
+    assert reasons["all-but-mlp"] == "same variant as attention"
+    assert reasons["build-twice"] == "same variant as build"
+    _, frozen = resolve_rows(plan, "dense", ("attention", "mlp", "lm_head"), ["attention", "mlp"], ["mlp"])
+    assert {"name": "all", "reason": "needs BF16 mlp, which the base keeps quantized"} in frozen

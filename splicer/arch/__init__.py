@@ -227,12 +227,13 @@ class Architecture:
 
 def families() -> tuple[Architecture, ...]:
     """Every architecture table, in the order model types are looked up."""
+    from .deepseek_v3 import DEEPSEEK_V3
     from .dense import DENSE
     from .qwen3_5_moe import QWEN3_5_MOE
     from .qwen3_moe import QWEN3_MOE
     from .qwen3_next import QWEN3_NEXT
 
-    return (QWEN3_5_MOE, QWEN3_MOE, QWEN3_NEXT, DENSE)
+    return (QWEN3_5_MOE, QWEN3_MOE, QWEN3_NEXT, DEEPSEEK_V3, DENSE)
 
 
 def all_classes() -> tuple[str, ...]:

@@ -74,7 +74,10 @@ class TorchBackend:
                 model = AutoModelForCausalLM.from_config(text_cfg)
         finally:
             torch.set_default_dtype(default)
-        params = dict(model.named_parameters())
+        # Parameters and persistent buffers (DeepSeek's router keeps e_score_correction_bias as a buffer); every
+        # parameter must be filled, a buffer the checkpoint lacks keeps the value the model class gives it.
+        params = dict(model.state_dict(keep_vars=True))
+        required = set(dict(model.named_parameters()))
         filled: set[str] = set()
         schemes = self._module_schemes(ckpt) if ckpt.quantization_config else {}
         chunks: dict[object, list[str]] = defaultdict(list)
@@ -103,7 +106,7 @@ class TorchBackend:
                 with torch.no_grad():
                     p.copy_(tensor.to(p.dtype))
                 filled.add(name)
-        missing = sorted(set(params) - filled)
+        missing = sorted(required - filled)
         if missing:
             raise SplicerError(f"{folder}: no weights for {missing[0]} (and {len(missing) - 1} more); the checkpoint is incomplete")
         model.eval()

@@ -1,0 +1,63 @@
+"""DeepSeek-V3 / R1 (`deepseek_v3`, `DeepseekV3ForCausalLM`): MLA attention, first layers dense, routed and shared experts.
+
+Sources: transformers 5.24 `models/deepseek_v3` (names and shapes: the fixture builds the model on the meta device);
+vLLM 0.26.0 `model_executor/models/deepseek_v2.py`, `deepseek_mtp.py` (read, not run; shared design notes, families
+§4): packed_modules_mapping {"gate_up_proj": [gate, up]} plus "fused_qkv_a_proj": [q_a_proj, kv_a_proj_with_mqa]
+when q_lora_rank is set (V3, R1, Kimi-K2); no mapper (no renames); the router `mlp.gate` (GateLinear, with
+e_score_correction_bias) never quantized; `kv_b_proj` built with quant_config (MLA dequantizes it after load); the
+loader takes per-expert expert tensors only.
+
+On disk: model.layers.{i}.self_attn.{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,kv_a_layernorm,kv_b_proj,o_proj},
+model.layers.{i}.mlp.{gate,up,down}_proj for i < first_k_dense_replace (class mlp), then mlp.experts.{e}.*,
+mlp.shared_experts.{gate,up,down}_proj (class shared_expert), mlp.gate; model.embed_tokens, model.norm, lm_head.
+
+Not covered: the MTP layer, which DeepSeek stores as one more decoder layer (model.layers.{num_hidden_layers}.*,
+with enorm, hnorm, eh_proj, shared_head): the class patterns read its modules as those of an ordinary layer, and
+transformers' model has no such layer, so the fixture has none. Kimi-K2 (`kimi_k2`) shares the layout in vLLM but
+transformers has no config class for it here.
+"""
+
+from . import MLP_GATE_UP, Architecture, fused_group
+
+_DEC = r"model\.layers\.\d+\."
+
+DEEPSEEK_V3 = Architecture(
+    name="deepseek_v3",
+    model_types=("deepseek_v3",),
+    class_patterns=(
+        ("lm_head", r"lm_head"),
+        ("experts", _DEC + r"mlp\.experts\.\d+\.(gate|up|down)_proj"),
+        ("shared_expert", _DEC + r"mlp\.shared_experts\.(gate|up|down)_proj"),
+        ("attention", _DEC + r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"),
+        ("mlp", _DEC + r"mlp\.(gate|up|down)_proj"),
+    ),
+    classes=("attention", "mlp", "shared_expert", "lm_head", "experts"),
+    fused_shards={
+        **fused_group("self_attn.fused_qkv_a_proj", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")),
+        **MLP_GATE_UP,
+        **fused_group("shared_experts.gate_up_proj", ("shared_experts.gate_proj", "shared_experts.up_proj")),
+    },
+    vllm_packed_modules={"gate_up_proj": ("gate_proj", "up_proj"), "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")},
+    vllm_mtp_packed_modules={},
+    vllm_prefix_map=(),
+    vllm_never_quantized=r"model\.layers\.\d+\.mlp\.gate",
+    embedding_pattern=r"model\.embed_tokens",
+    expert_pattern=r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)",
+    fused_expert_pattern=r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)",
+    layer_pattern=r"(model\.layers)\.(\d+)\.",
+    decoder_roots=(("model.layers", "model.layers"),),
+    lm_head_names=("lm_head",),
+    text_tensor_pattern=r"model\.|lm_head\.",
+    chat_stop_tokens=("<｜end▁of▁sentence｜>", "<|im_end|>"),  # DeepSeek's end of turn; Kimi-K2's
+    vllm_kernel_classes=(
+        ("lm_head", r"lm_head$"),
+        ("experts", r".*\.mlp\.experts(\..*)?$"),
+        ("shared_expert", r".*\.mlp\.shared_experts\.(gate_up_proj|down_proj)$"),
+        ("attention", r".*\.self_attn\.(fused_qkv_a_proj|q_b_proj|kv_b_proj|o_proj)$"),
+        ("mlp", r".*\.mlp\.(gate_up_proj|down_proj)$"),
+    ),
+    shape_keys=("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "first_k_dense_replace", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                "qk_nope_head_dim", "v_head_dim"),
+    source="transformers 5.24 models/deepseek_v3; vLLM 0.26.0 models/deepseek_v2.py, deepseek_mtp.py",
+)
