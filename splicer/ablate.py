@@ -410,7 +410,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         _atomic_json(out / "job.json", job)
         t_start = time.perf_counter()
         done = {v["name"]: v for v in (previous or {}).get("variants", []) if same_job and v.get("status") == "ok"}
-        planned, skipped = resolve_rows(plan, build.arch.name, build.arch.classes, quantized, frozen)
+        family = build.config.get("model_type") or build.arch.name
+        planned, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen)
         todo = [(p.row, p.restored, p.splice_name) for p in planned]
         skipped = [s for s in skipped if s["name"] in selected]  # a row not asked for is not reported as skipped
         # Rows this invocation runs, in order. With --overlap-starts N every row is spliced at the start and the next N

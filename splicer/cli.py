@@ -45,6 +45,19 @@ BUILDS_DEFAULT = "lowlatency,experts-g32"
 def _cmd_fixture(args) -> int:
     from .fixtures import FixtureSpec, write_fixture_folder, write_pair
 
+    if args.family != "qwen3_5_moe":
+        from .family_fixtures import FAMILY_FIXTURES, write_family_pair
+
+        if args.family not in FAMILY_FIXTURES:
+            raise SplicerError(f"--family {args.family!r}: no fixture for it; choose from qwen3_5_moe, {', '.join(sorted(FAMILY_FIXTURES))}")
+        if args.full_dims or args.preset != "tiny" or args.experts_layout != "fused" or args.builds != BUILDS_DEFAULT:
+            raise SplicerError(f"--family {args.family} writes its base and its own builds "
+                               f"({', '.join(FAMILY_FIXTURES[args.family].builds)}); drop --preset, --builds, --experts-layout and --full-dims")
+        paths = write_fixture_folder(args.out, lambda d: write_family_pair(d, args.family, seed=args.seed), args.force,
+                                     {"family": args.family, "seed": args.seed})
+        for k, p in paths.items():
+            print(f"{k}: {p}")
+        return 0
     if args.full_dims:
         from .backends.torch_ref import _pick_device
         from .standin import RESIDUAL_SCALE, write_standin
@@ -61,19 +74,6 @@ def _cmd_fixture(args) -> int:
               f"reference spliced in {r['splice_reference_s']:.1f} s")
         return 0
 
-    if args.family != "qwen3_5_moe":
-        from .family_fixtures import FAMILY_FIXTURES, write_family_pair
-
-        if args.family not in FAMILY_FIXTURES:
-            raise SplicerError(f"--family {args.family!r}: no fixture for it; choose from qwen3_5_moe, {', '.join(sorted(FAMILY_FIXTURES))}")
-        if args.full_dims or args.preset != "tiny" or args.experts_layout != "fused" or args.builds != BUILDS_DEFAULT:
-            raise SplicerError(f"--family {args.family} writes its base and its own builds "
-                               f"({', '.join(FAMILY_FIXTURES[args.family].builds)}); drop --preset, --builds, --experts-layout and --full-dims")
-        paths = write_fixture_folder(args.out, lambda d: write_family_pair(d, args.family, seed=args.seed), args.force,
-                                     {"family": args.family, "seed": args.seed})
-        for k, p in paths.items():
-            print(f"{k}: {p}")
-        return 0
     kinds = [k for k in args.builds.split(",") if k.strip()]
     from .fixtures import BUILD_KINDS
 
@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("b", metavar="VARIANT_B")
     s.set_defaults(func=_cmd_compare)
 
-    s = sub.add_parser("fixture", help="write a tiny synthetic qwen3_5_moe base and INT4 builds (tests, demo, GPU checks)")
+    s = sub.add_parser("fixture", help="write a tiny synthetic base and quantized builds (qwen3_5_moe, or --family; tests, demo, GPU checks)")
     s.add_argument("out", metavar="DIR")
     s.add_argument("--preset", default="tiny", choices=["tiny", "gpu", "bench"])
     s.add_argument("--experts-layout", default="fused", choices=["fused", "per_expert"])

@@ -90,12 +90,17 @@ def _hf_config(spec: FamilyFixture):
     return AutoConfig.for_model(spec.model_type, **spec.config)
 
 
-def base_shapes(spec: FamilyFixture, arch: Architecture) -> dict[str, tuple[int, ...]]:
+def _model_state(spec: FamilyFixture) -> dict[str, torch.Tensor]:
+    """transformers' model for the config, initialised by transformers itself (tiny: built on the CPU)."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(_hf_config(spec))
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(_hf_config(spec)).state_dict()
+
+
+def base_shapes(spec: FamilyFixture, arch: Architecture, state: dict | None = None) -> dict[str, tuple[int, ...]]:
+    state = state if state is not None else _model_state(spec)
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
     if spec.experts_on_disk == "per_expert":
         for name, shape in list(shapes.items()):
             split = arch.per_expert_shapes(name, shape)
@@ -105,10 +110,13 @@ def base_shapes(spec: FamilyFixture, arch: Architecture) -> dict[str, tuple[int,
     return dict(sorted(shapes.items()))
 
 
-def _init(name: str, shape, gen: torch.Generator, arch: Architecture) -> torch.Tensor:
-    """Seeded values of a plausible scale: norms near their identity, small residual writes, a decisive router."""
+def _init(name: str, shape, gen: torch.Generator, arch: Architecture, default: torch.Tensor | None) -> torch.Tensor:
+    """Seeded values of a plausible scale: norms and other vectors near transformers' own initial value (1 for a
+    Llama RMSNorm, 0 for a zero-centred one, the GDN's A_log and dt_bias as it sets them), small residual writes, a
+    decisive router."""
     if len(shape) < 2:
-        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+        start = default.float() if default is not None else torch.zeros(shape)
+        return (start + torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
     fan_in = shape[-1]
     t = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
     if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
@@ -135,9 +143,10 @@ def write_family_base(out: Path, family: str, seed: int = 0) -> Path:
     config["eos_token_id"] = 2  # <|im_end|> of the demo tokenizer
     arch = get_architecture(config)
     gen = torch.Generator().manual_seed(seed)
+    state = _model_state(spec)
     by_shard: dict[str, dict[str, torch.Tensor]] = {}
-    for name, shape in base_shapes(spec, arch).items():
-        by_shard.setdefault(_shard_key(name, arch), {})[name] = _init(name, shape, gen, arch)
+    for name, shape in base_shapes(spec, arch, state).items():
+        by_shard.setdefault(_shard_key(name, arch), {})[name] = _init(name, shape, gen, arch, state.get(name))
     out = Path(out)
     _write_sharded(out, by_shard, config)
     _write_side_files(out, cfg.vocab_size)

@@ -175,7 +175,8 @@ def resolve_rows(plan: Plan, family: str, family_classes: tuple[str, ...], quant
     for row in plan.rows:
         lacking = [c for c in (row.restore or []) + (row.keep or []) if c not in family_classes]
         if lacking:
-            skipped.append({"name": row.name, "reason": f"the {family} family has no {', '.join(lacking)} class"})
+            what = f"class {lacking[0]}" if len(lacking) == 1 else f"classes {', '.join(lacking)}"
+            skipped.append({"name": row.name, "reason": f"{family} has no {what}"})
             continue
         restored = row.restored(quantized)
         if restored is not None and row.restore and not restored:

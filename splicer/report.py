@@ -67,6 +67,8 @@ def findings(results: dict) -> list[str]:
     for v in results.get("variants", []):
         if v.get("status") != "ok":
             out.append(f"{v['name']}: failed ({(v.get('error') or '').splitlines()[0][:120]}).")
+    for s in results.get("skipped") or []:
+        out.append(f"{s['name']}: skipped ({s['reason']}).")
     nf = results.get("noise_floor") or {}
     if nf:
         out.append("Noise floor (the base scored again as the rows are): " + "; ".join(

@@ -396,7 +396,8 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
         "tool": "splicer", "version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "build": {"source": plan.build.label, "header_digest": plan.build.header_digest(), "config_digest": _config_digest(plan.build)},
         "base": {"source": plan.base.label, "header_digest": plan.base.header_digest(), "shards_read": sorted(plan.base.headers)},
-        "restored_classes": plan.classes,
+        # The classes a module was restored from (--layers or --modules may leave some of those asked for untouched).
+        "restored_classes": [c for c in plan.classes if c in {plan.build.arch.module_class(n) for n in plan.restore}],
         "restored_modules": len(plan.restore) - len(plan.added_modules),
         "mtp_tensors_added": len(plan.mtp_added),
         "files_from_base": sorted(plan.side_files),

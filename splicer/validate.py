@@ -134,7 +134,8 @@ def parse_classes(spec: str, arch: Architecture, modules: dict[str, Module], bui
         return [c for c in arch.classes if c in quantized]
     unknown = [c for c in items if c not in arch.classes]
     if unknown:
-        raise SplicerError(f"unknown class {unknown[0]!r} in --restore; choose from {', '.join(arch.classes)} or all")
+        raise SplicerError(f"unknown class {unknown[0]!r} in --restore: this build's family ({arch.name}) has "
+                           f"{', '.join(arch.classes)}; choose from those or all")
     empty = [c for c in items if c not in quantized]
     if empty:
         raise SplicerError(

@@ -89,6 +89,8 @@ def _partly_quantized_reference(p, t: Path) -> Path:
 
 # (id, argv builder, expected message fragment). Builders get (pairs, tmp) and return argv.
 CASES = [
+    ("fixture-unknown-family", lambda p, t: ["fixture", str(t / "out"), "--family", "gpt2"], "--family 'gpt2': no fixture for it"),
+    ("fixture-family-with-full-dims", lambda p, t: ["fixture", str(t / "out"), "--family", "llama", "--full-dims"], "drop --preset, --builds"),
     ("unknown-class", lambda p, t: ["splice", "--restore", "gdn,rotary", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out")], "unknown class 'rotary'"),
     ("empty-class-list", lambda p, t: ["splice", "--restore", " , ", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out")], "--restore is empty"),
     ("class-not-quantized", lambda p, t: ["splice", "--restore", "lm_head", str(p["experts-g32"]), str(p["base"]), "-o", str(t / "out")], "nothing to restore"),

@@ -76,7 +76,7 @@ def test_ablate_against_a_partly_quantized_reference(standin, tmp_path):
 
     plan = tmp_path / "p.toml"
     plan.write_text('name = "p"\n[[corpus]]\nname = "rnd"\nkind = "random"\nchunk_tokens = 48\nmax_chunks = 3\nseed = 1\n'
-                    '[timing]\nprompt_tokens = 24\nnew_tokens = 3\nwarmup = 0\nruns = 2\n'
+                    '[timing]\nprompt_tokens = 24\nnew_tokens = 16\nwarmup = 1\nruns = 3\n'
                     '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "experts-only"\nrestore = ["gdn", "attention", "shared_expert", "lm_head"]\n'
                     '[[row]]\nname = "all"\nkeep = []\n[[row]]\nname = "experts"\nrestore = ["experts"]\n'
                     '[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n')

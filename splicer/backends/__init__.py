@@ -1,6 +1,6 @@
 """The engine interface that scoring, generation and timing run on.
 
-Two implementations: `torch_ref` (transformers' Qwen3.5-MoE text model, CPU or CUDA,
+Two implementations: `torch_ref` (transformers' causal LM of the checkpoint's family, CPU or CUDA,
 kernel-free, full vocabulary visible) and `vllm` (the serving engine; added on the GPU
 machine). The interface is shaped after `vllm.LLM` with
 `SamplingParams(max_tokens=1, prompt_logprobs=20)`: per position, the top-k ids with
