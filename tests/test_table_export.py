@@ -155,7 +155,7 @@ def test_a_failed_row_and_gaps_are_missing_values_not_text(tmp_path):
 
 def test_an_unresolved_decode_time_is_a_gap_everywhere(tmp_path):
     """A timed row whose decode estimate was not positive (decode_ms_per_token None): no table divides by it."""
-    from splicer.backends.vllm_backend import summarise_decode_runs
+    from splicer.backends.vllm_outputs import summarise_decode_runs
     from splicer.verdicts import attach
 
     results = json.loads((RESULTS / "demo" / "results.json").read_text())

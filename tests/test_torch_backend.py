@@ -45,7 +45,7 @@ def test_vllm_prompt_logprobs_conversion():
     """vLLM's prompt_logprobs -> top-k ids by rank, and the actual token's logprob even when it ranks below k."""
     from collections import namedtuple
 
-    from splicer.backends.vllm_backend import PAD_LOGPROB, scores_from_prompt_logprobs
+    from splicer.backends.vllm_outputs import PAD_LOGPROB, scores_from_prompt_logprobs
 
     Lp = namedtuple("Lp", "logprob rank decoded_token")
     ids = [7, 3, 9]

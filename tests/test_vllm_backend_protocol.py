@@ -98,7 +98,7 @@ def test_flat_and_dict_prompt_logprobs_parse_alike():
         from vllm import FlatLogprobs, Logprob
     finally:
         sys.path.remove(FAKE)
-    from splicer.backends.vllm_backend import (
+    from splicer.backends.vllm_outputs import (
         scores_from_flat_logprobs,
         scores_from_prompt_logprobs,
     )
@@ -130,7 +130,7 @@ def test_flat_and_dict_prompt_logprobs_parse_alike():
 
 
 def test_startup_breakdown_reads_vllm_0_26_log_lines():
-    from splicer.backends.vllm_backend import startup_breakdown
+    from splicer.backends.vllm_logs import startup_breakdown
 
     # The format strings of vLLM 0.26.0 (default_loader.py, gpu_model_runner.py, monitor.py, core.py), filled in.
     log = ("INFO [default_loader.py:431] Loading weights took 27.51 seconds\n"
@@ -166,7 +166,8 @@ def test_ablate_with_the_vllm_backend_path(pairs, fake_vllm, tmp_path, monkeypat
 
 def test_kernel_probe_keeps_layers_that_differ():
     """A splice of some layers: layers of one name pattern load with different methods, and both must show."""
-    from splicer.backends.vllm_backend import _kernel_probe, kernels_by_class
+    from splicer.backends.vllm_child import _kernel_probe
+    from splicer.backends.vllm_logs import kernels_by_class
 
     class Method:
         pass
@@ -395,7 +396,7 @@ def test_engine_caches_stay_in_the_per_user_folders_unless_moved(fake_vllm, tmp_
 
 
 def test_decode_falls_back_to_the_wall_clock_without_request_stats(pairs, fake_vllm, tmp_path):
-    from splicer.backends.vllm_backend import engine_step_s
+    from splicer.backends.vllm_outputs import engine_step_s
 
     b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, engine_args={"disable_log_stats": True})
     # The stand-in pays a real sleep per decode step, so the wall-clock estimate has something to measure. Its torch
@@ -419,7 +420,7 @@ def test_decode_falls_back_to_the_wall_clock_without_request_stats(pairs, fake_v
 
 def test_a_decode_estimate_that_is_not_positive_is_not_reported_as_a_time():
     """Steps shorter than the clock's jitter: t(n) - t(1) <= 0. No ms/token then, and the runs stay on record."""
-    from splicer.backends.vllm_backend import summarise_decode_runs
+    from splicer.backends.vllm_outputs import summarise_decode_runs
 
     kw = dict(new_tokens=5, warmup=0, prompt_tokens=40)
     # Wall clock only (stats off): two runs where the n-token request was faster than the 1-token one, one where not.

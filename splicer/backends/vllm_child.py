@@ -1,0 +1,241 @@
+"""What runs in the engine's child process: import vLLM once, build one engine per variant, serve score / generate /
+time / probe requests over the pipe, and release each engine's GPU memory before the next (see `vllm_backend`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+import traceback
+
+import torch
+
+from .vllm_outputs import _scores, engine_step_s, summarise_decode_runs
+
+
+def _kernel_probe(model):
+    """Runs inside vLLM's worker: which quantization method / scheme / kernel each layer got."""
+    out = {}
+    for name, module in model.named_modules():
+        qm = getattr(module, "quant_method", None)
+        if qm is None:
+            continue
+        parts = [type(qm).__name__]
+        scheme = getattr(module, "scheme", None)
+        if scheme is not None:
+            parts.append(type(scheme).__name__)
+            kernel = getattr(scheme, "kernel", None)
+            if kernel is not None:
+                parts.append(type(kernel).__name__)
+        for attr in ("experts_cls", "moe_kernel", "wna16_backend", "backend"):
+            v = getattr(qm, attr, None)
+            if v is None or (callable(v) and not isinstance(v, type)):
+                continue
+            if isinstance(v, type):
+                v = v.__name__
+            elif not isinstance(v, (str, int, float, bool)):
+                v = getattr(v, "name", None) or type(v).__name__  # enums by name, other objects by class
+            parts.append(f"{attr}={v}")
+        # Layer numbers folded into *; layers of one pattern that differ (a splice of some layers) keep every variant.
+        out.setdefault(re.sub(r"\.\d+\.", ".*.", name), set()).add(" / ".join(parts))
+    return {k: " | ".join(sorted(v)) for k, v in out.items()}
+
+
+def _redirect_output(log_path: str) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _die_with_parent() -> None:
+    """Linux: end this worker (and free its GPU memory) if the parent dies, even by SIGKILL."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _release(holder: list) -> None:
+    """Free the in-process engine in holder (the only reference left) so the next can start in this process.
+
+    As vLLM's own tests do between engines: shut the engine core down, drop the last reference (vLLM 0.26's
+    LLMEngine finalizer then removes the bytecode hooks that pin the compiled model), tear down the distributed
+    state and give the memory back to the driver.
+    """
+    import gc
+
+    llm = holder.pop()
+    try:
+        finalize = getattr(llm.llm_engine, "_finalizer", None)
+        llm.llm_engine.engine_core.shutdown()
+        if finalize is not None:
+            finalize()
+    except Exception:
+        traceback.print_exc()
+    del llm
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception:
+        traceback.print_exc()
+    # Dynamo's caches may still hold the old model; the next engine compiles (or loads from vLLM's cache) afresh anyway.
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _drafter_probe(worker):
+    """Runs inside vLLM's worker: _kernel_probe on the speculative drafter (e.g. the MTP head), if there is one."""
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    model = getattr(drafter, "model", None)
+    return _kernel_probe(model) if model is not None else {}
+
+
+def _worker(conn, env: dict, log_path: str) -> None:
+    """Child process: import vLLM once, then load engines one after another and serve requests on each.
+
+    Keeping one process for the whole run keeps what vLLM and Triton hold in memory (imports, autotuning
+    results, compiled kernels) from one variant to the next; the caches on disk (env) survive a restart.
+    """
+    _redirect_output(log_path)
+    _die_with_parent()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS"):  # torch was imported (with this module) before env applied
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    t0 = time.perf_counter()
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    except BaseException as e:
+        traceback.print_exc()
+        conn.send(("error", f"{e.__class__.__name__}: {e}"))
+        return
+    import_s = time.perf_counter() - t0
+    llm = None
+
+    def load(folder, engine_args, variant_log, sleep_after=False):
+        nonlocal llm
+        _redirect_output(variant_log)
+        try:  # vLLM logs many choices once per process; each engine's log should name its own
+            from vllm import logger as vlogger
+
+            for fn in ("_print_info_once", "_print_warning_once", "_print_debug_once"):
+                getattr(vlogger, fn, None) and getattr(vlogger, fn).cache_clear()
+        except Exception:
+            pass
+        t = time.perf_counter()
+        llm = LLM(model=folder, **engine_args)
+        startup = time.perf_counter() - t
+        try:
+            probe = llm.apply_model(_kernel_probe)
+            layers = probe[0] if isinstance(probe, list) and probe else probe
+        except Exception as e:  # the probe is informative only
+            layers = {"error": f"{e.__class__.__name__}: {e}"}
+        compile_s = None
+        try:  # in-process engines share the config object the compiler adds its time to
+            compile_s = float(llm.llm_engine.vllm_config.compilation_config.compilation_time)
+        except Exception:
+            pass
+        info = {"vllm": vllm.__version__, "startup_s": startup, "import_s": import_s, "compile_time_s": compile_s,
+                "layers": layers, "pid": os.getpid()}
+        if sleep_after:  # level 1: weights to CPU memory, KV cache dropped; the GPU is free for the engine serving now
+            t = time.perf_counter()
+            llm.sleep(level=1)
+            info["sleep_s"] = time.perf_counter() - t
+        return info
+
+    def wake():
+        t = time.perf_counter()
+        llm.wake_up()
+        return time.perf_counter() - t
+
+    def sleep():
+        t = time.perf_counter()
+        llm.sleep(level=1)
+        return time.perf_counter() - t
+
+    def unload():
+        nonlocal llm
+        if llm is not None:
+            holder, llm = [llm], None
+            _release(holder)
+
+    def score(seqs, top_k, chunk):
+        kw = dict(max_tokens=1, prompt_logprobs=top_k, detokenize=False, temperature=0.0)
+        try:  # flat lists instead of one dict of Logprob objects per position: far less Python work per position
+            params = SamplingParams(**kw, flat_logprobs=True)
+        except TypeError:  # a vLLM without flat logprobs
+            params = SamplingParams(**kw)
+        out = []
+        for s in range(0, len(seqs), chunk):
+            batch = seqs[s:s + chunk]
+            res = llm.generate([TokensPrompt(prompt_token_ids=q) for q in batch], params, use_tqdm=False)
+            out += [_scores(q, r.prompt_logprobs, top_k) for q, r in zip(batch, res)]
+        return out
+
+    def generate(prompts, n, stop):
+        params = SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=list(stop), detokenize=False)
+        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [list(r.outputs[0].token_ids) for r in res]
+
+    def time_decode(prompt, n, warmup, runs):
+        def once(k):
+            """(wall seconds around generate, engine seconds per decode step or None)."""
+            params = SamplingParams(max_tokens=k, min_tokens=k, ignore_eos=True, temperature=0.0, detokenize=False)
+            sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+            sync()
+            t = time.perf_counter()
+            res = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            sync()
+            wall = time.perf_counter() - t
+            return wall, engine_step_s(getattr(res[0], "metrics", None))
+
+        for _ in range(warmup):
+            once(n)
+        t1_s, tn_s, steps = [], [], []
+        for _ in range(runs):
+            (t1, _), (tn, step) = once(1), once(n)
+            t1_s.append(t1)
+            tn_s.append(tn)
+            steps.append(step)
+        return summarise_decode_runs(t1_s, tn_s, steps, new_tokens=n, warmup=warmup, prompt_tokens=len(prompt))
+
+    def drafter_layers():
+        res = llm.collective_rpc(_drafter_probe)
+        return res[0] if isinstance(res, list) and res else res
+
+    def metrics(prefix):
+        """Counters and gauges from vLLM's own metrics whose name starts with prefix (needs disable_log_stats=False)."""
+        out = {}
+        for m in llm.get_metrics():
+            if m.name.startswith(prefix):
+                out[m.name] = getattr(m, "value", None) if not hasattr(m, "values") else list(m.values)
+        return out
+
+    ops = {"load": load, "wake": wake, "sleep": sleep, "unload": unload, "score": score, "generate": generate, "time": time_decode,
+           "drafter_layers": drafter_layers, "metrics": metrics}
+    conn.send(("started", {"import_s": import_s}))
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            break
+        try:
+            conn.send(("ok", ops[msg[0]](*msg[1:])))
+        except BaseException as e:
+            traceback.print_exc()
+            conn.send(("error", f"{e.__class__.__name__}: {e}"))
+            if msg[0] == "load":  # a failed start can leave a half-built engine holding GPU memory: end the process
+                break
+    llm = None  # drop the engine before answering, so the GPU is free when the parent moves on
+    conn.send(("stopped", None))

@@ -1,0 +1,109 @@
+"""vLLM's outputs as splicer's records: prompt log-probs -> SequenceScores, and per-run request times -> the decode
+summary (engine estimator beside the wall-clock one). Pure functions: the child process and tests use them."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from . import SequenceScores, decode_summary
+
+
+PAD_LOGPROB = -1.0e4  # for a missing top-k slot: exp() is 0, and 0 * finite stays 0 in the KL sums
+
+
+def scores_from_prompt_logprobs(prompt_ids: list[int], prompt_logprobs: list, top_k: int) -> SequenceScores:
+    """vLLM's prompt_logprobs ([None, {token: Logprob(logprob, rank, ...)}, ...]) -> SequenceScores.
+
+    Entry t+1 is the distribution at position t over token t+1; it holds the top-k by rank
+    and the actual token (whose rank may be larger than k).
+    """
+    n = len(prompt_ids) - 1
+    ids = torch.full((n, top_k), -1, dtype=torch.int32)
+    lps = torch.full((n, top_k), PAD_LOGPROB, dtype=torch.float32)
+    target = torch.empty(n, dtype=torch.float32)
+    for t in range(n):
+        entry = prompt_logprobs[t + 1] or {}
+        ranked = sorted(((lp.rank, tok, lp.logprob) for tok, lp in entry.items() if lp.rank is not None and lp.rank <= top_k))
+        for j, (_, tok, lp) in enumerate(ranked[:top_k]):
+            ids[t, j] = tok
+            lps[t, j] = lp
+        actual = entry.get(prompt_ids[t + 1])
+        if actual is None:
+            raise RuntimeError(f"vLLM returned no logprob for the actual token at position {t + 1}")
+        target[t] = actual.logprob
+    return SequenceScores(topk_ids=ids, topk_logprobs=lps, target_logprobs=target)
+
+
+def scores_from_flat_logprobs(prompt_ids: list[int], flat, top_k: int) -> SequenceScores:
+    """vLLM's FlatLogprobs (SamplingParams(flat_logprobs=True), vLLM >= 0.12) -> SequenceScores without per-logprob objects.
+
+    vLLM appends, for every prompt position after the first, the actual next token with its rank followed by
+    the top-k in rank order (vllm/logprobs.py, append_logprobs_for_next_position): k + 1 entries per position.
+    """
+    n = len(prompt_ids) - 1
+    starts = torch.tensor(flat.start_indices[1:], dtype=torch.long)
+    ends = torch.tensor(flat.end_indices[1:], dtype=torch.long)
+    if len(starts) != n or not bool(((ends - starts) == top_k + 1).all()):
+        raise RuntimeError(f"vLLM's flat prompt logprobs do not hold {top_k} + 1 entries at each of {n} positions")
+    idx = starts[:, None] + torch.arange(top_k + 1)
+    ids = torch.tensor(flat.token_ids, dtype=torch.long)[idx]
+    lps = torch.tensor(flat.logprobs, dtype=torch.float32)[idx]
+    if not torch.equal(ids[:, 0], torch.tensor(prompt_ids[1:], dtype=torch.long)):
+        raise RuntimeError("vLLM's flat prompt logprobs do not start each position with the actual next token")
+    return SequenceScores(topk_ids=ids[:, 1:].to(torch.int32).contiguous(), topk_logprobs=lps[:, 1:].contiguous(),
+                          target_logprobs=lps[:, 0].contiguous())
+
+
+def _scores(prompt_ids, prompt_logprobs, top_k) -> SequenceScores:
+    if hasattr(prompt_logprobs, "start_indices"):
+        return scores_from_flat_logprobs(prompt_ids, prompt_logprobs, top_k)
+    return scores_from_prompt_logprobs(prompt_ids, prompt_logprobs, top_k)
+
+
+def engine_step_s(metrics) -> float | None:
+    """Seconds per decode step from a finished request's stats (vLLM's RequestStateStats), None without them."""
+    first, last = getattr(metrics, "first_token_ts", 0.0), getattr(metrics, "last_token_ts", 0.0)
+    n = getattr(metrics, "num_generation_tokens", 0)
+    if not first or not last or n < 2 or last < first:
+        return None
+    return (last - first) / (n - 1)
+
+
+ENGINE_METHOD = "engine: (last token time - first token time) / (n - 1), from vLLM's request stats (TPOT), batch 1"
+
+
+WALL_METHOD = "wall: (t(n) - t(1)) / (n - 1), wall clock around LLM.generate, batch 1"
+
+
+def summarise_decode_runs(t1_s: list[float], tn_s: list[float], engine_step_s_runs: list[float | None], *,
+                          new_tokens: int, warmup: int, prompt_tokens: int) -> dict:
+    """The timing entry of results.json from time_decode's runs (pure: the worker measures, this summarises).
+
+    Per run: t1_s and tn_s are the wall seconds of a request generating 1 and new_tokens tokens, engine_step_s_runs
+    the engine's own seconds per decode step (engine_step_s; None where the request had no stats). The engine's
+    times are used when every run has them, else the wall-clock difference (t(n) - t(1)) / (n - 1). When the chosen
+    estimate's median is not positive, decode_ms_per_token is None, the method says it was not resolved, and the
+    per-run values stay under per_run_ms.
+    """
+    runs, n = len(tn_s), new_tokens
+    # With one new token there is no decode step to time: no per-run value at all rather than a division by zero.
+    wall_diff = [(tn - t1) * 1000 / (n - 1) for t1, tn in zip(t1_s, tn_s)] if n > 1 else []
+    engine = [s * 1000 for s in engine_step_s_runs if s is not None]
+    # The wall-clock difference carries two prefills' jitter (TTFT of the 1.5k-token prompt ranged 85-211 ms on
+    # the H200, i.e. up to +-1 ms/token over 63 steps); the engine's own token times carry none.
+    use_engine = runs > 0 and len(engine) == runs
+    per_token, method = (engine, ENGINE_METHOD) if use_engine else (wall_diff, WALL_METHOD)
+    summary = decode_summary(per_token)
+    if summary["decode_ms_per_token"] is None:
+        median = f"{statistics.median(per_token):.4g} ms/token" if per_token else "no value (fewer than 2 new tokens or no runs)"
+        method = (f"not resolved: {method} gave a median of {median}, which is no measurement (decode steps shorter "
+                  "than the clock's noise); the per-run values are in per_run_ms")
+    ttft = [t * 1000 for t in t1_s]
+    out = {**summary, "ttft_ms": statistics.median(ttft) if ttft else None,
+           "ttft_min_max": [min(ttft), max(ttft)] if ttft else None,
+           "runs": runs, "warmup": warmup, "prompt_tokens": prompt_tokens, "new_tokens": n, "method": method}
+    if use_engine:  # the old estimator beside it, from the same runs
+        out["wall_diff"] = decode_summary(wall_diff)
+    return out
