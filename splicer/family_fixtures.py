@@ -71,6 +71,15 @@ FAMILY_FIXTURES = {
         notes="DeepSeek-V3's layout at toy size: MLA (q_lora_rank set), layer 0 dense, then routed + shared experts; "
               "no MTP layer (transformers' model has none)",
     ),
+    "glm4_moe": FamilyFixture(
+        "glm4_moe",
+        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+             first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128, n_routed_experts=8,
+             n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=4096,
+             tie_word_embeddings=False, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5),
+        builds=("int4", "experts-g32"),
+        notes="GLM-4.5's layout at toy size: q/k/v biases, qk norms, layer 0 dense, routed + shared experts; no MTP layer",
+    ),
     "llama": FamilyFixture(
         "llama",
         dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,

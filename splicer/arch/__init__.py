@@ -229,11 +229,12 @@ def families() -> tuple[Architecture, ...]:
     """Every architecture table, in the order model types are looked up."""
     from .deepseek_v3 import DEEPSEEK_V3
     from .dense import DENSE
+    from .glm4_moe import GLM4_MOE
     from .qwen3_5_moe import QWEN3_5_MOE
     from .qwen3_moe import QWEN3_MOE
     from .qwen3_next import QWEN3_NEXT
 
-    return (QWEN3_5_MOE, QWEN3_MOE, QWEN3_NEXT, DEEPSEEK_V3, DENSE)
+    return (QWEN3_5_MOE, QWEN3_MOE, QWEN3_NEXT, DEEPSEEK_V3, GLM4_MOE, DENSE)
 
 
 def all_classes() -> tuple[str, ...]:

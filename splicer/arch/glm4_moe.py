@@ -1,0 +1,56 @@
+"""GLM-4.5 / 4.6 (`glm4_moe`, `Glm4MoeForCausalLM`): first layers dense, routed and shared experts, q/k/v biases.
+
+Sources: transformers 5.24 `models/glm4_moe` (names and shapes: the fixture builds the model on the meta device);
+vLLM 0.26.0 `model_executor/models/glm4_moe.py`, `glm4_moe_mtp.py` (read, not run; shared design notes, families
+§5): packed_modules_mapping {"qkv_proj": [q, k, v], "gate_up_proj": [gate, up]}, a stacked-only mapper (no renames),
+the router `mlp.gate` a plain fp32 nn.Linear (never quantized), MoE layers from `first_k_dense_replace` on.
+
+On disk: model.layers.{i}.self_attn.{q,k,v}_proj (+ .bias when attention_bias), o_proj, {q,k}_norm (use_qk_norm);
+model.layers.{i}.mlp.{gate,up,down}_proj for i < first_k_dense_replace (class mlp), then mlp.experts.{e}.*,
+mlp.shared_experts.{gate,up,down}_proj (class shared_expert), mlp.gate (+ e_score_correction_bias).
+
+Not covered: the MTP layer stored as decoder layer num_hidden_layers (transformers drops it on load; its modules would
+be read as an ordinary layer's), as for deepseek_v3.
+"""
+
+from . import ATTENTION_QKV, MLP_GATE_UP, Architecture, fused_group
+
+_DEC = r"model\.layers\.\d+\."
+
+GLM4_MOE = Architecture(
+    name="glm4_moe",
+    model_types=("glm4_moe",),
+    class_patterns=(
+        ("lm_head", r"lm_head"),
+        ("experts", _DEC + r"mlp\.experts\.\d+\.(gate|up|down)_proj"),
+        ("shared_expert", _DEC + r"mlp\.shared_experts\.(gate|up|down)_proj"),
+        ("attention", _DEC + r"self_attn\.(q|k|v|o)_proj"),
+        ("mlp", _DEC + r"mlp\.(gate|up|down)_proj"),
+    ),
+    classes=("attention", "mlp", "shared_expert", "lm_head", "experts"),
+    fused_shards={**ATTENTION_QKV, **MLP_GATE_UP,
+                  **fused_group("shared_experts.gate_up_proj", ("shared_experts.gate_proj", "shared_experts.up_proj"))},
+    vllm_packed_modules={"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
+    vllm_mtp_packed_modules={},
+    vllm_prefix_map=(),
+    vllm_never_quantized=r"model\.layers\.\d+\.mlp\.gate",
+    embedding_pattern=r"model\.embed_tokens",
+    expert_pattern=r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)",
+    fused_expert_pattern=r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)",
+    layer_pattern=r"(model\.layers)\.(\d+)\.",
+    decoder_roots=(("model.layers", "model.layers"),),
+    lm_head_names=("lm_head",),
+    text_tensor_pattern=r"model\.|lm_head\.",
+    # GLM-4.5 ends a turn with these (its generation_config lists them as eos; recalled, not checked against a download)
+    chat_stop_tokens=("<|user|>", "<|observation|>", "<|endoftext|>"),
+    vllm_kernel_classes=(
+        ("lm_head", r"lm_head$"),
+        ("experts", r".*\.mlp\.experts(\..*)?$"),
+        ("shared_expert", r".*\.mlp\.shared_experts\.(gate_up_proj|down_proj)$"),
+        ("attention", r".*\.self_attn\.(qkv_proj|o_proj)$"),
+        ("mlp", r".*\.mlp\.(gate_up_proj|down_proj)$"),
+    ),
+    shape_keys=("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "first_k_dense_replace", "num_attention_heads", "num_key_value_heads", "head_dim", "attention_bias"),
+    source="transformers 5.24 models/glm4_moe; vLLM 0.26.0 models/glm4_moe.py, glm4_moe_mtp.py",
+)
