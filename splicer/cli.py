@@ -121,12 +121,13 @@ def _cmd_ablate(args) -> int:
     if args.demo:
         if args.build or args.base:
             raise SplicerError("--demo builds its own tiny pair; drop BUILD and BASE, or drop --demo")
-        from .arch.qwen3_5_moe import QWEN3_5_MOE
         from .fixtures import FixtureSpec, write_fixture_folder, write_pair
         from .plan import load_plan
 
         plan = args.plan or "demo"
-        load_plan(plan, QWEN3_5_MOE.classes)  # a bad --plan is refused before the pair is written
+        from .arch import all_classes
+
+        load_plan(plan, all_classes())  # a bad --plan is refused before the pair is written
         pair_dir = Path(args.out).absolute() / "demo-pair"
         settings.own_inputs = (pair_dir,)
         out = check_output(args.out, [], ABLATE, own=settings.own_inputs)

@@ -188,7 +188,9 @@ def test_plan_name_beside_a_folder_of_that_name(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "demo").mkdir()  # e.g. a results folder called demo
-    assert load_plan("demo", ("gdn", "attention", "shared_expert", "lm_head", "experts", "mtp")).name == "demo"
+    from splicer.arch import all_classes
+
+    assert load_plan("demo", all_classes()).name == "demo"
 
 
 def test_compare_any_two_variants(finished, capsys):

@@ -186,3 +186,15 @@ def test_resolve_rows_skips_with_a_reason_each_kind_of_row_it_cannot_run():
     assert reasons["build-twice"] == "same variant as build"
     _, frozen = resolve_rows(plan, "llama", ("attention", "mlp", "lm_head"), ["attention", "mlp"], ["mlp"])
     assert {"name": "all", "reason": "needs BF16 mlp, which the base keeps quantized"} in frozen
+
+
+def test_the_demo_plan_on_a_dense_family_runs_its_classes_and_skips_the_rest(family_pairs, tmp_path):
+    p = family_pairs["llama"]
+    assert main(["ablate", "all", str(p["int4"]), str(p["base"]), "-o", str(tmp_path / "run"), "--plan", "demo", "-q",
+                 "--no-time"]) == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    ok = {v["name"]: v for v in results["variants"] if v["status"] == "ok"}
+    assert {"build", "lm_head", "attention", "mlp", "all", "base"} <= set(ok)
+    assert {s["name"]: s["reason"] for s in results["skipped"]}["gdn"] == "llama has no class gdn"
+    assert all(m["kl"] == 0 for m in ok["all"]["metrics"].values())  # every class restored: exactly the base
+    assert all(m["kl"] > 0.05 for m in ok["build"]["metrics"].values())
