@@ -259,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overlap-starts", type=_count(0), nargs="?", const=1, default=0, metavar="N",
                    help="vllm: start the next N variants' engines (default 1) in spare workers while the current one "
                         "scores; decode is still timed with no engine starting; each engine then gets a fixed 12 GiB KV "
-                        "cache unless --engine-arg kv_cache_memory_bytes=...; engines are timed after a sleep and wake, which "
-                        "on an H200 left engines of one variant in two states ~6 %% apart: time serially for decode verdicts")
+                        "cache unless --engine-arg kv_cache_memory_bytes=...; in overlapped runs on an H200 engines of one variant "
+                        "timed at two levels ~6 %% apart: time serially for decode verdicts")
     s.add_argument("--rewake-before-timing", action="store_true",
                    help="vllm with --overlap-starts: sleep and wake each engine once more right before its decode timing")
     s.add_argument("--engine-cache-dir", type=Path, metavar="PATH",
