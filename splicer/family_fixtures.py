@@ -46,9 +46,10 @@ FAMILY_FIXTURES = {
         "qwen3_moe",
         dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=2, num_key_value_heads=1, head_dim=128, num_experts=8, num_experts_per_tok=2,
-             max_position_embeddings=4096, tie_word_embeddings=False, norm_topk_prob=True),
-        builds=("int4", "experts-g32"), absent_classes=("mlp",),
-        notes="Qwen3-30B-A3B's layout: per-expert experts, a router per layer, no shared expert, no MTP",
+             max_position_embeddings=4096, tie_word_embeddings=False, norm_topk_prob=True, mlp_only_layers=[0]),
+        builds=("int4", "experts-g32"),
+        notes="Qwen3-30B-A3B's layout (per-expert experts, a router per layer, no shared expert, no MTP), with layer 0 "
+              "a dense MLP (`mlp_only_layers`, which the released models leave empty) so the mlp class is exercised",
     ),
     "qwen3_next": FamilyFixture(
         "qwen3_next",
@@ -82,6 +83,11 @@ FAMILY_FIXTURES = {
     ),
     "llama": FamilyFixture(
         "llama",
+        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False),
+    ),
+    "mistral": FamilyFixture(
+        "mistral",
         dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False),
     ),
