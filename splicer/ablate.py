@@ -346,6 +346,45 @@ def _timing_prompt(corpora: list[Corpus], n: int) -> list[int]:
     return (src * (n // max(len(src), 1) + 1))[:n]
 
 
+def make_job(plan: Plan, corpora: list[Corpus], build_src: str, build, base_src: str, base_digest: str,
+             settings: AblateSettings) -> dict:
+    """What a results folder was made from (DIR/job.json): finished rows are kept on a rerun only under the same job.
+
+    The tokenized corpora belong to it: rows scored on other positions (a corpus file edited, a new chat set) would
+    otherwise be paired with the new ones."""
+    return {"tool": f"splicer {__version__}", "plan": plan.name, "plan_digest": plan.digest,
+            "corpora_digest": _digest([c.digest() for c in corpora]),
+            "build": {"source": str(build_src), "header_digest": build.header_digest()},
+            "base": {"source": str(base_src), "digest": base_digest},
+            "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
+                         "engine_args": settings.engine_args, "allow_quantized_base": settings.allow_quantized_base,
+                         "overlap_starts": settings.overlap_starts, "rewake_before_timing": settings.rewake_before_timing,
+                         "time_decode": settings.time_decode, "corpus_overrides": settings.corpus_overrides}}
+
+
+def new_results(job: dict, plan: Plan, corpora: list[Corpus], cache: Path, quantized: list[str], frozen: list[str],
+                skipped: list[dict], settings: AblateSettings, earlier_runs: list[dict]) -> dict:
+    """results.json as a run starts: the base pass (read from its cache), the corpora, the rows skipped, and one entry
+    per invocation that worked on this job (a resumed job has several), the rows still to come."""
+    return {
+        "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job,
+        "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
+        "backend": None, "engine_version": None, "device": None,
+        "inputs": {"build": job["build"], "base": job["base"]},
+        "corpora": {c.name: {"kind": c.kind, "sequences": len(c.sequences), "positions": c.positions(),
+                             "answer_tokens": (sum(len(s) - p for s, p in zip(c.sequences, c.prompt_lens)) if c.prompt_lens else None)}
+                    for c in corpora},
+        "quantized_classes": quantized, "base_quantized_classes": frozen, "noise_floor": noise_floor(cache, corpora, settings.bootstrap),
+        "timing_settings": plan.timing if settings.time_decode else None,
+        "bandwidth_bytes_per_s": settings.bandwidth_gbs * 1e9 if settings.bandwidth_gbs else None,
+        "variants": [], "skipped": skipped,
+        "runs": [*earlier_runs,
+                 {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows_run": [], "finished": False,
+                  "host": host_info(),
+                  "command": " ".join(shlex.quote(a) for a in ["splicer", *sys.argv[1:]]) if _from_cli() else None}],
+    }
+
+
 def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_name: str, settings: AblateSettings) -> dict:
     from .backends import make_backend
     from .splice import splice
@@ -392,16 +431,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         # Set per run: a settings object reused for another DIR must not keep logging into the first one's log.
         settings.stages = Stages(quiet=not settings.progress, log_path=out / "ablate.log")
         settings.stages.line(f"ablate {rows_spec} of plan {plan.name}: {build_src} against {base_src} into {out}")
-        # The tokenized corpora belong to the job: finished rows are kept only when they were scored on the same
-        # positions (a corpus file edited, or a new chat set, would otherwise pair scores of different lengths).
-        job = {"tool": f"splicer {__version__}", "plan": plan.name, "plan_digest": plan.digest,
-               "corpora_digest": _digest([c.digest() for c in corpora]),
-               "build": {"source": str(build_src), "header_digest": build.header_digest()},
-               "base": {"source": str(base_src), "digest": base_digest},
-               "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
-                            "engine_args": settings.engine_args, "allow_quantized_base": settings.allow_quantized_base,
-                            "overlap_starts": settings.overlap_starts, "rewake_before_timing": settings.rewake_before_timing,
-                            "time_decode": settings.time_decode, "corpus_overrides": settings.corpus_overrides}}
+        job = make_job(plan, corpora, build_src, build, base_src, base_digest, settings)
         results_path = out / RESULTS
         previous = json.loads(results_path.read_text()) if results_path.exists() else None
         if previous and (previous.get("job", {}).get("build") != job["build"] or previous.get("job", {}).get("base") != job["base"]):
@@ -473,23 +503,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                     prepare(item)
         with settings.stages.stage("base pass"):
             corpora = base_pass(backend, base_root, plan, settings, cache, tok, corpora)
-        results = {
-            "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job, "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
-            "backend": None, "engine_version": None, "device": None,
-            "inputs": {"build": job["build"], "base": job["base"]},
-            "corpora": {c.name: {"kind": c.kind, "sequences": len(c.sequences), "positions": c.positions(),
-                                 "answer_tokens": (sum(len(s) - p for s, p in zip(c.sequences, c.prompt_lens)) if c.prompt_lens else None)}
-                        for c in corpora},
-            "quantized_classes": quantized, "base_quantized_classes": frozen, "noise_floor": noise_floor(cache, corpora, settings.bootstrap),
-            "timing_settings": plan.timing if settings.time_decode else None,
-            "bandwidth_bytes_per_s": settings.bandwidth_gbs * 1e9 if settings.bandwidth_gbs else None,
-            "variants": [], "skipped": skipped,
-            # One entry per invocation that worked on this job (a resumed job has several).
-            "runs": [*((previous or {}).get("runs", []) if same_job else []),
-                     {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows_run": [], "finished": False,
-                      "host": host_info(),
-                      "command": " ".join(shlex.quote(a) for a in ["splicer", *sys.argv[1:]]) if _from_cli() else None}],
-        }
+        results = new_results(job, plan, corpora, cache, quantized, frozen, skipped, settings,
+                              (previous or {}).get("runs", []) if same_job else [])
         for row, restored, splice_name in _pbar(todo, desc="ablate", disable=not settings.progress or None):
             if row.name in done:  # finished in an earlier run of the same job: kept, chosen or not
                 results["variants"].append(done[row.name])
