@@ -161,9 +161,10 @@ def base_cache(backend, plan: Plan, settings: AblateSettings, out: Path, base_di
 
 
 def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, cache: Path,
-              tok, corpora: list[Corpus]) -> list[Corpus]:
+              tok, corpora: list[Corpus], chat_stop_tokens: tuple[str, ...] = ()) -> list[Corpus]:
     """Generate the base's chat answers and score the base (and a noise pass) once into cache (see base_cache);
-    returns the corpora with the chat answers in them."""
+    returns the corpora with the chat answers in them. An answer ends at the tokenizer's EOS or at one of the family's
+    chat_stop_tokens the tokenizer knows."""
     done = cache / "done.json"
     stages = settings.stages
     if done.exists():
@@ -176,12 +177,8 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
         backend.load(base_root)
     load_s = time.perf_counter() - t0
     engine_info = backend.load_info() or None
-    from .arch import get_architecture
-
-    # The end of an assistant turn: the tokenizer's EOS and the family's chat-template stop tokens it knows.
-    arch = get_architecture(json.loads((Path(base_root) / "config.json").read_text()))
     unk = tok.unk_token_id
-    stop = sorted({t for t in (tok.eos_token_id, *(tok.convert_tokens_to_ids(s) for s in arch.chat_stop_tokens))
+    stop = sorted({t for t in (tok.eos_token_id, *(tok.convert_tokens_to_ids(s) for s in chat_stop_tokens))
                    if isinstance(t, int) and t >= 0 and t != unk})
     for c in corpora:
         if c.kind == "chat":
@@ -297,8 +294,8 @@ def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], pla
     with stages.stage(f"{score_dir.name}: engine start"):
         backend.load(folder)
     timings["load_s"] = time.perf_counter() - t0
-    if backend.load_info():
-        timings["engine"] = backend.load_info()
+    if info := backend.load_info():
+        timings["engine"] = info
     if before_scoring:
         before_scoring()
     score_dir.mkdir(parents=True, exist_ok=True)
@@ -502,7 +499,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 if item[0].name not in prepared:
                     prepare(item)
         with settings.stages.stage("base pass"):
-            corpora = base_pass(backend, base_root, plan, settings, cache, tok, corpora)
+            corpora = base_pass(backend, base_root, plan, settings, cache, tok, corpora, base.arch.chat_stop_tokens)
         results = new_results(job, plan, corpora, cache, quantized, frozen, skipped, settings,
                               (previous or {}).get("runs", []) if same_job else [])
         for row, restored, splice_name in _pbar(todo, desc="ablate", disable=not settings.progress or None):

@@ -41,61 +41,46 @@ class FamilyFixture:
 
 
 # Every grouped input dim is a multiple of 128 (vLLM's Marlin/Machete kernels need it on a GPU).
+_TINY = dict(vocab_size=2048, hidden_size=256, max_position_embeddings=4096, tie_word_embeddings=False)
+_TINY_DENSE = dict(_TINY, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   head_dim=128)
 FAMILY_FIXTURES = {
     "qwen3_moe": FamilyFixture(
         "qwen3_moe",
-        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=2, num_key_value_heads=1, head_dim=128, num_experts=8, num_experts_per_tok=2,
-             max_position_embeddings=4096, tie_word_embeddings=False, norm_topk_prob=True, mlp_only_layers=[0]),
+        dict(_TINY_DENSE, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+             mlp_only_layers=[0]),
         builds=("int4", "experts-g32"),
         notes="Qwen3-30B-A3B's layout (per-expert experts, a router per layer, no shared expert, no MTP), with layer 0 "
               "a dense MLP (`mlp_only_layers`, which the released models leave empty) so the mlp class is exercised",
     ),
     "qwen3_next": FamilyFixture(
         "qwen3_next",
-        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-             shared_expert_intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-             head_dim=128, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
-             linear_num_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
-             tie_word_embeddings=False),
+        dict(_TINY_DENSE, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_hidden_layers=4,
+             linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
+             num_experts=8, num_experts_per_tok=2),
         builds=("int4", "experts-g32"), absent_classes=("mtp",),
         notes="Qwen3-Next-80B-A3B's layout (GDN projections fused on disk, a shared expert); no MTP head: "
               "transformers' model has none",
     ),
     "deepseek_v3": FamilyFixture(
         "deepseek_v3",
-        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
-             first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=128,
-             qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1,
-             num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=4096, tie_word_embeddings=False),
+        dict(_TINY, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3, first_k_dense_replace=1,
+             num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=64,
+             qk_nope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+             n_group=1, topk_group=1),
         builds=("int4", "experts-g32"),
         notes="DeepSeek-V3's layout at toy size: MLA (q_lora_rank set), layer 0 dense, then routed + shared experts; "
               "no MTP layer (transformers' model has none)",
     ),
     "glm4_moe": FamilyFixture(
         "glm4_moe",
-        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
-             first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=1, head_dim=128, n_routed_experts=8,
-             n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=4096,
-             tie_word_embeddings=False, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5),
+        dict(_TINY_DENSE, moe_intermediate_size=128, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
+             num_experts_per_tok=2, n_group=1, topk_group=1, attention_bias=True, use_qk_norm=True,
+             partial_rotary_factor=0.5),
         builds=("int4", "experts-g32"),
         notes="GLM-4.5's layout at toy size: q/k/v biases, qk norms, layer 0 dense, routed + shared experts; no MTP layer",
     ),
-    "llama": FamilyFixture(
-        "llama",
-        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False),
-    ),
-    "mistral": FamilyFixture(
-        "mistral",
-        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False),
-    ),
-    "qwen3": FamilyFixture(
-        "qwen3",
-        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False),
-    ),
+    **{t: FamilyFixture(t, _TINY_DENSE) for t in ("llama", "mistral", "qwen3")},
 }
 
 
@@ -109,12 +94,13 @@ def _model_state(spec: FamilyFixture) -> dict[str, torch.Tensor]:
     """transformers' model for the config, initialised by transformers itself (tiny: built on the CPU)."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(_hf_config(spec)).state_dict()
+    with torch.random.fork_rng():  # its own seed, without touching the caller's random state
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(_hf_config(spec)).state_dict()
 
 
-def base_shapes(spec: FamilyFixture, arch: Architecture, state: dict | None = None) -> dict[str, tuple[int, ...]]:
-    state = state if state is not None else _model_state(spec)
+def base_shapes(spec: FamilyFixture, arch: Architecture, state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """The base's tensors and shapes: the model's own, routed experts per expert where releases store them so."""
     shapes = {k: tuple(v.shape) for k, v in state.items()}
     if spec.experts_on_disk == "per_expert":
         for name, shape in list(shapes.items()):
@@ -207,15 +193,7 @@ def write_family_build(base: Path, out: Path, kind: str = "int4") -> Path:
         with safe_open(str(base / shard), "pt") as f:
             for name in f.keys():
                 t = f.get_tensor(name)
-                parts = arch.fused_expert_parts(name)
-                if parts:  # builds are per expert, as llm-compressor writes them
-                    prefix, which = parts
-                    projs = dict(arch.fused_expert_shards)[which]
-                    rows = t.shape[1] // len(projs)
-                    items = [(f"{prefix}.{e}.{p}.weight", t[e, i * rows:(i + 1) * rows]) for e in range(t.shape[0])
-                             for i, p in enumerate(projs)]
-                else:
-                    items = [(name, t)]
+                items = arch.split_fused_experts(name, t) or [(name, t)]  # builds are per expert, as llm-compressor writes them
                 for tname, tensor in items:
                     module, _, leaf = tname.rpartition(".")
                     linear = leaf == "weight" and tensor.dim() == 2 and not arch.is_embedding(module)

@@ -303,18 +303,8 @@ def write_build(base: Path, out: Path, kind: str = "lowlatency") -> Path:
                 if kind == "lowlatency-nomtp" and name.startswith("mtp."):
                     continue
                 t = f.get_tensor(name)
-                parts = QWEN3_5_MOE.fused_expert_parts(name)
-                if parts:  # build files are per expert, as llm-compressor writes them
-                    prefix, which = parts
-                    items = []
-                    for e in range(t.shape[0]):
-                        if which == "gate_up_proj":
-                            half = t.shape[1] // 2
-                            items += [(f"{prefix}.{e}.gate_proj.weight", t[e, :half]), (f"{prefix}.{e}.up_proj.weight", t[e, half:])]
-                        else:
-                            items.append((f"{prefix}.{e}.down_proj.weight", t[e]))
-                else:
-                    items = [(name, t)]
+                # Build files are per expert, as llm-compressor writes them.
+                items = QWEN3_5_MOE.split_fused_experts(name, t) or [(name, t)]
                 for tname, tensor in items:
                     module, _, leaf = tname.rpartition(".")
                     choice = pick(module) if leaf == "weight" and tensor.dim() == 2 else None

@@ -9,7 +9,6 @@ from .modules import list_modules
 from .rules import check, validate_regexes
 
 
-
 def tensor_class(ckpt: Checkpoint, tensor: str) -> str:
     arch = ckpt.arch
     fused = arch.fused_expert_parts(tensor)

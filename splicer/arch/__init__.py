@@ -30,6 +30,19 @@ ATTENTION_QKV = fused_group("self_attn.qkv_proj", ("self_attn.q_proj", "self_att
 MLP_GATE_UP = fused_group("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))
 
 
+def model_layers_layout(routed_experts: bool = True) -> dict:
+    """Table fields for the layout most HF decoders share: model.embed_tokens, model.layers.{i}.*, and routed
+    experts under model.layers.{i}.mlp.experts (per expert on disk, gate_up_proj / down_proj fused in transformers)."""
+    none = r"(?!)"
+    return {
+        "embedding_pattern": r"model\.embed_tokens",
+        "expert_pattern": r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)" if routed_experts else none,
+        "fused_expert_pattern": r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)" if routed_experts else none,
+        "layer_pattern": r"(model\.layers)\.(\d+)\.",
+        "decoder_roots": (("model.layers", "model.layers"),),
+    }
+
+
 @dataclass(frozen=True)
 class VllmLayer:
     """The vLLM layer an HF module loads into, and how vLLM decides its quantization."""
@@ -136,15 +149,24 @@ class Architecture:
         """The ignore entry that keeps a BF16 MTP head unquantized."""
         return f"re:{re.escape(self.mtp_prefix)}.+$"
 
-    def per_expert_shapes(self, tensor: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]] | None:
-        """A fused 3-D expert tensor's per-expert weights and their shapes (None for any other tensor)."""
-        parts = self.fused_expert_parts(tensor)
+    def split_fused_experts(self, name: str, t):
+        """A fused 3-D expert tensor [E, k*I, H] as per-expert weights [(experts.e.proj.weight, [I, H]), ...], expert by
+        expert in the table's projection order (views, no copies); None for any other tensor. Works on meta tensors."""
+        parts = self.fused_expert_parts(name)
         if not parts:
             return None
         prefix, which = parts
         projs = dict(self.fused_expert_shards)[which]
-        n_exp, rows, cols = shape
-        return {f"{prefix}.{e}.{p}.weight": (rows // len(projs), cols) for e in range(n_exp) for p in projs}
+        rows = t.shape[1] // len(projs)
+        return [(f"{prefix}.{e}.{p}.weight", t[e, i * rows:(i + 1) * rows]) for e in range(t.shape[0])
+                for i, p in enumerate(projs)]
+
+    def per_expert_shapes(self, tensor: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]] | None:
+        """split_fused_experts on shapes alone."""
+        import torch
+
+        split = self.split_fused_experts(tensor, torch.empty(shape, device="meta"))
+        return {n: tuple(t.shape) for n, t in split} if split is not None else None
 
     def fused_expert_name(self, prefix: str, proj: str) -> str:
         """The fused 3-D tensor that holds expert projection proj under prefix (…mlp.experts)."""

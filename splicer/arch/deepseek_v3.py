@@ -17,7 +17,7 @@ transformers' model has no such layer, so the fixture has none. Kimi-K2 (`kimi_k
 transformers has no config class for it here.
 """
 
-from . import MLP_GATE_UP, Architecture, fused_group
+from . import MLP_GATE_UP, Architecture, fused_group, model_layers_layout
 
 _DEC = r"model\.layers\.\d+\."
 
@@ -41,13 +41,7 @@ DEEPSEEK_V3 = Architecture(
     vllm_mtp_packed_modules={},
     vllm_prefix_map=(),
     vllm_never_quantized=r"model\.layers\.\d+\.mlp\.gate",
-    embedding_pattern=r"model\.embed_tokens",
-    expert_pattern=r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)",
-    fused_expert_pattern=r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)",
-    layer_pattern=r"(model\.layers)\.(\d+)\.",
-    decoder_roots=(("model.layers", "model.layers"),),
-    lm_head_names=("lm_head",),
-    text_tensor_pattern=r"model\.|lm_head\.",
+    **model_layers_layout(),
     chat_stop_tokens=("<｜end▁of▁sentence｜>", "<|im_end|>"),  # DeepSeek's end of turn; Kimi-K2's
     vllm_kernel_classes=(
         ("lm_head", r"lm_head$"),

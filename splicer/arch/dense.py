@@ -10,7 +10,7 @@ On disk: model.layers.{i}.self_attn.{q,k,v,o}_proj, model.layers.{i}.mlp.{gate,u
 model.norm, lm_head (absent when tied to the embedding).
 """
 
-from . import ATTENTION_QKV, MLP_GATE_UP, Architecture
+from . import ATTENTION_QKV, MLP_GATE_UP, Architecture, model_layers_layout
 
 _DEC = r"model\.layers\.\d+\."
 
@@ -28,13 +28,7 @@ DENSE = Architecture(
     vllm_mtp_packed_modules={},
     vllm_prefix_map=(),
     vllm_never_quantized=r"(?!)",
-    embedding_pattern=r"model\.embed_tokens",
-    expert_pattern=r"(?!)",  # no routed experts
-    fused_expert_pattern=r"(?!)",
-    layer_pattern=r"(model\.layers)\.(\d+)\.",
-    decoder_roots=(("model.layers", "model.layers"),),
-    lm_head_names=("lm_head",),
-    text_tensor_pattern=r"model\.|lm_head\.",
+    **model_layers_layout(routed_experts=False),
     chat_stop_tokens=("<|im_end|>", "<|eot_id|>", "</s>"),  # Qwen's, Llama 3's and Mistral's end of turn
     vllm_kernel_classes=(
         ("lm_head", r"lm_head$"),

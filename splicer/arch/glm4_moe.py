@@ -13,7 +13,7 @@ Not covered: the MTP layer stored as decoder layer num_hidden_layers (transforme
 be read as an ordinary layer's), as for deepseek_v3.
 """
 
-from . import ATTENTION_QKV, MLP_GATE_UP, Architecture, fused_group
+from . import ATTENTION_QKV, MLP_GATE_UP, Architecture, fused_group, model_layers_layout
 
 _DEC = r"model\.layers\.\d+\."
 
@@ -34,13 +34,7 @@ GLM4_MOE = Architecture(
     vllm_mtp_packed_modules={},
     vllm_prefix_map=(),
     vllm_never_quantized=r"model\.layers\.\d+\.mlp\.gate",
-    embedding_pattern=r"model\.embed_tokens",
-    expert_pattern=r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)",
-    fused_expert_pattern=r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)",
-    layer_pattern=r"(model\.layers)\.(\d+)\.",
-    decoder_roots=(("model.layers", "model.layers"),),
-    lm_head_names=("lm_head",),
-    text_tensor_pattern=r"model\.|lm_head\.",
+    **model_layers_layout(),
     # GLM-4.5 ends a turn with these (its generation_config lists them as eos; recalled, not checked against a download)
     chat_stop_tokens=("<|user|>", "<|observation|>", "<|endoftext|>"),
     vllm_kernel_classes=(

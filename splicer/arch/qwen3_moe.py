@@ -15,7 +15,7 @@ The router `mlp.gate` is a ReplicatedLinear built *with* quant_config in vLLM: a
 quantizes it unless `ignore` covers it (class targets match by substring there). It is not a restorable class here.
 """
 
-from . import ATTENTION_QKV, MLP_GATE_UP, Architecture
+from . import ATTENTION_QKV, MLP_GATE_UP, Architecture, model_layers_layout
 
 _DEC = r"model\.layers\.\d+\."
 
@@ -34,13 +34,7 @@ QWEN3_MOE = Architecture(
     vllm_mtp_packed_modules={},
     vllm_prefix_map=(),
     vllm_never_quantized=r"(?!)",  # every Linear is built with quant_config, the router included
-    embedding_pattern=r"model\.embed_tokens",
-    expert_pattern=r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)",
-    fused_expert_pattern=r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)",
-    layer_pattern=r"(model\.layers)\.(\d+)\.",
-    decoder_roots=(("model.layers", "model.layers"),),
-    lm_head_names=("lm_head",),
-    text_tensor_pattern=r"model\.|lm_head\.",
+    **model_layers_layout(),
     chat_stop_tokens=("<|im_end|>",),
     vllm_kernel_classes=(
         ("lm_head", r"lm_head$"),

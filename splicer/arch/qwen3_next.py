@@ -40,9 +40,7 @@ QWEN3_NEXT = Architecture(
     fused_expert_pattern=r"((?:mtp|model)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)",
     layer_pattern=r"((?:mtp|model)\.layers)\.(\d+)\.",
     decoder_roots=(("model.layers", "model.layers"), ("mtp.layers", "mtp.layers")),
-    lm_head_names=("lm_head",),
     mtp_prefix="mtp.",
-    text_tensor_pattern=r"model\.|lm_head\.",
     chat_stop_tokens=("<|im_end|>",),
     vllm_kernel_classes=(
         ("experts", r".*\.mlp\.experts(\..*)?$"),
