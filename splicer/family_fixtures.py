@@ -122,8 +122,8 @@ def _init(name: str, shape, gen: torch.Generator, arch: Architecture, default: t
     t = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
     if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         t = t * 0.25  # blocks write small updates into the residual stream, as in a trained model
-    if arch.module_class(name.rpartition(".")[0]) == "other" and not arch.is_embedding(name.rpartition(".")[0]):
-        t = t * 4  # a router: decisive routing, so rounding does not flip near-ties between experts
+    if name.endswith("mlp.gate.weight"):  # the MoE router, as in splicer.fixtures
+        t = t * 4  # decisive routing, so rounding does not flip near-ties between experts
     if name == f"{arch.lm_head_names[0]}.weight":
         t = t * 4  # peaked next-token distributions, as a trained model's
     return t.to(torch.bfloat16)
