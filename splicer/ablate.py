@@ -56,6 +56,7 @@ class AblateSettings:
     process_per_variant: bool = False  # vllm: a fresh worker process per variant instead of one for the run
     overlap_starts: int = 0  # vllm: engines started ahead (in spare workers) while the current one scores
     rewake_before_timing: bool = False  # vllm with overlap: one more sleep and wake right before each decode timing
+    precompile: int = 0  # vllm: processes that compile every variant's engine while the base pass runs (rows stay serial)
     allow_quantized_base: bool = False  # a stand-in reference that keeps some classes quantized (see validate_base)
     engine_cache_dir: Path | None = None  # vllm: compile/Triton/Inductor caches; None: their per-user defaults
     own_inputs: tuple = ()  # input folders this run wrote inside DIR itself (the demo's pair), which DIR may hold
@@ -409,7 +410,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         selected = {"build", *wanted, *(r.name for r in rows if r.repeat and r.restored(quantized) == [])}
     options = ({"engine_args": settings.engine_args, "log_dir": out / "logs", "cache_dir": settings.engine_cache_dir,
                 "one_process": not settings.process_per_variant, "overlap_starts": settings.overlap_starts,
-                "rewake_before_timing": settings.rewake_before_timing}
+                "rewake_before_timing": settings.rewake_before_timing, "precompile": settings.precompile}
                if settings.backend == "vllm" else {})
     backend = make_backend(settings.backend, settings.device, **options)
     base = open_checkpoint(base_src, "base")
@@ -498,10 +499,20 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             for item in run_list:
                 if item[0].name not in prepared:
                     prepare(item)
+        if backend.precompile_slots:
+            # Every row's engine is compiled ahead while the base pass runs (which is never timed, so engines may share
+            # the GPU then); the lanes end before the first row starts, so each row's engine still starts, scores and
+            # is timed alone, and only reads its compiled graphs from the engine's cache.
+            for item in run_list:
+                if prepare(item) and prepared[item[0].name][0] != base_root:
+                    backend.precompile(prepared[item[0].name][0])
         with settings.stages.stage("base pass"):
             corpora = base_pass(backend, base_root, plan, settings, cache, tok, corpora, base.arch.chat_stop_tokens)
         results = new_results(job, plan, corpora, cache, quantized, frozen, skipped, settings,
                               (previous or {}).get("runs", []) if same_job else [])
+        if backend.precompile_slots:
+            with settings.stages.stage("compiling ahead: waiting for the last engines to compile"):
+                results["runs"][-1]["precompiled"] = backend.finish_precompile()
         for row, restored, splice_name in _pbar(todo, desc="ablate", disable=not settings.progress or None):
             if row.name in done:  # finished in an earlier run of the same job: kept, chosen or not
                 results["variants"].append(done[row.name])

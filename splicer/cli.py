@@ -106,14 +106,15 @@ def _cmd_ablate(args) -> int:
             engine_args[flag] = getattr(args, flag)
     if args.language_model_only:
         engine_args["language_model_only"] = True
-    if (args.overlap_starts or args.process_per_variant or args.engine_cache_dir or args.rewake_before_timing) and args.backend != "vllm":
-        raise SplicerError("--overlap-starts, --rewake-before-timing, --process-per-variant and --engine-cache-dir apply to --backend vllm only")
+    if (args.overlap_starts or args.precompile or args.process_per_variant or args.engine_cache_dir or args.rewake_before_timing) and args.backend != "vllm":
+        raise SplicerError("--overlap-starts, --precompile, --rewake-before-timing, --process-per-variant and --engine-cache-dir "
+                           "apply to --backend vllm only")
     if engine_args and args.backend != "vllm":
         raise SplicerError("engine options (--engine-arg, --max-model-len, ...) apply to --backend vllm only")
     settings = AblateSettings(backend=args.backend, device=args.device, time_decode=not args.no_time,
                               corpus_overrides=overrides, batch_size=args.batch_size, progress=not args.quiet,
                               allow_quantized_base=args.allow_quantized_base, process_per_variant=args.process_per_variant,
-                              overlap_starts=args.overlap_starts, engine_cache_dir=args.engine_cache_dir,
+                              overlap_starts=args.overlap_starts, precompile=args.precompile, engine_cache_dir=args.engine_cache_dir,
                               rewake_before_timing=args.rewake_before_timing,
                               engine_args=engine_args, bandwidth_gbs=args.bandwidth_gbs)
     from .outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
@@ -261,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "scores; decode is still timed with no engine starting; each engine then gets a fixed 12 GiB KV "
                         "cache unless --engine-arg kv_cache_memory_bytes=...; in overlapped runs on an H200 engines of one variant "
                         "timed at two levels ~6 %% apart: time serially for decode verdicts")
+    s.add_argument("--precompile", type=_count(0), nargs="?", const=2, default=0, metavar="N",
+                   help="vllm: while the base pass runs, compile every variant's engine once (dummy weights) in N "
+                        "processes (default 2), which end before any row starts; each row's engine then starts alone "
+                        "on the GPU, reads its compiled graphs from vLLM's cache, and is scored and timed serially")
     s.add_argument("--rewake-before-timing", action="store_true",
                    help="vllm with --overlap-starts: sleep and wake each engine once more right before its decode timing")
     s.add_argument("--engine-cache-dir", type=Path, metavar="PATH",

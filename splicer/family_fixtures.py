@@ -65,11 +65,11 @@ FAMILY_FIXTURES = {
     "deepseek_v3": FamilyFixture(
         "deepseek_v3",
         dict(_TINY, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3, first_k_dense_replace=1,
-             num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=64,
+             num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64,
              qk_nope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
              n_group=1, topk_group=1),
         builds=("int4", "experts-g32"),
-        notes="DeepSeek-V3's layout at toy size: MLA (q_lora_rank set), layer 0 dense, then routed + shared experts; "
+        notes="DeepSeek-V3's layout at toy size: MLA (q_lora_rank set; kv_lora_rank 512 and a 64-dim rope part as in the released model, so vLLM's MLA kernels see its head size), layer 0 dense, then routed + shared experts; "
               "no MTP layer (transformers' model has none)",
     ),
     "glm4_moe": FamilyFixture(

@@ -494,12 +494,19 @@ class StubBackend:
                 "runs": runs, "warmup": warmup, "prompt_tokens": len(prompt), "new_tokens": new_tokens}
 
     overlap_starts = 0
+    precompile_slots = 0
 
     def load_info(self):
         return {}
 
     def prefetch(self, folder):
         return False
+
+    def precompile(self, folder):
+        return False
+
+    def finish_precompile(self):
+        return []
 
     def unload(self):
         self.folder = None

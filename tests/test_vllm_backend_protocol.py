@@ -284,6 +284,96 @@ def test_two_engines_start_ahead_and_a_third_waits_for_a_free_worker(pairs, fake
     b.close()
 
 
+def test_precompile_builds_engines_ahead_with_dummy_weights_and_ends_before_any_timing(pairs, fake_vllm, tmp_path, monkeypatch):
+    """--precompile: lanes build each queued variant once (dummy weights, fixed KV cache) beside the serving engine;
+    their processes are gone before a row is timed, and the row's own engine finds its graphs compiled."""
+    for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    user_args = {"gpu_memory_utilization": 0.5}
+    b = fake_vllm.VllmBackend(log_dir=tmp_path / "logs", require_cuda=False, precompile=2, cache_dir=tmp_path / "c",
+                              engine_args=user_args)
+    assert b.precompile_slots == 2 and not b.sleep_between
+    p = pairs["fused"]
+    seqs = [list(range(20, 60))]
+    assert b.precompile(p["lowlatency"]) and b.precompile(pairs["per_expert"]["lowlatency"])
+    assert b.precompile(p["lowlatency"])  # queued once
+    b.load(p["base"])  # the base pass's engine, beside the lanes: a fixed KV cache, and never timed
+    assert b.load_info()["engine_args"]["kv_cache_memory_bytes"] == 12 << 30
+    assert len(list(b.score(seqs, 20, batch_size=1))) == 1
+    with pytest.raises(RuntimeError, match="finish_precompile"):
+        b.time_decode(seqs[0], 2, 0, 1)
+    b.unload()
+    records = b.finish_precompile()
+    assert sorted(Path(r["folder"]) for r in records) == sorted([p["lowlatency"], pairs["per_expert"]["lowlatency"]])
+    assert all(r["error"] is None and r["compile_s"] > 0 for r in records)  # each compiled once, in a lane
+    assert all(w.proc is None for w in b._lanes)  # the lanes' processes ended: one engine on the GPU from here on
+    b.load(p["lowlatency"])
+    info = b.load_info()
+    assert info["startup_breakdown"]["compile_s"] == 0  # read from the cache the lane wrote
+    assert info["engine_args"] == b.engine_args and "kv_cache_memory_bytes" not in info["engine_args"]
+    assert b.time_decode(seqs[0], 2, 0, 1)["state"] == "fresh engine, the only one on the GPU"
+    assert len(list(b.score(seqs, 20, batch_size=1))) == 1  # real weights: it serves (a dummy engine would refuse)
+    b.load(p["experts-g32"])  # never compiled ahead: compiles at its own start
+    assert b.load_info()["startup_breakdown"]["compile_s"] > 0
+    b.close()
+    with pytest.raises(SplicerError, match="choose one"):
+        fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, precompile=1, overlap_starts=1)
+
+
+def test_a_variant_that_cannot_compile_ahead_is_recorded_and_compiles_at_its_turn(pairs, fake_vllm, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_FAIL_ON", "per_expert")
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, precompile=1)
+    b.precompile(pairs["per_expert"]["lowlatency"])
+    b.precompile(pairs["fused"]["lowlatency"])
+    records = {Path(r["folder"]): r for r in b.finish_precompile()}
+    assert "different quantization schemes" in records[pairs["per_expert"]["lowlatency"]]["error"]
+    assert records[pairs["fused"]["lowlatency"]]["error"] is None  # the lane went on after the failure
+    b.close()
+
+
+def test_close_while_compiling_ahead_ends_the_lanes_without_waiting_for_their_engines(pairs, fake_vllm, tmp_path):
+    import time
+
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, precompile=1)
+    b.precompile(pairs["fused"]["lowlatency"])
+    b.precompile(pairs["per_expert"]["lowlatency"])
+    t0 = time.monotonic()
+    b.close()  # as on Ctrl-C during the base pass
+    assert time.monotonic() - t0 < 20 and not b._lane_threads
+    assert all(w.proc is None or not w.proc.is_alive() for w in b._lanes)
+    assert len(b.precompiled) <= 1  # the queued folder was dropped, not compiled
+
+
+def test_ablate_with_precompile_scores_as_serial_and_times_every_row_alone(pairs, fake_vllm, tmp_path, monkeypatch):
+    for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    from splicer.ablate import AblateSettings, run_ablate
+
+    orig = fake_vllm.VllmBackend.__init__
+    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
+    plan = tmp_path / "p.toml"
+    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 2\n'
+                    '[timing]\nprompt_tokens = 16\nnew_tokens = 3\nwarmup = 0\nruns = 1\n'
+                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n'
+                    '[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n')
+    p = pairs["fused"]
+    runs = {}
+    for n in (0, 2):
+        runs[n] = run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path / f"out-{n}", str(plan),
+                             AblateSettings(backend="vllm", progress=False, bootstrap=20, precompile=n,
+                                            engine_cache_dir=tmp_path / f"cache-{n}"))
+    serial, ahead = ({v["name"]: v for v in runs[n]["variants"]} for n in (0, 2))
+    assert list(ahead) == ["build", "gdn", "build-again"]
+    for name in serial:
+        assert ahead[name]["status"] == "ok" and ahead[name]["metrics"]["en"]["kl"] == pytest.approx(serial[name]["metrics"]["en"]["kl"], abs=1e-9)
+        assert ahead[name]["engine"]["startup_breakdown"]["compile_s"] == 0  # every row's graphs came from the lanes
+        assert ahead[name]["timing"]["state"] == "fresh engine, the only one on the GPU"
+    assert serial["gdn"]["engine"]["startup_breakdown"]["compile_s"] > 0
+    compiled = runs[2]["runs"][-1]["precompiled"]
+    assert sorted(Path(r["folder"]).name for r in compiled) == ["gdn", "lowlatency"]  # the build's two rows: one compile
+    assert runs[2]["backend_info"]["precompile"] == 2
+
+
 def _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, modes):
     from splicer.ablate import AblateSettings, run_ablate
 

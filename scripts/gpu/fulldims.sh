@@ -24,6 +24,8 @@ CMD=(python3 -m splicer ablate "$ROWS" "$WORK/pair/build" "$WORK/pair/reference"
      --engine-arg 'compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}')
 # Without overlap one engine has the GPU and half of it is enough; with overlap each engine gets a fixed KV cache.
 if [ "${OVERLAP:-0}" -gt 0 ]; then CMD+=(--overlap-starts "$OVERLAP"); else CMD+=(--gpu-memory-utilization 0.5); fi
+# PRECOMPILE=N: every variant's engine compiled ahead in N processes while the base pass runs; rows stay serial.
+if [ "${PRECOMPILE:-0}" -gt 0 ]; then CMD+=(--precompile "$PRECOMPILE"); fi
 # REWAKE=1: one more sleep and wake right before each decode timing (with OVERLAP only).
 if [ "${REWAKE:-0}" = 1 ]; then CMD+=(--rewake-before-timing); fi
 # GPU use every 5 s beside the run (outside DIR: ablate refuses a DIR holding files it did not write).

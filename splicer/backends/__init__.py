@@ -55,12 +55,17 @@ class Backend(Protocol):
     exact_gather: bool  # gathered log-probs are exact (full vocabulary visible)
     default_batch: int  # sequences per score() call when the plan or command line does not say
     overlap_starts: int  # engines it can start ahead while another serves (0: one at a time)
+    precompile_slots: int  # processes that compile variants' engines ahead, before any is timed (0: none)
 
     def load(self, folder: Path) -> None: ...
 
     def load_info(self) -> dict: ...  # what the last load() recorded (engine start-up, kernels); {} when nothing
 
     def prefetch(self, folder: Path) -> bool: ...  # start folder's engine ahead; False when it cannot
+
+    def precompile(self, folder: Path) -> bool: ...  # queue folder's engine to be compiled ahead; False when it cannot
+
+    def finish_precompile(self) -> list[dict]: ...  # wait for the queued compiles, end their processes; one record each
 
     def close(self) -> None: ...  # end worker processes, free the model
 

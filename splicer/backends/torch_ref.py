@@ -40,6 +40,7 @@ class TorchBackend:
     exact_gather = True
     default_batch = 4
     overlap_starts = 0  # one model in this process at a time
+    precompile_slots = 0  # nothing is compiled: nothing to do ahead
 
     def __init__(self, device: str = "auto", dtype: str = "bfloat16", threads: int | None = None):
         self.device = _pick_device(device)
@@ -187,6 +188,12 @@ class TorchBackend:
 
     def prefetch(self, folder: Path) -> bool:
         return False
+
+    def precompile(self, folder: Path) -> bool:
+        return False
+
+    def finish_precompile(self) -> list[dict]:
+        return []
 
     def close(self) -> None:
         self.unload()

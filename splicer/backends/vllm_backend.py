@@ -23,7 +23,9 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing as mp
 import os
+import queue
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -42,8 +44,9 @@ __all__ = ["VllmBackend", "OVERLAP_DEFAULTS", "default_engine_args", "parse_engi
 class _Worker:
     """One child process that serves vLLM engines (see _worker), and the pipe to it."""
 
-    def __init__(self, backend: "VllmBackend"):
+    def __init__(self, backend: "VllmBackend", env: dict | None = None):
         self.backend = backend
+        self.env = env  # this worker's environment (None: the backend's)
         self._forget()
 
     def _forget(self, proc=None, conn=None) -> None:
@@ -64,7 +67,7 @@ class _Worker:
         parent, child = ctx.Pipe()
         # Not a daemon: with one_process=False vLLM starts its own engine-core process, which a daemon may not do.
         self.log = b._fresh_log("worker")
-        proc = ctx.Process(target=_worker, args=(child, b.env, str(self.log)))
+        proc = ctx.Process(target=_worker, args=(child, self.env or b.env, str(self.log)))
         proc.start()
         self._forget(proc, parent)
         b.worker_starts += 1
@@ -116,9 +119,10 @@ class _Worker:
             raise RuntimeError(f"vLLM: {payload}")
         return payload
 
-    def send_load(self, folder: Path, t0: float) -> None:
+    def send_load(self, folder: Path, t0: float, engine_args: dict | None = None) -> None:
         """Start building an engine for folder (in a new process if none runs); finish_load collects it."""
         b = self.backend
+        engine_args = b.engine_args if engine_args is None else engine_args
         worker_start_s = 0.0
         # vLLM's sleep mode allows one engine per process ("CuMem allocator can only be used for one instance per
         # process", vllm/v1/worker/gpu_worker.py): on the H200 stand-in a second engine in a worker failed whenever
@@ -129,13 +133,13 @@ class _Worker:
             self.spawn()
             worker_start_s = time.perf_counter() - t
         log_path = b._fresh_log(Path(folder).name)
-        self.conn.send(("load", str(folder), b.engine_args, str(log_path), b.sleep_between))
-        self.pending = (Path(folder), log_path, t0, worker_start_s)
+        self.conn.send(("load", str(folder), engine_args, str(log_path), b.sleep_between))
+        self.pending = (Path(folder), log_path, t0, worker_start_s, engine_args)
         self.engines_started += 1
 
     def finish_load(self) -> dict:
         """Wait for the pending load; returns the engine info (raises RuntimeError with the log's tail on failure)."""
-        folder, log_path, t0, worker_start_s = self.pending
+        folder, log_path, t0, worker_start_s, engine_args = self.pending
         b = self.backend
         try:
             worker_start_s += self.wait_started()
@@ -153,7 +157,7 @@ class _Worker:
         if payload.get("compile_time_s") is not None:
             breakdown.setdefault("compile_s", payload["compile_time_s"])
         return dict(payload, spawn_to_ready_s=time.perf_counter() - t0, worker_start_s=worker_start_s, log=str(log_path),
-                    startup_breakdown=breakdown, kernel_log_lines=sorted(set(lines)), engine_args=b.engine_args,
+                    startup_breakdown=breakdown, kernel_log_lines=sorted(set(lines)), engine_args=engine_args,
                     one_process=b.one_process, kernels_by_class=kernels_by_class(payload.get("layers") or {}, _arch_of(folder)))
 
     def unload(self) -> None:
@@ -190,7 +194,7 @@ class VllmBackend:
     def __init__(self, device: str = "auto", engine_args: dict | None = None, log_dir: Path | None = None,
                  start_timeout_s: float = 1800, require_cuda: bool = True, cache_dir: Path | None = None,
                  one_process: bool = True, overlap_starts: int = 0, sleep_between: bool | None = None,
-                 rewake_before_timing: bool = False):
+                 rewake_before_timing: bool = False, precompile: int = 0):
         if importlib.util.find_spec("vllm") is None:
             raise SplicerError("the vLLM backend needs vllm (pip install 'splicer[vllm]' on a GPU machine); use --backend torch here")
         if require_cuda and not torch.cuda.is_available():
@@ -200,6 +204,12 @@ class VllmBackend:
             raise SplicerError(f"--overlap-starts {overlap_starts}: give the number of engines to start ahead (1 or more)")
         if overlap_starts and not one_process:
             raise SplicerError("--overlap-starts needs one worker per engine slot; drop --process-per-variant")
+        precompile = int(precompile)
+        if precompile < 0:
+            raise SplicerError(f"--precompile {precompile}: give the number of processes that compile ahead (1 or more)")
+        if precompile and overlap_starts:
+            raise SplicerError("--precompile and --overlap-starts are two ways to start engines ahead: choose one "
+                               "(--precompile keeps every timed engine alone on the GPU)")
         defaults, self.env = default_engine_args()
         self.sleep_between = bool(overlap_starts) if sleep_between is None else bool(sleep_between)
         if rewake_before_timing and not self.sleep_between:
@@ -238,6 +248,20 @@ class VllmBackend:
         self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "vllm-logs"
         self.start_timeout_s = start_timeout_s
         self.workers = [_Worker(self) for _ in range(1 + overlap_starts)]
+        # --precompile N: N more workers that build each variant's engine once with dummy weights while the base pass
+        # runs, and end before any row is timed. Every engine then starts alone on the GPU and reads its compiled graphs
+        # from vLLM's cache (its key leaves out the load format and the KV cache size: vllm/config/load.py and
+        # cache.py compute_hash), instead of compiling them itself (26 s of a 70 s start on the H200 stand-in).
+        self.precompile_slots = precompile
+        lane_env = dict(self.env)
+        if precompile and "OMP_NUM_THREADS" not in os.environ:
+            lane_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (1 + precompile)))
+        self._lanes = [_Worker(self, lane_env) for _ in range(precompile)]
+        self._lane_threads: list = []
+        self._lane_queue = None
+        self._lane_seen: set[Path] = set()
+        self.precompiled: list[dict] = []  # one record per folder compiled ahead (or refused)
+        self._log_lock = threading.Lock()
         self.active: _Worker | None = None
         self.worker_starts = 0
         self.info: dict = {}
@@ -251,13 +275,14 @@ class VllmBackend:
 
     def _fresh_log(self, stem: str) -> Path:
         """DIR/stem.log, or stem-2.log, stem-3.log ... when a variant is loaded again or a run is resumed."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        path, i = self.log_dir / f"{stem}.log", 1
-        while path.exists():
-            i += 1
-            path = self.log_dir / f"{stem}-{i}.log"
-        path.write_text("")
-        return path
+        with self._log_lock:  # compiling lanes name their logs from their own threads
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            path, i = self.log_dir / f"{stem}.log", 1
+            while path.exists():
+                i += 1
+                path = self.log_dir / f"{stem}-{i}.log"
+            path.write_text("")
+            return path
 
     def _free_worker(self) -> _Worker | None:
         """A worker with no engine and nothing starting (None when every one is busy)."""
@@ -298,6 +323,54 @@ class VllmBackend:
         for w in self.workers:
             if w.pending is not None and w is not self.active:
                 self._settle(w)
+
+    def precompile(self, folder: Path) -> bool:
+        """Queue folder's engine to be built once with dummy weights in a compiling lane; False without lanes."""
+        folder = Path(folder)
+        if not self._lanes:
+            return False
+        if folder in self._lane_seen:
+            return True
+        if self._lane_queue is None:
+            self._lane_queue = queue.Queue()
+            self._lane_threads = [threading.Thread(target=self._lane_loop, args=(w,), daemon=True) for w in self._lanes]
+            for t in self._lane_threads:
+                t.start()
+        self._lane_seen.add(folder)
+        self._lane_queue.put(folder)
+        return True
+
+    def _lane_loop(self, w: _Worker) -> None:
+        # The engine is only built (Dynamo, Inductor, CUDA graph capture, Triton autotuning), never served: dummy
+        # weights skip the 25 s weight load, and the fixed KV cache lets it start beside the base pass's engine.
+        args = {**self.engine_args, **OVERLAP_DEFAULTS, "load_format": "dummy"}
+        while (folder := self._lane_queue.get()) is not None:
+            t0 = time.perf_counter()
+            try:
+                w.send_load(folder, t0, args)
+                info = w.finish_load()
+                w.unload()
+                rec = {"folder": str(folder), "startup_s": round(info["spawn_to_ready_s"], 1),
+                       "compile_s": info["startup_breakdown"].get("compile_s"), "log": info["log"], "error": None}
+            except Exception as e:  # a variant that cannot compile ahead compiles at its own start, as without lanes
+                w.stop()
+                rec = {"folder": str(folder), "startup_s": round(time.perf_counter() - t0, 1), "error": str(e)[:500]}
+            self.precompiled.append(rec)
+        w.stop()
+
+    def finish_precompile(self) -> list[dict]:
+        """Wait for every queued folder to be compiled and end the lanes' processes: from here on, one engine at a time."""
+        if self._lane_queue is not None:
+            for _ in self._lane_threads:
+                self._lane_queue.put(None)
+            for t in self._lane_threads:
+                t.join()
+            self._lane_queue, self._lane_threads = None, []
+        return list(self.precompiled)
+
+    def _sharing_gpu(self) -> bool:
+        """Engines are compiling in the lanes right now."""
+        return bool(self._lane_threads)
 
     def _fixed_kv_cache(self) -> bool:
         return bool(self.engine_args.get("kv_cache_memory_bytes"))
@@ -355,7 +428,9 @@ class VllmBackend:
         self.info["retried_in_fresh_worker"] = str(first)[:500]
 
     def _load_on(self, worker: _Worker, folder: Path, t0: float) -> dict:
-        worker.send_load(folder, t0)
+        # Beside compiling lanes (the base pass) an engine gets a fixed KV cache: vLLM's memory profiling assumes no
+        # other process changes the GPU's memory meanwhile. Such an engine is never timed (time_decode refuses).
+        worker.send_load(folder, t0, {**self.engine_args, **OVERLAP_DEFAULTS} if self._sharing_gpu() else None)
         info = worker.finish_load()
         self.active = worker
         return info
@@ -372,6 +447,8 @@ class VllmBackend:
         return self._call("generate", prompts, max_new_tokens, list(stop_ids))
 
     def time_decode(self, prompt, new_tokens, warmup, runs):
+        if self._sharing_gpu():
+            raise RuntimeError("decode timed while engines compile ahead: call finish_precompile() first")
         self.wait_prefetch()  # decode is timed with no other engine starting on the GPU (started ones are asleep)
         cycle = {}
         if self.rewake_before_timing:
@@ -402,6 +479,20 @@ class VllmBackend:
 
     def close(self) -> None:
         self.active = None
+        if self._lane_queue is not None:  # interrupted while compiling ahead: drop what is queued, end the lanes now
+            try:
+                while True:
+                    self._lane_queue.get_nowait()
+            except queue.Empty:
+                pass
+            for _ in self._lane_threads:
+                self._lane_queue.put(None)
+            for w in self._lanes:  # a lane waiting for its engine sees the pipe close, records it, and ends
+                if w.proc is not None and w.proc.is_alive():
+                    w.proc.kill()
+            for t in self._lane_threads:
+                t.join(30)
+            self._lane_queue, self._lane_threads = None, []
         for w in self.workers:
             w.stop()
 
@@ -416,5 +507,5 @@ class VllmBackend:
                 "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "engine_args": self.engine_args,
                 "env": {k: v for k, v in self.env.items()}, "python": sys.version.split()[0], "one_process": self.one_process,
                 "overlap_starts": self.overlap_starts, "worker_starts": self.worker_starts, "timing_state": self.timing_state,
-                "rewake_before_timing": self.rewake_before_timing,
+                "rewake_before_timing": self.rewake_before_timing, "precompile": self.precompile_slots,
                 "engine_cache_dir": str(self.cache_dir) if self.cache_dir is not None else "per-user defaults"}

@@ -20,6 +20,10 @@ __version__ = "0.0.0-fake"
 # in five. Only generation pays it: scoring asks for one token.
 DECODE_STEP_S = 0.05
 _SLEEP_MODE_ENGINES = 0  # engines built in this process with sleep mode on
+COMPILE_S = 0.2  # what a compile costs here when the cache has no entry for the engine
+# Engine arguments vLLM's compile-cache key leaves out (vllm/config/load.py and cache.py compute_hash).
+_NOT_IN_COMPILE_KEY = {"load_format", "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
+                       "disable_log_stats", "max_logprobs"}
 
 
 @dataclass
@@ -83,13 +87,24 @@ class LLM:
             # this stand-in takes as always.
             assert _SLEEP_MODE_ENGINES == 0, "CuMem allocator can only be used for one instance per process."
             _SLEEP_MODE_ENGINES += 1
+        from types import SimpleNamespace
+
         from splicer.backends.torch_ref import TorchBackend
 
-        self._ref = TorchBackend("cpu")
-        self._ref.load(model)
+        self._ref = None
+        if kwargs.get("load_format") != "dummy":  # dummy weights: built, never served
+            self._ref = TorchBackend("cpu")
+            self._ref.load(model)
         self.kwargs = kwargs
+        compiled = _compile(model, kwargs)
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(compilation_time=compiled)))
         self.sleeping = False
         self.sleeps = self.wakes = 0
+
+    def _served(self):
+        if self._ref is None:
+            raise RuntimeError("an engine with dummy weights was asked to serve (fake)")
+        return self._ref
 
     def sleep(self, level: int = 1):
         if not self.kwargs.get("enable_sleep_mode"):
@@ -100,7 +115,7 @@ class LLM:
         self.sleeping, self.wakes = False, self.wakes + 1
 
     def apply_model(self, fn):
-        return [fn(self._ref.model)]
+        return [fn(self._ref.model if self._ref is not None else torch.nn.Module())]
 
     def collective_rpc(self, fn):
         return [fn(object())]  # no worker with a drafter here
@@ -111,6 +126,7 @@ class LLM:
     def generate(self, prompts, params, use_tqdm=True):
         if self.sleeping:  # a real engine asleep has no weights on the GPU: serving it would be a bug in the caller
             raise RuntimeError("generate() on a sleeping engine (fake)")
+        self._served()
         out = []
         for p in prompts:
             ids = p["prompt_token_ids"]
@@ -149,3 +165,24 @@ class LLM:
                 stats = RequestStateStats(len(gen), first, time.monotonic())
             out.append(RequestOutput(plp, [_Completion(gen)], stats))
         return out
+
+
+def _compile(model: str, kwargs: dict) -> float:
+    """vLLM's compile cache, reduced to its key: the model folder and the arguments that shape the graph. A miss costs
+    COMPILE_S and writes the entry (under VLLM_CACHE_ROOT, where the backend puts it with an engine cache folder;
+    without one nothing is compiled, so that the other tests' engines start at once); returns the compile time."""
+    import hashlib
+    import json
+
+    root = os.environ.get("VLLM_CACHE_ROOT")
+    if not root:
+        return 0.0
+    key = {k: v for k, v in kwargs.items() if k not in _NOT_IN_COMPILE_KEY}
+    digest = hashlib.sha256(json.dumps([model, key], sort_keys=True, default=str).encode()).hexdigest()[:16]
+    entry = os.path.join(root, "fake-compile", digest)
+    if os.path.exists(entry):
+        return 0.0
+    time.sleep(COMPILE_S)
+    os.makedirs(os.path.dirname(entry), exist_ok=True)
+    open(entry, "w").close()
+    return COMPILE_S
