@@ -140,6 +140,11 @@ def write_family_base(out: Path, family: str, seed: int = 0) -> Path:
     spec = FAMILY_FIXTURES[family]
     cfg = _hf_config(spec)
     config = cfg.to_dict()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    # As a released checkpoint names it: without `architectures` vLLM 0.26 resolved the qwen3 and qwen3_moe fixtures
+    # to their bare Qwen3Model / Qwen3MoeModel and served them as embedding models (results/gpu-families).
+    config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[spec.model_type]]
     config["dtype"] = "bfloat16"
     config["eos_token_id"] = 2  # <|im_end|> of the demo tokenizer
     arch = get_architecture(config)

@@ -51,6 +51,10 @@ def test_the_fixture_has_the_families_real_names_and_a_clean_lint(family_pairs, 
     arch = get_architecture(config)
     info = inspect_checkpoint(build)
     assert info["model_type"] == FAMILY_FIXTURES[family].model_type
+    # Named as a release names it: without it vLLM served the qwen3 fixtures as embedding models (results/gpu-families).
+    for folder in (build, family_pairs[family]["base"]):
+        arch_names = json.loads((folder / "config.json").read_text())["architectures"]
+        assert len(arch_names) == 1 and arch_names[0].endswith("ForCausalLM"), arch_names
     quantized = {c for c, row in info["classes"].items() if row["quantized"]}
     assert quantized == set(arch.classes) - set(FAMILY_FIXTURES[family].absent_classes)
     assert not info["lint"]["issues"], info["lint"]["issues"]
