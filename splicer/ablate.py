@@ -361,7 +361,7 @@ def make_job(plan: Plan, corpora: list[Corpus], build_src: str, build, base_src:
 
 
 def new_results(job: dict, plan: Plan, corpora: list[Corpus], cache: Path, quantized: list[str], frozen: list[str],
-                skipped: list[dict], settings: AblateSettings, earlier_runs: list[dict]) -> dict:
+                skipped: list[dict], settings: AblateSettings, earlier_runs: list[dict], started: str) -> dict:
     """results.json as a run starts: the base pass (read from its cache), the corpora, the rows skipped, and one entry
     per invocation that worked on this job (a resumed job has several), the rows still to come."""
     return {
@@ -377,7 +377,7 @@ def new_results(job: dict, plan: Plan, corpora: list[Corpus], cache: Path, quant
         "bandwidth_bytes_per_s": settings.bandwidth_gbs * 1e9 if settings.bandwidth_gbs else None,
         "variants": [], "skipped": skipped,
         "runs": [*earlier_runs,
-                 {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows_run": [], "finished": False,
+                 {"started": started, "rows_run": [], "finished": False,
                   "host": host_info(),
                   "command": " ".join(shlex.quote(a) for a in ["splicer", *sys.argv[1:]]) if _from_cli() else None}],
     }
@@ -437,6 +437,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         same_job = previous is not None and previous.get("job") == job
         _atomic_json(out / "job.json", job)
         t_start = time.perf_counter()
+        # When this invocation began (before its splices and base pass), as its elapsed_s counts from then.
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         done = {v["name"]: v for v in (previous or {}).get("variants", []) if same_job and v.get("status") == "ok"}
         family = build.config.get("model_type") or build.arch.name
         planned, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen)
@@ -509,7 +511,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         with settings.stages.stage("base pass"):
             corpora = base_pass(backend, base_root, plan, settings, cache, tok, corpora, base.arch.chat_stop_tokens)
         results = new_results(job, plan, corpora, cache, quantized, frozen, skipped, settings,
-                              (previous or {}).get("runs", []) if same_job else [])
+                              (previous or {}).get("runs", []) if same_job else [], started)
         if backend.precompile_slots:
             with settings.stages.stage("compiling ahead: waiting for the last engines to compile"):
                 results["runs"][-1]["precompiled"] = backend.finish_precompile()

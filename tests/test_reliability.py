@@ -232,3 +232,25 @@ def test_rerun_after_a_kill_resumes_from_finished_shards(pairs, tmp_path, refere
     written.clear()
     record = splice(str(p["lowlatency"]), str(p["base"]), tmp_path / "o2", "gdn,lm_head", progress=False)
     assert record["shards"]["resumed"] == 0 and _same(tmp_path / "o2", reference)
+
+
+def test_a_run_record_starts_when_the_invocation_began_not_when_its_base_pass_ended(pairs, plan_file, tmp_path, monkeypatch):
+    import time
+    from datetime import datetime
+
+    import splicer.ablate
+
+    orig = splicer.ablate.base_pass
+
+    def slow_base_pass(*a, **k):
+        time.sleep(3)  # a base pass that takes a while, as on a GPU from cold (run 9's: 237 s)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(splicer.ablate, "base_pass", slow_base_pass)
+    p = pairs["fused"]
+    out = tmp_path / "run"
+    t0 = time.time()
+    res = run_ablate("build", str(p["lowlatency"]), str(p["base"]), out, str(plan_file),
+                     AblateSettings(device="cpu", progress=False, bootstrap=20, time_decode=False))
+    started = datetime.strptime(res["runs"][-1]["started"] + "+0000", "%Y-%m-%dT%H:%M:%SZ%z").timestamp()
+    assert started <= t0 + 1.5  # at the start (whole seconds), not 3 s later after the base pass
