@@ -23,7 +23,7 @@ for fam in $FAMILIES; do
   pkill -9 -f "multiprocessing.spawn" 2>/dev/null
 done
 { echo "command: FAMILIES=\"$FAMILIES\" bash scripts/gpu/families.sh (per family: splicer fixture DIR --family F; splicer ablate all DIR/int4 DIR/base -o RUN --plan gpu-families --backend vllm --no-time -q --engine-arg enforce_eager=true --gpu-memory-utilization 0.3)"
-  echo "wall $(( $(date +%s) - t0 )) s"; date -u
+  echo "BUDGET_S $BUDGET_S, wall $(( $(date +%s) - t0 )) s"; date -u
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import vllm, torch, transformers, compressed_tensors as ct; print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| compressed-tensors', ct.__version__)"
   cat "$WORK/families.txt"
