@@ -37,6 +37,7 @@ class FamilyFixture:
     experts_on_disk: str = "per_expert"  # per_expert (as released) | fused (transformers' in-memory 3-D layout)
     builds: tuple[str, ...] = ("int4",)
     absent_classes: tuple[str, ...] = ()  # classes of the family this fixture has no modules of
+    mtp_layer: bool = False  # add an MTP layer as DeepSeek-V3 and GLM-4.5 store it (transformers' model has none)
     notes: str = ""
 
 
@@ -69,8 +70,9 @@ FAMILY_FIXTURES = {
              qk_nope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
              n_group=1, topk_group=1),
         builds=("int4", "experts-g32"),
+        mtp_layer=True,
         notes="DeepSeek-V3's layout at toy size: MLA (q_lora_rank set; kv_lora_rank 512 and a 64-dim rope part as in the released model, so vLLM's MLA kernels see its head size), layer 0 dense, then routed + shared experts; "
-              "no MTP layer (transformers' model has none)",
+              "an MTP layer as model.layers.{num_hidden_layers} (added by the fixture: transformers' model has none)",
     ),
     "glm4_moe": FamilyFixture(
         "glm4_moe",
@@ -78,7 +80,9 @@ FAMILY_FIXTURES = {
              num_experts_per_tok=2, n_group=1, topk_group=1, attention_bias=True, use_qk_norm=True,
              partial_rotary_factor=0.5),
         builds=("int4", "experts-g32"),
-        notes="GLM-4.5's layout at toy size: q/k/v biases, qk norms, layer 0 dense, routed + shared experts; no MTP layer",
+        mtp_layer=True,
+        notes="GLM-4.5's layout at toy size: q/k/v biases, qk norms, layer 0 dense, routed + shared experts; an MTP layer "
+              "as model.layers.{num_hidden_layers} (added by the fixture: transformers' model has none)",
     ),
     **{t: FamilyFixture(t, _TINY_DENSE) for t in ("llama", "mistral", "qwen3")},
 }
@@ -109,6 +113,21 @@ def base_shapes(spec: FamilyFixture, arch: Architecture, state: dict[str, torch.
                 del shapes[name]
                 shapes.update(split)
     return dict(sorted(shapes.items()))
+
+
+def with_mtp_layer(shapes: dict[str, tuple[int, ...]], config: dict) -> dict[str, tuple[int, ...]]:
+    """The shapes plus an MTP layer as DeepSeek-V3 and GLM-4.5 ship it: model.layers.{N} (N = num_hidden_layers) holds
+    a copy of the last decoder layer's modules and the MTP block's own: embed_tokens, enorm, hnorm, eh_proj (the
+    embedding and the hidden state, concatenated, projected back to the hidden size), shared_head.{norm,head}
+    (families-facts §4, §5)."""
+    n, h, v = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    out = dict(shapes)
+    out.update({mtp + k[len(last):]: s for k, s in shapes.items() if k.startswith(last)})
+    out.update({mtp + "embed_tokens.weight": (v, h), mtp + "enorm.weight": (h,), mtp + "hnorm.weight": (h,),
+                mtp + "eh_proj.weight": (h, 2 * h), mtp + "shared_head.norm.weight": (h,),
+                mtp + "shared_head.head.weight": (v, h)})
+    return dict(sorted(out.items()))
 
 
 def _init(name: str, shape, gen: torch.Generator, arch: Architecture, default: torch.Tensor | None) -> torch.Tensor:
@@ -151,7 +170,11 @@ def write_family_base(out: Path, family: str, seed: int = 0) -> Path:
     gen = torch.Generator().manual_seed(seed)
     state = _model_state(spec)
     by_shard: dict[str, dict[str, torch.Tensor]] = {}
-    for name, shape in base_shapes(spec, arch, state).items():
+    shapes = base_shapes(spec, arch, state)
+    if spec.mtp_layer:
+        shapes = with_mtp_layer(shapes, config)
+        config["num_nextn_predict_layers"] = 1
+    for name, shape in shapes.items():
         by_shard.setdefault(_shard_key(name, arch), {})[name] = _init(name, shape, gen, arch, state.get(name))
     out = Path(out)
     _write_sharded(out, by_shard, config)
@@ -172,7 +195,12 @@ def _build_plan(arch: Architecture, kind: str) -> tuple[dict, callable, list[str
             cls = arch.module_class(module)
             if cls == "lm_head":
                 return (8, 128)
-            return (4, 128) if cls in arch.classes else None
+            if arch.is_mtp(module):
+                # The MTP layer is quantized as the decoder layer it copies (its router stays BF16); the MTP block's own
+                # eh_proj (never quantized in vLLM) and head stay BF16.
+                li = arch.layer_index(module)
+                cls = arch.module_class(module.replace(f".{li}.", f".{li - 1}.", 1))
+            return (4, 128) if cls in arch.classes and cls not in ("mtp", "lm_head") else None
         return _quant_config(groups, []), pick, ["Linear"]
     if kind == "experts-g32":
         if arch.expert_pattern == r"(?!)":
@@ -206,7 +234,7 @@ def write_family_build(base: Path, out: Path, kind: str = "int4") -> Path:
                     key = _shard_key(tname, arch) + ("-experts" if arch.expert_parts(module) else "")
                     dest = by_shard.setdefault(key, {})
                     if choice is None:
-                        if linear and class_targets and arch.module_class(module) == "other":
+                        if linear and class_targets and (arch.module_class(module) == "other" or arch.is_mtp(module)):
                             ignore.add("re:.*" + re.escape(re.sub(r"^.*?\.layers\.\d+\.", "", module)) + "$")
                         dest[tname] = tensor.contiguous()
                         continue

@@ -202,3 +202,42 @@ def test_the_demo_plan_on_a_dense_family_runs_its_classes_and_skips_the_rest(fam
     assert {s["name"]: s["reason"] for s in results["skipped"]}["gdn"] == "llama has no class gdn"
     assert all(m["kl"] == 0 for m in ok["all"]["metrics"].values())  # every class restored: exactly the base
     assert all(m["kl"] > 0.05 for m in ok["build"]["metrics"].values())
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if FAMILY_FIXTURES[f].mtp_layer])
+def test_the_mtp_decoder_layer_is_its_own_class_and_restores_apart(family_pairs, family, tmp_path):
+    """DeepSeek-V3 and GLM-4.5 store their MTP head as decoder layer num_hidden_layers: class mtp, not read by a decode
+    step, untouched by a restore of attention, restored alone by --restore mtp; vLLM's drafter names its head ...head."""
+    from safetensors import safe_open
+
+    p = family_pairs[family]
+    config = json.loads((p["int4"] / "config.json").read_text())
+    arch = get_architecture(config)
+    n = config["num_hidden_layers"]
+    mtp = f"model.layers.{n}."
+    assert arch.mtp_prefix == mtp and arch.module_class(mtp + "self_attn.o_proj") == "mtp"
+    assert arch.module_class(f"model.layers.{n - 1}.self_attn.o_proj") == "attention"
+    assert arch.vllm_layer(mtp + "shared_head.head").name == mtp + "head"
+    assert arch.vllm_layer(mtp + "eh_proj").kind == "unquantized"
+    info = inspect_checkpoint(p["int4"])
+    assert info["classes"]["mtp"]["quantized"] and info["classes"]["mtp"]["bytes_per_decode_step"] == 0
+
+    def packed(folder):
+        index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        return {k.rsplit(".", 1)[0] for k in index if k.endswith(".weight_packed")}
+
+    before = packed(p["int4"])
+    attention = tmp_path / "attention"
+    splice(str(p["int4"]), str(p["base"]), attention, "attention", progress=False)
+    gone = before - packed(attention)
+    assert gone and not any(m.startswith(mtp) for m in gone)  # the MTP layer's attention stays as built
+    only_mtp = tmp_path / "mtp"
+    splice(str(p["int4"]), str(p["base"]), only_mtp, "mtp", progress=False)
+    gone = before - packed(only_mtp)
+    assert gone and all(m.startswith(mtp) for m in gone)
+    assert not inspect_checkpoint(only_mtp)["lint"]["issues"]
+    index = json.loads((only_mtp / "model.safetensors.index.json").read_text())["weight_map"]
+    name = mtp + "self_attn.o_proj.weight"
+    with safe_open(str(only_mtp / index[name]), "pt") as a, safe_open(str(p["base"] / json.loads(
+            (p["base"] / "model.safetensors.index.json").read_text())["weight_map"][name]), "pt") as b:
+        assert torch.equal(a.get_tensor(name), b.get_tensor(name))  # the base's BF16 tensor, byte for byte

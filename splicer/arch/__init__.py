@@ -6,6 +6,7 @@ this package hard-codes a tensor or module name.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -83,6 +84,13 @@ class Architecture:
     decoder_roots: tuple[tuple[str, str], ...] = ()
     lm_head_names: tuple[str, ...] = ("lm_head",)  # the head's HF module name, then any vLLM layer name for it
     mtp_prefix: str | None = None  # tensors of a separately stored MTP head ("mtp."), None when the family has none
+    # Families that store their MTP head as one more decoder layer (DeepSeek-V3, GLM-4.5: model.layers.{N}.*): the text
+    # config key holding N. get_architecture binds the table to a checkpoint's config, which sets mtp_prefix to that
+    # layer and puts its modules in class mtp. (One MTP layer: the released models have num_nextn_predict_layers = 1.)
+    mtp_layer_key: str | None = None
+    # The MTP layer's head as the checkpoint names it and as vLLM does (DeepSeek's and GLM's drafters build
+    # shared_head.head under the prefix ...head), relative to mtp_prefix.
+    mtp_head_names: tuple[str, str] | None = None
     non_text_prefixes: tuple[str, ...] = ()  # modules outside the text model (a vision tower): no decode reads them
     # The torch backend builds transformers' causal LM for the (text) config through its Auto classes (the text
     # config nested under `text_config_key` when the checkpoint is multimodal); these are the checkpoint tensors it
@@ -105,6 +113,17 @@ class Architecture:
     experts_per_token_keys: tuple[str, ...] = ("num_experts_per_tok",)
     source: str = ""  # where the names were read (files of transformers and vLLM)
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def bind(self, config: dict) -> "Architecture":
+        """The table for one checkpoint: with mtp_layer_key, its MTP decoder layer is the mtp class (see the field)."""
+        if self.mtp_layer_key is None:
+            return self
+        text = config.get(self.text_config_key) or config if self.text_config_key else config
+        n = text.get(self.mtp_layer_key)
+        if not isinstance(n, int) or not self.decoder_roots:
+            return self
+        prefix = f"{self.decoder_roots[0][0]}.{n}."
+        return dataclasses.replace(self, mtp_prefix=prefix, class_patterns=(("mtp", re.escape(prefix) + ".+"),) + self.class_patterns)
 
     def _re(self, pattern: str) -> re.Pattern:
         c = self._compiled.get(pattern)
@@ -223,6 +242,9 @@ class Architecture:
             return VllmLayer(vname, "embedding", vname, ("VocabParallelEmbedding",), drafter)
         if module == self.lm_head_names[0]:
             return VllmLayer(vname, "lm_head", vname, ("ParallelLMHead",), drafter)
+        if drafter and self.mtp_head_names and module == self.mtp_prefix + self.mtp_head_names[0]:
+            vhead = self.mtp_prefix + self.mtp_head_names[1]
+            return VllmLayer(vhead, "lm_head", vhead, ("ParallelLMHead",), drafter)
         parts = self.expert_parts(module)
         if parts:
             prefix, _, proj = parts
@@ -268,7 +290,7 @@ def get_architecture(config: dict) -> Architecture:
     model_type = config.get("model_type")
     for arch in families():
         if model_type in arch.model_types:
-            return arch
+            return arch.bind(config)
     known = ", ".join(t for a in families() for t in a.model_types)
     raise SplicerError(
         f"model_type {model_type!r} is not supported (supported: {known}); "

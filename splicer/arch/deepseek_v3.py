@@ -11,15 +11,19 @@ On disk: model.layers.{i}.self_attn.{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_w
 model.layers.{i}.mlp.{gate,up,down}_proj for i < first_k_dense_replace (class mlp), then mlp.experts.{e}.*,
 mlp.shared_experts.{gate,up,down}_proj (class shared_expert), mlp.gate; model.embed_tokens, model.norm, lm_head.
 
-Not covered: the MTP layer, which DeepSeek stores as one more decoder layer (model.layers.{num_hidden_layers}.*,
-with enorm, hnorm, eh_proj, shared_head): the class patterns read its modules as those of an ordinary layer, and
-transformers' model has no such layer, so the fixture has none. Kimi-K2 (`kimi_k2`) shares the layout in vLLM but
+The MTP layer, stored as one more decoder layer (model.layers.{num_hidden_layers}.*: a copy of a MoE decoder layer
+plus embed_tokens, enorm, hnorm, eh_proj and shared_head.{norm,head}), is class mtp: get_architecture binds the table
+to the checkpoint's num_hidden_layers (mtp_layer_key). vLLM's drafter (deepseek_mtp.py, read, not run) shares the
+target's quant_config and packed mapping, keeps the checkpoint's names for the layer's modules, never quantizes
+eh_proj, and names the head model.layers.{N}.head. Restoring mtp is checked on CPU only (tests/test_families.py);
+vLLM has not loaded such a splice with speculative decoding. Kimi-K2 (`kimi_k2`) shares the layout in vLLM but
 transformers has no config class for it here.
 """
 
 from . import MLP_GATE_UP, Architecture, fused_group, model_layers_layout
 
 _DEC = r"model\.layers\.\d+\."
+MAIN_PACKED = {"gate_up_proj": ("gate_proj", "up_proj"), "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
 
 DEEPSEEK_V3 = Architecture(
     name="deepseek_v3",
@@ -31,17 +35,20 @@ DEEPSEEK_V3 = Architecture(
         ("attention", _DEC + r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"),
         ("mlp", _DEC + r"mlp\.(gate|up|down)_proj"),
     ),
-    classes=("attention", "mlp", "shared_expert", "lm_head", "experts"),
+    classes=("attention", "mlp", "shared_expert", "lm_head", "experts", "mtp"),
     fused_shards={
         **fused_group("self_attn.fused_qkv_a_proj", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")),
         **MLP_GATE_UP,
         **fused_group("shared_experts.gate_up_proj", ("shared_experts.gate_proj", "shared_experts.up_proj")),
     },
-    vllm_packed_modules={"gate_up_proj": ("gate_proj", "up_proj"), "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")},
-    vllm_mtp_packed_modules={},
+    vllm_packed_modules=MAIN_PACKED,
+    vllm_mtp_packed_modules=MAIN_PACKED,  # the drafter shares the target's quant_config object (families §D)
     vllm_prefix_map=(),
-    vllm_never_quantized=r"model\.layers\.\d+\.mlp\.gate",
-    **model_layers_layout(),
+    # The router, and the MTP layer's eh_proj (a plain nn.Linear in the drafter).
+    vllm_never_quantized=r"model\.layers\.\d+\.(mlp\.gate|eh_proj)",
+    **dict(model_layers_layout(), embedding_pattern=r"model\.(layers\.\d+\.)?embed_tokens"),  # the MTP layer has its own
+    mtp_layer_key="num_hidden_layers",
+    mtp_head_names=("shared_head.head", "head"),
     chat_stop_tokens=("<｜end▁of▁sentence｜>", "<|im_end|>"),  # DeepSeek's end of turn; Kimi-K2's
     vllm_kernel_classes=(
         ("lm_head", r"lm_head$"),

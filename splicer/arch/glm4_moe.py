@@ -9,13 +9,15 @@ On disk: model.layers.{i}.self_attn.{q,k,v}_proj (+ .bias when attention_bias), 
 model.layers.{i}.mlp.{gate,up,down}_proj for i < first_k_dense_replace (class mlp), then mlp.experts.{e}.*,
 mlp.shared_experts.{gate,up,down}_proj (class shared_expert), mlp.gate (+ e_score_correction_bias).
 
-Not covered: the MTP layer stored as decoder layer num_hidden_layers (transformers drops it on load; its modules would
-be read as an ordinary layer's), as for deepseek_v3.
+The MTP layer (model.layers.{num_hidden_layers}.*, which transformers drops on load) is class mtp, as for
+deepseek_v3: same binding, eh_proj never quantized, the drafter's head named model.layers.{N}.head (glm4_moe_mtp.py,
+read, not run); checked on CPU only.
 """
 
 from . import ATTENTION_QKV, MLP_GATE_UP, Architecture, fused_group, model_layers_layout
 
 _DEC = r"model\.layers\.\d+\."
+MAIN_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 GLM4_MOE = Architecture(
     name="glm4_moe",
@@ -27,14 +29,17 @@ GLM4_MOE = Architecture(
         ("attention", _DEC + r"self_attn\.(q|k|v|o)_proj"),
         ("mlp", _DEC + r"mlp\.(gate|up|down)_proj"),
     ),
-    classes=("attention", "mlp", "shared_expert", "lm_head", "experts"),
+    classes=("attention", "mlp", "shared_expert", "lm_head", "experts", "mtp"),
     fused_shards={**ATTENTION_QKV, **MLP_GATE_UP,
                   **fused_group("shared_experts.gate_up_proj", ("shared_experts.gate_proj", "shared_experts.up_proj"))},
-    vllm_packed_modules={"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
-    vllm_mtp_packed_modules={},
+    vllm_packed_modules=MAIN_PACKED,
+    vllm_mtp_packed_modules=MAIN_PACKED,  # the drafter shares the target's quant_config object (families §D)
     vllm_prefix_map=(),
-    vllm_never_quantized=r"model\.layers\.\d+\.mlp\.gate",
-    **model_layers_layout(),
+    # The router, and the MTP layer's eh_proj (a plain nn.Linear in the drafter).
+    vllm_never_quantized=r"model\.layers\.\d+\.(mlp\.gate|eh_proj)",
+    **dict(model_layers_layout(), embedding_pattern=r"model\.(layers\.\d+\.)?embed_tokens"),  # the MTP layer has its own
+    mtp_layer_key="num_hidden_layers",
+    mtp_head_names=("shared_head.head", "head"),
     # GLM-4.5 ends a turn with these (its generation_config lists them as eos; recalled, not checked against a download)
     chat_stop_tokens=("<|user|>", "<|observation|>", "<|endoftext|>"),
     vllm_kernel_classes=(
