@@ -383,9 +383,153 @@ def new_results(job: dict, plan: Plan, corpora: list[Corpus], cache: Path, quant
     }
 
 
+def select_rows(plan: Plan, rows_spec: str, quantized: list[str]) -> set[str]:
+    """The plan's rows `ablate ROWS` asks for ("all" or a comma list); the build and its repeats always come along."""
+    names = {r.name for r in plan.rows}
+    if rows_spec == "all":
+        return names
+    wanted = [r.strip() for r in rows_spec.split(",") if r.strip()]
+    bad = [w for w in wanted if w not in names]
+    if bad or not wanted:
+        raise SplicerError(f"row {bad[0] if bad else '(none)'!r} is not in plan {plan.name}; its rows: {', '.join(r.name for r in plan.rows)}")
+    # The build row is every other row's reference, and its repeats (more engines of it) set the decode intervals.
+    return {"build", *wanted, *(r.name for r in plan.rows if r.repeat and r.restored(quantized) == [])}
+
+
+class RowSchedule:
+    """The folder each row runs on (the base, the build, or a splice made at the row's turn or ahead of it) and the
+    engines the backend starts or compiles ahead of their turn.
+
+    Serially each row is spliced at its turn. With --overlap-starts N every row is spliced at the start and the next N
+    rows' engines are started while the current one scores, as a group: a new group starts only once every started
+    engine has been timed, because decode is timed with no engine starting and a row timed behind a fresh start would
+    wait for it. With --precompile every row is spliced at the start and its engine compiled while the base pass runs.
+    """
+
+    def __init__(self, run_list: list[tuple], backend, build, build_src: str, base_root: Path, base_src: str, out: Path,
+                 settings: AblateSettings):
+        self.run_list, self.backend, self.settings = run_list, backend, settings
+        self.build, self.build_src, self.base_root, self.base_src, self.out = build, build_src, base_root, base_src, out
+        self.prepared: dict[str, tuple[Path, float]] = {}  # row -> (folder, seconds its splice took), made ahead
+        self.started_ahead: set[int] = set()
+        self.ahead = backend.overlap_starts  # engines the backend can start ahead (vLLM with --overlap-starts)
+
+    def folder(self, row, restored, splice_name) -> tuple[Path, float]:
+        """The row's folder and the seconds its splice took now (0 when made ahead or not needed)."""
+        if row.name in self.prepared:
+            return self.prepared.pop(row.name)
+        from .splice import splice
+
+        t0 = time.perf_counter()
+        if restored is None:
+            folder = self.base_root
+        elif not restored:
+            folder = self.build.root
+        else:
+            folder = self.out / "variants" / splice_name
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            if not _splice_is_current(folder, self.build, restored):
+                with self.settings.stages.stage(f"{row.name}: splice {','.join(restored)}"):
+                    splice(str(self.build_src), str(self.base_src), folder, ",".join(restored), force=True, progress=False,
+                           allow_quantized_base=self.settings.allow_quantized_base)
+        return folder, time.perf_counter() - t0
+
+    def prepare(self, item) -> bool:
+        """Splice a row ahead of its turn (kept in prepared); False if refused: the row records that at its turn."""
+        try:
+            self.prepared[item[0].name] = self.folder(*item)
+            return True
+        except SplicerError:
+            return False
+
+    def index(self, name: str) -> int:
+        return next(k for k, r in enumerate(self.run_list) if r[0].name == name)
+
+    def start_ahead(self, i: int) -> None:
+        """Row i is loaded and timed: start the next group of engines unless one is already waiting its turn."""
+        if not self.ahead or any(j > i for j in self.started_ahead):
+            return
+        for j in range(i + 1, min(i + 1 + self.ahead, len(self.run_list))):
+            if not self.prepare(self.run_list[j]):
+                continue
+            if not self.backend.prefetch(self.prepared[self.run_list[j][0].name][0]):
+                break
+            self.started_ahead.add(j)
+
+    def before_base_pass(self, base_pending: bool) -> None:
+        """What starts before the base pass: with overlapped starts the base's engine and the first group's, then the
+        other splices; with compiling ahead the splices and every row's compile."""
+        if self.ahead:
+            # The base's engine and the first group's start together. The first engine on a machine is the slowest
+            # (Triton autotuning of the GDN kernels, 143 s on the H200 stand-in), and the group's engines autotune
+            # in their own processes meanwhile instead of waiting for it: the cold run's largest serial cost.
+            if base_pending:
+                self.backend.prefetch(self.base_root)
+            self.start_ahead(-1)
+            # The later rows' splices too, while those engines start: done later, a group's splices would delay its starts.
+            for item in self.run_list:
+                if item[0].name not in self.prepared:
+                    self.prepare(item)
+        if self.backend.precompile_slots:
+            # Every row's engine is compiled ahead while the base pass runs (which is never timed, so engines may share
+            # the GPU then); the lanes end before the first row starts, so each row's engine still starts, scores and
+            # is timed alone, and only reads its compiled graphs from the engine's cache.
+            for item in self.run_list:
+                if self.prepare(item) and self.prepared[item[0].name][0] != self.base_root:
+                    self.backend.precompile(self.prepared[item[0].name][0])
+
+
+def run_row(row, restored, splice_name, schedule: RowSchedule, backend, cache: Path, corpora: list[Corpus], plan: Plan,
+            settings: AblateSettings, out: Path) -> dict:
+    """One row: its folder, sizes, scores against the base pass and decode timing, as its results.json entry (status
+    "error" with the reason when any step fails: one variant's failure must not end the plan)."""
+    entry = {"name": row.name, "restored": restored if restored is not None else "base",
+             **({"repeat_of": splice_name} if splice_name != row.name else {}),
+             "status": "running", "elapsed": {}}
+    try:
+        folder, entry["elapsed"]["splice_s"] = schedule.folder(row, restored, splice_name)
+        entry["size_bytes"] = _folder_bytes(folder)
+        entry["bytes_per_decode_step"] = _bytes_per_step(folder)
+        index = schedule.index(row.name)
+        entry["timing"] = None
+
+        def time_then_start_ahead() -> None:
+            # With overlapped starts a row is timed before it scores, so that the next group's engines can start
+            # while it scores; without, after scoring, as in the serial H200 run whose noise band was ±1 %.
+            if settings.time_decode and plan.timing:
+                t0 = time.perf_counter()
+                with settings.stages.stage(f"{row.name}: timing"):
+                    entry["timing"] = backend.time_decode(_timing_prompt(corpora, int(plan.timing["prompt_tokens"])),
+                                                          int(plan.timing["new_tokens"]), int(plan.timing["warmup"]),
+                                                          int(plan.timing["runs"]))
+                entry["elapsed"]["time_s"] = time.perf_counter() - t0
+            schedule.start_ahead(index)
+
+        ahead = schedule.ahead
+        metrics, timings = score_variant(backend, folder, cache, corpora, plan, settings, out / "scores" / row.name,
+                                         before_scoring=time_then_start_ahead if ahead else None)
+        if not ahead:
+            time_then_start_ahead()
+        entry["metrics"] = metrics
+        entry["engine"] = timings.pop("engine", None)
+        entry["elapsed"].update(timings)
+        entry["decode_ms_per_token"] = (entry["timing"] or {}).get("decode_ms_per_token")
+        entry["status"] = "ok"
+    except SplicerError as e:
+        entry.update(status="error", error=str(e))
+    except Exception as e:  # one variant's failure (engine error, OOM) must not end the plan
+        entry.update(status="error", error=f"{e.__class__.__name__}: {e}", traceback=traceback.format_exc(limit=3))
+    finally:
+        backend.unload()
+    return entry
+
+
 def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_name: str, settings: AblateSettings) -> dict:
+    """`splicer ablate`: validate the inputs and DIR, resolve the plan's rows for this family, then under DIR's lock:
+    the job record, the base pass (cached in DIR/cache), each row (run_row: its folder from RowSchedule, scores in
+    DIR/scores/ROW, timing), results.json, table.md and report.md rewritten after every row. A rerun of the same job
+    keeps the finished rows."""
     from .backends import make_backend
-    from .splice import splice
 
     build = open_checkpoint(build_src, "build")
     from .modules import list_modules
@@ -399,15 +543,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     from .arch import all_classes
 
     plan = load_plan(plan_name, all_classes())  # a plan may name any family's classes; rows this one lacks are skipped
-    rows = plan.rows
-    selected = {r.name for r in rows}
-    if rows_spec != "all":
-        wanted = [r.strip() for r in rows_spec.split(",") if r.strip()]
-        bad = [w for w in wanted if w not in selected]
-        if bad or not wanted:
-            raise SplicerError(f"row {bad[0] if bad else '(none)'!r} is not in plan {plan.name}; its rows: {', '.join(r.name for r in rows)}")
-        # The build row is every other row's reference, and its repeats (more engines of it) set the decode intervals.
-        selected = {"build", *wanted, *(r.name for r in rows if r.repeat and r.restored(quantized) == [])}
+    selected = select_rows(plan, rows_spec, quantized)
     options = ({"engine_args": settings.engine_args, "log_dir": out / "logs", "cache_dir": settings.engine_cache_dir,
                 "one_process": not settings.process_per_variant, "overlap_starts": settings.overlap_starts,
                 "rewake_before_timing": settings.rewake_before_timing, "precompile": settings.precompile}
@@ -444,70 +580,11 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         planned, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen)
         todo = [(p.row, p.restored, p.splice_name) for p in planned]
         skipped = [s for s in skipped if s["name"] in selected]  # a row not asked for is not reported as skipped
-        # Rows this invocation runs, in order. With --overlap-starts N every row is spliced at the start and the next N
-        # rows' engines are started while the current one scores, as a group: a new group starts only once every
-        # started engine has been timed, because decode is timed with no engine starting and a row timed behind a fresh
-        # start would wait for it.
+        # Rows this invocation runs, in order (RowSchedule says how their splices and engines are scheduled).
         run_list = [(r, rs, sn) for r, rs, sn in todo if r.name not in done and r.name in selected]
-        prepared: dict[str, tuple] = {}
-        started_ahead: set[int] = set()
-        ahead = backend.overlap_starts  # engines the backend can start ahead (vLLM with --overlap-starts)
-
-        def folder_for(row, restored, splice_name) -> tuple[Path, float]:
-            if row.name in prepared:
-                return prepared.pop(row.name)
-            t0 = time.perf_counter()
-            if restored is None:
-                folder = base_root
-            elif not restored:
-                folder = build.root
-            else:
-                folder = out / "variants" / splice_name
-                folder.parent.mkdir(parents=True, exist_ok=True)
-                if not _splice_is_current(folder, build, restored):
-                    with settings.stages.stage(f"{row.name}: splice {','.join(restored)}"):
-                        splice(str(build_src), str(base_src), folder, ",".join(restored), force=True, progress=False,
-                               allow_quantized_base=settings.allow_quantized_base)
-            return folder, time.perf_counter() - t0
-
-        def prepare(item) -> bool:
-            """Splice a row ahead of its turn (kept in prepared); False if refused: the row records that at its turn."""
-            try:
-                prepared[item[0].name] = folder_for(*item)
-                return True
-            except SplicerError:
-                return False
-
-        def start_ahead(i: int) -> None:
-            """Row i is loaded and timed: start the next group of engines unless one is already waiting its turn."""
-            if not ahead or any(j > i for j in started_ahead):
-                return
-            for j in range(i + 1, min(i + 1 + ahead, len(run_list))):
-                if not prepare(run_list[j]):
-                    continue
-                if not backend.prefetch(prepared[run_list[j][0].name][0]):
-                    break
-                started_ahead.add(j)
-
         cache = base_cache(backend, plan, settings, out, base_digest, corpora)
-        if ahead:
-            # The base's engine and the first group's start together. The first engine on a machine is the slowest
-            # (Triton autotuning of the GDN kernels, 143 s on the H200 stand-in), and the group's engines autotune
-            # in their own processes meanwhile instead of waiting for it: the cold run's largest serial cost.
-            if not (cache / "done.json").exists():
-                backend.prefetch(base_root)
-            start_ahead(-1)
-            # The later rows' splices too, while those engines start: done later, a group's splices would delay its starts.
-            for item in run_list:
-                if item[0].name not in prepared:
-                    prepare(item)
-        if backend.precompile_slots:
-            # Every row's engine is compiled ahead while the base pass runs (which is never timed, so engines may share
-            # the GPU then); the lanes end before the first row starts, so each row's engine still starts, scores and
-            # is timed alone, and only reads its compiled graphs from the engine's cache.
-            for item in run_list:
-                if prepare(item) and prepared[item[0].name][0] != base_root:
-                    backend.precompile(prepared[item[0].name][0])
+        schedule = RowSchedule(run_list, backend, build, build_src, base_root, base_src, out, settings)
+        schedule.before_base_pass(base_pending=not (cache / "done.json").exists())
         with settings.stages.stage("base pass"):
             corpora = base_pass(backend, base_root, plan, settings, cache, tok, corpora, base.arch.chat_stop_tokens)
         results = new_results(job, plan, corpora, cache, quantized, frozen, skipped, settings,
@@ -521,43 +598,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 continue
             if row.name not in selected:
                 continue
-            entry = {"name": row.name, "restored": restored if restored is not None else "base",
-                     **({"repeat_of": splice_name} if splice_name != row.name else {}),
-                     "status": "running", "elapsed": {}}
-            try:
-                folder, entry["elapsed"]["splice_s"] = folder_for(row, restored, splice_name)
-                entry["size_bytes"] = _folder_bytes(folder)
-                entry["bytes_per_decode_step"] = _bytes_per_step(folder)
-                index = next(k for k, r in enumerate(run_list) if r[0].name == row.name)
-                entry["timing"] = None
-
-                def time_then_start_ahead(entry=entry, index=index) -> None:
-                    # With overlapped starts a row is timed before it scores, so that the next group's engines can start
-                    # while it scores; without, after scoring, as in the serial H200 run whose noise band was ±1 %.
-                    if settings.time_decode and plan.timing:
-                        t0 = time.perf_counter()
-                        with settings.stages.stage(f"{row.name}: timing"):
-                            entry["timing"] = backend.time_decode(_timing_prompt(corpora, int(plan.timing["prompt_tokens"])),
-                                                                  int(plan.timing["new_tokens"]), int(plan.timing["warmup"]),
-                                                                  int(plan.timing["runs"]))
-                        entry["elapsed"]["time_s"] = time.perf_counter() - t0
-                    start_ahead(index)
-
-                metrics, timings = score_variant(backend, folder, cache, corpora, plan, settings, out / "scores" / row.name,
-                                                 before_scoring=time_then_start_ahead if ahead else None)
-                if not ahead:
-                    time_then_start_ahead()
-                entry["metrics"] = metrics
-                entry["engine"] = timings.pop("engine", None)
-                entry["elapsed"].update(timings)
-                entry["decode_ms_per_token"] = (entry["timing"] or {}).get("decode_ms_per_token")
-                entry["status"] = "ok"
-            except SplicerError as e:
-                entry.update(status="error", error=str(e))
-            except Exception as e:  # one variant's failure (engine error, OOM) must not end the plan
-                entry.update(status="error", error=f"{e.__class__.__name__}: {e}", traceback=traceback.format_exc(limit=3))
-            finally:
-                backend.unload()
+            entry = run_row(row, restored, splice_name, schedule, backend, cache, corpora, plan, settings, out)
             results["variants"].append(entry)
             settings.stages.line(f"{row.name}: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "")
                                  + f", {len(results['runs'][-1]['rows_run']) + 1} of {len(run_list)} rows of this run")
