@@ -58,6 +58,13 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
             row["bytes_on_disk"] += info.nbytes
             row["bytes_per_decode_step"] += info.nbytes * decode_fraction(ckpt, name, info.shape)
     report = check(modules, qc, arch)
+    if not ckpt.config.get("architectures"):
+        # vLLM picks the model class (and the runner) from this list; without it vLLM 0.26 resolved the qwen3 family
+        # fixtures to their bare Qwen3Model and served them as embedding models (results/gpu-families).
+        report.issues.append({"check": "no-architectures", "naming": "vllm",
+                              "detail": "config.json names no architectures, so vLLM may load a bare model class as an "
+                                        "embedding model; add the \"architectures\" list a released checkpoint has (its "
+                                        "causal-LM class)"})
     classes = {}
     for cls in (*arch.classes, "other"):
         if cls in per_class:

@@ -241,3 +241,18 @@ def test_the_mtp_decoder_layer_is_its_own_class_and_restores_apart(family_pairs,
     with safe_open(str(only_mtp / index[name]), "pt") as a, safe_open(str(p["base"] / json.loads(
             (p["base"] / "model.safetensors.index.json").read_text())["weight_map"][name]), "pt") as b:
         assert torch.equal(a.get_tensor(name), b.get_tensor(name))  # the base's BF16 tensor, byte for byte
+
+
+def test_inspect_flags_a_config_that_names_no_architectures(family_pairs, tmp_path):
+    """vLLM 0.26 served the qwen3 fixtures, whose config.json had "architectures": null, as embedding models."""
+    import shutil
+
+    src = family_pairs["qwen3"]["int4"]
+    bare = tmp_path / "bare"
+    shutil.copytree(src, bare)
+    config = json.loads((bare / "config.json").read_text())
+    config["architectures"] = None
+    (bare / "config.json").write_text(json.dumps(config))
+    checks = [i["check"] for i in inspect_checkpoint(bare)["lint"]["issues"]]
+    assert checks == ["no-architectures"]
+    assert not inspect_checkpoint(src)["lint"]["issues"]
