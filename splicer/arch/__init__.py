@@ -31,12 +31,16 @@ ATTENTION_QKV = fused_group("self_attn.qkv_proj", ("self_attn.q_proj", "self_att
 MLP_GATE_UP = fused_group("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))
 
 
-def model_layers_layout(routed_experts: bool = True) -> dict:
+def model_layers_layout(routed_experts: bool = True, mtp_layer: bool = False) -> dict:
     """Table fields for the layout most HF decoders share: model.embed_tokens, model.layers.{i}.*, and routed
-    experts under model.layers.{i}.mlp.experts (per expert on disk, gate_up_proj / down_proj fused in transformers)."""
+    experts under model.layers.{i}.mlp.experts (per expert on disk, gate_up_proj / down_proj fused in transformers).
+    mtp_layer: the MTP head stored as decoder layer num_hidden_layers with its own embed_tokens and shared_head.head
+    (DeepSeek-V3, GLM-4.5; vLLM's drafters name that head model.layers.{N}.head)."""
     none = r"(?!)"
+    mtp = {"mtp_layer_key": "num_hidden_layers", "mtp_head_names": ("shared_head.head", "head")} if mtp_layer else {}
     return {
-        "embedding_pattern": r"model\.embed_tokens",
+        **mtp,
+        "embedding_pattern": r"model\.(layers\.\d+\.)?embed_tokens" if mtp_layer else r"model\.embed_tokens",
         "expert_pattern": r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)" if routed_experts else none,
         "fused_expert_pattern": r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)" if routed_experts else none,
         "layer_pattern": r"(model\.layers)\.(\d+)\.",

@@ -46,9 +46,7 @@ DEEPSEEK_V3 = Architecture(
     vllm_prefix_map=(),
     # The router, and the MTP layer's eh_proj (a plain nn.Linear in the drafter).
     vllm_never_quantized=r"model\.layers\.\d+\.(mlp\.gate|eh_proj)",
-    **dict(model_layers_layout(), embedding_pattern=r"model\.(layers\.\d+\.)?embed_tokens"),  # the MTP layer has its own
-    mtp_layer_key="num_hidden_layers",
-    mtp_head_names=("shared_head.head", "head"),
+    **model_layers_layout(mtp_layer=True),
     chat_stop_tokens=("<｜end▁of▁sentence｜>", "<|im_end|>"),  # DeepSeek's end of turn; Kimi-K2's
     vllm_kernel_classes=(
         ("lm_head", r"lm_head$"),

@@ -37,9 +37,7 @@ GLM4_MOE = Architecture(
     vllm_prefix_map=(),
     # The router, and the MTP layer's eh_proj (a plain nn.Linear in the drafter).
     vllm_never_quantized=r"model\.layers\.\d+\.(mlp\.gate|eh_proj)",
-    **dict(model_layers_layout(), embedding_pattern=r"model\.(layers\.\d+\.)?embed_tokens"),  # the MTP layer has its own
-    mtp_layer_key="num_hidden_layers",
-    mtp_head_names=("shared_head.head", "head"),
+    **model_layers_layout(mtp_layer=True),
     # GLM-4.5 ends a turn with these (its generation_config lists them as eos; recalled, not checked against a download)
     chat_stop_tokens=("<|user|>", "<|observation|>", "<|endoftext|>"),
     vllm_kernel_classes=(
