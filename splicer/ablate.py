@@ -20,15 +20,17 @@ import platform
 import shlex
 import shutil
 import sys
+import threading
 import time
 import traceback
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import __version__, faults
+from . import __version__, faults, spread
 from .checkpoint import open_checkpoint
 from .corpora import Corpus, build_corpus
 from .errors import SplicerError
@@ -57,6 +59,7 @@ class AblateSettings:
     overlap_starts: int = 0  # vllm: engines started ahead (in spare workers) while the current one scores
     rewake_before_timing: bool = False  # vllm with overlap: one more sleep and wake right before each decode timing
     precompile: int = 0  # vllm: processes that compile every variant's engine while the base pass runs (rows stay serial)
+    gpus: tuple = ()  # vllm: CUDA ids to spread the rows over (two or more); () = one GPU
     allow_quantized_base: bool = False  # a stand-in reference that keeps some classes quantized (see validate_base)
     engine_cache_dir: Path | None = None  # vllm: compile/Triton/Inductor caches; None: their per-user defaults
     own_inputs: tuple = ()  # input folders this run wrote inside DIR itself (the demo's pair), which DIR may hold
@@ -78,12 +81,13 @@ def _jsonable(o):
 
 
 @contextmanager
-def _closing(backend):
-    """End the backend's worker process however the run ends (finished, failed, interrupted)."""
+def _closing(*backends):
+    """End the backends' worker processes however the run ends (finished, failed, interrupted)."""
     try:
-        yield backend
+        yield backends
     finally:
-        backend.close()
+        for backend in backends:
+            backend.close()
 
 
 def _pbar(iterable=None, **kw):
@@ -357,7 +361,9 @@ def make_job(plan: Plan, corpora: list[Corpus], build_src: str, build, base_src:
             "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
                          "engine_args": settings.engine_args, "allow_quantized_base": settings.allow_quantized_base,
                          "overlap_starts": settings.overlap_starts, "rewake_before_timing": settings.rewake_before_timing,
-                         "time_decode": settings.time_decode, "corpus_overrides": settings.corpus_overrides}}
+                         "time_decode": settings.time_decode, "corpus_overrides": settings.corpus_overrides,
+                         # Rows spread over GPUs are named and compared per GPU: another spread is another job.
+                         **({"gpus": list(settings.gpus)} if settings.gpus else {})}}
 
 
 def new_results(job: dict, plan: Plan, corpora: list[Corpus], cache: Path, quantized: list[str], frozen: list[str],
@@ -407,12 +413,19 @@ class RowSchedule:
     """
 
     def __init__(self, run_list: list[tuple], backend, build, build_src: str, base_root: Path, base_src: str, out: Path,
-                 settings: AblateSettings):
+                 settings: AblateSettings, compilers: list | None = None):
         self.run_list, self.backend, self.settings = run_list, backend, settings
         self.build, self.build_src, self.base_root, self.base_src, self.out = build, build_src, base_root, base_src, out
         self.prepared: dict[str, tuple[Path, float]] = {}  # row -> (folder, seconds its splice took), made ahead
         self.started_ahead: set[int] = set()
         self.ahead = backend.overlap_starts  # engines the backend can start ahead (vLLM with --overlap-starts)
+        # The backends whose processes compile ahead: the base pass's own, or with --gpus every GPU's (spread.py).
+        self.compilers = compilers or [backend]
+        self._preparing: threading.Thread | None = None  # splices and compile queueing, beside the base pass
+        self._preparing_error: BaseException | None = None
+        # Rows spread over GPUs score and time one at a time (spread.py): a row on one GPU is measured while the others
+        # at most start engines, on their own GPUs and cores. None: one GPU, nothing to exclude.
+        self.measuring = threading.Lock() if settings.gpus else None
 
     def folder(self, row, restored, splice_name) -> tuple[Path, float]:
         """The row's folder and the seconds its splice took now (0 when made ahead or not needed)."""
@@ -470,27 +483,61 @@ class RowSchedule:
             for item in self.run_list:
                 if item[0].name not in self.prepared:
                     self.prepare(item)
-        if self.backend.precompile_slots:
+        if any(b.precompile_slots for b in self.compilers) or self.settings.gpus:
             # Every row's engine is compiled ahead while the base pass runs (which is never timed, so engines may share
             # the GPU then); the lanes end before the first row starts, so each row's engine still starts, scores and
-            # is timed alone, and only reads its compiled graphs from the engine's cache.
+            # is timed alone, and only reads its compiled graphs from the engine's cache. Spread over GPUs, every
+            # splice is made now too: rows are then taken by whichever GPU is free, from threads. The splices are
+            # made beside the base pass's engine start (25 s of the H200 stand-in's run 9 went before it).
+            self._preparing = threading.Thread(target=self._prepare_all, daemon=True, name="splices")
+            self._preparing.start()
+
+    def _prepare_all(self) -> None:
+        try:
+            targets = spread.compile_targets([b.precompile_slots for b in self.compilers])
+            queued: list[Path] = []
             for item in self.run_list:
-                if self.prepare(item) and self.prepared[item[0].name][0] != self.base_root:
-                    self.backend.precompile(self.prepared[item[0].name][0])
+                if self.prepare(item) and (folder := self.prepared[item[0].name][0]) != self.base_root and folder not in queued:
+                    queued.append(folder)
+                    self.compilers[next(targets)].precompile(folder)
+        except BaseException as e:  # raised at wait_prepared(), in the main thread
+            self._preparing_error = e
+
+    def wait_prepared(self) -> None:
+        """Wait for the splices made beside the base pass (and their compiles to be queued)."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+        if self._preparing_error is not None:
+            raise self._preparing_error
 
 
 def run_row(row, restored, splice_name, schedule: RowSchedule, backend, cache: Path, corpora: list[Corpus], plan: Plan,
-            settings: AblateSettings, out: Path) -> dict:
+            settings: AblateSettings, out: Path, gpu: str | None = None) -> dict:
     """One row: its folder, sizes, scores against the base pass and decode timing, as its results.json entry (status
-    "error" with the reason when any step fails: one variant's failure must not end the plan)."""
+    "error" with the reason when any step fails: one variant's failure must not end the plan). gpu: the CUDA id it
+    ran on, in a run spread over GPUs."""
     entry = {"name": row.name, "restored": restored if restored is not None else "base",
              **({"repeat_of": splice_name} if splice_name != row.name else {}),
+             **({"gpu": gpu} if gpu is not None else {}),
              "status": "running", "elapsed": {}}
+    ahead = schedule.ahead
+    measuring = []  # holds schedule.measuring once this row's engine has started
+
+    def start_measuring() -> None:
+        if schedule.measuring is not None:
+            t0 = time.perf_counter()
+            schedule.measuring.acquire()
+            measuring.append(schedule.measuring)
+            entry["elapsed"]["waited_to_measure_s"] = time.perf_counter() - t0
+        if ahead:
+            time_then_start_ahead()
+
     try:
         folder, entry["elapsed"]["splice_s"] = schedule.folder(row, restored, splice_name)
         entry["size_bytes"] = _folder_bytes(folder)
         entry["bytes_per_decode_step"] = _bytes_per_step(folder)
-        index = schedule.index(row.name)
+        index = schedule.index(row.name) if ahead else None
         entry["timing"] = None
 
         def time_then_start_ahead() -> None:
@@ -505,9 +552,8 @@ def run_row(row, restored, splice_name, schedule: RowSchedule, backend, cache: P
                 entry["elapsed"]["time_s"] = time.perf_counter() - t0
             schedule.start_ahead(index)
 
-        ahead = schedule.ahead
         metrics, timings = score_variant(backend, folder, cache, corpora, plan, settings, out / "scores" / row.name,
-                                         before_scoring=time_then_start_ahead if ahead else None)
+                                         before_scoring=start_measuring)
         if not ahead:
             time_then_start_ahead()
         entry["metrics"] = metrics
@@ -520,6 +566,8 @@ def run_row(row, restored, splice_name, schedule: RowSchedule, backend, cache: P
     except Exception as e:  # one variant's failure (engine error, OOM) must not end the plan
         entry.update(status="error", error=f"{e.__class__.__name__}: {e}", traceback=traceback.format_exc(limit=3))
     finally:
+        for lock in measuring:
+            lock.release()
         backend.unload()
     return entry
 
@@ -548,7 +596,12 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 "one_process": not settings.process_per_variant, "overlap_starts": settings.overlap_starts,
                 "rewake_before_timing": settings.rewake_before_timing, "precompile": settings.precompile}
                if settings.backend == "vllm" else {})
-    backend = make_backend(settings.backend, settings.device, **options)
+    if settings.gpus and settings.backend != "vllm":
+        raise SplicerError("--gpus spreads rows over GPUs with the vLLM backend; add --backend vllm or drop --gpus")
+    # One backend per GPU with --gpus (spread.py); the first runs the base pass.
+    backends = (spread.make_backends(settings, options, out / "logs") if settings.gpus
+                else [make_backend(settings.backend, settings.device, **options)])
+    backend = backends[0]
     base = open_checkpoint(base_src, "base")
     from .validate import validate_base
 
@@ -560,7 +613,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     tok, corpora = prepare_corpora(base_root, plan, settings)
     out.mkdir(parents=True, exist_ok=True)
     busy = f"another splicer ablate is writing to {out}; wait for it to finish or use another -o"
-    with exclusive(out / ".lock", busy), _closing(backend):
+    with exclusive(out / ".lock", busy), _closing(*backends):
         check_output(out, inputs, ABLATE, own=settings.own_inputs)  # again under the lock: DIR may have changed
         # Set per run: a settings object reused for another DIR must not keep logging into the first one's log.
         settings.stages = Stages(quiet=not settings.progress, log_path=out / "ablate.log")
@@ -579,36 +632,68 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         family = build.config.get("model_type") or build.arch.name
         planned, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen)
         todo = [(p.row, p.restored, p.splice_name) for p in planned]
+        if settings.gpus:  # each GPU's own engines of the build replace the plan's extra ones (spread.py)
+            firsts, lasts, spread_rows, replaced = spread.gpu_build_rows(todo, settings.gpus)
+            todo = [firsts[0], *spread_rows, *firsts[1:], *lasts]
+            skipped += [{"name": it[0].name, "reason": spread.SPREAD_REPEAT_REASON} for it in replaced]
+            selected |= {it[0].name for it in (*firsts, *lasts)}
         skipped = [s for s in skipped if s["name"] in selected]  # a row not asked for is not reported as skipped
         # Rows this invocation runs, in order (RowSchedule says how their splices and engines are scheduled).
         run_list = [(r, rs, sn) for r, rs, sn in todo if r.name not in done and r.name in selected]
         cache = base_cache(backend, plan, settings, out, base_digest, corpora)
-        schedule = RowSchedule(run_list, backend, build, build_src, base_root, base_src, out, settings)
+        schedule = RowSchedule(run_list, backend, build, build_src, base_root, base_src, out, settings, compilers=backends)
         schedule.before_base_pass(base_pending=not (cache / "done.json").exists())
         with settings.stages.stage("base pass"):
             corpora = base_pass(backend, base_root, plan, settings, cache, tok, corpora, base.arch.chat_stop_tokens)
+        schedule.wait_prepared()
         results = new_results(job, plan, corpora, cache, quantized, frozen, skipped, settings,
                               (previous or {}).get("runs", []) if same_job else [], started)
-        if backend.precompile_slots:
-            with settings.stages.stage("compiling ahead: waiting for the last engines to compile"):
-                results["runs"][-1]["precompiled"] = backend.finish_precompile()
-        for row, restored, splice_name in _pbar(todo, desc="ablate", disable=not settings.progress or None):
-            if row.name in done:  # finished in an earlier run of the same job: kept, chosen or not
-                results["variants"].append(done[row.name])
-                continue
-            if row.name not in selected:
-                continue
-            entry = run_row(row, restored, splice_name, schedule, backend, cache, corpora, plan, settings, out)
-            results["variants"].append(entry)
-            settings.stages.line(f"{row.name}: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "")
-                                 + f", {len(results['runs'][-1]['rows_run']) + 1} of {len(run_list)} rows of this run")
-            results["runs"][-1]["rows_run"].append(row.name)
-            results["runs"][-1]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-            _finish(results, out, backend, settings.bootstrap)
+
+        def finish_precompile(on_backend, gpu=None) -> None:
+            # Spread over GPUs, each GPU's thread waits for its own compiling processes only.
+            if on_backend.precompile_slots:
+                where = f"gpu {gpu}: " if gpu is not None else ""
+                with settings.stages.stage(f"{where}compiling ahead: waiting for the last engines to compile"):
+                    records = on_backend.finish_precompile()
+                with schedule.measuring or contextlib.nullcontext():
+                    results["runs"][-1].setdefault("precompiled", []).extend(records)
+
+        if not settings.gpus:
+            finish_precompile(backend)
+        # Finished in an earlier run of the same job: kept, chosen or not.
+        results["variants"] += [done[r.name] for r, _, _ in todo if r.name in done]
+        bar = _pbar(total=len(run_list), desc="ablate", disable=not settings.progress or None)
+        order = {r.name: k for k, (r, _, _) in enumerate(todo)}
+
+        def record(item, entry: dict) -> None:
+            with schedule.measuring or contextlib.nullcontext():  # spread over GPUs: not while another row is timed
+                results["variants"].append(entry)
+                results["variants"].sort(key=lambda v: order.get(v["name"], len(order)))  # plan order, however finished
+                settings.stages.line(f"{entry['name']}: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "")
+                                     + f", {len(results['runs'][-1]['rows_run']) + 1} of {len(run_list)} rows of this run")
+                results["runs"][-1]["rows_run"].append(entry["name"])
+                results["runs"][-1]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+                _finish(results, out, backends, settings.bootstrap)
+                bar.update(1)
             faults.point("ablate:row-done")
+
+        def run_one(item, on_backend, gpu=None) -> dict:
+            return run_row(*item, schedule, on_backend, cache, corpora, plan, settings, out, gpu=gpu)
+
+        names = {r.name for r, _, _ in run_list}
+        if settings.gpus:
+            spread.run_rows_on_gpus(list(zip(settings.gpus, backends)),
+                                    [it if it[0].name in names else None for it in firsts],
+                                    [it if it[0].name in names else None for it in lasts],
+                                    [it for it in spread_rows if it[0].name in names], run_one, record,
+                                    before_rows=lambda on_backend, gpu: finish_precompile(on_backend, gpu))
+        else:
+            for item in run_list:
+                record(item, run_one(item, backend))
+        bar.close()
         results["elapsed_s"] = time.perf_counter() - t_start
         results["runs"][-1].update(elapsed_s=round(results["elapsed_s"], 1), finished=True)
-        _finish(results, out, backend, settings.bootstrap)
+        _finish(results, out, backends, settings.bootstrap)
         return results
 
 
@@ -651,12 +736,16 @@ def host_info() -> dict:
     return {"cpu": cpu, "logical_cores": os.cpu_count(), "memory_gib": memory_gib}
 
 
-def _finish(results: dict, out: Path, backend, reps: int = 2000) -> None:
+def _finish(results: dict, out: Path, backends, reps: int = 2000) -> None:
     from .report import render_report
     from .table import render_markdown
     from .verdicts import attach
 
-    info = backend.describe()
+    backends = list(backends) if isinstance(backends, (list, tuple)) else [backends]
+    info = backends[0].describe()
+    if len(backends) > 1:  # spread over GPUs: what differs per GPU
+        info["per_gpu"] = [{k: d.get(k) for k in ("cuda_device", "cpus", "precompile", "worker_starts")}
+                           for d in (b.describe() for b in backends)]
     results["backend"] = info.get("backend")
     results["engine_version"] = info.get("engine")
     results["device"] = info.get("device")

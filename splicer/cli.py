@@ -89,6 +89,15 @@ def _cmd_fixture(args) -> int:
     return 0
 
 
+def _gpu_list(text: str) -> tuple[str, ...]:
+    """--gpus 0,1 -> ("0", "1"): two or more distinct CUDA ids."""
+    ids = [g.strip() for g in text.split(",") if g.strip()]
+    if len(ids) < 2 or len(set(ids)) != len(ids) or not all(g.isdigit() for g in ids):
+        raise SplicerError(f"--gpus {text}: give two or more distinct CUDA device ids, e.g. --gpus 0,1 "
+                           "(one GPU: leave --gpus out)")
+    return tuple(ids)
+
+
 def _cmd_ablate(args) -> int:
     from .ablate import AblateSettings, run_ablate
 
@@ -106,16 +115,22 @@ def _cmd_ablate(args) -> int:
             engine_args[flag] = getattr(args, flag)
     if args.language_model_only:
         engine_args["language_model_only"] = True
-    if (args.overlap_starts or args.precompile or args.process_per_variant or args.engine_cache_dir or args.rewake_before_timing) and args.backend != "vllm":
-        raise SplicerError("--overlap-starts, --precompile, --rewake-before-timing, --process-per-variant and --engine-cache-dir "
-                           "apply to --backend vllm only")
+    gpus = _gpu_list(args.gpus) if args.gpus else ()
+    if (args.overlap_starts or args.precompile or args.process_per_variant or args.engine_cache_dir or args.rewake_before_timing
+            or args.gpus) and args.backend != "vllm":
+        raise SplicerError("--gpus, --overlap-starts, --precompile, --rewake-before-timing, --process-per-variant and "
+                           "--engine-cache-dir apply to --backend vllm only")
+    if gpus and args.overlap_starts:
+        raise SplicerError("--gpus and --overlap-starts: a run spread over GPUs starts each GPU's engines one at a time; drop --overlap-starts")
+    if gpus and args.device != "auto":
+        raise SplicerError(f"--gpus {args.gpus} and --device {args.device}: --gpus names the GPUs; drop --device")
     if engine_args and args.backend != "vllm":
         raise SplicerError("engine options (--engine-arg, --max-model-len, ...) apply to --backend vllm only")
     settings = AblateSettings(backend=args.backend, device=args.device, time_decode=not args.no_time,
                               corpus_overrides=overrides, batch_size=args.batch_size, progress=not args.quiet,
                               allow_quantized_base=args.allow_quantized_base, process_per_variant=args.process_per_variant,
                               overlap_starts=args.overlap_starts, precompile=args.precompile, engine_cache_dir=args.engine_cache_dir,
-                              rewake_before_timing=args.rewake_before_timing,
+                              rewake_before_timing=args.rewake_before_timing, gpus=gpus,
                               engine_args=engine_args, bandwidth_gbs=args.bandwidth_gbs)
     from .outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
 
@@ -266,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vllm: while the base pass runs, compile every variant's engine once (dummy weights) in N "
                         "processes (default 2), which end before any row starts; each row's engine then starts alone "
                         "on the GPU, reads its compiled graphs from vLLM's cache, and is scored and timed serially")
+    s.add_argument("--gpus", metavar="LIST",
+                   help="vllm: spread the rows over these GPUs (CUDA ids, e.g. 0,1): the base pass on the first while "
+                        "--precompile's processes compile on the others, then every GPU runs rows one engine at a time, "
+                        "timing the build at its start and end; each row's decode is compared with the build on its own GPU")
     s.add_argument("--rewake-before-timing", action="store_true",
                    help="vllm with --overlap-starts: sleep and wake each engine once more right before its decode timing")
     s.add_argument("--engine-cache-dir", type=Path, metavar="PATH",

@@ -45,7 +45,12 @@ def findings(results: dict) -> list[str]:
         kl = pooled_kl(build)
         out.append(f"build: KL {kl:.4f} nats per position pooled over corpora (position-weighted; a chat prefix shared "
                    "with an earlier conversation counted once).")
-    if engines:
+    if engines and engines.get("by_gpu"):
+        parts = "; ".join(f"GPU {g}: " + ", ".join(f"{n} {m:.3f}" for n, m in zip(e["rows"], e["mean_ms"]))
+                          + f" ms/token, largest difference {100 * e['spread']:.2f} %" for g, e in engines["by_gpu"].items())
+        out.append(f"The build on {engines['engines']} engines (mean of each engine's blocks), each row compared with "
+                   f"the build on its own GPU: {parts}.")
+    elif engines:
         ms = ", ".join(f"{n} {m:.3f}" for n, m in zip(engines["rows"], engines["mean_ms"]))
         out.append(f"The build on {engines['engines']} engines: {ms} ms/token (mean of each engine's blocks); largest "
                    f"difference between two of them {100 * engines['spread']:.2f} %.")

@@ -208,7 +208,12 @@ def _footnotes(results: dict) -> list[str]:
     engines = (results.get("verdicts") or {}).get("build_engines")
     d = next((v["decode_vs_build"] for v in results["variants"] if (v.get("decode_vs_build") or {}).get("rel") is not None), None)
     timed = any(r.get("decode_ms_per_token") for r in results["variants"])
-    if d:
+    if d and engines and engines.get("by_gpu"):
+        ref = "the mean of the build's engines on the row's own GPU"
+        spread = "the build's engines on each GPU (" + "; ".join(
+            f"GPU {g}: {', '.join(f'{n} {m:.3f}' for n, m in zip(e['rows'], e['mean_ms']))}, largest difference "
+            f"{100 * e['spread']:.2f} %" for g, e in engines["by_gpu"].items()) + ")"
+    elif d:
         ref = f"the mean of the build's {d['engines'][1]} engines, {d['reference_ms']:.3f} ms/token"
         spread = (f"the build's engines ({', '.join(f'{n} {m:.3f}' for n, m in zip(engines['rows'], engines['mean_ms']))}; "
                   f"largest difference {100 * engines['spread']:.2f} %)") if engines else "engines of the rows timed more than once"

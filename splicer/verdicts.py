@@ -12,7 +12,8 @@ is what the engine's own nondeterminism costs: a reference level, never a thresh
 
 Decode. Every engine of a variant times several blocks; engines of one variant differ more than blocks of one engine
 do, so the build is timed on two or more engines (plan rows with `repeat = true`) and the engine-to-engine spread
-sets the interval (metrics.decode_difference). A difference is resolved when its interval excludes 0.
+sets the interval (metrics.decode_difference). A difference is resolved when its interval excludes 0. Rows spread over
+GPUs (--gpus) are compared with the build's engines on their own GPU, the spread pooled over GPUs.
 """
 
 from __future__ import annotations
@@ -56,11 +57,14 @@ def compare_scores(out: Path, a: str, b: str, corpora: list[str], reps: int = 20
             "dnll": paired_comparison(dnll, reps, seed) if dnll else None}
 
 
-def _timed_rows(results: dict, name: str) -> list[tuple[str, list[float]]]:
-    """(row name, per-block decode ms/token) for each engine of variant `name`: its row and every repeat of it."""
+def _timed_rows(results: dict, name: str, gpu=...) -> list[tuple[str, list[float]]]:
+    """(row name, per-block decode ms/token) for each engine of variant `name`: its row and every repeat of it; with
+    gpu given, only those timed on that GPU (None: rows of a one-GPU run, which record none)."""
     rows = []
     for v in results.get("variants", []):
         if v.get("status") != "ok" or name not in (v["name"], v.get("repeat_of")):
+            continue
+        if gpu is not ... and v.get("gpu") != gpu:
             continue
         t = v.get("timing") or {}
         blocks = [x for x in t.get("per_run_ms") or [] if x is not None]
@@ -69,21 +73,34 @@ def _timed_rows(results: dict, name: str) -> list[tuple[str, list[float]]]:
     return rows
 
 
-def timed_engines(results: dict, name: str) -> list[list[float]]:
+def timed_engines(results: dict, name: str, gpu=...) -> list[list[float]]:
     """Per engine of variant `name` (its row and every repeat of it), the per-block decode ms/token it measured."""
-    return [blocks for _, blocks in _timed_rows(results, name)]
+    return [blocks for _, blocks in _timed_rows(results, name, gpu)]
+
+
+def _gpus(results: dict) -> list:
+    """The GPUs rows were timed on (a run spread with --gpus records each row's; [None] for a one-GPU run)."""
+    return sorted({v.get("gpu") for v in results.get("variants", []) if v.get("status") == "ok"}, key=str) or [None]
 
 
 def decode_vs_build(results: dict, name: str) -> dict | None:
     """Relative decode difference of variant `name` from the build (metrics.decode_difference) over every timed engine
-    of each; None when either was not timed."""
-    variant, build = timed_engines(results, name), timed_engines(results, "build")
+    of each, on the variant's GPU (engines on different GPUs differ by more than the differences sought); None when
+    either was not timed there."""
+    gpus = {v.get("gpu") for v in results.get("variants", []) if v.get("status") == "ok" and name in (v["name"], v.get("repeat_of"))}
+    if len(gpus) != 1:
+        return None
+    gpu = gpus.pop()
+    variant, build = timed_engines(results, name, gpu), timed_engines(results, "build", gpu)
     if not variant or not build:
         return None
-    # The engine-to-engine spread is estimated from every variant timed on two or more engines, not only these two.
-    others = [e for v in results.get("variants", []) if v.get("status") == "ok" and not v.get("repeat_of")
-              and v["name"] not in (name, "build") for e in [timed_engines(results, v["name"])] if len(e) > 1]
-    return decode_difference(variant, build, extra_groups=others)
+    # The engine-to-engine spread is estimated from every variant timed on two or more engines of one GPU, not only
+    # these two: the build on the other GPUs too.
+    groups = [(v["name"], g) for v in results.get("variants", []) if v.get("status") == "ok" and not v.get("repeat_of")
+              for g in _gpus(results)]
+    others = [e for n, g in groups if (n, g) not in ((name, gpu), ("build", gpu))
+              for e in [timed_engines(results, n, g)] if len(e) > 1]
+    return dict(decode_difference(variant, build, extra_groups=others), **({"gpu": gpu} if gpu is not None else {}))
 
 
 def attach(results: dict, out: Path, reps: int = 2000) -> None:
@@ -112,13 +129,22 @@ def attach(results: dict, out: Path, reps: int = 2000) -> None:
 
 
 def build_engine_agreement(results: dict) -> dict | None:
-    """The build's engines: each one's mean ms/token and the largest relative difference between two of them."""
-    engines = _timed_rows(results, "build")
-    if len(engines) < 2:
+    """The build's engines: each one's mean ms/token and the largest relative difference between two of them on one
+    GPU (spread over GPUs: per GPU in by_gpu, and the largest of those as spread)."""
+    per_gpu = {}
+    for gpu in _gpus(results):
+        engines = _timed_rows(results, "build", gpu)
+        if len(engines) >= 2:
+            means = [sum(e) / len(e) for _, e in engines]
+            per_gpu[gpu] = {"engines": len(engines), "mean_ms": means, "spread": max(means) / min(means) - 1,
+                            "rows": [row for row, _ in engines]}
+    if not per_gpu:
         return None
-    means = [sum(e) / len(e) for _, e in engines]
-    return {"engines": len(engines), "mean_ms": means, "spread": max(means) / min(means) - 1,
-            "rows": [row for row, _ in engines]}
+    if list(per_gpu) == [None]:
+        return per_gpu[None]
+    return {"engines": sum(g["engines"] for g in per_gpu.values()), "mean_ms": [m for g in per_gpu.values() for m in g["mean_ms"]],
+            "spread": max(g["spread"] for g in per_gpu.values()), "rows": [r for g in per_gpu.values() for r in g["rows"]],
+            "by_gpu": {str(k): g for k, g in per_gpu.items()}}
 
 
 def pooled_kl(v: dict) -> float | None:

@@ -267,3 +267,37 @@ def test_chosen_rows_bring_the_builds_repeats_and_report_only_their_own_skips(pa
     assert results["variants"][2]["repeat_of"] == "build" and results["skipped"] == []
     both = run_ablate("gdn,gdn-twin", str(p["lowlatency"]), str(p["base"]), tmp_path / "out2", str(plan), _settings(time_decode=False))
     assert [s["name"] for s in both["skipped"]] == ["gdn-twin"]
+
+
+def test_compile_targets_fill_every_process_once_then_the_base_pass_gpu(monkeypatch):
+    """--gpus with --precompile: the first compiles go one per process, the other GPUs' first; the rest to the GPU of
+    the base pass, so the other GPUs' processes end after one compile and their rows start right after the base pass."""
+    import itertools
+
+    from splicer.spread import compile_targets, core_shares, cuda_ids
+
+    assert list(itertools.islice(compile_targets([2, 3]), 7)) == [1, 1, 1, 0, 0, 0, 0]
+    assert list(itertools.islice(compile_targets([0, 2]), 4)) == [1, 1, 1, 1]
+    assert list(itertools.islice(compile_targets([3]), 4)) == [0, 0, 0, 0]
+    shares = core_shares(2)
+    assert shares[0] and not set(shares[0]) & set(shares[1])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert cuda_ids(("0", "1")) == ["4", "6"]
+    with pytest.raises(SplicerError, match="CUDA_VISIBLE_DEVICES shows 2"):
+        cuda_ids(("0", "2"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "0"], "two or more distinct CUDA device ids"),
+    (["--gpus", "0,0"], "two or more distinct CUDA device ids"),
+    (["--gpus", "0,x"], "two or more distinct CUDA device ids"),
+    (["--gpus", "0,1"], "apply to --backend vllm only"),
+    (["--backend", "vllm", "--gpus", "0,1", "--overlap-starts", "1"], "drop --overlap-starts"),
+    (["--backend", "vllm", "--gpus", "0,1", "--device", "cuda:0"], "drop --device"),
+])
+def test_gpus_flag_refusals_are_one_line(args, message, tmp_path, capsys):
+    from splicer.cli import main
+
+    code = main(["ablate", "all", "--demo", "-o", str(tmp_path / "o"), *args])
+    err = capsys.readouterr().err
+    assert code != 0 and message in err and "Traceback" not in err and not (tmp_path / "o").exists()

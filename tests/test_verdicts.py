@@ -170,3 +170,26 @@ def test_rows_get_decode_verdicts_from_every_engine_of_the_build(tmp_path):
     assert "not resolved" in next(line for line in md.splitlines() if line.startswith("| attention"))
     assert "not resolved" not in next(line for line in md.splitlines() if line.startswith("| gdn"))
     assert "the mean of the build's 3 engines" in md
+
+
+def test_spread_over_gpus_each_row_is_compared_with_the_build_on_its_own_gpu():
+    """Two GPUs whose engines sit 10 % apart: a row on the slow GPU that decodes as fast as the build there is not
+    slower, and a row 3 % slower than its own GPU's build is resolved; the engine spread is pooled over both GPUs."""
+    from splicer.verdicts import build_engine_agreement, decode_vs_build
+
+    def row(name, gpu, ms, repeat_of=None):
+        v = {"name": name, "status": "ok", "gpu": gpu, "timing": {"decode_ms_per_token": ms, "per_run_ms": [ms, ms * 1.0005, ms * 0.9995]}}
+        return dict(v, repeat_of=repeat_of) if repeat_of else v
+
+    results = {"variants": [row("build", "0", 4.000), row("gdn", "1", 4.400), row("lm_head", "1", 4.532),
+                            row("build-gpu1", "1", 4.400, "build"), row("build-end-gpu0", "0", 4.004, "build"),
+                            row("build-end-gpu1", "1", 4.404, "build")]}
+    gdn, head = decode_vs_build(results, "gdn"), decode_vs_build(results, "lm_head")
+    assert gdn["gpu"] == "1" and gdn["engines"] == [1, 2] and gdn["df"] == 2
+    assert abs(gdn["rel"]) < 0.001 and not gdn["resolved"]
+    assert head["rel"] == pytest.approx(0.0295, abs=0.001) and head["resolved"]
+    agree = build_engine_agreement(results)
+    assert set(agree["by_gpu"]) == {"0", "1"} and agree["spread"] == pytest.approx(0.001, abs=1e-6)
+    # The same rows with no GPU recorded (one GPU): the slow GPU's rows would look 5 % slower than the build.
+    flat = {"variants": [{k: v for k, v in r.items() if k != "gpu"} for r in results["variants"]]}
+    assert decode_vs_build(flat, "gdn")["rel"] > 0.04

@@ -550,3 +550,75 @@ def test_both_backends_offer_everything_the_backend_protocol_declares(fake_vllm,
         missing = sorted(n for n in declared if not hasattr(backend, n))
         assert not missing, f"{type(backend).__name__} lacks {missing}"
     vllm.close()
+
+
+def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_row_at_a_time(pairs, fake_vllm, tmp_path, monkeypatch):
+    """--gpus 0,1: the base pass on GPU 0 while GPU 1 compiles; then each GPU times the build first and last, the other
+    rows go to whichever GPU is free; the build scores alike on both; rows are scored and timed one at a time over
+    both GPUs; each row's decode is compared with the build on its own GPU."""
+    for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    import threading
+    import time as _time
+
+    from splicer.ablate import AblateSettings, run_ablate
+
+    orig = fake_vllm.VllmBackend.__init__
+    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
+    spans, lock = [], threading.Lock()
+    orig_time, orig_score = fake_vllm.VllmBackend.time_decode, fake_vllm.VllmBackend.score
+
+    def logged(fn, kind):
+        def run(self, *a, **k):
+            t0 = _time.perf_counter()
+            out = fn(self, *a, **k)
+            if kind == "score":
+                out = list(out)
+            _time.sleep(0.05)  # long enough that two unguarded measurements would overlap
+            with lock:
+                spans.append((self.device, kind, t0, _time.perf_counter()))
+            return out
+        return run
+
+    monkeypatch.setattr(fake_vllm.VllmBackend, "time_decode", logged(orig_time, "time"))
+    monkeypatch.setattr(fake_vllm.VllmBackend, "score", logged(orig_score, "score"))
+    plan = tmp_path / "p.toml"
+    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 2\n'
+                    '[timing]\nprompt_tokens = 16\nnew_tokens = 3\nwarmup = 0\nruns = 2\n'
+                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n'
+                    '[[row]]\nname = "attention"\nrestore = ["attention"]\n[[row]]\nname = "lm_head"\nrestore = ["lm_head"]\n'
+                    '[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n')
+    p = pairs["fused"]
+    two = run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path / "two", str(plan),
+                     AblateSettings(backend="vllm", progress=False, bootstrap=20, gpus=("0", "1"), precompile=3,
+                                    engine_cache_dir=tmp_path / "c2"))
+    rows = {v["name"]: v for v in two["variants"]}
+    assert set(rows) == {"build", "gdn", "attention", "lm_head", "build-gpu1", "build-end-gpu0", "build-end-gpu1"}
+    assert all(v["status"] == "ok" for v in rows.values()), [v.get("error") for v in rows.values()]
+    assert {s["name"]: s["reason"] for s in two["skipped"]}["build-again"].startswith("spread over GPUs")
+    # Each GPU's first and last rows are engines of the build.
+    order = two["runs"][-1]["rows_run"]
+    for gpu in ("0", "1"):
+        mine = [n for n in order if rows[n]["gpu"] == gpu]
+        assert len(mine) >= 2 and rows[mine[0]]["restored"] == [] and rows[mine[-1]]["restored"] == []
+    assert {rows[n]["gpu"] for n in ("gdn", "attention", "lm_head")} <= {"0", "1"}
+    # The build scores the same on both GPUs (the stand-in engine is deterministic), every restore differently.
+    kls = {n: v["metrics"]["en"]["kl"] for n, v in rows.items()}
+    assert len({round(kls[n], 9) for n in ("build", "build-gpu1", "build-end-gpu0", "build-end-gpu1")}) == 1
+    assert len({round(kls[n], 9) for n in ("build", "gdn", "attention", "lm_head")}) == 4
+    # Measurements never overlap across GPUs, and both GPUs measured.
+    assert {d for d, _, _, _ in spans} == {"cuda:0", "cuda:1"}
+    spans.sort(key=lambda s: s[2])
+    for a, b in zip(spans, spans[1:]):
+        assert b[2] >= a[3] or a[0] == b[0], (a, b)
+    # Decode against the build on the row's own GPU, the spread pooled over both GPUs' builds (df 1 + 1).
+    for name in ("gdn", "attention", "lm_head"):
+        d = rows[name]["decode_vs_build"]
+        assert d["gpu"] == rows[name]["gpu"] and d["engines"] == [1, 2] and d["df"] == 2
+    engines = two["verdicts"]["build_engines"]
+    assert set(engines["by_gpu"]) == {"0", "1"} and engines["engines"] == 4
+    per_gpu = two["backend_info"]["per_gpu"]
+    assert [g["cuda_device"] for g in per_gpu] == ["cuda:0", "cuda:1"] and [g["precompile"] for g in per_gpu] == [1, 2]
+    assert per_gpu[0]["cpus"] and not set(per_gpu[0]["cpus"]) & set(per_gpu[1]["cpus"])
+    assert sorted(Path(r["folder"]).name for r in two["runs"][-1]["precompiled"]) == ["attention", "gdn", "lm_head", "lowlatency"]
+    assert "each row compared with the build on its own GPU" in (tmp_path / "two" / "report.md").read_text()

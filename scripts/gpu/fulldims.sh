@@ -26,6 +26,9 @@ CMD=(python3 -m splicer ablate "$ROWS" "$WORK/pair/build" "$WORK/pair/reference"
 if [ "${OVERLAP:-0}" -gt 0 ]; then CMD+=(--overlap-starts "$OVERLAP"); else CMD+=(--gpu-memory-utilization 0.5); fi
 # PRECOMPILE=N: every variant's engine compiled ahead in N processes while the base pass runs; rows stay serial.
 if [ "${PRECOMPILE:-0}" -gt 0 ]; then CMD+=(--precompile "$PRECOMPILE"); fi
+# GPUS=0,1: the rows spread over these GPUs (--gpus), each timing the build first and last; PRECOMPILE's processes are
+# spread over them too.
+if [ -n "${GPUS:-}" ]; then CMD+=(--gpus "$GPUS"); fi
 # REWAKE=1: one more sleep and wake right before each decode timing (with OVERLAP only).
 if [ "${REWAKE:-0}" = 1 ]; then CMD+=(--rewake-before-timing); fi
 # GPU use every 5 s beside the run (outside DIR: ablate refuses a DIR holding files it did not write).

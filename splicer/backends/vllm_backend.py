@@ -194,7 +194,7 @@ class VllmBackend:
     def __init__(self, device: str = "auto", engine_args: dict | None = None, log_dir: Path | None = None,
                  start_timeout_s: float = 1800, require_cuda: bool = True, cache_dir: Path | None = None,
                  one_process: bool = True, overlap_starts: int = 0, sleep_between: bool | None = None,
-                 rewake_before_timing: bool = False, precompile: int = 0):
+                 rewake_before_timing: bool = False, precompile: int = 0, cpus: list[int] | None = None):
         if importlib.util.find_spec("vllm") is None:
             raise SplicerError("the vLLM backend needs vllm (pip install 'splicer[vllm]' on a GPU machine); use --backend torch here")
         if require_cuda and not torch.cuda.is_available():
@@ -231,10 +231,17 @@ class VllmBackend:
         self.overlap_starts = overlap_starts
         if one_process:
             self.env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the worker itself: one import, shared caches
+        # cpus: the cores this backend's processes may use (a run spread over GPUs gives each GPU its share).
+        self.cpus = sorted(cpus) if cpus else None
+        ncpu = len(self.cpus) if self.cpus else (os.cpu_count() or 1)
+        if self.cpus:
+            self.env["SPLICER_CPUS"] = ",".join(str(c) for c in self.cpus)
+            if "OMP_NUM_THREADS" not in os.environ:
+                self.env["OMP_NUM_THREADS"] = str(ncpu)
         if overlap_starts and "OMP_NUM_THREADS" not in os.environ:
             # 1+N engines start at once on one host: each worker gets its share of the cores for torch's CPU threads
             # instead of all of them (vLLM does the same for its own multi-process workers).
-            self.env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (1 + overlap_starts)))
+            self.env["OMP_NUM_THREADS"] = str(max(1, ncpu // (1 + overlap_starts)))
         # Compiled graphs, Triton kernels and autotuning results (vLLM sets TRITON_CACHE_AUTOTUNING=1) live on disk.
         # By default they stay in vLLM's, Triton's and Inductor's per-user folders, so a later run on the machine skips
         # the first engine's autotuning (143 s on the H200 stand-in) and every compile it has seen; cache_dir moves
@@ -245,6 +252,7 @@ class VllmBackend:
             for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
                 if var not in os.environ:
                     self.env[var] = str(cache_dir / sub)
+        self.device = device
         self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "vllm-logs"
         self.start_timeout_s = start_timeout_s
         self.workers = [_Worker(self) for _ in range(1 + overlap_starts)]
@@ -255,9 +263,12 @@ class VllmBackend:
         self.precompile_slots = precompile
         lane_env = dict(self.env)
         if precompile and "OMP_NUM_THREADS" not in os.environ:
-            lane_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (1 + precompile)))
+            lane_env["OMP_NUM_THREADS"] = str(max(1, ncpu // (1 + precompile)))
         self._lanes = [_Worker(self, lane_env) for _ in range(precompile)]
         self._lane_threads: list = []
+        # From here until finish_precompile() the lanes may be compiling beside this backend's engine, even before
+        # their first folder is queued (splices are made while the base pass starts): engines get a fixed KV cache.
+        self._lanes_open = bool(precompile)
         self._lane_queue = None
         self._lane_seen: set[Path] = set()
         self.precompiled: list[dict] = []  # one record per folder compiled ahead (or refused)
@@ -360,6 +371,7 @@ class VllmBackend:
 
     def finish_precompile(self) -> list[dict]:
         """Wait for every queued folder to be compiled and end the lanes' processes: from here on, one engine at a time."""
+        self._lanes_open = False
         if self._lane_queue is not None:
             for _ in self._lane_threads:
                 self._lane_queue.put(None)
@@ -369,8 +381,8 @@ class VllmBackend:
         return list(self.precompiled)
 
     def _sharing_gpu(self) -> bool:
-        """Engines are compiling in the lanes right now."""
-        return bool(self._lane_threads)
+        """Engines may be compiling in the lanes now (finish_precompile() not yet called)."""
+        return self._lanes_open or bool(self._lane_threads)
 
     def _fixed_kv_cache(self) -> bool:
         return bool(self.engine_args.get("kv_cache_memory_bytes"))
@@ -479,6 +491,7 @@ class VllmBackend:
 
     def close(self) -> None:
         self.active = None
+        self._lanes_open = False
         if self._lane_queue is not None:  # interrupted while compiling ahead: drop what is queued, end the lanes now
             try:
                 while True:
@@ -505,6 +518,7 @@ class VllmBackend:
             version = "unknown"
         return {"backend": "vllm", "engine": f"vllm {version}", "torch": torch.__version__,
                 "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "engine_args": self.engine_args,
+                "cuda_device": self.device, "cpus": self.cpus,
                 "env": {k: v for k, v in self.env.items()}, "python": sys.version.split()[0], "one_process": self.one_process,
                 "overlap_starts": self.overlap_starts, "worker_starts": self.worker_starts, "timing_state": self.timing_state,
                 "rewake_before_timing": self.rewake_before_timing, "precompile": self.precompile_slots,

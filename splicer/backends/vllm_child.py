@@ -110,6 +110,10 @@ def _worker(conn, env: dict, log_path: str) -> None:
     _redirect_output(log_path)
     _die_with_parent()
     os.environ.update(env)
+    if env.get("SPLICER_CPUS") and hasattr(os, "sched_setaffinity"):
+        # A run spread over GPUs gives each GPU's processes their own cores (inherited by vLLM's compile workers), so an
+        # engine starting for one GPU does not take the CPU from an engine being timed on another.
+        os.sched_setaffinity(0, {int(c) for c in env["SPLICER_CPUS"].split(",")})
     if env.get("OMP_NUM_THREADS"):  # torch was imported (with this module) before env applied
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     t0 = time.perf_counter()

@@ -1,0 +1,150 @@
+"""`splicer ablate --gpus 0,1`: a plan's rows spread over several GPUs of one host.
+
+Decode differences of a few percent are only seen when every engine is timed alone on its GPU, and engines of one
+variant on different GPUs differ by more than that: so each GPU times the build at its start and at its end (the rows
+`build` / `build-gpuN` and `build-end-gpuN`), and each row's decode is compared with the build on its own GPU
+(verdicts.decode_vs_build), the engine-to-engine spread pooled over GPUs. The plan's own extra engines of the build
+(`repeat = true` rows of the build) are replaced by these and reported as skipped.
+
+The first GPU runs the base pass while --precompile's processes compile every variant on the others (vLLM's compile
+cache is on disk, shared by the GPUs). Then one thread per GPU takes rows in plan order, whichever is free next. A row
+scores and is timed while no other GPU's row scores or is timed (RowSchedule.measuring), so what runs beside a timing
+is at most another GPU's engine starting, on that GPU and on that GPU's share of the cores (each GPU's processes are
+pinned to their own cores).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from pathlib import Path
+
+from .errors import SplicerError
+from .plan import Row
+
+SPREAD_REPEAT_REASON = "spread over GPUs: the build is timed at the start and end of every GPU instead"
+
+
+def cuda_ids(gpus: tuple[str, ...]) -> list[str]:
+    """--gpus ids as the CUDA ids a child process is given: the parent's CUDA_VISIBLE_DEVICES (when set) maps them."""
+    import torch
+
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        bad = [g for g in gpus if int(g) >= n]
+        if bad:
+            raise SplicerError(f"--gpus {','.join(gpus)}: this machine shows {n} GPU(s) (CUDA ids 0-{n - 1}); "
+                               f"drop {','.join(bad)}")
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible:
+        if any(int(g) >= len(visible) for g in gpus):
+            raise SplicerError(f"--gpus {','.join(gpus)}: CUDA_VISIBLE_DEVICES shows {len(visible)} GPU(s); "
+                               f"give ids below {len(visible)}")
+        return [visible[int(g)] for g in gpus]
+    return list(gpus)
+
+
+def core_shares(n: int) -> list[list[int]]:
+    """This process's cores split into n equal, disjoint shares (one per GPU)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) < n:
+        return [cores] * n
+    return [cores[k * len(cores) // n:(k + 1) * len(cores) // n] for k in range(n)]
+
+
+def make_backends(settings, options: dict, log_dir: Path) -> list:
+    """One vLLM backend per GPU, the first runs the base pass; --precompile's N processes are spread over the GPUs,
+    the first (which holds the base pass's engine too) getting the fewest."""
+    from .backends import make_backend
+
+    ids, shares = cuda_ids(settings.gpus), core_shares(len(settings.gpus))
+    n = len(ids)
+    lanes = [settings.precompile // n + (1 if k >= n - settings.precompile % n else 0) for k in range(n)]
+    return [make_backend("vllm", f"cuda:{cuda}", **dict(options, log_dir=log_dir / f"gpu{gpu}", precompile=lanes[k],
+                                                       cpus=shares[k]))
+            for k, (gpu, cuda) in enumerate(zip(settings.gpus, ids))]
+
+
+def compile_targets(lanes: list[int]):
+    """For each variant to compile ahead, in the order the rows need them, the index of the backend (GPU) that compiles
+    it. The first round fills every compiling process, the other GPUs' first (their rows can start as soon as the base
+    pass is done, and they need the first variants); later variants go to the first GPU's processes, whose rows wait
+    for the base pass anyway (spread evenly over the others when it has none), so the other GPUs' processes end after
+    one compile each."""
+    yield from (k for k in (*range(1, len(lanes)), 0) for _ in range(lanes[k]))
+    later = [0] if lanes[0] else [k for k in range(1, len(lanes)) if lanes[k]] or [0]
+    while True:
+        yield from later
+
+
+def gpu_build_rows(todo: list[tuple], gpus: tuple[str, ...]) -> tuple[list[tuple], list[tuple], list[tuple], list[tuple]]:
+    """(each GPU's first engine of the build, each GPU's last, the other rows in plan order, the plan's own extra engines
+    of the build, which these replace). Items are (row, restored, splice_name) as resolve_rows gives them."""
+    build = next((it for it in todo if it[1] == [] and it[2] == it[0].name), None)
+    if build is None:
+        raise SplicerError("--gpus times every row against the build on its own GPU, and this plan has no build row "
+                           "(restore = []); add one or leave --gpus out")
+    name = build[0].name
+    firsts = [build if k == 0 else (Row(f"{name}-gpu{g}", restore=[], repeat=True), [], name) for k, g in enumerate(gpus)]
+    lasts = [(Row(f"{name}-end-gpu{g}", restore=[], repeat=True), [], name) for g in gpus]
+    replaced = [it for it in todo if it is not build and it[1] == [] and it[2] == name]
+    rows = [it for it in todo if it is not build and it not in replaced]
+    return firsts, lasts, rows, replaced
+
+
+def run_rows_on_gpus(lanes: list[tuple[str, object]], firsts: list[tuple], lasts: list[tuple], rows: list[tuple],
+                     run_one, record, before_rows=None) -> None:
+    """One thread per (gpu, backend) in lanes: before_rows(backend, gpu) (its compiling processes end), its first item,
+    then rows from the shared queue while any is left, then its last item. run_one(item, backend, gpu) -> entry;
+    record(item, entry) writes it (under RowSchedule.measuring, by the caller). An interrupt (Ctrl-C) ends every lane:
+    their backends are closed, which ends their engines, and what a lane was doing then is not recorded."""
+    pending: queue.Queue = queue.Queue()
+    for it in rows:
+        pending.put(it)
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def lane(k: int, gpu: str, backend) -> None:
+        def items():
+            if firsts[k] is not None:
+                yield firsts[k]
+            while not stop.is_set():
+                try:
+                    yield pending.get_nowait()
+                except queue.Empty:
+                    break
+            if lasts[k] is not None:
+                yield lasts[k]
+
+        try:
+            if before_rows is not None:
+                before_rows(backend, gpu)
+            for it in items():
+                if stop.is_set():
+                    return
+                entry = run_one(it, backend, gpu)
+                if stop.is_set():
+                    return
+                record(it, entry)
+        except BaseException as e:  # a failure outside a row (results.json cannot be written): end every lane
+            failures.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=lane, args=(k, gpu, b), daemon=True, name=f"gpu{gpu}")
+               for k, (gpu, b) in enumerate(lanes)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.5)
+    except BaseException:
+        stop.set()
+        for _, b in lanes:
+            b.close()
+        for t in threads:
+            t.join(30)
+        raise
+    if failures:
+        raise failures[0]
