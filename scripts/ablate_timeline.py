@@ -1,11 +1,15 @@
 """Where the wall time of an `splicer ablate` run went, from its DIR/ablate.log (all invocations of one job).
 
-    python scripts/ablate_timeline.py ABLATE_LOG [PLAN_ROWS] > timeline.json
+    python scripts/ablate_timeline.py ABLATE_LOG [PLAN_ROWS] [RESULTS_JSON] > timeline.json
 
 Per invocation: its start, the time before its first row (splices, the base pass, compiling ahead), and per row the
-wall from the row's first line (its splice or engine start) to its "ok" line, with the engine start inside it. With
-PLAN_ROWS (the plan's row count) it adds what one invocation from cold would take: the first invocation's time before
-its first row plus PLAN_ROWS times the mean row wall of all finished rows (an estimate, named as one).
+wall from the row's first line (its splice or engine start) to its "ok" line, with the engine start inside it (rows
+of a run spread over GPUs interleave in the log: each row is followed by its own name). With PLAN_ROWS (the number of
+engines the plan runs) it adds what one invocation from cold would take, an estimate named as one: serially, the
+first invocation's time before its first row plus PLAN_ROWS times the mean row wall of all finished rows. With
+RESULTS_JSON of a run spread over GPUs (rows record their "gpu"): each GPU's rows of the first invocation as they ran,
+then every row finished later (and the mean row wall for each row not finished) given to the GPU free first, as the
+run's shared row queue does; the estimate is when the last GPU is done.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ def _t(stamp: str) -> float:
 
 
 def timeline(lines: list[str]) -> dict:
-    invocations, cur, row = [], None, None
+    invocations, cur, open_rows = [], None, {}
     for line in lines:
         m = LINE.match(line.strip())
         if not m:
@@ -33,25 +37,27 @@ def timeline(lines: list[str]) -> dict:
         if text.startswith("ablate "):
             cur = {"started": m.group(1), "_t0": t, "before_first_row_s": None, "rows": [], "_last": t}
             invocations.append(cur)
-            row = None
+            open_rows = {}
             continue
         name, _, rest = text.partition(": ")
         if cur is None:
             continue
         cur["_last"] = t
         if name in ("base pass", "compiling ahead"):
-            row = None  # splices made ahead of the base pass belong to the time before the first row
+            open_rows = {}  # splices made ahead of the base pass belong to the time before the first row
             continue
-        if row is None or row["name"] != name:
-            row = {"name": name, "_t0": t, "engine_start_s": None, "wall_s": None}
+        if re.fullmatch(r"gpu \S+", name):  # a GPU's own line (spread over GPUs: waiting for its compiles)
+            continue
+        row = open_rows.setdefault(name, {"name": name, "_t0": t, "engine_start_s": None, "wall_s": None})
         if rest.startswith("engine start: done in"):
             row["engine_start_s"] = float(rest.split("done in ")[1].split(" s")[0])
         if rest.startswith("ok"):
             row["wall_s"] = t - row["_t0"]
+            row["end_s"] = t - cur["_t0"]  # from the invocation's start to the row's "ok" line
             if cur["before_first_row_s"] is None:
                 cur["before_first_row_s"] = row["_t0"] - cur["_t0"]
             cur["rows"].append({k: v for k, v in row.items() if not k.startswith("_")})
-            row = None
+            del open_rows[name]
     for inv in invocations:
         inv["wall_s"] = inv.pop("_last") - inv.pop("_t0")
     walls = [r["wall_s"] for inv in invocations for r in inv["rows"]]
@@ -59,13 +65,47 @@ def timeline(lines: list[str]) -> dict:
             "mean_row_wall_s": round(statistics.mean(walls), 1) if walls else None}
 
 
+def spread_estimate(data: dict, plan_rows: int, gpu_of: dict) -> dict:
+    """One invocation from cold of a run spread over GPUs (see the module's docstring)."""
+    first, *later = data["invocations"]
+    gpus = sorted(set(gpu_of.values()), key=str)
+    free = {g: first["before_first_row_s"] for g in gpus}
+    for row in first["rows"]:
+        free[gpu_of[row["name"]]] = max(free[gpu_of[row["name"]]], row["end_s"])
+    after_first = {str(g): round(v, 1) for g, v in free.items()}
+
+    def finish(walls: list[float]) -> float:
+        lanes = dict(free)
+        for wall in walls:
+            g = min(lanes, key=lambda k: lanes[k])
+            lanes[g] += wall
+        return round(max(lanes.values()), 1)
+
+    missing = max(0, plan_rows - data["rows_finished"])
+    rest = [r["wall_s"] for inv in later for r in inv["rows"]]
+    first_mean = statistics.mean(r["wall_s"] for r in first["rows"])
+    return {"plan_rows": plan_rows, "gpus": len(gpus), "before_first_row_s": first["before_first_row_s"],
+            "gpu_free_after_first_invocation_s": after_first,
+            "value": finish(rest + [data["mean_row_wall_s"]] * missing),
+            # The later invocations' rows started in fresh processes, slower than the first invocation's: the same
+            # estimate with every row after the first invocation at the first invocation's mean row wall.
+            "first_invocation_mean_row_wall_s": round(first_mean, 1),
+            "value_at_first_invocation_mean": finish([first_mean] * (len(rest) + missing))}
+
+
 def main() -> None:
     data = timeline(open(sys.argv[1]).read().splitlines())
     if len(sys.argv) > 2 and data["mean_row_wall_s"] is not None:
         n = int(sys.argv[2])
         first = data["invocations"][0]["before_first_row_s"]
-        data["estimate_one_invocation_s"] = {"plan_rows": n, "before_first_row_s": first,
-                                             "value": round(first + n * data["mean_row_wall_s"], 1)}
+        gpu_of = {}
+        if len(sys.argv) > 3:
+            gpu_of = {v["name"]: v["gpu"] for v in json.load(open(sys.argv[3]))["variants"] if v.get("gpu") is not None}
+        if gpu_of:
+            data["estimate_one_invocation_s"] = spread_estimate(data, n, gpu_of)
+        else:
+            data["estimate_one_invocation_s"] = {"plan_rows": n, "before_first_row_s": first,
+                                                 "value": round(first + n * data["mean_row_wall_s"], 1)}
     json.dump(data, sys.stdout, indent=1)
     print()
 

@@ -8,11 +8,15 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ablate_timeline.py"
 
 
-def _timeline():
+def _module():
     spec = importlib.util.spec_from_file_location("ablate_timeline", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.timeline
+    return module
+
+
+def _timeline():
+    return _module().timeline
 
 
 LOG = """\
@@ -41,7 +45,46 @@ def test_rows_are_timed_from_their_first_line_and_splices_made_ahead_count_befor
     t = _timeline()(LOG.splitlines())
     first, resumed = t["invocations"]
     assert first["before_first_row_s"] == 151  # splice ahead, base pass and compiling: 06:00:00 -> 06:02:31
-    assert first["rows"] == [{"name": "build", "engine_start_s": 40.0, "wall_s": 50}]  # gdn was interrupted
+    assert first["rows"] == [{"name": "build", "engine_start_s": 40.0, "wall_s": 50, "end_s": 201}]  # gdn was interrupted
     assert first["wall_s"] == 220
     assert resumed["before_first_row_s"] == 2 and resumed["rows"][0]["wall_s"] == 60
     assert t["rows_finished"] == 2 and t["mean_row_wall_s"] == 55
+
+
+SPREAD_LOG = """\
+2026-12-01T06:00:00Z ablate all of plan p: B against R into D
+2026-12-01T06:00:00Z base pass: started
+2026-12-01T06:00:01Z gdn: splice gdn: started
+2026-12-01T06:00:05Z gdn: splice gdn: done in 4.0 s
+2026-12-01T06:05:00Z base pass: done in 300.0 s
+2026-12-01T06:05:01Z gpu 1: compiling ahead: waiting for the last engines to compile: started
+2026-12-01T06:05:02Z gpu 1: compiling ahead: waiting for the last engines to compile: done in 1.0 s
+2026-12-01T06:05:02Z build-gpu1: engine start: started
+2026-12-01T06:05:30Z gpu 0: compiling ahead: waiting for the last engines to compile: done in 29.0 s
+2026-12-01T06:05:30Z build: engine start: started
+2026-12-01T06:06:02Z build-gpu1: engine start: done in 60.0 s
+2026-12-01T06:06:12Z build-gpu1: ok, 1 of 4 rows of this run
+2026-12-01T06:06:13Z gdn: engine start: started
+2026-12-01T06:06:30Z build: engine start: done in 60.0 s
+2026-12-01T06:06:40Z build: ok, 2 of 4 rows of this run
+2026-12-01T06:06:41Z build-end-gpu0: engine start: started
+splicer: interrupted; rerun the same command to start again
+2026-12-01T06:10:00Z ablate all of plan p: B against R into D
+2026-12-01T06:10:00Z base pass: cached
+2026-12-01T06:10:01Z gdn: engine start: started
+2026-12-01T06:11:11Z gdn: ok, 1 of 2 rows of this run
+"""
+
+
+def test_rows_spread_over_gpus_interleave_and_the_estimate_gives_later_rows_to_the_gpu_free_first():
+    m = _module()
+    t = m.timeline(SPREAD_LOG.splitlines())
+    first, resumed = t["invocations"]
+    # Interleaved rows: each from its own first line to its own "ok", the GPUs' own lines and splices ahead ignored.
+    assert first["before_first_row_s"] == 302
+    assert [(r["name"], r["wall_s"], r["end_s"]) for r in first["rows"]] == [("build-gpu1", 70, 372), ("build", 70, 400)]
+    assert [(r["name"], r["wall_s"]) for r in resumed["rows"]] == [("gdn", 70)]
+    est = m.spread_estimate(t, 4, {"build": "0", "build-gpu1": "1", "gdn": "1", "build-end-gpu0": "0"})
+    # gdn (70 s) goes to GPU 1 (free at 372 s) -> 442; one row not finished (mean 70 s) to GPU 0 (free at 400) -> 470.
+    assert est["gpu_free_after_first_invocation_s"] == {"0": 400, "1": 372} and est["value"] == 470
+    assert est["value_at_first_invocation_mean"] == 470
