@@ -68,7 +68,11 @@ FAMILY_FIXTURES = {
         dict(_TINY, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3, first_k_dense_replace=1,
              num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64,
              qk_nope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-             n_group=1, topk_group=1),
+             n_group=1, topk_group=1,
+             # Not fields of transformers' DeepseekV3Config (its router always works so), but in the released
+             # config.json, and vLLM 0.26 reads them: without topk_method = noaux_tc its DeepseekV2MoE has no
+             # e_score_correction_bias and the checkpoint's bias fails to load (results/gpu-families, call 2).
+             topk_method="noaux_tc", scoring_func="sigmoid"),
         builds=("int4", "experts-g32"),
         mtp_layer=True,
         notes="DeepSeek-V3's layout at toy size: MLA (q_lora_rank set; kv_lora_rank 512 and a 64-dim rope part as in the released model, so vLLM's MLA kernels see its head size), layer 0 dense, then routed + shared experts; "
