@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--out", required=True, metavar="OUT", help="output folder (must not exist unless --force)")
     s.add_argument("--restore", required=True, metavar="CLASSES",
                    help="comma list of the family's module classes (splicer inspect lists them), or all")
-    s.add_argument("--layers", metavar="LIST", help="only these decoder layers, e.g. 0,4-7")
+    s.add_argument("--layers", metavar="LIST", help="only these decoder layers, e.g. 0,4-7 (the MTP head, class mtp, is restored whole)")
     s.add_argument("--modules", metavar="REGEX", help="only modules whose HF name matches REGEX (fused groups must stay whole)")
     s.add_argument("--tokenizer-from-base", action="store_true", help="copy the base's tokenizer, chat template and generation config verbatim")
     s.add_argument("--drop-dead-ignore", action="store_true", help="remove ignore entries that match no module under either naming")

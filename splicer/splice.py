@@ -427,7 +427,7 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
     has_mtp = build.arch.mtp_prefix is None or any(build.arch.is_mtp(t) for t in build.weight_map)
     classes = parse_classes(restore, build.arch, modules, build_has_mtp=has_mtp)
     add_mtp = "mtp" in classes and not has_mtp  # seed 000's exporter dropped the MTP head: put the base's back
-    picked = select_modules(modules, classes, build.arch, parse_layers(layers, build.text_config["num_hidden_layers"]),
+    picked = select_modules(modules, classes, build.arch, parse_layers(layers, build.text_config["num_hidden_layers"], build.arch.mtp_layer_index),
                             check_modules_regex(modules_regex), allow_empty=add_mtp)
     base, add_mtp = open_base_for(build, base_src, picked, add_mtp, allow_quantized_base,
                                   mtp_optional=restore.strip() == "all")

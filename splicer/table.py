@@ -217,6 +217,7 @@ def _footnotes(results: dict) -> list[str]:
         ref = f"the mean of the build's {d['engines'][1]} engines, {d['reference_ms']:.3f} ms/token"
         spread = (f"the build's engines ({', '.join(f'{n} {m:.3f}' for n, m in zip(engines['rows'], engines['mean_ms']))}; "
                   f"largest difference {100 * engines['spread']:.2f} %)") if engines else "engines of the rows timed more than once"
+    if d:
         notes.append(f"Δ decode vs build: a row's mean over its engines' blocks against {ref} (the decode column shows each "
                      f"row's own median); the interval is Student's t on the spread between {spread}, df {d['df']}; "
                      "not resolved = the interval includes 0.")
@@ -248,9 +249,14 @@ def _footnotes(results: dict) -> list[str]:
           and not v.get("repeat_of")}
     build = ok.get("build")
     build_kl = pooled_kl(build) if build else None
-    singles = {v["restored"][0]: v for v in ok.values() if len(v["restored"]) == 1}
+    # The MTP head (drafter) never runs in a scoring pass: a row's restore of it changes no score, so it is left out of
+    # the comparison (DeepSeek's and GLM's all-but-experts rows restore it with the rest).
+    from .arch import DRAFTER_CLASS
+
+    scored = lambda v: set(v["restored"]) - {DRAFTER_CLASS}  # noqa: E731
+    singles = {next(iter(scored(v))): v for v in ok.values() if len(scored(v)) == 1 and len(v["restored"]) == 1}
     union = set(singles)
-    together = next((v for v in ok.values() if set(v["restored"]) == union and len(union) > 1), None)
+    together = next((v for v in ok.values() if scored(v) == union and len(union) > 1), None)
     if build_kl and together and singles:
         red_all = build_kl - pooled_kl(together)
         red_sum = sum(build_kl - pooled_kl(v) for v in singles.values())

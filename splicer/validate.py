@@ -152,8 +152,9 @@ def _clip(text: str, n: int = 40) -> str:
     return repr(text if len(text) <= n else text[:n] + "...")
 
 
-def parse_layers(spec: str | None, num_layers: int) -> set[int] | None:
-    """`--layers 0,4-7` as a set of decoder layers of a build with num_layers layers (None: all of them).
+def parse_layers(spec: str | None, num_layers: int, mtp_layer: int | None = None) -> set[int] | None:
+    """`--layers 0,4-7` as a set of decoder layers of a build with num_layers layers (None: all of them). mtp_layer:
+    the index of an MTP head stored as one more decoder layer (DeepSeek-V3, GLM-4.5), which --layers does not select.
 
     Every number is checked against the build before any range is expanded: `0-999999999` is refused in one line
     instead of building a set of a billion ints.
@@ -172,6 +173,9 @@ def parse_layers(spec: str | None, num_layers: int) -> set[int] | None:
         ends = []
         for text in (m.group(1), m.group(2) or m.group(1)):
             # Longer than any layer number: out of range without converting it (int() of a huge string is slow).
+            if mtp_layer is not None and len(text.lstrip("0")) <= 9 and int(text) == mtp_layer:
+                raise SplicerError(f"--layers {_clip(spec)}: layer {mtp_layer} is the MTP head, stored as one more decoder "
+                                   f"layer; restore it whole with --restore mtp (--layers selects decoder layers 0-{last})")
             if len(text.lstrip("0")) > 9 or int(text) > last:
                 raise SplicerError(f"--layers {_clip(spec)}: layer {_clip(text, 12)[1:-1]} is out of range; {have}")
             ends.append(int(text))

@@ -248,6 +248,39 @@ def test_the_mtp_decoder_layer_is_its_own_class_and_restores_apart(family_pairs,
         assert torch.equal(a.get_tensor(name), b.get_tensor(name))  # the base's BF16 tensor, byte for byte
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_the_mtp_layer_follows_num_nextn_predict_layers_and_layers_names_it(family_pairs, family, tmp_path, capsys):
+    """num_nextn_predict_layers = 0: no MTP layer (layer N is not class mtp); more than one: refused in one line rather
+    than reading the second MTP layer as a decoder layer; `--layers N` at the MTP layer says to use --restore mtp."""
+    from splicer.cli import main
+
+    config = json.loads((family_pairs[family]["int4"] / "config.json").read_text())
+    n = config["num_hidden_layers"]
+    assert get_architecture(dict(config, num_nextn_predict_layers=0)).mtp_prefix is None
+    assert get_architecture(dict(config, num_nextn_predict_layers=0)).module_class(f"model.layers.{n}.self_attn.o_proj") != "mtp"
+    with pytest.raises(SplicerError, match="num_nextn_predict_layers = 2"):
+        get_architecture(dict(config, num_nextn_predict_layers=2))
+    assert get_architecture(config).mtp_layer_index == n
+    code = main(["splice", "--restore", "attention", "--layers", str(n), str(family_pairs[family]["int4"]),
+                 str(family_pairs[family]["base"]), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code != 0 and f"layer {n} is the MTP head" in err and "--restore mtp" in err and not (tmp_path / "out").exists()
+
+
+def test_additivity_leaves_the_mtp_head_out(tmp_path):
+    """DeepSeek/GLM: all-but-experts restores the MTP layer too, which no scoring pass runs; the Additivity footnote
+    compares it with the single-class rows all the same."""
+    from splicer.table import render_markdown
+
+    def row(name, restored, kl):
+        return {"name": name, "status": "ok", "restored": restored, "metrics": {"c": {"kl": kl, "positions": 10, "top1": 0.5}}}
+
+    results = {"variants": [row("build", [], 1.0), row("attention", ["attention"], 0.8), row("mlp", ["mlp"], 0.7),
+                            row("all-but-experts", ["attention", "mlp", "mtp"], 0.5)], "corpora": {"c": {}}}
+    text = render_markdown(results)
+    assert "Additivity: the single-class KL reductions (attention, mlp) add up to 1.00×" in text
+
+
 def test_inspect_flags_a_config_that_names_no_architectures(family_pairs, tmp_path):
     """vLLM 0.26 served the qwen3 fixtures, whose config.json had "architectures": null, as embedding models."""
     import shutil

@@ -22,6 +22,11 @@ PACKED_SUFFIXES = CT_PACKED_SUFFIXES + GPTQ_PACKED_SUFFIXES
 PLAIN_SUFFIXES = ("weight", "bias")
 
 
+# The class of the MTP head: a speculative-decoding drafter, which no scoring pass runs (so restoring it changes no
+# score) and which vLLM loads only with --speculative-config.
+DRAFTER_CLASS = "mtp"
+
+
 def fused_group(fused: str, shards: tuple[str, ...]) -> dict[str, tuple[str, tuple[str, ...]]]:
     """Architecture.fused_shards entries for one group vLLM loads into a single layer: every shard -> (fused, shards)."""
     return {s: (fused, shards) for s in shards}
@@ -126,6 +131,15 @@ class Architecture:
         n = text.get(self.mtp_layer_key)
         if not isinstance(n, int) or not self.decoder_roots:
             return self
+        # vLLM skips layers num_hidden_layers ... + num_nextn_predict_layers - 1 in the main model (models/utils.py
+        # get_spec_layer_idx_from_weight_name); 0 means no MTP layer, absent means the released 1.
+        k = text.get("num_nextn_predict_layers", 1)
+        if k == 0:
+            return self
+        if k != 1:
+            raise SplicerError(f"config.json: num_nextn_predict_layers = {k}; splicer reads one MTP layer "
+                               f"({self.decoder_roots[0][0]}.{n}), as DeepSeek-V3 and GLM-4.5 ship, not {k}: "
+                               "open an issue with the checkpoint")
         prefix = f"{self.decoder_roots[0][0]}.{n}."
         return dataclasses.replace(self, mtp_prefix=prefix, class_patterns=(("mtp", re.escape(prefix) + ".+"),) + self.class_patterns)
 
@@ -166,6 +180,11 @@ class Architecture:
     def is_text(self, module: str) -> bool:
         """Part of the text model a batch-1 decode runs (not a vision tower, not the MTP head)."""
         return not self.is_mtp(module) and not module.startswith(self.non_text_prefixes)
+
+    @property
+    def mtp_layer_index(self) -> int | None:
+        """The decoder-layer index of an MTP head stored as one more decoder layer (None: stored apart, or none)."""
+        return self.layer_index(self.mtp_prefix + "x") if self.mtp_prefix else None
 
     @property
     def mtp_ignore(self) -> str:
