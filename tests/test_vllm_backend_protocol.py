@@ -622,3 +622,45 @@ def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_ro
     assert per_gpu[0]["cpus"] and not set(per_gpu[0]["cpus"]) & set(per_gpu[1]["cpus"])
     assert sorted(Path(r["folder"]).name for r in two["runs"][-1]["precompiled"]) == ["attention", "gdn", "lm_head", "lowlatency"]
     assert "each row compared with the build on its own GPU" in (tmp_path / "two" / "report.md").read_text()
+
+
+def test_a_spread_run_interrupted_midway_resumes_with_its_finished_rows(pairs, fake_vllm, tmp_path, monkeypatch):
+    """Ctrl-C in a lane (here: raised by the third row) ends every lane and the run; the same command again keeps the
+    rows already written and runs the rest, on both GPUs."""
+    for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    import json
+
+    import splicer.ablate as ablate_mod
+    from splicer.ablate import AblateSettings, run_ablate
+
+    orig = fake_vllm.VllmBackend.__init__
+    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
+    plan = tmp_path / "p.toml"
+    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 1\n'
+                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n'
+                    '[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n')
+    p, out = pairs["fused"], tmp_path / "out"
+    settings = dict(backend="vllm", progress=False, bootstrap=20, gpus=("0", "1"), time_decode=False,
+                    engine_cache_dir=tmp_path / "c")
+    real_run_row, calls = ablate_mod.run_row, []
+
+    def interrupted_third(*a, **k):
+        calls.append(a[0].name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_run_row(*a, **k)
+
+    monkeypatch.setattr(ablate_mod, "run_row", interrupted_third)
+    with pytest.raises(KeyboardInterrupt):
+        run_ablate("all", str(p["lowlatency"]), str(p["base"]), out, str(plan), AblateSettings(**settings))
+    first = {v["name"]: v for v in json.loads((out / "results.json").read_text())["variants"]}
+    assert first and all(v["status"] == "ok" for v in first.values())
+    monkeypatch.setattr(ablate_mod, "run_row", real_run_row)
+    again = run_ablate("all", str(p["lowlatency"]), str(p["base"]), out, str(plan), AblateSettings(**settings))
+    rows = {v["name"]: v for v in again["variants"]}
+    assert set(rows) == {"build", "gdn", "build-gpu1", "build-end-gpu0", "build-end-gpu1"}
+    assert all(v["status"] == "ok" for v in rows.values())
+    for name, v in first.items():
+        assert rows[name] == v  # kept as written, not run again
+    assert set(again["runs"][-1]["rows_run"]) == set(rows) - set(first)
