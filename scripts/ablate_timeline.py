@@ -9,7 +9,8 @@ engines the plan runs) it adds what one invocation from cold would take, an esti
 first invocation's time before its first row plus PLAN_ROWS times the mean row wall of all finished rows. With
 RESULTS_JSON of a run spread over GPUs (rows record their "gpu"): each GPU's rows of the first invocation as they ran,
 then every row finished later (and the mean row wall for each row not finished) given to the GPU free first, as the
-run's shared row queue does; the estimate is when the last GPU is done.
+run's shared row queue does, except each GPU's last engine of the build (build-end-gpuN), which runs last on its own
+GPU; the estimate is when the last GPU is done.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 from datetime import datetime
 
 LINE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ) (.*)$")
+END_ENGINE = re.compile(r".+-end-gpu(\S+)")  # a GPU's last engine of the build in a run spread over GPUs (spread.py)
 
 
 def _t(stamp: str) -> float:
@@ -74,23 +76,30 @@ def spread_estimate(data: dict, plan_rows: int, gpu_of: dict) -> dict:
         free[gpu_of[row["name"]]] = max(free[gpu_of[row["name"]]], row["end_s"])
     after_first = {str(g): round(v, 1) for g, v in free.items()}
 
-    def finish(walls: list[float]) -> float:
+    def finish(walls: list[tuple[str | None, float]]) -> float:
+        # A GPU's last engine of the build (build-end-gpuN) runs on that GPU after its other rows; every other row
+        # goes to the GPU free first.
         lanes = dict(free)
-        for wall in walls:
-            g = min(lanes, key=lambda k: lanes[k])
-            lanes[g] += wall
+        last = [(m.group(1), wall) for name, wall in walls if name and (m := END_ENGINE.fullmatch(name))]
+        for name, wall in walls:
+            if not (name and END_ENGINE.fullmatch(name)):
+                g = min(lanes, key=lambda k: lanes[k])
+                lanes[g] += wall
+        for gpu, wall in last:
+            key = next((g for g in lanes if str(g) == gpu), None)
+            lanes[key if key is not None else min(lanes, key=lambda k: lanes[k])] += wall
         return round(max(lanes.values()), 1)
 
     missing = max(0, plan_rows - data["rows_finished"])
-    rest = [r["wall_s"] for inv in later for r in inv["rows"]]
+    rest = [(r["name"], r["wall_s"]) for inv in later for r in inv["rows"]]
     first_mean = statistics.mean(r["wall_s"] for r in first["rows"])
     return {"plan_rows": plan_rows, "gpus": len(gpus), "before_first_row_s": first["before_first_row_s"],
             "gpu_free_after_first_invocation_s": after_first,
-            "value": finish(rest + [data["mean_row_wall_s"]] * missing),
+            "value": finish(rest + [(None, data["mean_row_wall_s"])] * missing),
             # The later invocations' rows started in fresh processes, slower than the first invocation's: the same
             # estimate with every row after the first invocation at the first invocation's mean row wall.
             "first_invocation_mean_row_wall_s": round(first_mean, 1),
-            "value_at_first_invocation_mean": finish([first_mean] * (len(rest) + missing))}
+            "value_at_first_invocation_mean": finish([(n, first_mean) for n, _ in rest] + [(None, first_mean)] * missing)}
 
 
 def main() -> None:

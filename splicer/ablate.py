@@ -423,6 +423,8 @@ class RowSchedule:
         self.compilers = compilers or [backend]
         self._preparing: threading.Thread | None = None  # splices and compile queueing, beside the base pass
         self._preparing_error: BaseException | None = None
+        self._cancel = threading.Event()
+        self.compile_ahead = True
         # Rows spread over GPUs score and time one at a time (spread.py): a row on one GPU is measured while the others
         # at most start engines, on their own GPUs and cores. None: one GPU, nothing to exclude.
         self.measuring = threading.Lock() if settings.gpus else None
@@ -448,11 +450,12 @@ class RowSchedule:
         return folder, time.perf_counter() - t0
 
     def prepare(self, item) -> bool:
-        """Splice a row ahead of its turn (kept in prepared); False if refused: the row records that at its turn."""
+        """Splice a row ahead of its turn (kept in prepared); False if it fails: the row tries again at its turn and
+        records the failure there, as without splicing ahead (one row's failure must not end the plan)."""
         try:
             self.prepared[item[0].name] = self.folder(*item)
             return True
-        except SplicerError:
+        except Exception:
             return False
 
     def index(self, name: str) -> int:
@@ -483,6 +486,9 @@ class RowSchedule:
             for item in self.run_list:
                 if item[0].name not in self.prepared:
                     self.prepare(item)
+        # Compiling ahead hides behind the base pass; with the base pass cached (a resumed run) it would only hold up
+        # the rows (run 10's second call: 61.5 s), so the rows compile their own engines then.
+        self.compile_ahead = base_pending
         if any(b.precompile_slots for b in self.compilers) or self.settings.gpus:
             # Every row's engine is compiled ahead while the base pass runs (which is never timed, so engines may share
             # the GPU then); the lanes end before the first row starts, so each row's engine still starts, scores and
@@ -497,9 +503,12 @@ class RowSchedule:
             targets = spread.compile_targets([b.precompile_slots for b in self.compilers])
             queued: list[Path] = []
             for item in self.run_list:
+                if self._cancel.is_set():  # the run was interrupted or failed: nothing more is spliced or compiled
+                    return
                 if self.prepare(item) and (folder := self.prepared[item[0].name][0]) != self.base_root and folder not in queued:
                     queued.append(folder)
-                    self.compilers[next(targets)].precompile(folder)
+                    if self.compile_ahead and not self._cancel.is_set():
+                        self.compilers[next(targets)].precompile(folder)
         except BaseException as e:  # raised at wait_prepared(), in the main thread
             self._preparing_error = e
 
@@ -510,6 +519,14 @@ class RowSchedule:
             self._preparing = None
         if self._preparing_error is not None:
             raise self._preparing_error
+
+    def cancel(self) -> None:
+        """The run ends early (interrupt, failure): stop the splices made beside the base pass and wait for the one in
+        progress, so nothing writes into DIR after its lock is released and no compile starts after the backends close."""
+        self._cancel.set()
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
 
 
 def run_row(row, restored, splice_name, schedule: RowSchedule, backend, cache: Path, corpora: list[Corpus], plan: Plan,
@@ -598,6 +615,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                if settings.backend == "vllm" else {})
     if settings.gpus and settings.backend != "vllm":
         raise SplicerError("--gpus spreads rows over GPUs with the vLLM backend; add --backend vllm or drop --gpus")
+    if settings.gpus:
+        spread.check_gpus(settings.gpus, settings.overlap_starts)
     # One backend per GPU with --gpus (spread.py); the first runs the base pass.
     backends = (spread.make_backends(settings, options, out / "logs") if settings.gpus
                 else [make_backend(settings.backend, settings.device, **options)])
@@ -606,6 +625,16 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     from .validate import validate_base
 
     frozen = validate_base(base, build, settings.allow_quantized_base)
+    family = build.config.get("model_type") or build.arch.name
+    planned, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen)
+    todo = [(p.row, p.restored, p.splice_name) for p in planned]
+    if settings.gpus:  # each GPU's own engines of the build replace the plan's extra ones (spread.py); refused before DIR changes
+        firsts, lasts, spread_rows, replaced = spread.gpu_build_rows(todo, settings.gpus,
+                                                                     timed=bool(settings.time_decode and plan.timing))
+        todo = [firsts[0], *spread_rows, *(it for it in (*firsts[1:], *lasts) if it is not None)]
+        skipped += [{"name": it[0].name, "reason": spread.SPREAD_REPEAT_REASON} for it in replaced]
+        selected |= {it[0].name for it in (*firsts, *lasts) if it is not None}
+    skipped = [s for s in skipped if s["name"] in selected]  # a row not asked for is not reported as skipped
     inputs = [build.root, base.root]
     check_output(out, inputs, ABLATE, own=settings.own_inputs)
     base_digest = base.header_digest()
@@ -629,72 +658,81 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         # When this invocation began (before its splices and base pass), as its elapsed_s counts from then.
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         done = {v["name"]: v for v in (previous or {}).get("variants", []) if same_job and v.get("status") == "ok"}
-        family = build.config.get("model_type") or build.arch.name
-        planned, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen)
-        todo = [(p.row, p.restored, p.splice_name) for p in planned]
-        if settings.gpus:  # each GPU's own engines of the build replace the plan's extra ones (spread.py)
-            firsts, lasts, spread_rows, replaced = spread.gpu_build_rows(todo, settings.gpus)
-            todo = [firsts[0], *spread_rows, *firsts[1:], *lasts]
-            skipped += [{"name": it[0].name, "reason": spread.SPREAD_REPEAT_REASON} for it in replaced]
-            selected |= {it[0].name for it in (*firsts, *lasts)}
-        skipped = [s for s in skipped if s["name"] in selected]  # a row not asked for is not reported as skipped
+        if previous and not same_job and previous.get("variants"):
+            settings.stages.line("the job differs from the one in DIR (inputs, plan, corpora or settings such as --gpus): "
+                                 "its finished rows are run again")
         # Rows this invocation runs, in order (RowSchedule says how their splices and engines are scheduled).
         run_list = [(r, rs, sn) for r, rs, sn in todo if r.name not in done and r.name in selected]
         cache = base_cache(backend, plan, settings, out, base_digest, corpora)
         schedule = RowSchedule(run_list, backend, build, build_src, base_root, base_src, out, settings, compilers=backends)
-        schedule.before_base_pass(base_pending=not (cache / "done.json").exists())
-        with settings.stages.stage("base pass"):
-            corpora = base_pass(backend, base_root, plan, settings, cache, tok, corpora, base.arch.chat_stop_tokens)
-        schedule.wait_prepared()
-        results = new_results(job, plan, corpora, cache, quantized, frozen, skipped, settings,
-                              (previous or {}).get("runs", []) if same_job else [], started)
+        try:
+            return _run_rows(schedule, backends, todo, run_list, done, cache, corpora, tok, plan, settings, out, base, job,
+                             quantized, frozen, skipped, (previous or {}).get("runs", []) if same_job else [], started,
+                             t_start, (firsts, lasts, spread_rows) if settings.gpus else None)
+        except BaseException:
+            schedule.cancel()  # nothing is spliced or compiled into DIR once its lock is released
+            raise
 
-        def finish_precompile(on_backend, gpu=None) -> None:
-            # Spread over GPUs, each GPU's thread waits for its own compiling processes only.
-            if on_backend.precompile_slots:
-                where = f"gpu {gpu}: " if gpu is not None else ""
-                with settings.stages.stage(f"{where}compiling ahead: waiting for the last engines to compile"):
-                    records = on_backend.finish_precompile()
-                with schedule.measuring or contextlib.nullcontext():
-                    results["runs"][-1].setdefault("precompiled", []).extend(records)
 
-        if not settings.gpus:
-            finish_precompile(backend)
-        # Finished in an earlier run of the same job: kept, chosen or not.
-        results["variants"] += [done[r.name] for r, _, _ in todo if r.name in done]
-        bar = _pbar(total=len(run_list), desc="ablate", disable=not settings.progress or None)
-        order = {r.name: k for k, (r, _, _) in enumerate(todo)}
+def _run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list, done: dict, cache: Path, corpora, tok,
+              plan: Plan, settings: AblateSettings, out: Path, base, job: dict, quantized, frozen, skipped, earlier_runs,
+              started: str, t_start: float, spread_plan) -> dict:
+    """run_ablate under DIR's lock, from the base pass on: the base pass (splices and compiles beside it), each row
+    (serially, or with --gpus one thread per GPU), results.json, table.md and report.md after every row."""
+    backend = backends[0]
+    schedule.before_base_pass(base_pending=not (cache / "done.json").exists())
+    with settings.stages.stage("base pass"):
+        corpora = base_pass(backend, base.root, plan, settings, cache, tok, corpora, base.arch.chat_stop_tokens)
+    schedule.wait_prepared()
+    results = new_results(job, plan, corpora, cache, quantized, frozen, skipped, settings, earlier_runs, started)
 
-        def record(item, entry: dict) -> None:
-            with schedule.measuring or contextlib.nullcontext():  # spread over GPUs: not while another row is timed
-                results["variants"].append(entry)
-                results["variants"].sort(key=lambda v: order.get(v["name"], len(order)))  # plan order, however finished
-                settings.stages.line(f"{entry['name']}: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "")
-                                     + f", {len(results['runs'][-1]['rows_run']) + 1} of {len(run_list)} rows of this run")
-                results["runs"][-1]["rows_run"].append(entry["name"])
-                results["runs"][-1]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-                _finish(results, out, backends, settings.bootstrap)
-                bar.update(1)
-            faults.point("ablate:row-done")
+    def finish_precompile(on_backend, gpu=None) -> None:
+        # Spread over GPUs, each GPU's thread waits for its own compiling processes only.
+        if on_backend.precompile_slots:
+            where = f"gpu {gpu}: " if gpu is not None else ""
+            with settings.stages.stage(f"{where}compiling ahead: waiting for the last engines to compile"):
+                records = on_backend.finish_precompile()
+            with schedule.measuring or contextlib.nullcontext():
+                results["runs"][-1].setdefault("precompiled", []).extend(records)
 
-        def run_one(item, on_backend, gpu=None) -> dict:
-            return run_row(*item, schedule, on_backend, cache, corpora, plan, settings, out, gpu=gpu)
+    if not settings.gpus:
+        finish_precompile(backend)
+    # Finished in an earlier run of the same job: kept, chosen or not.
+    results["variants"] += [done[r.name] for r, _, _ in todo if r.name in done]
+    bar = _pbar(total=len(run_list), desc="ablate", disable=not settings.progress or None)
+    order = {r.name: k for k, (r, _, _) in enumerate(todo)}
 
-        names = {r.name for r, _, _ in run_list}
-        if settings.gpus:
-            spread.run_rows_on_gpus(list(zip(settings.gpus, backends)),
-                                    [it if it[0].name in names else None for it in firsts],
-                                    [it if it[0].name in names else None for it in lasts],
-                                    [it for it in spread_rows if it[0].name in names], run_one, record,
-                                    before_rows=lambda on_backend, gpu: finish_precompile(on_backend, gpu))
-        else:
-            for item in run_list:
-                record(item, run_one(item, backend))
-        bar.close()
-        results["elapsed_s"] = time.perf_counter() - t_start
-        results["runs"][-1].update(elapsed_s=round(results["elapsed_s"], 1), finished=True)
-        _finish(results, out, backends, settings.bootstrap)
-        return results
+    def record(item, entry: dict) -> None:
+        with schedule.measuring or contextlib.nullcontext():  # spread over GPUs: not while another row is timed
+            results["variants"].append(entry)
+            results["variants"].sort(key=lambda v: order.get(v["name"], len(order)))  # plan order, however finished
+            settings.stages.line(f"{entry['name']}: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "")
+                                 + f", {len(results['runs'][-1]['rows_run']) + 1} of {len(run_list)} rows of this run")
+            results["runs"][-1]["rows_run"].append(entry["name"])
+            results["runs"][-1]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+            _finish(results, out, backends, settings.bootstrap)
+            bar.update(1)
+        faults.point("ablate:row-done")
+
+    def run_one(item, on_backend, gpu=None) -> dict:
+        return run_row(*item, schedule, on_backend, cache, corpora, plan, settings, out, gpu=gpu)
+
+    names = {r.name for r, _, _ in run_list}
+    if spread_plan:
+        firsts, lasts, spread_rows = spread_plan
+        spread.run_rows_on_gpus(list(zip(settings.gpus, backends)),
+                                [it if it is not None and it[0].name in names else None for it in firsts],
+                                [it if it is not None and it[0].name in names else None for it in lasts],
+                                [it for it in spread_rows if it[0].name in names], run_one, record,
+                                before_rows=lambda on_backend, gpu: finish_precompile(on_backend, gpu))
+    else:
+        for item in run_list:
+            record(item, run_one(item, backend))
+    bar.close()
+    results["elapsed_s"] = time.perf_counter() - t_start
+    results["runs"][-1].update(elapsed_s=round(results["elapsed_s"], 1), finished=True)
+    _finish(results, out, backends, settings.bootstrap)
+    return results
 
 
 def _bytes_per_step(folder: Path) -> int:

@@ -78,14 +78,29 @@ def compile_targets(lanes: list[int]):
         yield from later
 
 
-def gpu_build_rows(todo: list[tuple], gpus: tuple[str, ...]) -> tuple[list[tuple], list[tuple], list[tuple], list[tuple]]:
+def check_gpus(gpus: tuple[str, ...], overlap_starts: int) -> None:
+    """What --gpus accepts (the CLI checks the same before anything starts; this guards other callers of run_ablate)."""
+    if len(gpus) < 2 or len(set(gpus)) != len(gpus) or not all(str(g).isdigit() for g in gpus):
+        raise SplicerError(f"--gpus {','.join(map(str, gpus))}: give two or more distinct CUDA device ids, e.g. --gpus 0,1 "
+                           "(one GPU: leave --gpus out)")
+    if overlap_starts:
+        raise SplicerError("--gpus and --overlap-starts: a run spread over GPUs starts each GPU's engines one at a time; "
+                           "drop --overlap-starts")
+
+
+def gpu_build_rows(todo: list[tuple], gpus: tuple[str, ...], timed: bool = True
+                   ) -> tuple[list[tuple | None], list[tuple | None], list[tuple], list[tuple]]:
     """(each GPU's first engine of the build, each GPU's last, the other rows in plan order, the plan's own extra engines
-    of the build, which these replace). Items are (row, restored, splice_name) as resolve_rows gives them."""
+    of the build, which these replace). Items are (row, restored, splice_name) as resolve_rows gives them. Without
+    decode timing only the first GPU runs the build (its scores are every row's reference), and the plan's own extra
+    engines of the build run as other rows."""
     build = next((it for it in todo if it[1] == [] and it[2] == it[0].name), None)
     if build is None:
-        raise SplicerError("--gpus times every row against the build on its own GPU, and this plan has no build row "
+        raise SplicerError("--gpus compares every row with the build on its own GPU, and this plan has no build row "
                            "(restore = []); add one or leave --gpus out")
     name = build[0].name
+    if not timed:
+        return [build, *[None] * (len(gpus) - 1)], [None] * len(gpus), [it for it in todo if it is not build], []
     firsts = [build if k == 0 else (Row(f"{name}-gpu{g}", restore=[], repeat=True), [], name) for k, g in enumerate(gpus)]
     lasts = [(Row(f"{name}-end-gpu{g}", restore=[], repeat=True), [], name) for g in gpus]
     replaced = [it for it in todo if it is not build and it[1] == [] and it[2] == name]
@@ -127,6 +142,10 @@ def run_rows_on_gpus(lanes: list[tuple[str, object]], firsts: list[tuple], lasts
                 if stop.is_set():
                     return
                 record(it, entry)
+                if it is firsts[k] and entry.get("status") != "ok":
+                    # This GPU cannot serve the build: it takes no rows (each would fail fast and empty the queue),
+                    # the other GPUs run them.
+                    return
         except BaseException as e:  # a failure outside a row (results.json cannot be written): end every lane
             failures.append(e)
             stop.set()
@@ -141,10 +160,12 @@ def run_rows_on_gpus(lanes: list[tuple[str, object]], firsts: list[tuple], lasts
                 t.join(0.5)
     except BaseException:
         stop.set()
+        # End the engines' processes (not close(): the lanes' threads may be using the same workers); each lane's
+        # pending call then fails, its row is not recorded, and the thread ends. The caller closes the backends.
         for _, b in lanes:
-            b.close()
+            b.abort()
         for t in threads:
-            t.join(30)
+            t.join(60)
         raise
     if failures:
         raise failures[0]

@@ -88,8 +88,12 @@ def decode_vs_build(results: dict, name: str) -> dict | None:
     of each, on the variant's GPU (engines on different GPUs differ by more than the differences sought); None when
     either was not timed there."""
     gpus = {v.get("gpu") for v in results.get("variants", []) if v.get("status") == "ok" and name in (v["name"], v.get("repeat_of"))}
-    if len(gpus) != 1:
+    if not gpus:
         return None
+    if len(gpus) > 1:  # a variant's repeat rows taken by other GPUs: no one GPU's build is its reference
+        return {"rel": None, "rel_ci": None, "resolved": None, "engines": [0, 0], "df": 0,
+                "why": f"{name}'s engines ran on GPUs {', '.join(sorted(map(str, gpus)))}; each is compared with the build "
+                       "on its own GPU, so a variant timed on several GPUs has no one difference"}
     gpu = gpus.pop()
     variant, build = timed_engines(results, name, gpu), timed_engines(results, "build", gpu)
     if not variant or not build:

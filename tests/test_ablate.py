@@ -301,3 +301,31 @@ def test_gpus_flag_refusals_are_one_line(args, message, tmp_path, capsys):
     code = main(["ablate", "all", "--demo", "-o", str(tmp_path / "o"), *args])
     err = capsys.readouterr().err
     assert code != 0 and message in err and "Traceback" not in err and not (tmp_path / "o").exists()
+
+
+def test_spread_lanes_a_gpu_that_cannot_serve_the_build_takes_no_rows_and_no_time_runs_one_build():
+    """A GPU whose first engine of the build fails takes nothing from the queue (each row would fail fast there); with
+    decode timing off only the first GPU runs the build and the plan's repeat rows run as other rows."""
+    import threading
+
+    from splicer.plan import Row
+    from splicer.spread import gpu_build_rows, run_rows_on_gpus
+
+    build = (Row("build", restore=[]), [], "build")
+    rows = [(Row(n, restore=[n]), [n], n) for n in ("gdn", "attention", "lm_head")]
+    again = (Row("build-again", restore=[], repeat=True), [], "build")
+    firsts, lasts, queue_rows, replaced = gpu_build_rows([build, *rows, again], ("0", "1"))
+    assert [f[0].name for f in firsts] == ["build", "build-gpu1"] and [x[0].name for x in lasts] == ["build-end-gpu0", "build-end-gpu1"]
+    assert replaced == [again] and queue_rows == rows
+    ran, lock = [], threading.Lock()
+
+    def run_one(item, backend, gpu):
+        with lock:
+            ran.append((gpu, item[0].name))
+        return {"name": item[0].name, "status": "error" if gpu == "1" else "ok"}
+
+    run_rows_on_gpus([("0", None), ("1", None)], firsts, lasts, queue_rows, run_one, lambda item, entry: None)
+    assert [n for g, n in ran if g == "1"] == ["build-gpu1"]
+    assert [n for g, n in ran if g == "0"] == ["build", "gdn", "attention", "lm_head", "build-end-gpu0"]
+    untimed = gpu_build_rows([build, *rows, again], ("0", "1"), timed=False)
+    assert untimed == ([build, None], [None, None], [*rows, again], [])

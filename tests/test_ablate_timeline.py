@@ -88,3 +88,13 @@ def test_rows_spread_over_gpus_interleave_and_the_estimate_gives_later_rows_to_t
     # gdn (70 s) goes to GPU 1 (free at 372 s) -> 442; one row not finished (mean 70 s) to GPU 0 (free at 400) -> 470.
     assert est["gpu_free_after_first_invocation_s"] == {"0": 400, "1": 372} and est["value"] == 470
     assert est["value_at_first_invocation_mean"] == 470
+
+
+def test_a_gpus_last_build_engine_is_estimated_last_on_its_own_gpu():
+    m = _module()
+    log = SPREAD_LOG.replace("06:10:01Z gdn:", "06:10:01Z build-end-gpu1:").replace("06:11:11Z gdn:", "06:11:11Z build-end-gpu1:")
+    t = m.timeline(log.splitlines())
+    est = m.spread_estimate(t, 4, {"build": "0", "build-gpu1": "1", "build-end-gpu1": "1"})
+    # The unfinished row (70 s) goes to GPU 1, free first at 372 s -> 442; then build-end-gpu1 (70 s) last on GPU 1 -> 512,
+    # not on GPU 0 (free at 400 s), which the free-first rule alone would pick.
+    assert est["value"] == 512

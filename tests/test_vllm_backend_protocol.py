@@ -638,11 +638,11 @@ def test_a_spread_run_interrupted_midway_resumes_with_its_finished_rows(pairs, f
     monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
     plan = tmp_path / "p.toml"
     plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 1\n'
+                    '[timing]\nprompt_tokens = 16\nnew_tokens = 3\nwarmup = 0\nruns = 1\n'
                     '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n'
                     '[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n')
     p, out = pairs["fused"], tmp_path / "out"
-    settings = dict(backend="vllm", progress=False, bootstrap=20, gpus=("0", "1"), time_decode=False,
-                    engine_cache_dir=tmp_path / "c")
+    settings = dict(backend="vllm", progress=False, bootstrap=20, gpus=("0", "1"), engine_cache_dir=tmp_path / "c")
     real_run_row, calls = ablate_mod.run_row, []
 
     def interrupted_third(*a, **k):

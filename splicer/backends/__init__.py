@@ -69,6 +69,8 @@ class Backend(Protocol):
 
     def close(self) -> None: ...  # end worker processes, free the model
 
+    def abort(self) -> None: ...  # end worker processes now, from another thread (an interrupt); close() still follows
+
     def score(self, sequences: list[list[int]], top_k: int = 20, gather_ids: list[torch.Tensor] | None = None,
               want_full: bool = False, batch_size: int = 4) -> Iterator[SequenceScores]: ...
 

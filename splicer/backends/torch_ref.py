@@ -195,6 +195,9 @@ class TorchBackend:
     def finish_precompile(self) -> list[dict]:
         return []
 
+    def abort(self) -> None:
+        """Nothing runs in another process; close() frees the model."""
+
     def close(self) -> None:
         self.unload()
 

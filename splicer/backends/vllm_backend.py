@@ -269,6 +269,7 @@ class VllmBackend:
         # From here until finish_precompile() the lanes may be compiling beside this backend's engine, even before
         # their first folder is queued (splices are made while the base pass starts): engines get a fixed KV cache.
         self._lanes_open = bool(precompile)
+        self._closed = False
         self._lane_queue = None
         self._lane_seen: set[Path] = set()
         self.precompiled: list[dict] = []  # one record per folder compiled ahead (or refused)
@@ -338,7 +339,7 @@ class VllmBackend:
     def precompile(self, folder: Path) -> bool:
         """Queue folder's engine to be built once with dummy weights in a compiling lane; False without lanes."""
         folder = Path(folder)
-        if not self._lanes:
+        if not self._lanes or self._closed:  # no compile starts once the run is ending
             return False
         if folder in self._lane_seen:
             return True
@@ -489,7 +490,17 @@ class VllmBackend:
             self.wait_prefetch()
         w.unload()
 
+    def abort(self) -> None:
+        """Kill every worker and compiling process now. Safe from another thread while one uses the workers: only the
+        processes are killed (their pipes then fail where they are waited on); close() tidies up after."""
+        self._closed = True
+        for w in (*self.workers, *self._lanes):
+            proc = w.proc
+            if proc is not None and proc.is_alive():
+                proc.kill()
+
     def close(self) -> None:
+        self._closed = True
         self.active = None
         self._lanes_open = False
         if self._lane_queue is not None:  # interrupted while compiling ahead: drop what is queued, end the lanes now
