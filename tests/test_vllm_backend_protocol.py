@@ -187,32 +187,6 @@ def test_kernel_probe_keeps_layers_that_differ():
     assert kernels_by_class({"model.layers.*.mlp.experts": probe["layers.*.experts"]}, QWEN3_5_MOE) == {"experts": ["Method", "Unquantized"]}
 
 
-def test_overlapped_start_serves_the_next_variant_from_the_second_worker(pairs, fake_vllm, tmp_path):
-    # Without sleep mode (an option of the class, not of the CLI) a worker process serves one engine after another.
-    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=True, sleep_between=False)
-    assert b.engine_args["kv_cache_memory_bytes"] == 12 << 30  # fixed KV cache: no profiling against a moving GPU
-    seqs = [list(range(20, 60))]
-    b.load(pairs["fused"]["lowlatency"])
-    first = b.load_info()
-    b.prefetch(pairs["fused"]["base"])
-    got_build = list(b.score(seqs, 20, batch_size=1))
-    timing = b.time_decode(seqs[0], 3, 0, 1)  # waits for the prefetched start before timing
-    assert all(w.pending is None for w in b.workers) and timing["runs"] == 1
-    b.unload()
-    b.load(pairs["fused"]["base"])
-    second = b.load_info()
-    assert second["prefetched"] and second["pid"] != first["pid"] and b.worker_starts == 2
-    got_base = list(b.score(seqs, 20, batch_size=1))
-    assert not torch.equal(got_base[0].topk_logprobs, got_build[0].topk_logprobs)
-    b.unload()
-    b.load(pairs["fused"]["lowlatency"])  # not prefetched: loads in the idle worker, no new process
-    assert b.load_info()["pid"] == first["pid"] and b.worker_starts == 2
-    again = list(b.score(seqs, 20, batch_size=1))
-    assert torch.equal(again[0].topk_logprobs, got_build[0].topk_logprobs)
-    b.close()
-    assert all(w.proc is None for w in b.workers)
-
-
 def test_with_overlapped_starts_every_engine_sleeps_once_started_and_is_woken_at_its_turn(pairs, fake_vllm, tmp_path):
     """Every row is timed in one state: started (ahead or at its turn), put to sleep, woken. An engine started ahead
     waits asleep, so the one being timed is the only one awake on the GPU; serial runs never sleep."""
@@ -233,12 +207,9 @@ def test_with_overlapped_starts_every_engine_sleeps_once_started_and_is_woken_at
     b.load(pairs["fused"]["lowlatency"])  # sleep mode allows one engine per process: this one gets a fresh worker
     assert b.load_info()["pid"] != first_pid and b.worker_starts == 3 and "retried_in_fresh_worker" not in b.load_info()
     b.close()
+    # Serial engines never sleep (their timing state: the precompile test).
     serial = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False)
     assert not serial.sleep_between and "enable_sleep_mode" not in serial.engine_args
-    serial.load(pairs["fused"]["lowlatency"])
-    assert serial.engine_metrics("fake:sleep_wake") == {"fake:sleep_wake": [0, 0]}
-    assert serial.time_decode(seqs[0], 3, 0, 1)["state"] == "fresh engine, the only one on the GPU"
-    serial.close()
     with pytest.raises(SplicerError, match="enable_sleep_mode"):
         fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=1, engine_args={"enable_sleep_mode": False})
 
@@ -261,7 +232,9 @@ def test_rewake_before_timing_sleeps_and_wakes_the_engine_once_more_before_each_
 def test_two_engines_start_ahead_and_a_third_waits_for_a_free_worker(pairs, fake_vllm, tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    # Without sleep mode (an option of the class, not of the CLI) a worker process serves one engine after another.
     b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=2, sleep_between=False)
+    assert b.engine_args["kv_cache_memory_bytes"] == 12 << 30  # fixed KV cache: no profiling against a moving GPU
     assert b.env["OMP_NUM_THREADS"] == "5"  # three workers share 16 cores
     assert "OMP_NUM_THREADS" not in fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False).env
     p = pairs["fused"]
@@ -278,10 +251,13 @@ def test_two_engines_start_ahead_and_a_third_waits_for_a_free_worker(pairs, fake
     assert b.load_info()["prefetched"] and any(w.prefetched for w in b.workers)
     b.load(p["base"])
     assert b.load_info()["prefetched"] and b.worker_starts == 3
+    base_scores = list(b.score(seqs, 20, batch_size=1))
+    assert not torch.equal(base_scores[0].topk_logprobs, want[0].topk_logprobs)
     b.load(p["lowlatency"])  # not prefetched: the free worker (the first) serves it again
     assert torch.equal(list(b.score(seqs, 20, batch_size=1))[0].topk_logprobs, want[0].topk_logprobs)
     assert b.worker_starts == 3
     b.close()
+    assert all(w.proc is None for w in b.workers)
 
 
 def test_precompile_builds_engines_ahead_with_dummy_weights_and_ends_before_any_timing(pairs, fake_vllm, tmp_path, monkeypatch):
@@ -434,10 +410,12 @@ def _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, modes):
 
 
 def test_ablate_with_overlapped_starts_gives_the_same_scores(pairs, fake_vllm, tmp_path, monkeypatch):
-    runs, logs, splices = _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, (0, 1, 2))
+    # Serial and two ahead (one ahead is the same schedule with groups of one; its order was checked here until the
+    # suite needed the time, and overlapped starts are no longer the way to time).
+    runs, logs, splices = _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, (0, 2))
     a = {v["name"]: v for v in runs[0]["variants"]}
     assert list(a) == ["build", "gdn", "all"]
-    for mode in (1, 2):
+    for mode in (2,):
         b = {v["name"]: v for v in runs[mode]["variants"]}
         assert list(b) == list(a)
         for name in a:
@@ -456,14 +434,11 @@ def test_ablate_with_overlapped_starts_gives_the_same_scores(pairs, fake_vllm, t
         ("load", "base"), "score", ("load", "lowlatency"), "score", "time", ("load", "gdn"), "score", "time",
         ("load", "all"), "score", "time"]
     # With overlap the base's engine starts together with the first group (its start is the longest).
-    assert [e for e in logs[1] if e == "score" or e[0] != "time"] == [
-        ("prefetch", "base"), ("prefetch", "lowlatency"), ("load", "base"), "score", ("load", "lowlatency"),
-        ("prefetch", "gdn"), "score", ("load", "gdn"), ("prefetch", "all"), "score", ("load", "all"), "score"]
     assert [e if e == "score" or e[0] != "time" else "time" for e in logs[2]] == [
         ("prefetch", "base"), ("prefetch", "lowlatency"), ("prefetch", "gdn"), ("load", "base"), "score",
         ("load", "lowlatency"), "time", "score", ("load", "gdn"), "time", ("prefetch", "all"), "score", ("load", "all"),
         "time", "score"]
-    for mode in (1, 2):
+    for mode in (2,):
         assert runs[mode]["base_pass"]["engine"]["prefetched"]  # the base's engine came from the start at t=0
         # Every splice is made while the first engines start, before the base's engine is even collected.
         no_scores = [e for e in logs[mode] if e != "score"]
@@ -553,9 +528,10 @@ def test_both_backends_offer_everything_the_backend_protocol_declares(fake_vllm,
 
 
 def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_row_at_a_time(pairs, fake_vllm, tmp_path, monkeypatch):
-    """--gpus 0,1: the base pass on GPU 0 while GPU 1 compiles; then each GPU times the build first and last, the other
-    rows go to whichever GPU is free; the build scores alike on both; rows are scored and timed one at a time over
-    both GPUs; each row's decode is compared with the build on its own GPU."""
+    """--gpus 0,1: the base pass on GPU 0 while both GPUs compile; then each GPU times the build first and last, the
+    other rows go to whichever GPU is free; the build scores alike on both; rows are scored and timed one at a time over
+    both GPUs; each row's decode is compared with the build on its own GPU. Interrupted (Ctrl-C in a lane, here raised by
+    the third row), the same command again keeps the rows written and runs the rest."""
     for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(var, raising=False)
     import threading
@@ -589,15 +565,36 @@ def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_ro
                     '[[row]]\nname = "attention"\nrestore = ["attention"]\n[[row]]\nname = "lm_head"\nrestore = ["lm_head"]\n'
                     '[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n')
     p = pairs["fused"]
-    two = run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path / "two", str(plan),
-                     AblateSettings(backend="vllm", progress=False, bootstrap=20, gpus=("0", "1"), precompile=3,
-                                    engine_cache_dir=tmp_path / "c2"))
+    import json
+
+    import splicer.ablate as ablate_mod
+
+    settings = dict(backend="vllm", progress=False, bootstrap=20, gpus=("0", "1"), precompile=3, engine_cache_dir=tmp_path / "c2")
+    real_run_row, calls = ablate_mod.run_row, []
+
+    def interrupted_third(*a, **k):
+        calls.append(a[0].name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_run_row(*a, **k)
+
+    monkeypatch.setattr(ablate_mod, "run_row", interrupted_third)
+    with pytest.raises(KeyboardInterrupt):
+        run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path / "two", str(plan), AblateSettings(**settings))
+    first = {v["name"]: v for v in json.loads((tmp_path / "two" / "results.json").read_text())["variants"]}
+    assert first and all(v["status"] == "ok" for v in first.values())
+    monkeypatch.setattr(ablate_mod, "run_row", real_run_row)
+    two = run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path / "two", str(plan), AblateSettings(**settings))
     rows = {v["name"]: v for v in two["variants"]}
+    for name, v in first.items():
+        assert rows[name] == v  # kept as written, not run again
+    assert set(two["runs"][-1]["rows_run"]) == set(rows) - set(first)
+    assert not two["runs"][-1].get("precompiled")  # the base pass was cached: nothing compiled ahead
     assert set(rows) == {"build", "gdn", "attention", "lm_head", "build-gpu1", "build-end-gpu0", "build-end-gpu1"}
     assert all(v["status"] == "ok" for v in rows.values()), [v.get("error") for v in rows.values()]
     assert {s["name"]: s["reason"] for s in two["skipped"]}["build-again"].startswith("spread over GPUs")
     # Each GPU's first and last rows are engines of the build.
-    order = two["runs"][-1]["rows_run"]
+    order = [n for run in two["runs"] for n in run["rows_run"]]
     for gpu in ("0", "1"):
         mine = [n for n in order if rows[n]["gpu"] == gpu]
         assert len(mine) >= 2 and rows[mine[0]]["restored"] == [] and rows[mine[-1]]["restored"] == []
@@ -620,47 +617,9 @@ def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_ro
     per_gpu = two["backend_info"]["per_gpu"]
     assert [g["cuda_device"] for g in per_gpu] == ["cuda:0", "cuda:1"] and [g["precompile"] for g in per_gpu] == [1, 2]
     assert per_gpu[0]["cpus"] and not set(per_gpu[0]["cpus"]) & set(per_gpu[1]["cpus"])
-    assert sorted(Path(r["folder"]).name for r in two["runs"][-1]["precompiled"]) == ["attention", "gdn", "lm_head", "lowlatency"]
+    # Compiled ahead in the first invocation (a GPU's records reach results.json with the next row it writes, so an
+    # interrupt may leave some out); which process compiles what: test_compile_targets_fill_every_process_once_then_...
+    compiled = [Path(r["folder"]).name for run in two["runs"] for r in run.get("precompiled") or []]
+    assert compiled and set(compiled) <= {"attention", "gdn", "lm_head", "lowlatency"} and len(set(compiled)) == len(compiled)
     assert "each row compared with the build on its own GPU" in (tmp_path / "two" / "report.md").read_text()
 
-
-def test_a_spread_run_interrupted_midway_resumes_with_its_finished_rows(pairs, fake_vllm, tmp_path, monkeypatch):
-    """Ctrl-C in a lane (here: raised by the third row) ends every lane and the run; the same command again keeps the
-    rows already written and runs the rest, on both GPUs."""
-    for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_VISIBLE_DEVICES"):
-        monkeypatch.delenv(var, raising=False)
-    import json
-
-    import splicer.ablate as ablate_mod
-    from splicer.ablate import AblateSettings, run_ablate
-
-    orig = fake_vllm.VllmBackend.__init__
-    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
-    plan = tmp_path / "p.toml"
-    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 1\n'
-                    '[timing]\nprompt_tokens = 16\nnew_tokens = 3\nwarmup = 0\nruns = 1\n'
-                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n'
-                    '[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n')
-    p, out = pairs["fused"], tmp_path / "out"
-    settings = dict(backend="vllm", progress=False, bootstrap=20, gpus=("0", "1"), engine_cache_dir=tmp_path / "c")
-    real_run_row, calls = ablate_mod.run_row, []
-
-    def interrupted_third(*a, **k):
-        calls.append(a[0].name)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_run_row(*a, **k)
-
-    monkeypatch.setattr(ablate_mod, "run_row", interrupted_third)
-    with pytest.raises(KeyboardInterrupt):
-        run_ablate("all", str(p["lowlatency"]), str(p["base"]), out, str(plan), AblateSettings(**settings))
-    first = {v["name"]: v for v in json.loads((out / "results.json").read_text())["variants"]}
-    assert first and all(v["status"] == "ok" for v in first.values())
-    monkeypatch.setattr(ablate_mod, "run_row", real_run_row)
-    again = run_ablate("all", str(p["lowlatency"]), str(p["base"]), out, str(plan), AblateSettings(**settings))
-    rows = {v["name"]: v for v in again["variants"]}
-    assert set(rows) == {"build", "gdn", "build-gpu1", "build-end-gpu0", "build-end-gpu1"}
-    assert all(v["status"] == "ok" for v in rows.values())
-    for name, v in first.items():
-        assert rows[name] == v  # kept as written, not run again
-    assert set(again["runs"][-1]["rows_run"]) == set(rows) - set(first)
