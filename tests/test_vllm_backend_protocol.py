@@ -265,7 +265,8 @@ def test_precompile_builds_engines_ahead_with_dummy_weights_and_ends_before_any_
     their processes are gone before a row is timed, and the row's own engine finds its graphs compiled."""
     for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         monkeypatch.delenv(var, raising=False)
-    user_args = {"gpu_memory_utilization": 0.5}
+    # Multithreaded weight loading for the rows: the lanes' dummy loader refuses any loader config, so they drop it.
+    user_args = {"gpu_memory_utilization": 0.5, "model_loader_extra_config": {"enable_multithread_load": True}}
     b = fake_vllm.VllmBackend(log_dir=tmp_path / "logs", require_cuda=False, precompile=2, cache_dir=tmp_path / "c",
                               engine_args=user_args)
     assert b.precompile_slots == 2 and not b.sleep_between

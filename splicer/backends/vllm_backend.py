@@ -356,6 +356,9 @@ class VllmBackend:
         # The engine is only built (Dynamo, Inductor, CUDA graph capture, Triton autotuning), never served: dummy
         # weights skip the 25 s weight load, and the fixed KV cache lets it start beside the base pass's engine.
         args = {**self.engine_args, **OVERLAP_DEFAULTS, "load_format": "dummy"}
+        # vLLM 0.26's dummy loader refuses any model_loader_extra_config (dummy_loader.py), e.g. multithreaded weight
+        # loading; the load config does not enter the compile cache's key (config/load.py compute_hash hashes nothing).
+        args.pop("model_loader_extra_config", None)
         while (folder := self._lane_queue.get()) is not None:
             t0 = time.perf_counter()
             try:

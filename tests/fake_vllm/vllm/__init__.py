@@ -23,7 +23,7 @@ _SLEEP_MODE_ENGINES = 0  # engines built in this process with sleep mode on
 COMPILE_S = 0.2  # what a compile costs here when the cache has no entry for the engine
 # Engine arguments vLLM's compile-cache key leaves out (vllm/config/load.py and cache.py compute_hash).
 _NOT_IN_COMPILE_KEY = {"load_format", "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
-                       "disable_log_stats", "max_logprobs"}
+                       "disable_log_stats", "max_logprobs", "model_loader_extra_config"}
 
 
 @dataclass
@@ -78,6 +78,9 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str, **kwargs):
+        if kwargs.get("load_format") == "dummy" and kwargs.get("model_loader_extra_config"):
+            # vLLM 0.26's DummyModelLoader.__init__ refuses any extra loader config (dummy_loader.py)
+            raise ValueError("Model loader extra config is not supported for load format dummy (fake)")
         if os.environ.get("FAKE_VLLM_FAIL_ON") and os.environ["FAKE_VLLM_FAIL_ON"] in model:
             raise ValueError("Found a different quantization schemes for ['in_proj_qkv', 'in_proj_z'] (fake)")
         global _SLEEP_MODE_ENGINES
