@@ -23,7 +23,6 @@ import sys
 import threading
 import time
 import traceback
-import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -426,8 +425,8 @@ class RowSchedule:
         self._cancel = threading.Event()
         self.compile_ahead = True
         # Rows spread over GPUs score and time one at a time (spread.py): a row on one GPU is measured while the others
-        # at most start engines, on their own GPUs and cores. None: one GPU, nothing to exclude.
-        self.measuring = threading.Lock() if settings.gpus else None
+        # at most start engines, on their own GPUs and cores. With one GPU it is never contended.
+        self.measuring = threading.Lock()
 
     def folder(self, row, restored, splice_name) -> tuple[Path, float]:
         """The row's folder and the seconds its splice took now (0 when made ahead or not needed)."""
@@ -542,10 +541,10 @@ def run_row(row, restored, splice_name, schedule: RowSchedule, backend, cache: P
     measuring = []  # holds schedule.measuring once this row's engine has started
 
     def start_measuring() -> None:
-        if schedule.measuring is not None:
-            t0 = time.perf_counter()
-            schedule.measuring.acquire()
-            measuring.append(schedule.measuring)
+        t0 = time.perf_counter()
+        schedule.measuring.acquire()
+        measuring.append(schedule.measuring)
+        if gpu is not None:
             entry["elapsed"]["waited_to_measure_s"] = time.perf_counter() - t0
         if ahead:
             time_then_start_ahead()
@@ -692,7 +691,7 @@ def _run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list,
             where = f"gpu {gpu}: " if gpu is not None else ""
             with settings.stages.stage(f"{where}compiling ahead: waiting for the last engines to compile"):
                 records = on_backend.finish_precompile()
-            with schedule.measuring or contextlib.nullcontext():
+            with schedule.measuring:
                 results["runs"][-1].setdefault("precompiled", []).extend(records)
 
     if not settings.gpus:
@@ -703,7 +702,7 @@ def _run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list,
     order = {r.name: k for k, (r, _, _) in enumerate(todo)}
 
     def record(item, entry: dict) -> None:
-        with schedule.measuring or contextlib.nullcontext():  # spread over GPUs: not while another row is timed
+        with schedule.measuring:  # spread over GPUs: not while another row is timed
             results["variants"].append(entry)
             results["variants"].sort(key=lambda v: order.get(v["name"], len(order)))  # plan order, however finished
             settings.stages.line(f"{entry['name']}: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "")
@@ -779,7 +778,6 @@ def _finish(results: dict, out: Path, backends, reps: int = 2000) -> None:
     from .table import render_markdown
     from .verdicts import attach
 
-    backends = list(backends) if isinstance(backends, (list, tuple)) else [backends]
     info = backends[0].describe()
     if len(backends) > 1:  # spread over GPUs: what differs per GPU
         info["per_gpu"] = [{k: d.get(k) for k in ("cuda_device", "cpus", "precompile", "worker_starts")}

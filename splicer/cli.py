@@ -90,12 +90,12 @@ def _cmd_fixture(args) -> int:
 
 
 def _gpu_list(text: str) -> tuple[str, ...]:
-    """--gpus 0,1 -> ("0", "1"): two or more distinct CUDA ids."""
-    ids = [g.strip() for g in text.split(",") if g.strip()]
-    if len(ids) < 2 or len(set(ids)) != len(ids) or not all(g.isdigit() for g in ids):
-        raise SplicerError(f"--gpus {text}: give two or more distinct CUDA device ids, e.g. --gpus 0,1 "
-                           "(one GPU: leave --gpus out)")
-    return tuple(ids)
+    """--gpus 0,1 -> ("0", "1"), checked as run_ablate checks it (spread.check_gpus)."""
+    from .spread import check_gpus
+
+    ids = tuple(g.strip() for g in text.split(",") if g.strip())
+    check_gpus(ids, 0)
+    return ids
 
 
 def _cmd_ablate(args) -> int:
@@ -120,8 +120,10 @@ def _cmd_ablate(args) -> int:
             or args.gpus) and args.backend != "vllm":
         raise SplicerError("--gpus, --overlap-starts, --precompile, --rewake-before-timing, --process-per-variant and "
                            "--engine-cache-dir apply to --backend vllm only")
-    if gpus and args.overlap_starts:
-        raise SplicerError("--gpus and --overlap-starts: a run spread over GPUs starts each GPU's engines one at a time; drop --overlap-starts")
+    if gpus:  # before --demo writes its pair into DIR
+        from .spread import check_gpus
+
+        check_gpus(gpus, args.overlap_starts)
     if gpus and args.device != "auto":
         raise SplicerError(f"--gpus {args.gpus} and --device {args.device}: --gpus names the GPUs; drop --device")
     if engine_args and args.backend != "vllm":

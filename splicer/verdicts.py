@@ -100,8 +100,9 @@ def decode_vs_build(results: dict, name: str) -> dict | None:
         return None
     # The engine-to-engine spread is estimated from every variant timed on two or more engines of one GPU, not only
     # these two: the build on the other GPUs too.
+    all_gpus = _gpus(results)
     groups = [(v["name"], g) for v in results.get("variants", []) if v.get("status") == "ok" and not v.get("repeat_of")
-              for g in _gpus(results)]
+              for g in all_gpus]
     others = [e for n, g in groups if (n, g) not in ((name, gpu), ("build", gpu))
               for e in [timed_engines(results, n, g)] if len(e) > 1]
     return dict(decode_difference(variant, build, extra_groups=others), **({"gpu": gpu} if gpu is not None else {}))
