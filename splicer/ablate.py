@@ -51,6 +51,7 @@ class AblateSettings:
     corpus_overrides: dict[str, str] = field(default_factory=dict)
     batch_size: int | None = None  # sequences per forward / per engine call; None: the backend's default
     engine_args: dict = field(default_factory=dict)
+    engine_env: dict = field(default_factory=dict)  # vllm: environment variables for every engine process (--engine-env)
     bandwidth_gbs: float | None = None  # memory bandwidth for the decode floor column (H200: 4800)
     bootstrap: int = 1000
     progress: bool = True
@@ -160,7 +161,9 @@ def prepare_corpora(base_root: Path, plan: Plan, settings: AblateSettings):
 def base_cache(backend, plan: Plan, settings: AblateSettings, out: Path, base_digest: str, corpora: list[Corpus]) -> Path:
     """The folder of the base pass for these inputs and settings (done when it holds done.json)."""
     key = _digest(BASE_PASS_VERSION, base_digest, [c.digest() for c in corpora], [c.spec for c in corpora], plan.top_k, backend.name,
-                  settings.device, settings.batch_size, settings.engine_args)
+                  settings.device, settings.batch_size, settings.engine_args,
+                  # Only when set, so that caches made before --engine-env existed keep their key.
+                  *([settings.engine_env] if settings.engine_env else []))
     return out / "cache" / f"base-{key}"
 
 
@@ -358,7 +361,8 @@ def make_job(plan: Plan, corpora: list[Corpus], build_src: str, build, base_src:
             "build": {"source": str(build_src), "header_digest": build.header_digest()},
             "base": {"source": str(base_src), "digest": base_digest},
             "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
-                         "engine_args": settings.engine_args, "allow_quantized_base": settings.allow_quantized_base,
+                         "engine_args": settings.engine_args, **({"engine_env": settings.engine_env} if settings.engine_env else {}),
+                         "allow_quantized_base": settings.allow_quantized_base,
                          "overlap_starts": settings.overlap_starts, "rewake_before_timing": settings.rewake_before_timing,
                          "time_decode": settings.time_decode, "corpus_overrides": settings.corpus_overrides,
                          # Rows spread over GPUs are named and compared per GPU: another spread is another job.
@@ -610,7 +614,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     selected = select_rows(plan, rows_spec, quantized)
     options = ({"engine_args": settings.engine_args, "log_dir": out / "logs", "cache_dir": settings.engine_cache_dir,
                 "one_process": not settings.process_per_variant, "overlap_starts": settings.overlap_starts,
-                "rewake_before_timing": settings.rewake_before_timing, "precompile": settings.precompile}
+                "rewake_before_timing": settings.rewake_before_timing, "precompile": settings.precompile,
+                "engine_env": settings.engine_env}
                if settings.backend == "vllm" else {})
     if settings.gpus and settings.backend != "vllm":
         raise SplicerError("--gpus spreads rows over GPUs with the vLLM backend; add --backend vllm or drop --gpus")

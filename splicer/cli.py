@@ -107,9 +107,10 @@ def _cmd_ablate(args) -> int:
         if not sep or not name or not path:
             raise SplicerError(f"--corpus {item!r} should be NAME=FILE (a .txt or .jsonl file)")
         overrides[name] = path
-    from .backends.vllm_backend import parse_engine_args
+    from .backends.vllm_engine_args import parse_engine_args, parse_engine_env
 
     engine_args = parse_engine_args(args.engine_arg)
+    engine_env = parse_engine_env(args.engine_env)
     for flag in ("tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "moe_backend"):
         if getattr(args, flag) is not None:
             engine_args[flag] = getattr(args, flag)
@@ -126,14 +127,14 @@ def _cmd_ablate(args) -> int:
         check_gpus(gpus, args.overlap_starts)
     if gpus and args.device != "auto":
         raise SplicerError(f"--gpus {args.gpus} and --device {args.device}: --gpus names the GPUs; drop --device")
-    if engine_args and args.backend != "vllm":
-        raise SplicerError("engine options (--engine-arg, --max-model-len, ...) apply to --backend vllm only")
+    if (engine_args or engine_env) and args.backend != "vllm":
+        raise SplicerError("engine options (--engine-arg, --engine-env, --max-model-len, ...) apply to --backend vllm only")
     settings = AblateSettings(backend=args.backend, device=args.device, time_decode=not args.no_time,
                               corpus_overrides=overrides, batch_size=args.batch_size, progress=not args.quiet,
                               allow_quantized_base=args.allow_quantized_base, process_per_variant=args.process_per_variant,
                               overlap_starts=args.overlap_starts, precompile=args.precompile, engine_cache_dir=args.engine_cache_dir,
                               rewake_before_timing=args.rewake_before_timing, gpus=gpus,
-                              engine_args=engine_args, bandwidth_gbs=args.bandwidth_gbs)
+                              engine_args=engine_args, engine_env=engine_env, bandwidth_gbs=args.bandwidth_gbs)
     from .outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
 
     if args.demo:
@@ -293,6 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vllm: keep vLLM's compile cache and Triton's and Inductor's caches (autotuning included) in PATH "
                         "instead of their per-user defaults, which later runs on the machine reuse")
     s.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="vllm: any vllm.LLM keyword (VALUE as JSON), repeatable")
+    s.add_argument("--engine-env", action="append", metavar="NAME=VALUE",
+                   help="vllm: an environment variable for every engine process, repeatable; part of the base pass's "
+                        "cache key and of the job (e.g. VLLM_TRITON_FORCE_FIRST_CONFIG=1 skips Triton autotuning: faster cold "
+                        "starts, but prefill kernels, hence TTFT, are not vLLM's tuned ones)")
     s.add_argument("--no-time", action="store_true", help="skip decode timing")
     s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP + "; rows that restore them are skipped")
     s.add_argument("--bandwidth-gbs", type=_positive, help="memory bandwidth in GB/s: adds the decode floor (bytes read per step / bandwidth) to the table")

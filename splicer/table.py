@@ -271,6 +271,12 @@ def _footnotes(results: dict) -> list[str]:
                  f"{_kl_bound(results)}; top-1 counts a variant's choice among tied maxima of the base as agreement; "
                  "dNLL = extra nats per token on the base's greedy chat answers; "
                  f"decode = batch-1 ms/token{' on ' + b['device'] if b.get('device') else ''}.")
+    env = b.get("engine_env") or {}
+    if env:
+        what = ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
+        why = (" (Triton autotuning off: every tuned kernel ran its first valid config, so prefill speed and TTFT are not "
+               "those of vLLM's defaults)" if str(env.get("VLLM_TRITON_FORCE_FIRST_CONFIG", "")).lower() in ("1", "true") else "")
+        notes.append(f"Engine environment set for this run: {what}{why}.")
     return notes
 
 

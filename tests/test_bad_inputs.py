@@ -129,6 +129,9 @@ CASES = [
     ("sequence-longer-than-context", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace("answer_tokens = 8", "answer_tokens = 5000"))), "context is 4096"),
     ("ablate-hub-id-offline", lambda p, t: _ablate(p, t, base="nobody/no-such-base"), "HF_HUB_OFFLINE"),
     ("ablate-engine-arg-without-vllm", lambda p, t: _ablate(p, t, "--engine-arg", "max_model_len=2048"), "apply to --backend vllm only"),
+    ("ablate-engine-env-without-vllm", lambda p, t: _ablate(p, t, "--engine-env", "VLLM_TRITON_FORCE_FIRST_CONFIG=1"), "apply to --backend vllm only"),
+    ("ablate-engine-env-not-a-name", lambda p, t: _ablate(p, t, "--engine-env", "1X=2"), "should be NAME=VALUE"),
+    ("ablate-engine-env-owned", lambda p, t: _ablate(p, t, "--engine-env", "CUDA_VISIBLE_DEVICES=1"), "use --gpus or --device cuda:N"),
     ("inspect-missing", lambda p, t: ["inspect", str(t / "nope")], "does not exist"),
     # Values of another JSON type or out of range (the fuzz test, tests/test_fuzz.py, covers many more of each class).
     ("config-ignore-is-a-string", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, lambda f: _edit_config(f, lambda c: c["quantization_config"].update(ignore="re:.*visual.*")))), str(p["base"]), "-o", str(t / "out")], "quantization_config.ignore is a string"),

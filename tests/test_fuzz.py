@@ -1238,6 +1238,7 @@ ABLATE_OPTIONS = {
     "--tensor-parallel-size": {"0": R, "-1": R, "2": R, "x": R},
     "--overlap-starts": {"-1": R, "x": R, "1": R, "99999999999": R},
     "--engine-arg": {"": R, "x": R, "=1": R, "a=": R, "a={": R, "max_model_len=2048": R, "enforce_eager=true": R},
+    "--engine-env": {"": R, "x": R, "=1": R, "A B=1": R, "VLLM_X=1": R, "CUDA_VISIBLE_DEVICES=0": R},
     # the torch backend runs on auto, cpu, cuda and cuda:N (cuda only where torch sees a GPU: none in CI)
     "--device": {"tpu": R, "cuda:x": R, "": R, "cpu:0": R, "cuda": E, "cpu": F_, "cuda:99": R, "mps": R, "meta": R,
                  "auto": F_},

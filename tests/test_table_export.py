@@ -196,3 +196,30 @@ def test_timings_of_an_overlapped_run_carry_the_two_level_warning(tmp_path, run,
     results = json.loads((RESULTS / run / "results.json").read_text())
     md = render(_write(tmp_path / "r", results), "markdown")
     assert ("two levels about 6 % apart" in md) is warned
+
+
+def test_engine_environment_is_in_the_footnotes_the_cache_key_and_the_job(tmp_path):
+    """--engine-env changes what the engines compute (VLLM_TRITON_FORCE_FIRST_CONFIG: untuned prefill kernels), so the
+    table says so, the base pass is cached apart, and a run with another environment is another job; a run without it
+    keeps the key and job it had before the option existed."""
+    from types import SimpleNamespace
+
+    from splicer.ablate import AblateSettings, base_cache, make_job
+
+    results = json.loads((RESULTS / "h200-fulldims/run-10/results.json").read_text())
+    assert "Engine environment" not in render(_write(tmp_path / "plain", results))
+    results["backend_info"]["engine_env"] = {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}
+    md = render(_write(tmp_path / "env", results))
+    assert "Engine environment set for this run: VLLM_TRITON_FORCE_FIRST_CONFIG=1 (Triton autotuning off" in md
+    backend, plan = SimpleNamespace(name="vllm"), SimpleNamespace(top_k=20, name="p", digest="d")
+    plain, env = AblateSettings(backend="vllm"), AblateSettings(backend="vllm", engine_env={"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"})
+    keys = {base_cache(backend, plan, s, tmp_path, "b", []).name for s in (plain, env)}
+    assert len(keys) == 2
+    # The key of a run without --engine-env is the one computed before the option existed (commit 4cc9f23's formula).
+    from splicer.ablate import BASE_PASS_VERSION, _digest
+
+    assert base_cache(backend, plan, plain, tmp_path, "b", []).name == "base-" + _digest(
+        BASE_PASS_VERSION, "b", [], [], 20, "vllm", "auto", None, {})
+    build = SimpleNamespace(header_digest=lambda: "h")
+    jobs = [make_job(plan, [], "B", build, "R", "r", s)["settings"] for s in (plain, env)]
+    assert "engine_env" not in jobs[0] and jobs[1]["engine_env"] == {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}

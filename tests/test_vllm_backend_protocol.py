@@ -268,8 +268,9 @@ def test_precompile_builds_engines_ahead_with_dummy_weights_and_ends_before_any_
     # Multithreaded weight loading for the rows: the lanes' dummy loader refuses any loader config, so they drop it.
     user_args = {"gpu_memory_utilization": 0.5, "model_loader_extra_config": {"enable_multithread_load": True}}
     b = fake_vllm.VllmBackend(log_dir=tmp_path / "logs", require_cuda=False, precompile=2, cache_dir=tmp_path / "c",
-                              engine_args=user_args)
+                              engine_args=user_args, engine_env={"FAKE_VLLM_ECHO": "from --engine-env"})
     assert b.precompile_slots == 2 and not b.sleep_between
+    assert b.describe()["engine_env"] == {"FAKE_VLLM_ECHO": "from --engine-env"}
     p = pairs["fused"]
     seqs = [list(range(20, 60))]
     assert b.precompile(p["lowlatency"]) and b.precompile(pairs["per_expert"]["lowlatency"])
@@ -293,6 +294,9 @@ def test_precompile_builds_engines_ahead_with_dummy_weights_and_ends_before_any_
     b.load(p["experts-g32"])  # never compiled ahead: compiles at its own start
     assert b.load_info()["startup_breakdown"]["compile_s"] > 0
     b.close()
+    # --engine-env reached all five engines: two compiled in the lanes, three served (base, lowlatency, experts-g32).
+    echoed = [line for f in (tmp_path / "logs").glob("*.log") for line in f.read_text().splitlines() if "FAKE_VLLM_ECHO=" in line]
+    assert len(echoed) == 5 and all(line.endswith("FAKE_VLLM_ECHO=from --engine-env") for line in echoed), echoed
     with pytest.raises(SplicerError, match="choose one"):
         fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, precompile=1, overlap_starts=1)
 

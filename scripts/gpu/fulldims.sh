@@ -31,6 +31,11 @@ if [ "${PRECOMPILE:-0}" -gt 0 ]; then CMD+=(--precompile "$PRECOMPILE"); fi
 if [ -n "${GPUS:-}" ]; then CMD+=(--gpus "$GPUS"); fi
 # MTLOAD=1: vLLM's multithreaded weight loading (8 threads; weight loading was about half of each engine start in run 10).
 if [ "${MTLOAD:-0}" = 1 ]; then CMD+=(--engine-arg 'model_loader_extra_config={"enable_multithread_load": true, "num_threads": 8}'); fi
+# NOAUTOTUNE=1: Triton autotuning off in every engine (vLLM's VLLM_TRITON_FORCE_FIRST_CONFIG: first valid config). A
+# cold engine spent 121.5 to 157 s of its start in the profiling run autotuning the GDN prefill kernels (runs 8 and 10);
+# vLLM 0.26's GDN decode path (causal_conv1d_update, the packed fused recurrent and fused sigmoid-gating kernels) has no
+# autotuned kernel, so batch-1 decode should run the same kernels; TTFT and scoring speed run the untuned prefill ones.
+if [ "${NOAUTOTUNE:-0}" = 1 ]; then CMD+=(--engine-env VLLM_TRITON_FORCE_FIRST_CONFIG=1); fi
 # REWAKE=1: one more sleep and wake right before each decode timing (with OVERLAP only).
 if [ "${REWAKE:-0}" = 1 ]; then CMD+=(--rewake-before-timing); fi
 # GPU use every 5 s beside the run (outside DIR: ablate refuses a DIR holding files it did not write).

@@ -35,10 +35,10 @@ import torch
 from ..errors import SplicerError
 from . import SequenceScores
 from .vllm_child import _worker
-from .vllm_engine_args import OVERLAP_DEFAULTS, default_engine_args, parse_engine_args
+from .vllm_engine_args import OVERLAP_DEFAULTS, default_engine_args, parse_engine_args, parse_engine_env
 from .vllm_logs import KERNEL_LINE, _arch_of, kernels_by_class, startup_breakdown
 
-__all__ = ["VllmBackend", "OVERLAP_DEFAULTS", "default_engine_args", "parse_engine_args", "kernels_by_class"]
+__all__ = ["VllmBackend", "OVERLAP_DEFAULTS", "default_engine_args", "parse_engine_args", "parse_engine_env", "kernels_by_class"]
 
 
 class _Worker:
@@ -194,7 +194,8 @@ class VllmBackend:
     def __init__(self, device: str = "auto", engine_args: dict | None = None, log_dir: Path | None = None,
                  start_timeout_s: float = 1800, require_cuda: bool = True, cache_dir: Path | None = None,
                  one_process: bool = True, overlap_starts: int = 0, sleep_between: bool | None = None,
-                 rewake_before_timing: bool = False, precompile: int = 0, cpus: list[int] | None = None):
+                 rewake_before_timing: bool = False, precompile: int = 0, cpus: list[int] | None = None,
+                 engine_env: dict | None = None):
         if importlib.util.find_spec("vllm") is None:
             raise SplicerError("the vLLM backend needs vllm (pip install 'splicer[vllm]' on a GPU machine); use --backend torch here")
         if require_cuda and not torch.cuda.is_available():
@@ -252,6 +253,9 @@ class VllmBackend:
             for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
                 if var not in os.environ:
                     self.env[var] = str(cache_dir / sub)
+        # --engine-env: the user's variables for every engine process (its compiling lanes too), over splicer's.
+        self.engine_env = dict(engine_env or {})
+        self.env.update(self.engine_env)
         self.device = device
         self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "vllm-logs"
         self.start_timeout_s = start_timeout_s
@@ -533,7 +537,7 @@ class VllmBackend:
         return {"backend": "vllm", "engine": f"vllm {version}", "torch": torch.__version__,
                 "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "engine_args": self.engine_args,
                 "cuda_device": self.device, "cpus": self.cpus,
-                "env": {k: v for k, v in self.env.items()}, "python": sys.version.split()[0], "one_process": self.one_process,
+                "env": {k: v for k, v in self.env.items()}, "engine_env": self.engine_env, "python": sys.version.split()[0], "one_process": self.one_process,
                 "overlap_starts": self.overlap_starts, "worker_starts": self.worker_starts, "timing_state": self.timing_state,
                 "rewake_before_timing": self.rewake_before_timing, "precompile": self.precompile_slots,
                 "engine_cache_dir": str(self.cache_dir) if self.cache_dir is not None else "per-user defaults"}

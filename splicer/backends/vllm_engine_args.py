@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 from ..errors import SplicerError
 
@@ -35,6 +36,24 @@ def default_engine_args() -> tuple[dict, dict]:
 # such engines (one serving, two starting) fit an H200 with their ~20 GiB of weights each. The utilization only gates
 # vLLM's start-up check (free memory >= utilization x total) while other engines hold memory.
 OVERLAP_DEFAULTS = {"kv_cache_memory_bytes": 12 << 30, "gpu_memory_utilization": 0.25}
+
+
+# Set by splicer itself from other options; --engine-env may not override them.
+_ENV_OWNED = {"CUDA_VISIBLE_DEVICES": "--gpus or --device cuda:N", "VLLM_ENABLE_V1_MULTIPROCESSING": "--process-per-variant",
+              "SPLICER_CPUS": "--gpus"}
+
+
+def parse_engine_env(items: list[str] | None) -> dict:
+    """--engine-env KEY=VALUE: environment variables for every engine process (set before vLLM is imported there)."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise SplicerError(f"--engine-env {item!r} should be NAME=VALUE with NAME an environment variable's name")
+        if key in _ENV_OWNED:
+            raise SplicerError(f"--engine-env {key}: splicer sets {key} itself; use {_ENV_OWNED[key]}")
+        out[key] = value
+    return out
 
 
 def parse_engine_args(items: list[str] | None) -> dict:

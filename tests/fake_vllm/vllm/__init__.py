@@ -83,6 +83,8 @@ class LLM:
             raise ValueError("Model loader extra config is not supported for load format dummy (fake)")
         if os.environ.get("FAKE_VLLM_FAIL_ON") and os.environ["FAKE_VLLM_FAIL_ON"] in model:
             raise ValueError("Found a different quantization schemes for ['in_proj_qkv', 'in_proj_z'] (fake)")
+        if os.environ.get("FAKE_VLLM_ECHO"):  # lets a test see which environment an engine process was given
+            print(f"fake vllm engine for {os.path.basename(model)}: FAKE_VLLM_ECHO={os.environ['FAKE_VLLM_ECHO']}", flush=True)
         global _SLEEP_MODE_ENGINES
         if kwargs.get("enable_sleep_mode"):
             # vLLM's CuMem allocator serves one engine per process (gpu_worker: "CuMem allocator can only be used for
