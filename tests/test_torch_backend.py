@@ -83,3 +83,19 @@ def test_kernels_by_class_from_a_real_probe():
     machete = "CompressedTensorsLinearMethod / CompressedTensorsWNA16 / MacheteLinearKernel"
     assert got["gdn"] == got["attention"] == got["shared_expert"] == got["lm_head"] == [machete]
     assert got["experts"][0].startswith("CompressedTensorsWNA16MarlinMoEMethod") and "wna16_backend=MARLIN" in got["experts"][0]
+
+
+def test_cuda_kernel_advice_is_dropped_on_the_cpu_only():
+    """transformers advises installing CUDA kernels (causal-conv1d, flash-linear-attention) each time the CPU runs their
+    fallbacks: the demo printed four such lines. The CPU backend drops that one kind of record and no other."""
+    import logging
+
+    from splicer.backends.torch_ref import TorchBackend, _cuda_kernel_advice_on_cpu
+
+    logger = logging.getLogger("transformers.integrations.hub_kernels")
+    TorchBackend("cpu")
+    assert _cuda_kernel_advice_on_cpu in logger.filters
+    record = lambda msg: logging.LogRecord(logger.name, logging.WARNING, __file__, 0, msg, None, None)  # noqa: E731
+    assert not logger.filter(record("`chunk_gated_delta_rule` is falling back to its reference PyTorch implementation "
+                                    "because `flash-linear-attention` is not installed."))
+    assert logger.filter(record("any other warning"))

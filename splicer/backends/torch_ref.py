@@ -8,6 +8,7 @@ reference for tests and the demo and a kernel-free fidelity measure on a GPU.
 
 from __future__ import annotations
 
+import logging
 import re
 import statistics
 import time
@@ -35,6 +36,13 @@ def _pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _cuda_kernel_advice_on_cpu(record: logging.LogRecord) -> bool:
+    """A logging filter: transformers (5.2x) advises installing causal-conv1d and flash-linear-attention whenever a GDN
+    layer runs their PyTorch fallbacks; both are CUDA kernels, so on the CPU (the demo, the tests) the advice does not
+    apply and only clutters the output. Every other record passes."""
+    return "falling back to its reference PyTorch implementation" not in record.getMessage()
+
+
 class TorchBackend:
     name = "torch"
     exact_gather = True
@@ -44,6 +52,8 @@ class TorchBackend:
 
     def __init__(self, device: str = "auto", dtype: str = "bfloat16", threads: int | None = None):
         self.device = _pick_device(device)
+        if self.device.type == "cpu":
+            logging.getLogger("transformers.integrations.hub_kernels").addFilter(_cuda_kernel_advice_on_cpu)
         self.dtype = getattr(torch, dtype)
         if threads:
             torch.set_num_threads(threads)
