@@ -35,7 +35,7 @@ def _decode_clause(d: dict | None) -> str | None:
 
 def findings(results: dict) -> list[str]:
     """One sentence per finding, in the table's row order."""
-    from .verdicts import pooled_kl
+    from .verdicts import engine_means_text, per_gpu_engines_text, pooled_kl
 
     out = []
     variants = [v for v in results.get("variants", []) if v.get("status") == "ok"]
@@ -46,12 +46,10 @@ def findings(results: dict) -> list[str]:
         out.append(f"build: KL {kl:.4f} nats per position pooled over corpora (position-weighted; a chat prefix shared "
                    "with an earlier conversation counted once).")
     if engines and engines.get("by_gpu"):
-        parts = "; ".join(f"GPU {g}: " + ", ".join(f"{n} {m:.3f}" for n, m in zip(e["rows"], e["mean_ms"]))
-                          + f" ms/token, largest difference {100 * e['spread']:.2f} %" for g, e in engines["by_gpu"].items())
         out.append(f"The build on {engines['engines']} engines (mean of each engine's blocks), each row compared with "
-                   f"the build on its own GPU: {parts}.")
+                   f"the build on its own GPU: {per_gpu_engines_text(engines)}.")
     elif engines:
-        ms = ", ".join(f"{n} {m:.3f}" for n, m in zip(engines["rows"], engines["mean_ms"]))
+        ms = engine_means_text(engines)
         out.append(f"The build on {engines['engines']} engines: {ms} ms/token (mean of each engine's blocks); largest "
                    f"difference between two of them {100 * engines['spread']:.2f} %.")
     for v in variants:

@@ -198,7 +198,7 @@ def _kl_bound(results: dict) -> str:
 
 
 def _footnotes(results: dict) -> list[str]:
-    from .verdicts import pooled_kl
+    from .verdicts import engine_means_text, per_gpu_engines_text, pooled_kl
 
     notes = []
     method = (results.get("verdicts") or {}).get("method")
@@ -210,12 +210,10 @@ def _footnotes(results: dict) -> list[str]:
     timed = any(r.get("decode_ms_per_token") for r in results["variants"])
     if d and engines and engines.get("by_gpu"):
         ref = "the mean of the build's engines on the row's own GPU"
-        spread = "the build's engines on each GPU (" + "; ".join(
-            f"GPU {g}: {', '.join(f'{n} {m:.3f}' for n, m in zip(e['rows'], e['mean_ms']))}, largest difference "
-            f"{100 * e['spread']:.2f} %" for g, e in engines["by_gpu"].items()) + ")"
+        spread = f"the build's engines on each GPU ({per_gpu_engines_text(engines)})"
     elif d:
         ref = f"the mean of the build's {d['engines'][1]} engines, {d['reference_ms']:.3f} ms/token"
-        spread = (f"the build's engines ({', '.join(f'{n} {m:.3f}' for n, m in zip(engines['rows'], engines['mean_ms']))}; "
+        spread = (f"the build's engines ({engine_means_text(engines)}; "
                   f"largest difference {100 * engines['spread']:.2f} %)") if engines else "engines of the rows timed more than once"
     if d:
         notes.append(f"Δ decode vs build: a row's mean over its engines' blocks against {ref} (the decode column shows each "

@@ -152,6 +152,17 @@ def build_engine_agreement(results: dict) -> dict | None:
             "by_gpu": {str(k): g for k, g in per_gpu.items()}}
 
 
+def engine_means_text(engines: dict) -> str:
+    """'build 4.356, build-again 4.379': each engine of the build (a row) and the mean of its blocks in ms/token."""
+    return ", ".join(f"{n} {m:.3f}" for n, m in zip(engines["rows"], engines["mean_ms"]))
+
+
+def per_gpu_engines_text(engines: dict) -> str:
+    """The build's engines per GPU of a run spread over GPUs (build_engine_agreement's by_gpu), for report and table."""
+    return "; ".join(f"GPU {g}: {engine_means_text(e)} ms/token, largest difference {100 * e['spread']:.2f} %"
+                     for g, e in engines["by_gpu"].items())
+
+
 def pooled_kl(v: dict) -> float | None:
     """A row's KL over all corpora, every counted position weighing the same (the pooled estimate's convention)."""
     parts = [(m.get("kl"), m.get("positions") or 0) for m in (v.get("metrics") or {}).values()]
