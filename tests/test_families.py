@@ -107,6 +107,29 @@ def test_a_split_fused_group_is_refused(family_pairs, family, tmp_path, capsys):
     assert code == 2 and len(err) == 1 and fused.split(".")[-1] in err[0] and not (tmp_path / "out").exists()
 
 
+def test_the_gpu_script_splits_a_fused_group_by_hand_and_inspect_flags_it(family_pairs, tmp_path):
+    """scripts/gpu/split_group_check.py makes, for vLLM to refuse, the checkpoint splice will not: one shard of a fused
+    group restored and named in ignore. inspect flags it; the build it starts from is left as it was."""
+    import importlib.util
+
+    from tests.conftest import tree_digest
+
+    path = Path(__file__).parents[1] / "scripts" / "gpu" / "split_group_check.py"
+    spec = importlib.util.spec_from_file_location("split_group_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    p = family_pairs["deepseek_v3"]
+    before = tree_digest(p["int4"])
+    split = script.make_split(p["int4"], p["base"], tmp_path / "split")
+    assert split["module"] == "model.layers.0.self_attn.q_a_proj" and split["fused"] == "self_attn.fused_qkv_a_proj"
+    issues = _inspect(open_checkpoint(tmp_path / "split", "build"))["lint"]["issues"]
+    # Both readings: the tensors on disk disagree, and vLLM's rule for the fused layer refuses it (what the GPU run
+    # compares with the message vLLM itself gives).
+    assert sorted(i["check"] for i in issues) == ["fused-shards-disagree", "vllm-refuses"]
+    assert all("fused_qkv_a_proj" in i["detail"] for i in issues)
+    assert tree_digest(p["int4"]) == before
+
+
 def test_experts_only_build_of_the_moe_family_restores_to_the_base(family_pairs, tmp_path):
     p = family_pairs["qwen3_moe"]
     seq = list(range(5, 69))

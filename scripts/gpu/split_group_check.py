@@ -1,0 +1,134 @@
+"""A fused group split by hand, and what splicer and vLLM say of it (issue 15: "a split fused group is refused by
+splice and by vLLM; record vLLM's message").
+
+For each family: the fixture pair (`splicer fixture DIR --family F`, made here when missing), then a checkpoint in which
+one shard of the attention's fused group in layer 0 (q_proj of qkv_proj; q_a_proj of DeepSeek's fused_qkv_a_proj) is
+put back to the base's BF16 tensor and named in `ignore` while its other shards stay INT4: what a hand edit of an
+ignore list makes, and what `splicer splice` refuses to make. Recorded per family:
+  * splicer's refusal of the same restore (`splice --restore attention --modules SHARD`): exit code and its one line;
+  * `splicer inspect`'s lint of the hand-made checkpoint (fused-shards-disagree, and vllm-refuses: splicer's prediction);
+  * vLLM loading it (eager, Triton autotuning off): the error it raises, or that it loaded.
+Writes OUT/split-groups.json. Usage (GPU machine, after install_bundle.sh and `source scripts/gpu/env.sh`):
+  python3 scripts/gpu/split_group_check.py WORK OUT [FAMILY ...]
+`--no-vllm` makes and lints the checkpoints only (what the CPU test runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FAMILIES = ("llama", "qwen3", "mistral", "qwen3_moe", "glm4_moe", "deepseek_v3")
+PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
+
+# vLLM in a child: the load either raises (its last exception line is what a user sees) or serves one token.
+_VLLM_LOAD = """
+import sys
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=512,
+          gdn_prefill_backend="triton")
+print("LOADED", llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1))[0].outputs[0].token_ids, flush=True)
+"""
+
+
+def _splicer(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "splicer", *args], capture_output=True, text=True, cwd=cwd,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+def make_split(int4: Path, base: Path, out: Path) -> dict:
+    """out: int4 with layer 0's first attention shard of a fused group restored from base and named in `ignore`.
+    Files not changed are hard links; returns what was split."""
+    from safetensors.torch import load_file, save_file
+
+    from splicer.arch import get_architecture
+
+    config = json.loads((int4 / "config.json").read_text())
+    arch = get_architecture(config)
+    shard, (fused, shards) = next((s, g) for s, g in arch.fused_shards.items() if s.startswith("self_attn."))
+    index = json.loads((int4 / "model.safetensors.index.json").read_text())
+    module = next(k[: -len(".weight_packed")] for k in index["weight_map"]
+                  if re.search(r"layers\.0\." + re.escape(shard) + r"\.weight_packed$", k))
+    base_index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
+    out.mkdir(parents=True)
+    touched = {index["weight_map"][k] for k in index["weight_map"] if k.startswith(module + ".")}
+    for p in int4.iterdir():
+        if p.name not in touched | {"config.json", "model.safetensors.index.json"}:
+            os.link(p, out / p.name)
+    for name in sorted(touched):  # the module's packed tensors out, its BF16 weight into the first of their files
+        tensors = load_file(str(int4 / name))
+        for k in [k for k in tensors if k.startswith(module + ".") and k.endswith(PACKED_SUFFIXES)]:
+            del tensors[k]
+            del index["weight_map"][k]
+        if name == min(touched):
+            tensors[module + ".weight"] = load_file(str(base / base_index[module + ".weight"]))[module + ".weight"]
+            index["weight_map"][module + ".weight"] = name
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+    config["quantization_config"]["ignore"] = [*config["quantization_config"]["ignore"], module]
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return {"module": module, "shard": shard, "fused": fused, "shards": list(shards)}
+
+
+def _vllm_says(folder: Path, timeout_s: int = 300) -> dict:
+    t0 = time.perf_counter()
+    env = dict(os.environ, VLLM_TRITON_FORCE_FIRST_CONFIG="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    try:
+        p = subprocess.run([sys.executable, "-c", _VLLM_LOAD, str(folder)], capture_output=True, text=True,
+                           timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return {"outcome": "timeout", "seconds": timeout_s}
+    lines = (p.stdout + p.stderr).splitlines()
+    loaded = next((line for line in lines if line.startswith("LOADED")), None)
+    errors = [line for line in lines if re.match(r"^\w*(Error|Exception)\b|^[\w.]+(Error|Exception): ", line.strip())]
+    return {"outcome": "loaded" if loaded else "refused", "exit": p.returncode, "loaded": loaded,
+            "error": errors[-1].strip() if errors else None, "last_lines": lines[-6:],
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def check_family(work: Path, family: str, vllm: bool) -> dict:
+    pair = work / family
+    if not (pair / "int4" / "config.json").exists():
+        made = _splicer("fixture", str(pair), "--family", family)
+        if made.returncode:
+            return {"family": family, "fixture_error": made.stderr.strip().splitlines()[-1:]}
+    split_dir = work / f"{family}-split"
+    shutil.rmtree(split_dir, ignore_errors=True)
+    record = {"family": family, **make_split(pair / "int4", pair / "base", split_dir)}
+    refused = _splicer("splice", "--restore", "attention", "--modules", r".*layers\.0\." + re.escape(record["shard"]) + "$",
+                       str(pair / "int4"), str(pair / "base"), "-o", str(work / f"{family}-refused"))
+    record["splice"] = {"exit": refused.returncode, "stderr": refused.stderr.strip(),
+                        "out_exists": (work / f"{family}-refused").exists()}
+    lint = _splicer("inspect", str(split_dir), "--json")
+    issues = json.loads(lint.stdout)["lint"]["issues"] if lint.returncode == 0 else [{"inspect_error": lint.stderr.strip()}]
+    record["lint"] = issues  # expected: fused-shards-disagree (disk) and vllm-refuses (splicer's reading of vLLM's rule)
+    if vllm:
+        record["vllm"] = _vllm_says(split_dir)
+    return record
+
+
+def main(argv: list[str]) -> int:
+    vllm = "--no-vllm" not in argv
+    args = [a for a in argv if a != "--no-vllm"]
+    work, out = Path(args[0]), Path(args[1])
+    families = args[2:] or list(FAMILIES)
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for family in families:
+        records.append(check_family(work, family, vllm))
+        (out / "split-groups.json").write_text(json.dumps(records, indent=2) + "\n")  # what is done survives a timeout
+        r = records[-1]
+        print(family, r.get("fused"), "splice exit", (r.get("splice") or {}).get("exit"), "lint", len(r.get("lint", [])),
+              "vllm", (r.get("vllm") or {}).get("outcome"), (r.get("vllm") or {}).get("error"), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
