@@ -136,10 +136,12 @@ def test_startup_breakdown_reads_vllm_0_26_log_lines():
     log = ("INFO [default_loader.py:431] Loading weights took 27.51 seconds\n"
            "INFO [gpu_model_runner.py:5348] Model loading took 19.87 GiB memory and 30.123456 seconds\n"
            "INFO [monitor.py:48] torch.compile took 47.02 s in total\n"
+           "INFO [monitor.py:81] Initial profiling/warmup run took 64.36 s\n"
            "INFO [gpu_model_runner.py:6845] Graph capturing finished in 12 secs, took 0.45 GiB\n"
            "INFO [core.py:341] init engine (profile, create kv cache, warmup model) took 201.50 s (compilation: 47.02 s)\n")
     assert startup_breakdown(log) == {"weights_load_s": 27.51, "model_load_s": 30.123456, "weight_memory_gib": 19.87,
-                                      "compile_s": 47.02, "graph_capture_s": 12.0, "init_engine_s": 201.5}
+                                      "compile_s": 47.02, "profiling_warmup_s": 64.36, "graph_capture_s": 12.0,
+                                      "init_engine_s": 201.5}
 
 
 def test_ablate_with_the_vllm_backend_path(pairs, fake_vllm, tmp_path, monkeypatch):
