@@ -2,9 +2,10 @@
 splice and by vLLM; record vLLM's message").
 
 For each family: the fixture pair (`splicer fixture DIR --family F`, made here when missing), then a checkpoint in which
-one shard of the attention's fused group in layer 0 (q_proj of qkv_proj; q_a_proj of DeepSeek's fused_qkv_a_proj) is
-put back to the base's BF16 tensor and named in `ignore` while its other shards stay INT4: what a hand edit of an
-ignore list makes, and what `splicer splice` refuses to make. Recorded per family:
+one shard of a fused group in the first layer that has it (the attention's: q_proj of qkv_proj, q_a_proj of DeepSeek's
+fused_qkv_a_proj; for qwen3_5_moe also the Gated-DeltaNet's in_proj_qkv of in_proj_qkvz, the split the issue trackers
+report from NVFP4 Qwen3.5 builds) is put back to the base's BF16 tensor and named in `ignore` while its other shards stay
+INT4: what a hand edit of an ignore list makes, and what `splicer splice` refuses to make. Recorded per family and group:
   * splicer's refusal of the same restore (`splice --restore attention --modules SHARD`): exit code and its one line;
   * `splicer inspect`'s lint of the hand-made checkpoint (fused-shards-disagree, and vllm-refuses: splicer's prediction);
   * vLLM loading it (eager, Triton autotuning off): the error it raises, or that it loaded.
@@ -24,7 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-FAMILIES = ("llama", "qwen3", "mistral", "qwen3_moe", "glm4_moe", "deepseek_v3")
+FAMILIES = ("llama", "qwen3", "mistral", "qwen3_moe", "glm4_moe", "deepseek_v3", "qwen3_next", "qwen3_5_moe")
+# The fused groups split per family (prefix of the shard's suffix); the fixture build that quantizes every Linear.
+GROUPS = {"qwen3_5_moe": ("linear_attn.", "self_attn.")}
+BUILD = {"qwen3_5_moe": "lowlatency"}
 PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
 
 # vLLM in a child: the load either raises (its last exception line is what a user sees) or serves one token.
@@ -42,19 +46,20 @@ def _splicer(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
 
-def make_split(int4: Path, base: Path, out: Path) -> dict:
-    """out: int4 with layer 0's first attention shard of a fused group restored from base and named in `ignore`.
-    Files not changed are hard links; returns what was split."""
+def make_split(int4: Path, base: Path, out: Path, group: str = "self_attn.") -> dict:
+    """out: int4 with the first shard of a fused group under `group` (a shard-suffix prefix), in the first layer where
+    it is quantized, restored from base and named in `ignore`. Files not changed are hard links; returns what was split."""
     from safetensors.torch import load_file, save_file
 
     from splicer.arch import get_architecture
 
     config = json.loads((int4 / "config.json").read_text())
     arch = get_architecture(config)
-    shard, (fused, shards) = next((s, g) for s, g in arch.fused_shards.items() if s.startswith("self_attn."))
+    shard, (fused, shards) = next((s, g) for s, g in arch.fused_shards.items() if s.startswith(group))
     index = json.loads((int4 / "model.safetensors.index.json").read_text())
-    module = next(k[: -len(".weight_packed")] for k in index["weight_map"]
-                  if re.search(r"layers\.0\." + re.escape(shard) + r"\.weight_packed$", k))
+    module = min((k[: -len(".weight_packed")] for k in index["weight_map"]
+                  if re.search(r"layers\.\d+\." + re.escape(shard) + r"\.weight_packed$", k)
+                  and not arch.is_mtp(k)), key=lambda m: arch.layer_index(m))
     base_index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
     out.mkdir(parents=True)
     touched = {index["weight_map"][k] for k in index["weight_map"] if k.startswith(module + ".")}
@@ -73,7 +78,7 @@ def make_split(int4: Path, base: Path, out: Path) -> dict:
     config["quantization_config"]["ignore"] = [*config["quantization_config"]["ignore"], module]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return {"module": module, "shard": shard, "fused": fused, "shards": list(shards)}
+    return {"module": module, "shard": shard, "fused": fused, "shards": list(shards), "class": arch.module_class(module)}
 
 
 def _vllm_says(folder: Path, timeout_s: int = 300) -> dict:
@@ -92,19 +97,24 @@ def _vllm_says(folder: Path, timeout_s: int = 300) -> dict:
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def check_family(work: Path, family: str, vllm: bool) -> dict:
-    pair = work / family
-    if not (pair / "int4" / "config.json").exists():
-        made = _splicer("fixture", str(pair), "--family", family)
+def check_family(work: Path, family: str, vllm: bool) -> list[dict]:
+    pair, build = work / family, BUILD.get(family, "int4")
+    if not (pair / build / "config.json").exists():
+        made = _splicer("fixture", str(pair), *(("--family", family) if family != "qwen3_5_moe" else ()))
         if made.returncode:
-            return {"family": family, "fixture_error": made.stderr.strip().splitlines()[-1:]}
-    split_dir = work / f"{family}-split"
+            return [{"family": family, "fixture_error": made.stderr.strip().splitlines()[-1:]}]
+    return [check_group(work, family, pair / build, pair / "base", group, vllm) for group in GROUPS.get(family, ("self_attn.",))]
+
+
+def check_group(work: Path, family: str, build: Path, base: Path, group: str, vllm: bool) -> dict:
+    tag = f"{family}-{group.rstrip('.')}"
+    split_dir = work / f"{tag}-split"
     shutil.rmtree(split_dir, ignore_errors=True)
-    record = {"family": family, **make_split(pair / "int4", pair / "base", split_dir)}
-    refused = _splicer("splice", "--restore", "attention", "--modules", r".*layers\.0\." + re.escape(record["shard"]) + "$",
-                       str(pair / "int4"), str(pair / "base"), "-o", str(work / f"{family}-refused"))
+    record = {"family": family, "build": build.name, **make_split(build, base, split_dir, group)}
+    refused = _splicer("splice", "--restore", record["class"], "--modules", re.escape(record["module"]),
+                       str(build), str(base), "-o", str(work / f"{tag}-refused"))
     record["splice"] = {"exit": refused.returncode, "stderr": refused.stderr.strip(),
-                        "out_exists": (work / f"{family}-refused").exists()}
+                        "out_exists": (work / f"{tag}-refused").exists()}
     lint = _splicer("inspect", str(split_dir), "--json")
     issues = json.loads(lint.stdout)["lint"]["issues"] if lint.returncode == 0 else [{"inspect_error": lint.stderr.strip()}]
     record["lint"] = issues  # expected: fused-shards-disagree (disk) and vllm-refuses (splicer's reading of vLLM's rule)
@@ -122,11 +132,12 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     records = []
     for family in families:
-        records.append(check_family(work, family, vllm))
-        (out / "split-groups.json").write_text(json.dumps(records, indent=2) + "\n")  # what is done survives a timeout
-        r = records[-1]
-        print(family, r.get("fused"), "splice exit", (r.get("splice") or {}).get("exit"), "lint", len(r.get("lint", [])),
-              "vllm", (r.get("vllm") or {}).get("outcome"), (r.get("vllm") or {}).get("error"), flush=True)
+        for r in check_family(work, family, vllm):
+            records.append(r)
+            (out / "split-groups.json").write_text(json.dumps(records, indent=2) + "\n")  # what is done survives a timeout
+            print(family, r.get("module"), "splice exit", (r.get("splice") or {}).get("exit"),
+                  "lint", [i.get("check") for i in r.get("lint", [])],
+                  "vllm", (r.get("vllm") or {}).get("outcome"), (r.get("vllm") or {}).get("error"), flush=True)
     return 0
 
 
