@@ -66,6 +66,7 @@ def main(argv: list[str]) -> int:
     prompts = [list(range(5, 53)), list(range(300, 348))]
     report: dict = {"engine_args": base_args, "speculative_config": MTP}
     t_all = time.time()
+    work.mkdir(parents=True, exist_ok=True)
     for family in families:
         pair = work / family
         if not (pair / "int4" / "config.json").exists():

@@ -36,7 +36,7 @@ _VLLM_LOAD = """
 import sys
 from vllm import LLM, SamplingParams
 llm = LLM(model=sys.argv[1], enforce_eager=True, gpu_memory_utilization=0.3, max_model_len=512,
-          gdn_prefill_backend="triton")
+          gdn_prefill_backend="triton", **({"language_model_only": True} if sys.argv[2] == "1" else {}))
 print("LOADED", llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1))[0].outputs[0].token_ids, flush=True)
 """
 
@@ -82,16 +82,19 @@ def make_split(int4: Path, base: Path, out: Path, group: str = "self_attn.") -> 
 
 
 def _vllm_says(folder: Path, timeout_s: int = 300) -> dict:
+    # A multimodal checkpoint (qwen3_5_moe's vision tower) loads text-only: the fixture has no image processor.
+    multimodal = "vision_config" in json.loads((folder / "config.json").read_text())
     t0 = time.perf_counter()
     env = dict(os.environ, VLLM_TRITON_FORCE_FIRST_CONFIG="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     try:
-        p = subprocess.run([sys.executable, "-c", _VLLM_LOAD, str(folder)], capture_output=True, text=True,
+        p = subprocess.run([sys.executable, "-c", _VLLM_LOAD, str(folder), "1" if multimodal else "0"], capture_output=True, text=True,
                            timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"outcome": "timeout", "seconds": timeout_s}
     lines = (p.stdout + p.stderr).splitlines()
     loaded = next((line for line in lines if line.startswith("LOADED")), None)
-    errors = [line for line in lines if re.match(r"^\w*(Error|Exception)\b|^[\w.]+(Error|Exception): ", line.strip())]
+    bare = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in lines]  # vLLM's worker prefixes its rank
+    errors = [line for line in bare if re.match(r"^\w*(Error|Exception)\b|^[\w.]+(Error|Exception): ", line)]
     return {"outcome": "loaded" if loaded else "refused", "exit": p.returncode, "loaded": loaded,
             "error": errors[-1].strip() if errors else None, "last_lines": lines[-6:],
             "seconds": round(time.perf_counter() - t0, 1)}

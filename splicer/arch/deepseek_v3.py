@@ -1,8 +1,8 @@
 """DeepSeek-V3 / R1 (`deepseek_v3`, `DeepseekV3ForCausalLM`): MLA attention, first layers dense, routed and shared experts.
 
 Sources: transformers 5.24 `models/deepseek_v3` (names and shapes: the fixture builds the model on the meta device);
-vLLM 0.26.0 `model_executor/models/deepseek_v2.py`, `deepseek_mtp.py` (read, not run; shared design notes, families
-§4): packed_modules_mapping {"gate_up_proj": [gate, up]} plus "fused_qkv_a_proj": [q_a_proj, kv_a_proj_with_mqa]
+vLLM 0.26.0 `model_executor/models/deepseek_v2.py`, `deepseek_mtp.py` (read, and loaded on the H200:
+results/gpu-families/ calls 3 and 4; shared design notes, families §4): packed_modules_mapping {"gate_up_proj": [gate, up]} plus "fused_qkv_a_proj": [q_a_proj, kv_a_proj_with_mqa]
 when q_lora_rank is set (V3, R1, Kimi-K2); no mapper (no renames); the router `mlp.gate` (GateLinear, with
 e_score_correction_bias) never quantized; `kv_b_proj` built with quant_config (MLA dequantizes it after load); the
 loader takes per-expert expert tensors only.
@@ -13,10 +13,11 @@ mlp.shared_experts.{gate,up,down}_proj (class shared_expert), mlp.gate; model.em
 
 The MTP layer, stored as one more decoder layer (model.layers.{num_hidden_layers}.*: a copy of a MoE decoder layer
 plus embed_tokens, enorm, hnorm, eh_proj and shared_head.{norm,head}), is class mtp: get_architecture binds the table
-to the checkpoint's num_hidden_layers (mtp_layer_key). vLLM's drafter (deepseek_mtp.py, read, not run) shares the
-target's quant_config and packed mapping, keeps the checkpoint's names for the layer's modules, never quantizes
-eh_proj, and names the head model.layers.{N}.head. Restoring mtp is checked on CPU only (tests/test_families.py);
-vLLM has not loaded such a splice with speculative decoding. Kimi-K2 (`kimi_k2`) shares the layout in vLLM but
+to the checkpoint's num_hidden_layers (mtp_layer_key). vLLM's drafter (deepseek_mtp.py) shares the target's
+quant_config and packed mapping, keeps the checkpoint's names for the layer's modules and never quantizes eh_proj (seen
+at load with speculative decoding, results/gpu-families/ call 4). Its head is the target's lm_head: vLLM 0.26
+replaces shared_head.head with it (v1/spec_decode/llm_base_proposer.py, _maybe_share_lm_head), so the checkpoint's
+model.layers.{N}.shared_head.head is loaded by no one and the drafter's logits follow the lm_head class. Kimi-K2 (`kimi_k2`) shares the layout in vLLM but
 transformers has no config class for it here.
 """
 

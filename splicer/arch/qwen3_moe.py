@@ -1,7 +1,8 @@
 """Qwen3 MoE (`qwen3_moe`: Qwen3-30B-A3B, Qwen3-235B-A22B; `Qwen3MoeForCausalLM`).
 
 Sources: transformers 5.24 `models/qwen3_moe` (names and shapes: the fixture builds the model on the meta device);
-vLLM 0.26.0 `model_executor/models/qwen3_moe.py` (read, not run; shared design notes, families §1):
+vLLM 0.26.0 `model_executor/models/qwen3_moe.py` (read, and loaded on the H200: results/gpu-families/
+call 2; shared design notes, families §1):
 packed_modules_mapping {"qkv_proj": [q, k, v]} (+ "gate_up_proj" for `mlp_only_layers`), a stacked-only
 hf_to_vllm_mapper (so `ignore` names are not renamed), no MTP, no shared expert.
 
