@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from .errors import SplicerError
-from .plan import Row
+from .plan import PlannedRow, Row
 
 SPREAD_REPEAT_REASON = "spread over GPUs: the build is timed at the start and end of every GPU instead"
 
@@ -88,27 +88,29 @@ def check_gpus(gpus: tuple[str, ...], overlap_starts: int) -> None:
                            "drop --overlap-starts")
 
 
-def gpu_build_rows(todo: list[tuple], gpus: tuple[str, ...], timed: bool = True
-                   ) -> tuple[list[tuple | None], list[tuple | None], list[tuple], list[tuple]]:
+def gpu_build_rows(todo: list[PlannedRow], gpus: tuple[str, ...], timed: bool = True
+                   ) -> tuple[list[PlannedRow | None], list[PlannedRow | None], list[PlannedRow], list[PlannedRow]]:
     """(each GPU's first engine of the build, each GPU's last, the other rows in plan order, the plan's own extra engines
-    of the build, which these replace). Items are (row, restored, splice_name) as resolve_rows gives them. Without
+    of the build, which these replace), from the rows resolve_rows gives. Without
     decode timing only the first GPU runs the build (its scores are every row's reference), and the plan's own extra
     engines of the build run as other rows."""
-    build = next((it for it in todo if it[1] == [] and it[2] == it[0].name), None)
+    build = next((it for it in todo if it.restored == [] and it.splice_name == it.row.name), None)
     if build is None:
         raise SplicerError("--gpus compares every row with the build on its own GPU, and this plan has no build row "
                            "(restore = []); add one or leave --gpus out")
-    name = build[0].name
+    name = build.row.name
     if not timed:
         return [build, *[None] * (len(gpus) - 1)], [None] * len(gpus), [it for it in todo if it is not build], []
-    firsts = [build if k == 0 else (Row(f"{name}-gpu{g}", restore=[], repeat=True), [], name) for k, g in enumerate(gpus)]
-    lasts = [(Row(f"{name}-end-gpu{g}", restore=[], repeat=True), [], name) for g in gpus]
-    replaced = [it for it in todo if it is not build and it[1] == [] and it[2] == name]
+    firsts = [build if k == 0 else PlannedRow(Row(f"{name}-gpu{g}", restore=[], repeat=True), [], name)
+              for k, g in enumerate(gpus)]
+    lasts = [PlannedRow(Row(f"{name}-end-gpu{g}", restore=[], repeat=True), [], name) for g in gpus]
+    replaced = [it for it in todo if it is not build and it.restored == [] and it.splice_name == name]
     rows = [it for it in todo if it is not build and it not in replaced]
     return firsts, lasts, rows, replaced
 
 
-def run_rows_on_gpus(lanes: list[tuple[str, object]], firsts: list[tuple], lasts: list[tuple], rows: list[tuple],
+def run_rows_on_gpus(lanes: list[tuple[str, object]], firsts: list[PlannedRow | None], lasts: list[PlannedRow | None],
+                     rows: list[PlannedRow],
                      run_one, record, before_rows=None) -> None:
     """One thread per (gpu, backend) in lanes: before_rows(backend, gpu) (its compiling processes end), its first item,
     then rows from the shared queue while any is left, then its last item. run_one(item, backend, gpu) -> entry;

@@ -308,21 +308,21 @@ def test_spread_lanes_a_gpu_that_cannot_serve_the_build_takes_no_rows_and_no_tim
     decode timing off only the first GPU runs the build and the plan's repeat rows run as other rows."""
     import threading
 
-    from splicer.plan import Row
+    from splicer.plan import PlannedRow, Row
     from splicer.spread import gpu_build_rows, run_rows_on_gpus
 
-    build = (Row("build", restore=[]), [], "build")
-    rows = [(Row(n, restore=[n]), [n], n) for n in ("gdn", "attention", "lm_head")]
-    again = (Row("build-again", restore=[], repeat=True), [], "build")
+    build = PlannedRow(Row("build", restore=[]), [], "build")
+    rows = [PlannedRow(Row(n, restore=[n]), [n], n) for n in ("gdn", "attention", "lm_head")]
+    again = PlannedRow(Row("build-again", restore=[], repeat=True), [], "build")
     firsts, lasts, queue_rows, replaced = gpu_build_rows([build, *rows, again], ("0", "1"))
-    assert [f[0].name for f in firsts] == ["build", "build-gpu1"] and [x[0].name for x in lasts] == ["build-end-gpu0", "build-end-gpu1"]
+    assert [f.row.name for f in firsts] == ["build", "build-gpu1"] and [x.row.name for x in lasts] == ["build-end-gpu0", "build-end-gpu1"]
     assert replaced == [again] and queue_rows == rows
     ran, lock = [], threading.Lock()
 
     def run_one(item, backend, gpu):
         with lock:
-            ran.append((gpu, item[0].name))
-        return {"name": item[0].name, "status": "error" if gpu == "1" else "ok"}
+            ran.append((gpu, item.row.name))
+        return {"name": item.row.name, "status": "error" if gpu == "1" else "ok"}
 
     run_rows_on_gpus([("0", None), ("1", None)], firsts, lasts, queue_rows, run_one, lambda item, entry: None)
     assert [n for g, n in ran if g == "1"] == ["build-gpu1"]

@@ -238,15 +238,15 @@ def test_a_run_record_starts_when_the_invocation_began_not_when_its_base_pass_en
     import time
     from datetime import datetime
 
-    import splicer.ablate
+    import splicer.ablate.rows
 
-    orig = splicer.ablate.base_pass
+    orig = splicer.ablate.rows.base_pass
 
     def slow_base_pass(*a, **k):
         time.sleep(3)  # a base pass that takes a while, as on a GPU from cold (run 9's: 237 s)
         return orig(*a, **k)
 
-    monkeypatch.setattr(splicer.ablate, "base_pass", slow_base_pass)
+    monkeypatch.setattr(splicer.ablate.rows, "base_pass", slow_base_pass)  # where the rows stage calls it
     p = pairs["fused"]
     out = tmp_path / "run"
     t0 = time.time()

@@ -557,13 +557,13 @@ def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_ro
     p = pairs["fused"]
     import json
 
-    import splicer.ablate as ablate_mod
+    import splicer.ablate.rows as ablate_mod  # where the rows stage calls run_row
 
     settings = dict(backend="vllm", progress=False, bootstrap=20, gpus=("0", "1"), precompile=3, engine_cache_dir=tmp_path / "c2")
     real_run_row, calls = ablate_mod.run_row, []
 
     def interrupted_third(*a, **k):
-        calls.append(a[0].name)
+        calls.append(a[0].row.name)
         if len(calls) == 3:
             raise KeyboardInterrupt
         return real_run_row(*a, **k)

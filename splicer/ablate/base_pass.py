@@ -1,0 +1,112 @@
+"""Stage 2, the base pass (DIR/cache/base-KEY/): the base's chat answers, its per-position top-k and target
+log-probs per corpus, and a noise pass (the base scored again exactly as a row is). Keyed by the base's digest, the
+corpora and the settings; done once, read by every row and every rerun."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..corpora import Corpus
+from ..plan import Plan
+from .common import AblateSettings, _atomic_json, _batch_size, _digest, _pbar
+
+FULL_VOCAB_CACHE_LIMIT = 1 << 30  # keep the base's full log-softmax only while it fits in 1 GiB
+
+
+BASE_PASS_VERSION = 2  # part of the base pass's cache key: 2 = noise pass scored exactly as the rows
+
+
+def _save_scores(path: Path, scores: list, extra: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {
+        "topk_ids": torch.cat([s.topk_ids for s in scores]).contiguous(),
+        "topk_logprobs": torch.cat([s.topk_logprobs for s in scores]).contiguous(),
+        "target_logprobs": torch.cat([s.target_logprobs for s in scores]).contiguous(),
+        "lengths": torch.tensor([len(s.target_logprobs) for s in scores], dtype=torch.int64),
+    }
+    if scores and scores[0].full is not None:
+        tensors["full"] = torch.cat([s.full for s in scores]).contiguous()
+    tensors.update(extra or {})
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def base_cache(backend, plan: Plan, settings: AblateSettings, out: Path, base_digest: str, corpora: list[Corpus]) -> Path:
+    """The folder of the base pass for these inputs and settings (done when it holds done.json)."""
+    key = _digest(BASE_PASS_VERSION, base_digest, [c.digest() for c in corpora], [c.spec for c in corpora], plan.top_k, backend.name,
+                  settings.device, settings.batch_size, settings.engine_args,
+                  # Only when set, so that caches made before --engine-env existed keep their key.
+                  *([settings.engine_env] if settings.engine_env else []))
+    return out / "cache" / f"base-{key}"
+
+
+def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, cache: Path,
+              tok, corpora: list[Corpus], chat_stop_tokens: tuple[str, ...] = ()) -> list[Corpus]:
+    """Generate the base's chat answers and score the base (and a noise pass) once into cache (see base_cache);
+    returns the corpora with the chat answers in them. An answer ends at the tokenizer's EOS or at one of the family's
+    chat_stop_tokens the tokenizer knows."""
+    done = cache / "done.json"
+    stages = settings.stages
+    if done.exists():
+        stages.line("base pass: cached")
+        return [Corpus.from_json(c) for c in json.loads((cache / "corpora.json").read_text())]
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True)
+    t0 = time.perf_counter()
+    with stages.stage("base pass: engine start"):
+        backend.load(base_root)
+    load_s = time.perf_counter() - t0
+    engine_info = backend.load_info() or None
+    unk = tok.unk_token_id
+    stop = sorted({t for t in (tok.eos_token_id, *(tok.convert_tokens_to_ids(s) for s in chat_stop_tokens))
+                   if isinstance(t, int) and t >= 0 and t != unk})
+    for c in corpora:
+        if c.kind == "chat":
+            with stages.stage(f"base pass: chat answers {c.name} ({len(c.sequences)} conversations)"):
+                answers = backend.generate(c.sequences, int(c.spec.get("answer_tokens", 32)), stop)
+            c.sequences = [p + a for p, a in zip(c.sequences, answers)]
+    vocab = None
+    timings = {"load_s": load_s}
+    for c in corpora:
+        t0 = time.perf_counter()
+        want_full = False
+        if backend.exact_gather:
+            vocab = vocab or _vocab_size(base_root)
+            want_full = c.positions() * vocab * 4 <= FULL_VOCAB_CACHE_LIMIT
+        batch = _batch_size(settings, backend)
+        with stages.stage(f"base pass: scoring {c.name} ({c.positions()} positions, then the noise pass)"):
+            scores = list(_pbar(backend.score(c.sequences, plan.top_k, want_full=want_full, batch_size=batch),
+                                total=len(c.sequences), desc=f"base {c.name}", disable=not settings.progress or None, leave=False))
+            _save_scores(cache / f"{c.name}.safetensors", scores)
+            # Noise floor: the base scored again exactly as every row is scored (same order and batch size), so it
+            # measures what the engine's own nondeterminism costs a row and nothing else (a pass batched differently
+            # sat 12 % above a row holding the base's own tensors). Deterministic backends give 0.
+            noise = list(backend.score(c.sequences, plan.top_k, batch_size=batch,
+                                       gather_ids=[s.topk_ids for s in scores] if backend.exact_gather else None,
+                                       want_full=want_full))
+            _save_scores(cache / f"noise-{c.name}.safetensors", noise,
+                         {"gathered": torch.cat([n.gathered for n in noise])} if backend.exact_gather else None)
+        timings[f"score_{c.name}_s"] = time.perf_counter() - t0
+    backend.unload()
+    (cache / "corpora.json").write_text(json.dumps([c.to_json() for c in corpora]))
+    _atomic_json(done, {"timings": timings, "backend": backend.describe(), "engine": engine_info})
+    return corpora
+
+
+def _vocab_size(folder: Path) -> int:
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return int(cfg.get("text_config", cfg)["vocab_size"])

@@ -1,0 +1,119 @@
+"""Stage 1, the job (DIR/job.json): which rows of which plan, on which corpora, for which inputs and settings.
+
+A rerun keeps the finished rows of the same job only; the tokenized corpora belong to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+from .. import __version__
+from ..corpora import Corpus, build_corpus
+from ..errors import SplicerError
+from ..plan import Plan
+from .common import RESULTS, AblateSettings, _atomic_json, _digest
+
+
+def _override_corpora(plan: Plan, overrides: dict[str, str]) -> list[dict]:
+    specs = {c["name"]: dict(c) for c in plan.corpora}
+    for name, path in overrides.items():
+        if name not in specs:
+            raise SplicerError(f"--corpus {name}=...: the plan has no corpus {name!r}; its corpora: {', '.join(specs)}")
+        spec = {k: v for k, v in specs[name].items() if k in ("name", "chunk_tokens", "max_chunks", "field")}
+        specs[name] = dict(spec, kind="text", files=[str(Path(path).resolve())])
+    return list(specs.values())
+
+
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises OSError/ValueError/...: all mean "no usable tokenizer"
+        raise SplicerError(f"cannot load a tokenizer from {folder} ({e.__class__.__name__}); the base needs tokenizer files") from None
+
+
+def prepare_corpora(base_root: Path, plan: Plan, settings: AblateSettings):
+    """Tokenize every corpus (chat: prompts only) before anything is written, so bad corpora fail early."""
+    specs = _override_corpora(plan, settings.corpus_overrides)
+    tok = _tokenizer(base_root)
+    cfg = json.loads((Path(base_root) / "config.json").read_text())
+    context = settings.engine_args.get("max_model_len") or cfg.get("text_config", cfg).get("max_position_embeddings")
+    return tok, [build_corpus(s, tok, context, Path.cwd()) for s in specs]
+
+
+def make_job(plan: Plan, corpora: list[Corpus], build_src: str, build, base_src: str, base_digest: str,
+             settings: AblateSettings) -> dict:
+    """What a results folder was made from (DIR/job.json): finished rows are kept on a rerun only under the same job.
+
+    The tokenized corpora belong to it: rows scored on other positions (a corpus file edited, a new chat set) would
+    otherwise be paired with the new ones."""
+    return {"tool": f"splicer {__version__}", "plan": plan.name, "plan_digest": plan.digest,
+            "corpora_digest": _digest([c.digest() for c in corpora]),
+            "build": {"source": str(build_src), "header_digest": build.header_digest()},
+            "base": {"source": str(base_src), "digest": base_digest},
+            "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
+                         "engine_args": settings.engine_args, **({"engine_env": settings.engine_env} if settings.engine_env else {}),
+                         "allow_quantized_base": settings.allow_quantized_base,
+                         "overlap_starts": settings.overlap_starts, "rewake_before_timing": settings.rewake_before_timing,
+                         "time_decode": settings.time_decode, "corpus_overrides": settings.corpus_overrides,
+                         # Rows spread over GPUs are named and compared per GPU: another spread is another job.
+                         **({"gpus": list(settings.gpus)} if settings.gpus else {})}}
+
+
+def select_rows(plan: Plan, rows_spec: str, quantized: list[str]) -> set[str]:
+    """The plan's rows `ablate ROWS` asks for ("all" or a comma list); the build and its repeats always come along."""
+    names = {r.name for r in plan.rows}
+    if rows_spec == "all":
+        return names
+    wanted = [r.strip() for r in rows_spec.split(",") if r.strip()]
+    bad = [w for w in wanted if w not in names]
+    if bad or not wanted:
+        raise SplicerError(f"row {bad[0] if bad else '(none)'!r} is not in plan {plan.name}; its rows: {', '.join(r.name for r in plan.rows)}")
+    # The build row is every other row's reference, and its repeats (more engines of it) set the decode intervals.
+    return {"build", *wanted, *(r.name for r in plan.rows if r.repeat and r.restored(quantized) == [])}
+
+
+def _from_cli() -> bool:
+    """True when the splicer command line is running (then sys.argv is the command to record)."""
+    return Path(sys.argv[0]).name in ("splicer", "__main__.py") or sys.argv[0].endswith("splicer/__main__.py")
+
+
+def host_info() -> dict:
+    """The CPU side of the machine: engine start-up and batch-1 decode depend on it, and a resumed run may be on another."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory_gib = None
+    try:
+        kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
+        memory_gib = round(kib / 2**20, 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    return {"cpu": cpu, "logical_cores": os.cpu_count(), "memory_gib": memory_gib}
+
+
+def write_job(out: Path, job: dict, stages) -> tuple[dict[str, dict], list[dict]]:
+    """DIR/job.json for this invocation, and what an earlier run of DIR left that this one keeps: its finished rows
+    and its run records, both only under the same job. Splices made from another build or base are removed."""
+    results_path = out / RESULTS
+    previous = json.loads(results_path.read_text()) if results_path.exists() else None
+    if previous and (previous.get("job", {}).get("build") != job["build"] or previous.get("job", {}).get("base") != job["base"]):
+        shutil.rmtree(out / "variants", ignore_errors=True)  # another build or base: every splice is stale
+    same_job = previous is not None and previous.get("job") == job
+    _atomic_json(out / "job.json", job)
+    if previous and not same_job and previous.get("variants"):
+        stages.line("the job differs from the one in DIR (inputs, plan, corpora or settings such as --gpus): "
+                    "its finished rows are run again")
+    if not same_job:
+        return {}, []
+    return {v["name"]: v for v in previous.get("variants", []) if v.get("status") == "ok"}, previous.get("runs", [])

@@ -1,0 +1,60 @@
+"""Stage 4, the results (DIR/results.json, table.md, report.md): the base pass's record, the corpora, every finished
+row, the verdicts and where the time went; rewritten after every row."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from ..corpora import Corpus
+from ..plan import Plan
+from .common import RESULTS, AblateSettings, _atomic_json
+from .job import _from_cli, host_info
+from .scores import noise_floor
+
+
+def new_results(job: dict, plan: Plan, corpora: list[Corpus], cache: Path, quantized: list[str], frozen: list[str],
+                skipped: list[dict], settings: AblateSettings, earlier_runs: list[dict], started: str) -> dict:
+    """results.json as a run starts: the base pass (read from its cache), the corpora, the rows skipped, and one entry
+    per invocation that worked on this job (a resumed job has several), the rows still to come."""
+    return {
+        "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job,
+        "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
+        "backend": None, "engine_version": None, "device": None,
+        "inputs": {"build": job["build"], "base": job["base"]},
+        "corpora": {c.name: {"kind": c.kind, "sequences": len(c.sequences), "positions": c.positions(),
+                             "answer_tokens": (sum(len(s) - p for s, p in zip(c.sequences, c.prompt_lens)) if c.prompt_lens else None)}
+                    for c in corpora},
+        "quantized_classes": quantized, "base_quantized_classes": frozen, "noise_floor": noise_floor(cache, corpora, settings.bootstrap),
+        "timing_settings": plan.timing if settings.time_decode else None,
+        "bandwidth_bytes_per_s": settings.bandwidth_gbs * 1e9 if settings.bandwidth_gbs else None,
+        "variants": [], "skipped": skipped,
+        "runs": [*earlier_runs,
+                 {"started": started, "rows_run": [], "finished": False,
+                  "host": host_info(),
+                  "command": " ".join(shlex.quote(a) for a in ["splicer", *sys.argv[1:]]) if _from_cli() else None}],
+    }
+
+
+def _finish(results: dict, out: Path, backends, reps: int = 2000) -> None:
+    from ..report import render_report
+    from ..table import render_markdown
+    from ..verdicts import attach
+
+    info = backends[0].describe()
+    if len(backends) > 1:  # spread over GPUs: what differs per GPU
+        info["per_gpu"] = [{k: d.get(k) for k in ("cuda_device", "cpus", "precompile", "worker_starts")}
+                           for d in (b.describe() for b in backends)]
+    results["backend"] = info.get("backend")
+    results["engine_version"] = info.get("engine")
+    results["device"] = info.get("device")
+    results["backend_info"] = info
+    from ..breakdown import time_breakdown
+
+    results["time_breakdown"] = time_breakdown(results)
+    attach(results, out, reps)
+    _atomic_json(out / RESULTS, results)
+    (out / "table.md").write_text(render_markdown(results) + "\n")
+    (out / "report.md").write_text(render_report(results))

@@ -1,0 +1,292 @@
+"""The rows (DIR/variants/ROW/, DIR/scores/ROW/): each row's folder (the base, the build, or a splice), its scores
+against the base pass and its decode timing, serially or spread over GPUs; RowSchedule decides what is spliced,
+started or compiled ahead. Each finished row is written to results.json at once."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from .. import faults, spread
+from ..checkpoint import open_checkpoint
+from ..corpora import Corpus
+from ..errors import SplicerError
+from ..plan import Plan, PlannedRow
+from .base_pass import base_pass
+from .common import AblateSettings, _folder_bytes, _pbar
+from .results import _finish, new_results
+from .scores import score_variant
+
+
+def _timing_prompt(corpora: list[Corpus], n: int) -> list[int]:
+    """A fixed prompt of n tokens: the first chat prompt (persona + history), repeated as needed."""
+    src = next((c.sequences[0][: c.prompt_lens[0]] for c in corpora if c.prompt_lens), corpora[0].sequences[0])
+    return (src * (n // max(len(src), 1) + 1))[:n]
+
+
+class RowSchedule:
+    """The folder each row runs on (the base, the build, or a splice made at the row's turn or ahead of it) and the
+    engines the backend starts or compiles ahead of their turn.
+
+    Serially each row is spliced at its turn. With --overlap-starts N every row is spliced at the start and the next N
+    rows' engines are started while the current one scores, as a group: a new group starts only once every started
+    engine has been timed, because decode is timed with no engine starting and a row timed behind a fresh start would
+    wait for it. With --precompile every row is spliced at the start and its engine compiled while the base pass runs.
+    """
+
+    def __init__(self, run_list: list[PlannedRow], backend, build, build_src: str, base_root: Path, base_src: str, out: Path,
+                 settings: AblateSettings, compilers: list | None = None):
+        self.run_list, self.backend, self.settings = run_list, backend, settings
+        self.build, self.build_src, self.base_root, self.base_src, self.out = build, build_src, base_root, base_src, out
+        self.prepared: dict[str, tuple[Path, float]] = {}  # row -> (folder, seconds its splice took), made ahead
+        self.started_ahead: set[int] = set()
+        self.ahead = backend.overlap_starts  # engines the backend can start ahead (vLLM with --overlap-starts)
+        # The backends whose processes compile ahead: the base pass's own, or with --gpus every GPU's (spread.py).
+        self.compilers = compilers or [backend]
+        self._preparing: threading.Thread | None = None  # splices and compile queueing, beside the base pass
+        self._preparing_error: BaseException | None = None
+        self._cancel = threading.Event()
+        self.compile_ahead = True
+        # Rows spread over GPUs score and time one at a time (spread.py): a row on one GPU is measured while the others
+        # at most start engines, on their own GPUs and cores. With one GPU it is never contended.
+        self.measuring = threading.Lock()
+
+    def folder(self, item: PlannedRow) -> tuple[Path, float]:
+        """The row's folder and the seconds its splice took now (0 when made ahead or not needed)."""
+        row, restored, splice_name = item.row, item.restored, item.splice_name
+        if row.name in self.prepared:
+            return self.prepared.pop(row.name)
+        from ..splice import splice
+
+        t0 = time.perf_counter()
+        if restored is None:
+            folder = self.base_root
+        elif not restored:
+            folder = self.build.root
+        else:
+            folder = self.out / "variants" / splice_name
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            if not _splice_is_current(folder, self.build, restored):
+                with self.settings.stages.stage(f"{row.name}: splice {','.join(restored)}"):
+                    splice(str(self.build_src), str(self.base_src), folder, ",".join(restored), force=True, progress=False,
+                           allow_quantized_base=self.settings.allow_quantized_base)
+        return folder, time.perf_counter() - t0
+
+    def prepare(self, item) -> bool:
+        """Splice a row ahead of its turn (kept in prepared); False if it fails: the row tries again at its turn and
+        records the failure there, as without splicing ahead (one row's failure must not end the plan)."""
+        try:
+            self.prepared[item.row.name] = self.folder(item)
+            return True
+        except Exception:
+            return False
+
+    def index(self, name: str) -> int:
+        return next(k for k, it in enumerate(self.run_list) if it.row.name == name)
+
+    def start_ahead(self, i: int) -> None:
+        """Row i is loaded and timed: start the next group of engines unless one is already waiting its turn."""
+        if not self.ahead or any(j > i for j in self.started_ahead):
+            return
+        for j in range(i + 1, min(i + 1 + self.ahead, len(self.run_list))):
+            if not self.prepare(self.run_list[j]):
+                continue
+            if not self.backend.prefetch(self.prepared[self.run_list[j].row.name][0]):
+                break
+            self.started_ahead.add(j)
+
+    def before_base_pass(self, base_pending: bool) -> None:
+        """What starts before the base pass: with overlapped starts the base's engine and the first group's, then the
+        other splices; with compiling ahead the splices and every row's compile."""
+        if self.ahead:
+            # The base's engine and the first group's start together. The first engine on a machine is the slowest
+            # (Triton autotuning of the GDN kernels, 143 s on the H200 stand-in), and the group's engines autotune
+            # in their own processes meanwhile instead of waiting for it: the cold run's largest serial cost.
+            if base_pending:
+                self.backend.prefetch(self.base_root)
+            self.start_ahead(-1)
+            # The later rows' splices too, while those engines start: done later, a group's splices would delay its starts.
+            for item in self.run_list:
+                if item.row.name not in self.prepared:
+                    self.prepare(item)
+        # Compiling ahead hides behind the base pass; with the base pass cached (a resumed run) it would only hold up
+        # the rows (run 10's second call: 61.5 s), so the rows compile their own engines then.
+        self.compile_ahead = base_pending
+        if any(b.precompile_slots for b in self.compilers) or self.settings.gpus:
+            # Every row's engine is compiled ahead while the base pass runs (which is never timed, so engines may share
+            # the GPU then); the lanes end before the first row starts, so each row's engine still starts, scores and
+            # is timed alone, and only reads its compiled graphs from the engine's cache. Spread over GPUs, every
+            # splice is made now too: rows are then taken by whichever GPU is free, from threads. The splices are
+            # made beside the base pass's engine start (25 s of the H200 stand-in's run 9 went before it).
+            self._preparing = threading.Thread(target=self._prepare_all, daemon=True, name="splices")
+            self._preparing.start()
+
+    def _prepare_all(self) -> None:
+        try:
+            targets = spread.compile_targets([b.precompile_slots for b in self.compilers])
+            queued: list[Path] = []
+            for item in self.run_list:
+                if self._cancel.is_set():  # the run was interrupted or failed: nothing more is spliced or compiled
+                    return
+                if self.prepare(item) and (folder := self.prepared[item.row.name][0]) != self.base_root and folder not in queued:
+                    queued.append(folder)
+                    if self.compile_ahead and not self._cancel.is_set():
+                        self.compilers[next(targets)].precompile(folder)
+        except BaseException as e:  # raised at wait_prepared(), in the main thread
+            self._preparing_error = e
+
+    def wait_prepared(self) -> None:
+        """Wait for the splices made beside the base pass (and their compiles to be queued)."""
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+        if self._preparing_error is not None:
+            raise self._preparing_error
+
+    def cancel(self) -> None:
+        """The run ends early (interrupt, failure): stop the splices made beside the base pass and wait for the one in
+        progress, so nothing writes into DIR after its lock is released and no compile starts after the backends close."""
+        self._cancel.set()
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+
+
+def run_row(item: PlannedRow, schedule: RowSchedule, backend, cache: Path, corpora: list[Corpus], plan: Plan,
+            settings: AblateSettings, out: Path, gpu: str | None = None) -> dict:
+    """One row: its folder, sizes, scores against the base pass and decode timing, as its results.json entry (status
+    "error" with the reason when any step fails: one variant's failure must not end the plan). gpu: the CUDA id it
+    ran on, in a run spread over GPUs."""
+    row, restored, splice_name = item.row, item.restored, item.splice_name
+    entry = {"name": row.name, "restored": restored if restored is not None else "base",
+             **({"repeat_of": splice_name} if splice_name != row.name else {}),
+             **({"gpu": gpu} if gpu is not None else {}),
+             "status": "running", "elapsed": {}}
+    ahead = schedule.ahead
+    measuring = []  # holds schedule.measuring once this row's engine has started
+
+    def start_measuring() -> None:
+        t0 = time.perf_counter()
+        schedule.measuring.acquire()
+        measuring.append(schedule.measuring)
+        if gpu is not None:
+            entry["elapsed"]["waited_to_measure_s"] = time.perf_counter() - t0
+        if ahead:
+            time_then_start_ahead()
+
+    try:
+        folder, entry["elapsed"]["splice_s"] = schedule.folder(item)
+        entry["size_bytes"] = _folder_bytes(folder)
+        entry["bytes_per_decode_step"] = _bytes_per_step(folder)
+        index = schedule.index(row.name) if ahead else None
+        entry["timing"] = None
+
+        def time_then_start_ahead() -> None:
+            # With overlapped starts a row is timed before it scores, so that the next group's engines can start
+            # while it scores; without, after scoring, as in the serial H200 run whose noise band was ±1 %.
+            if settings.time_decode and plan.timing:
+                t0 = time.perf_counter()
+                with settings.stages.stage(f"{row.name}: timing"):
+                    entry["timing"] = backend.time_decode(_timing_prompt(corpora, int(plan.timing["prompt_tokens"])),
+                                                          int(plan.timing["new_tokens"]), int(plan.timing["warmup"]),
+                                                          int(plan.timing["runs"]))
+                entry["elapsed"]["time_s"] = time.perf_counter() - t0
+            schedule.start_ahead(index)
+
+        metrics, timings = score_variant(backend, folder, cache, corpora, plan, settings, out / "scores" / row.name,
+                                         before_scoring=start_measuring)
+        if not ahead:
+            time_then_start_ahead()
+        entry["metrics"] = metrics
+        entry["engine"] = timings.pop("engine", None)
+        entry["elapsed"].update(timings)
+        entry["decode_ms_per_token"] = (entry["timing"] or {}).get("decode_ms_per_token")
+        entry["status"] = "ok"
+    except SplicerError as e:
+        entry.update(status="error", error=str(e))
+    except Exception as e:  # one variant's failure (engine error, OOM) must not end the plan
+        entry.update(status="error", error=f"{e.__class__.__name__}: {e}", traceback=traceback.format_exc(limit=3))
+    finally:
+        for lock in measuring:
+            lock.release()
+        backend.unload()
+    return entry
+
+
+def _run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list, done: dict, cache: Path, corpora, tok,
+              plan: Plan, settings: AblateSettings, out: Path, base, job: dict, quantized, frozen, skipped, earlier_runs,
+              started: str, t_start: float, spread_plan) -> dict:
+    """run_ablate under DIR's lock, from the base pass on: the base pass (splices and compiles beside it), each row
+    (serially, or with --gpus one thread per GPU), results.json, table.md and report.md after every row."""
+    backend = backends[0]
+    schedule.before_base_pass(base_pending=not (cache / "done.json").exists())
+    with settings.stages.stage("base pass"):
+        corpora = base_pass(backend, base.root, plan, settings, cache, tok, corpora, base.arch.chat_stop_tokens)
+    schedule.wait_prepared()
+    results = new_results(job, plan, corpora, cache, quantized, frozen, skipped, settings, earlier_runs, started)
+
+    def finish_precompile(on_backend, gpu=None) -> None:
+        # Spread over GPUs, each GPU's thread waits for its own compiling processes only.
+        if on_backend.precompile_slots:
+            where = f"gpu {gpu}: " if gpu is not None else ""
+            with settings.stages.stage(f"{where}compiling ahead: waiting for the last engines to compile"):
+                records = on_backend.finish_precompile()
+            with schedule.measuring:
+                results["runs"][-1].setdefault("precompiled", []).extend(records)
+
+    if not settings.gpus:
+        finish_precompile(backend)
+    # Finished in an earlier run of the same job: kept, chosen or not.
+    results["variants"] += [done[it.row.name] for it in todo if it.row.name in done]
+    bar = _pbar(total=len(run_list), desc="ablate", disable=not settings.progress or None)
+    order = {it.row.name: k for k, it in enumerate(todo)}
+
+    def record(item, entry: dict) -> None:
+        with schedule.measuring:  # spread over GPUs: not while another row is timed
+            results["variants"].append(entry)
+            results["variants"].sort(key=lambda v: order.get(v["name"], len(order)))  # plan order, however finished
+            settings.stages.line(f"{entry['name']}: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "")
+                                 + f", {len(results['runs'][-1]['rows_run']) + 1} of {len(run_list)} rows of this run")
+            results["runs"][-1]["rows_run"].append(entry["name"])
+            results["runs"][-1]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+            _finish(results, out, backends, settings.bootstrap)
+            bar.update(1)
+        faults.point("ablate:row-done")
+
+    def run_one(item, on_backend, gpu=None) -> dict:
+        return run_row(item, schedule, on_backend, cache, corpora, plan, settings, out, gpu=gpu)
+
+    names = {it.row.name for it in run_list}
+    if spread_plan:
+        firsts, lasts, spread_rows = spread_plan
+        spread.run_rows_on_gpus(list(zip(settings.gpus, backends)),
+                                [it if it is not None and it.row.name in names else None for it in firsts],
+                                [it if it is not None and it.row.name in names else None for it in lasts],
+                                [it for it in spread_rows if it.row.name in names], run_one, record,
+                                before_rows=lambda on_backend, gpu: finish_precompile(on_backend, gpu))
+    else:
+        for item in run_list:
+            record(item, run_one(item, backend))
+    bar.close()
+    results["elapsed_s"] = time.perf_counter() - t_start
+    results["runs"][-1].update(elapsed_s=round(results["elapsed_s"], 1), finished=True)
+    _finish(results, out, backends, settings.bootstrap)
+    return results
+
+
+def _bytes_per_step(folder: Path) -> int:
+    """Weight bytes one batch-1 decode step reads (inspect's figure: routed experts count top-k of E)."""
+    from ..inspect import bytes_per_decode_step
+
+    return bytes_per_decode_step(open_checkpoint(folder, "variant"))
+
+
+def _splice_is_current(folder: Path, build, restored: list[str]) -> bool:
+    record = folder / "splice.json"
+    if not record.exists():
+        return False
+    r = json.loads(record.read_text())
+    return r.get("build", {}).get("header_digest") == build.header_digest() and r.get("restored_classes") == restored
