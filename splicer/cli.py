@@ -325,8 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--experts-layout", default="fused", choices=["fused", "per_expert"])
     s.add_argument("--builds", default=BUILDS_DEFAULT, help="comma list of lowlatency, lowlatency-nomtp, experts-g32, gptq-experts-g32")
     s.add_argument("--family", default="qwen3_5_moe",
-                   help="qwen3_5_moe (default), or qwen3_moe, qwen3_next, deepseek_v3, glm4_moe, llama, qwen3, mistral: a tiny pair of that family made "
-                        "from transformers' own model class (an int4 build; the MoE families also experts-g32)")
+                   help="qwen3_5_moe (default), or another family's model_type (an unknown one is answered with the list): a tiny "
+                        "pair of that family made from transformers' own model class (an int4 build; the MoE families also experts-g32)")
     s.add_argument("--seed", type=_count(0), default=0)
     s.add_argument("--full-dims", action="store_true",
                    help="Qwen3.6-35B-A3B's real text dims with random weights: DIR/build (seed-000-like INT4) and DIR/reference "

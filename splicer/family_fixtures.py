@@ -78,6 +78,18 @@ FAMILY_FIXTURES = {
         notes="DeepSeek-V3's layout at toy size: MLA (q_lora_rank set; kv_lora_rank 512 and a 64-dim rope part as in the released model, so vLLM's MLA kernels see its head size), layer 0 dense, then routed + shared experts; "
               "an MTP layer as model.layers.{num_hidden_layers} (added by the fixture: transformers' model has none)",
     ),
+    "kimi_k2": FamilyFixture(
+        "kimi_k2",
+        dict(_TINY, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3, first_k_dense_replace=1,
+             num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64,
+             qk_nope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+             n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
+             # Kimi-K2 ships no MTP layer (its config.json says 0; splicer reads an absent key as DeepSeek's 1).
+             num_nextn_predict_layers=0),
+        builds=("int4", "experts-g32"), absent_classes=("mtp",),
+        notes="Kimi-K2's checkpoint: DeepSeek-V3's layout (MLA, layer 0 dense, routed + shared experts) under model_type "
+              "kimi_k2, architectures DeepseekV3ForCausalLM, no MTP layer; its released values are not checked here",
+    ),
     "glm4_moe": FamilyFixture(
         "glm4_moe",
         dict(_TINY_DENSE, moe_intermediate_size=128, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
@@ -92,10 +104,14 @@ FAMILY_FIXTURES = {
 }
 
 
+def _hf_model_type(spec: FamilyFixture) -> str:
+    return get_architecture({"model_type": spec.model_type}).transformers_model_type(spec.model_type)
+
+
 def _hf_config(spec: FamilyFixture):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(spec.model_type, **spec.config)
+    return AutoConfig.for_model(_hf_model_type(spec), **spec.config)
 
 
 def _model_state(spec: FamilyFixture) -> dict[str, torch.Tensor]:
@@ -167,7 +183,8 @@ def write_family_base(out: Path, family: str, seed: int = 0) -> Path:
 
     # As a released checkpoint names it: without `architectures` vLLM 0.26 resolved the qwen3 and qwen3_moe fixtures
     # to their bare Qwen3Model / Qwen3MoeModel and served them as embedding models (results/gpu-families).
-    config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[spec.model_type]]
+    config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[_hf_model_type(spec)]]
+    config["model_type"] = spec.model_type  # kimi_k2, built with DeepSeek-V3's classes, keeps its own
     config["dtype"] = "bfloat16"
     config["eos_token_id"] = 2  # <|im_end|> of the demo tokenizer
     arch = get_architecture(config)

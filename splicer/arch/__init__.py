@@ -120,6 +120,9 @@ class Architecture:
     # num_local_experts where the released Qwen3 MoE configs say num_experts; DeepSeek says n_routed_experts).
     expert_count_keys: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
     experts_per_token_keys: tuple[str, ...] = ("num_experts_per_tok",)
+    # model_type -> the model type whose transformers classes build it, for a model type transformers has no config
+    # class of (Kimi-K2's kimi_k2 is DeepSeek-V3's layout, as vLLM's config registry maps it).
+    transformers_model_types: tuple[tuple[str, str], ...] = ()
     source: str = ""  # where the names were read (files of transformers and vLLM)
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -142,6 +145,10 @@ class Architecture:
                                "open an issue with the checkpoint")
         prefix = f"{self.decoder_roots[0][0]}.{n}."
         return dataclasses.replace(self, mtp_prefix=prefix, class_patterns=(("mtp", re.escape(prefix) + ".+"),) + self.class_patterns)
+
+    def transformers_model_type(self, model_type: str) -> str:
+        """The model type transformers' Auto classes know this checkpoint's model type by."""
+        return dict(self.transformers_model_types).get(model_type, model_type)
 
     def _re(self, pattern: str) -> re.Pattern:
         c = self._compiled.get(pattern)

@@ -28,7 +28,10 @@ MAIN_PACKED = {"gate_up_proj": ("gate_proj", "up_proj"), "fused_qkv_a_proj": ("q
 
 DEEPSEEK_V3 = Architecture(
     name="deepseek_v3",
-    model_types=("deepseek_v3",),
+    model_types=("deepseek_v3", "kimi_k2"),
+    # vLLM 0.26 maps kimi_k2 to its DeepseekV3Config (transformers_utils/config.py) and loads it with this model class;
+    # transformers has no kimi_k2 config class, so the torch backend builds it with DeepSeek-V3's.
+    transformers_model_types=(("kimi_k2", "deepseek_v3"),),
     class_patterns=(
         ("lm_head", r"lm_head"),
         ("experts", _DEC + r"mlp\.experts\.\d+\.(gate|up|down)_proj"),

@@ -73,7 +73,7 @@ class TorchBackend:
         arch = ckpt.arch
         cfg_dict = {k: v for k, v in ckpt.config.items() if k not in ("quantization_config", "model_type", "transformers_version")}
         # transformers' own config and causal-LM classes for the model type (the text model of a multimodal one).
-        text_cfg = AutoConfig.for_model(ckpt.config["model_type"], **cfg_dict)
+        text_cfg = AutoConfig.for_model(arch.transformers_model_type(ckpt.config["model_type"]), **cfg_dict)
         if arch.text_config_key:
             text_cfg = getattr(text_cfg, arch.text_config_key)
         text_cfg._attn_implementation = "sdpa"
