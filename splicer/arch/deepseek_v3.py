@@ -17,8 +17,8 @@ to the checkpoint's num_hidden_layers (mtp_layer_key). vLLM's drafter (deepseek_
 quant_config and packed mapping, keeps the checkpoint's names for the layer's modules and never quantizes eh_proj (seen
 at load with speculative decoding, results/gpu-families/ call 4). Its head is the target's lm_head: vLLM 0.26
 replaces shared_head.head with it (v1/spec_decode/llm_base_proposer.py, _maybe_share_lm_head), so the checkpoint's
-model.layers.{N}.shared_head.head is loaded by no one and the drafter's logits follow the lm_head class. Kimi-K2 (`kimi_k2`) shares the layout in vLLM but
-transformers has no config class for it here.
+model.layers.{N}.shared_head.head is not used and the drafter's logits follow the lm_head class. Kimi-K2
+(`kimi_k2`) shares the layout and loads with this table (results/gpu-families/ call 5).
 """
 
 from . import MLP_GATE_UP, Architecture, fused_group, model_layers_layout
