@@ -350,7 +350,7 @@ def main(argv=None) -> int:
         print(f"splicer: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("splicer: interrupted; rerun the same command to start again", file=sys.stderr)
+        print("splicer: interrupted; rerun the same command to resume (finished work is kept)", file=sys.stderr)
         return 130
     except MemoryError:
         print("splicer: error: out of memory; close other programs or use a machine with more RAM", file=sys.stderr)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from .arch import Architecture
+from .arch import DRAFTER_CLASS, Architecture
 from .checkpoint import Checkpoint, is_packed_tensor
 from .errors import SplicerError
 from .modules import Module
@@ -137,6 +137,8 @@ def parse_classes(spec: str, arch: Architecture, modules: dict[str, Module], bui
         raise SplicerError(f"unknown class {unknown[0]!r} in --restore: this build's family ({arch.name}) has "
                            f"{', '.join(arch.classes)}; choose from those or all")
     empty = [c for c in items if c not in quantized]
+    if empty and empty[0] == DRAFTER_CLASS and arch.no_mtp_reason:
+        raise SplicerError(f"this checkpoint has no MTP layer ({arch.no_mtp_reason}); drop mtp from --restore")
     if empty:
         raise SplicerError(
             f"class {empty[0]} has no quantized modules in this build, so there is nothing to restore; "

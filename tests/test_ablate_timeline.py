@@ -32,7 +32,7 @@ LOG = """\
 2026-12-01T06:03:21Z build: ok, 1 of 2 rows of this run
 2026-12-01T06:03:22Z gdn: engine start: started
 2026-12-01T06:03:40Z gdn: engine start: stopped after 18.0 s (KeyboardInterrupt: )
-splicer: interrupted; rerun the same command to start again
+splicer: interrupted; rerun the same command to resume (finished work is kept)
 2026-12-01T06:10:00Z ablate all of plan p: B against R into D
 2026-12-01T06:10:00Z base pass: cached
 2026-12-01T06:10:02Z gdn: engine start: started
@@ -68,7 +68,7 @@ SPREAD_LOG = """\
 2026-12-01T06:06:30Z build: engine start: done in 60.0 s
 2026-12-01T06:06:40Z build: ok, 2 of 4 rows of this run
 2026-12-01T06:06:41Z build-end-gpu0: engine start: started
-splicer: interrupted; rerun the same command to start again
+splicer: interrupted; rerun the same command to resume (finished work is kept)
 2026-12-01T06:10:00Z ablate all of plan p: B against R into D
 2026-12-01T06:10:00Z base pass: cached
 2026-12-01T06:10:01Z gdn: engine start: started

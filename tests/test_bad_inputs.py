@@ -141,7 +141,7 @@ CASES = [
     ("layers-reversed", lambda p, t: ["splice", "--restore", "experts", "--layers", "3-1", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out")], "runs backwards"),
     ("modules-invalid-regex", lambda p, t: ["splice", "--restore", "attention", "--modules", "self_attn(", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out")], "not a valid Python regular expression"),
     ("plan-value-wrong-type", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace("top_k = 20", 'top_k = "20"'))), "top_k is a string"),
-    ("plan-value-out-of-range", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace("new_tokens = 4", "new_tokens = 1"))), "timing.new_tokens is 1"),
+    ("plan-value-out-of-range", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace("new_tokens = 12", "new_tokens = 1"))), "timing.new_tokens is 1"),
     ("plan-name-is-a-path", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace('name = "gdn"', 'name = "../gdn"'))), "not a plain name"),
     ("plan-rows-not-tables", lambda p, t: _ablate(p, t, plan=_plan(t, 'row = "build"\n' + PLAN[:PLAN.index("[[row]]")])), "row (an array of [[row]] tables) is a string"),
     ("plan-is-a-folder", lambda p, t: _ablate(p, t, plan=_folder(t, "plan.toml")), "cannot read plan"),

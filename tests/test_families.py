@@ -290,6 +290,24 @@ def test_the_mtp_layer_follows_num_nextn_predict_layers_and_layers_names_it(fami
     assert code != 0 and f"layer {n} is the MTP head" in err and "--restore mtp" in err and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("value", ["1", None, -1, True, 1.0])
+def test_a_num_nextn_predict_layers_that_is_not_a_count_is_refused_with_the_fix(family_pairs, value):
+    config = json.loads((family_pairs["deepseek_v3"]["int4"] / "config.json").read_text())
+    with pytest.raises(SplicerError, match=r"num_nextn_predict_layers = .*must be a whole number.*fix config.json"):
+        get_architecture(dict(config, num_nextn_predict_layers=value))
+
+
+def test_restoring_mtp_of_a_checkpoint_without_an_mtp_layer_says_so(family_pairs, tmp_path, capsys):
+    """Kimi-K2 ships num_nextn_predict_layers = 0: --restore mtp names that, not an MTP layer with nothing quantized."""
+    from splicer.cli import main
+
+    p = family_pairs["kimi_k2"]
+    code = main(["splice", "--restore", "mtp", str(p["int4"]), str(p["base"]), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "no MTP layer" in err[0] and "num_nextn_predict_layers = 0" in err[0]
+    assert "drop mtp" in err[0] and not (tmp_path / "out").exists()
+
+
 def test_additivity_leaves_the_mtp_head_out(tmp_path):
     """DeepSeek/GLM: all-but-experts restores the MTP layer too, which no scoring pass runs; the Additivity footnote
     compares it with the single-class rows all the same."""

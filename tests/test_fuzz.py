@@ -87,7 +87,7 @@ PACKED = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", 
           "scales", "g_idx")
 ROOT = Path(__file__).parents[1]
 
-# Cases that fail only in files the lead developer owns (checkpoint.py, safetensors_io.py, splice.py, ablate.py,
+# Cases that fail only in files the lead developer owns (checkpoint.py, safetensors_io.py, splice.py, ablate/,
 # cli.py, outputs.py, table.py, backends/*): (regex over the case's description, reason). A listed case still runs;
 # it xfails only if it fails, and passes once fixed (then remove the entry).
 LEAD_KNOWN: list[tuple[str, str]] = []  # none left

@@ -216,7 +216,8 @@ def test_engine_environment_is_in_the_footnotes_the_cache_key_and_the_job(tmp_pa
     keys = {base_cache(backend, plan, s, tmp_path, "b", []).name for s in (plain, env)}
     assert len(keys) == 2
     # The key of a run without --engine-env is the one computed before the option existed (commit 4cc9f23's formula).
-    from splicer.ablate import BASE_PASS_VERSION, _digest
+    from splicer.ablate import BASE_PASS_VERSION
+    from splicer.ablate.common import _digest
 
     assert base_cache(backend, plan, plain, tmp_path, "b", []).name == "base-" + _digest(
         BASE_PASS_VERSION, "b", [], [], 20, "vllm", "auto", None, {})

@@ -95,7 +95,10 @@ def _vllm_says(folder: Path, timeout_s: int = 300) -> dict:
     loaded = next((line for line in lines if line.startswith("LOADED")), None)
     bare = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in lines]  # vLLM's worker prefixes its rank
     errors = [line for line in bare if re.match(r"^\w*(Error|Exception)\b|^[\w.]+(Error|Exception): ", line)]
-    return {"outcome": "loaded" if loaded else "refused", "exit": p.returncode, "loaded": loaded,
+    # "refused": vLLM's own check of the fused layer (should_ignore_layer) stopped the load; "failed": something else did,
+    # before that check could say anything (call 4's first qwen3_5_moe records, an image processor missing).
+    refused = any("quantization schemes" in e for e in errors)
+    return {"outcome": "loaded" if loaded else "refused" if refused else "failed", "exit": p.returncode, "loaded": loaded,
             "error": errors[-1].strip() if errors else None, "last_lines": lines[-6:],
             "seconds": round(time.perf_counter() - t0, 1)}
 

@@ -1,4 +1,4 @@
-"""Stage 2, the base pass (DIR/cache/base-KEY/): the base's chat answers, its per-position top-k and target
+"""The base pass (DIR/cache/base-KEY/): the base's chat answers, its per-position top-k and target
 log-probs per corpus, and a noise pass (the base scored again exactly as a row is). Keyed by the base's digest, the
 corpora and the settings; done once, read by every row and every rerun."""
 

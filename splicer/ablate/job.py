@@ -1,10 +1,11 @@
-"""Stage 1, the job (DIR/job.json): which rows of which plan, on which corpora, for which inputs and settings.
+"""The job (DIR/job.json): which rows of which plan, on which corpora, for which inputs and settings.
 
 A rerun keeps the finished rows of the same job only; the tokenized corpora belong to it."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import shutil
@@ -28,13 +29,23 @@ def _override_corpora(plan: Plan, overrides: dict[str, str]) -> list[dict]:
     return list(specs.values())
 
 
+def _generic_config_warning(record: logging.LogRecord) -> bool:
+    """A logging filter: loading the tokenizer of a model type transformers has no config class for (kimi_k2), it
+    warns that the checkpoint instantiates a generic config; the tokenizer does not depend on it."""
+    return "to instantiate a model of type ``" not in record.getMessage()
+
+
 def _tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
+    log = logging.getLogger("transformers.configuration_utils")
+    log.addFilter(_generic_config_warning)
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:  # transformers raises OSError/ValueError/...: all mean "no usable tokenizer"
         raise SplicerError(f"cannot load a tokenizer from {folder} ({e.__class__.__name__}); the base needs tokenizer files") from None
+    finally:
+        log.removeFilter(_generic_config_warning)
 
 
 def prepare_corpora(base_root: Path, plan: Plan, settings: AblateSettings):

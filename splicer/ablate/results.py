@@ -1,4 +1,4 @@
-"""Stage 4, the results (DIR/results.json, table.md, report.md): the base pass's record, the corpora, every finished
+"""The results (DIR/results.json, table.md, report.md): the base pass's record, the corpora, every finished
 row, the verdicts and where the time went; rewritten after every row."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The rows (DIR/variants/ROW/, DIR/scores/ROW/): each row's folder (the base, the build, or a splice), its scores
+"""The rows (DIR/variants/SPLICE/, DIR/scores/ROW/): each row's folder (the base, the build, or a splice), its scores
 against the base pass and its decode timing, serially or spread over GPUs; RowSchedule decides what is spliced,
 started or compiled ahead. Each finished row is written to results.json at once."""
 

@@ -1,5 +1,5 @@
 """`splicer ablate` in one straight line: validate the inputs and DIR, resolve the plan's rows for the build's family,
-then under DIR's lock the job, the base pass and the rows (rows.py), each stage reading the previous one's files."""
+then under DIR's lock the job, the base pass and the rows (rows.py); the rows read the base pass from its cache."""
 
 from __future__ import annotations
 
@@ -56,8 +56,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
 
     frozen = validate_base(base, build, settings.allow_quantized_base)
     family = build.config.get("model_type") or build.arch.name
-    planned, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen)
-    todo = planned
+    todo, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen)
     if settings.gpus:  # each GPU's own engines of the build replace the plan's extra ones (spread.py); refused before DIR changes
         firsts, lasts, spread_rows, replaced = spread.gpu_build_rows(todo, settings.gpus,
                                                                      timed=bool(settings.time_decode and plan.timing))

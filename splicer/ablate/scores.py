@@ -1,4 +1,4 @@
-"""Stage 3, a row's scores (DIR/scores/ROW/CORPUS.safetensors): the variant scored on the base pass's tokens, kept
+"""A row's scores (DIR/scores/ROW/CORPUS.safetensors): the variant scored on the base pass's tokens, kept
 per position (top-1, KL, dlogp, weights) so any two rows can be paired later; summarized into its results entry."""
 
 from __future__ import annotations

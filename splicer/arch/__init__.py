@@ -7,6 +7,7 @@ this package hard-codes a tensor or module name.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -100,6 +101,8 @@ class Architecture:
     # The MTP layer's head as the checkpoint names it and as vLLM does (DeepSeek's and GLM's drafters build
     # shared_head.head under the prefix ...head), relative to mtp_prefix.
     mtp_head_names: tuple[str, str] | None = None
+    # Set by bind() when the checkpoint's config says it has no MTP layer (Kimi-K2): why `--restore mtp` finds none.
+    no_mtp_reason: str | None = None
     non_text_prefixes: tuple[str, ...] = ()  # modules outside the text model (a vision tower): no decode reads them
     # The torch backend builds transformers' causal LM for the (text) config through its Auto classes (the text
     # config nested under `text_config_key` when the checkpoint is multimodal); these are the checkpoint tensors it
@@ -137,8 +140,11 @@ class Architecture:
         # vLLM skips layers num_hidden_layers ... + num_nextn_predict_layers - 1 in the main model (models/utils.py
         # get_spec_layer_idx_from_weight_name); 0 means no MTP layer, absent means the released 1.
         k = text.get("num_nextn_predict_layers", 1)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise SplicerError(f"config.json: num_nextn_predict_layers = {json.dumps(k)}; it must be a whole number, "
+                               "0 for no MTP layer or 1 for one: fix config.json")
         if k == 0:
-            return self
+            return dataclasses.replace(self, no_mtp_reason="config.json says num_nextn_predict_layers = 0")
         if k != 1:
             raise SplicerError(f"config.json: num_nextn_predict_layers = {k}; splicer reads one MTP layer "
                                f"({self.decoder_roots[0][0]}.{n}), as DeepSeek-V3 and GLM-4.5 ship, not {k}: "
