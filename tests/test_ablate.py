@@ -174,8 +174,9 @@ def test_bad_rows_and_plans(pairs, plan_file, tmp_path):
 
 
 def test_demo_from_the_cli(tmp_path, capsys):
-    """The README's first command: the whole pipeline on the built-in pair, on CPU, no network."""
-    assert main(["ablate", "all", "--demo", "-q", "-o", str(tmp_path / "demo")]) == 0
+    """The README's first command: the whole pipeline on the built-in pair, on CPU, no network. Decode timing is left
+    out here (6 of its 22 s): .ci/run runs the demo with it, from the installed wheel."""
+    assert main(["ablate", "all", "--demo", "-q", "--no-time", "-o", str(tmp_path / "demo")]) == 0
     results = json.loads((tmp_path / "demo" / "results.json").read_text())
     rows = {v["name"]: v for v in results["variants"]}
     assert all(v["status"] == "ok" for v in rows.values())
