@@ -2,10 +2,10 @@
 
 Sources: transformers 5.24 `models/deepseek_v3` (names and shapes: the fixture builds the model on the meta device);
 vLLM 0.26.0 `model_executor/models/deepseek_v2.py`, `deepseek_mtp.py` (read, and loaded on the H200:
-results/gpu-families/ calls 3 and 4; shared design notes, families §4): packed_modules_mapping {"gate_up_proj": [gate, up]} plus "fused_qkv_a_proj": [q_a_proj, kv_a_proj_with_mqa]
-when q_lora_rank is set (V3, R1, Kimi-K2); no mapper (no renames); the router `mlp.gate` (GateLinear, with
-e_score_correction_bias) never quantized; `kv_b_proj` built with quant_config (MLA dequantizes it after load); the
-loader takes per-expert expert tensors only.
+results/gpu-families/ calls 3 and 4; shared design notes, families §4): packed_modules_mapping {"gate_up_proj": [gate,
+up]} plus "fused_qkv_a_proj": [q_a_proj, kv_a_proj_with_mqa] when q_lora_rank is set (V3, R1, Kimi-K2); no mapper (no
+renames); the router `mlp.gate` (GateLinear, with e_score_correction_bias) never quantized; `kv_b_proj` built with
+quant_config (MLA dequantizes it after load); the loader takes per-expert expert tensors only.
 
 On disk: model.layers.{i}.self_attn.{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,kv_a_layernorm,kv_b_proj,o_proj},
 model.layers.{i}.mlp.{gate,up,down}_proj for i < first_k_dense_replace (class mlp), then mlp.experts.{e}.*,

@@ -1,11 +1,10 @@
 """Dense decoders sharing one layout: Llama (`llama`), Qwen3 (`qwen3`), Mistral (`mistral`).
 
-Sources: transformers 5.24 `models/{llama,qwen3,mistral}` (names and shapes; Qwen3 adds self_attn.{q,k}_norm);
-vLLM 0.26.0 `model_executor/models/llama.py`, `qwen3.py`, `mistral.py` (read, and loaded on the H200: results/gpu-families/
-calls 1-2; shared design notes,
-families §3): packed_modules_mapping {"qkv_proj": [q, k, v], "gate_up_proj": [gate, up]}, stacked-only mappers (no
-renames of `ignore`), MistralForCausalLM a subclass of LlamaForCausalLM. Mistral's consolidated format
-(`--load-format mistral`, wq/wk/w1 names) is not covered.
+Sources: transformers 5.24 `models/{llama,qwen3,mistral}` (names and shapes; Qwen3 adds self_attn.{q,k}_norm); vLLM
+0.26.0 `model_executor/models/llama.py`, `qwen3.py`, `mistral.py` (read, and loaded on the H200: results/gpu-families/
+calls 1-2; shared design notes, families §3): packed_modules_mapping {"qkv_proj": [q, k, v], "gate_up_proj": [gate,
+up]}, stacked-only mappers (no renames of `ignore`), MistralForCausalLM a subclass of LlamaForCausalLM. Mistral's
+consolidated format (`--load-format mistral`, wq/wk/w1 names) is not covered.
 
 On disk: model.layers.{i}.self_attn.{q,k,v,o}_proj, model.layers.{i}.mlp.{gate,up,down}_proj, model.embed_tokens,
 model.norm, lm_head (absent when tied to the embedding).

@@ -1,17 +1,18 @@
 """GLM-4.5 / 4.6 (`glm4_moe`, `Glm4MoeForCausalLM`): first layers dense, routed and shared experts, q/k/v biases.
 
-Sources: transformers 5.24 `models/glm4_moe` (names and shapes: the fixture builds the model on the meta device);
-vLLM 0.26.0 `model_executor/models/glm4_moe.py`, `glm4_moe_mtp.py` (read, and loaded on the H200:
-results/gpu-families/ calls 2-4; shared design notes, families §5): packed_modules_mapping {"qkv_proj": [q, k, v], "gate_up_proj": [gate, up]}, a stacked-only mapper (no renames),
-the router `mlp.gate` a plain fp32 nn.Linear (never quantized), MoE layers from `first_k_dense_replace` on.
+Sources: transformers 5.24 `models/glm4_moe` (names and shapes: the fixture builds the model on the meta device); vLLM
+0.26.0 `model_executor/models/glm4_moe.py`, `glm4_moe_mtp.py` (read, and loaded on the H200: results/gpu-families/
+calls 2-4; shared design notes, families §5): packed_modules_mapping {"qkv_proj": [q, k, v], "gate_up_proj": [gate,
+up]}, a stacked-only mapper (no renames), the router `mlp.gate` a plain fp32 nn.Linear (never quantized), MoE layers
+from `first_k_dense_replace` on.
 
 On disk: model.layers.{i}.self_attn.{q,k,v}_proj (+ .bias when attention_bias), o_proj, {q,k}_norm (use_qk_norm);
 model.layers.{i}.mlp.{gate,up,down}_proj for i < first_k_dense_replace (class mlp), then mlp.experts.{e}.*,
 mlp.shared_experts.{gate,up,down}_proj (class shared_expert), mlp.gate (+ e_score_correction_bias).
 
 The MTP layer (model.layers.{num_hidden_layers}.*, which transformers drops on load) is class mtp, as for
-deepseek_v3: same binding, eh_proj never quantized, and the drafter's head replaced by the target's lm_head (seen
-at load with speculative decoding, results/gpu-families/ call 4).
+deepseek_v3: same binding, eh_proj never quantized (seen at load with speculative decoding, results/gpu-families/
+call 4), and the drafter's head replaced by the target's lm_head (v1/spec_decode/llm_base_proposer.py).
 """
 
 from . import ATTENTION_QKV, MLP_GATE_UP, Architecture, fused_group, model_layers_layout

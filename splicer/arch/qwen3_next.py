@@ -1,12 +1,13 @@
 """Qwen3-Next (`qwen3_next`: Qwen3-Next-80B-A3B; `Qwen3NextForCausalLM`).
 
 Sources: transformers 5.24 `models/qwen3_next` (names and shapes: the fixture builds the model on the meta device);
-vLLM 0.26.0 `model_executor/models/qwen3_next.py`, `qwen3_next_mtp.py` (read; the main model
-loaded on the H200, results/gpu-families/ call 4, the fixture having no MTP head; shared design notes, families §2): packed_modules_mapping {"qkv_proj": [q, k, v], "gate_up_proj": [gate, up], "in_proj_qkvz":
-["in_proj_qkvz"], "in_proj_ba": ["in_proj_ba"]} (the GDN input projections are fused on disk already), a stacked-only
-mapper (no renames), conv1d, mlp.gate, mlp.shared_expert_gate, lm_head and embed_tokens built without quant_config
-(never quantized: a quantized head would be misread, so lm_head is not a class here), MTP under `mtp.` whose
-quantization prefixes equal the checkpoint names.
+vLLM 0.26.0 `model_executor/models/qwen3_next.py`, `qwen3_next_mtp.py` (read; the main model loaded on the H200,
+results/gpu-families/ call 4, the fixture having no MTP head; shared design notes, families §2):
+packed_modules_mapping {"qkv_proj": [q, k, v], "gate_up_proj": [gate, up], "in_proj_qkvz": ["in_proj_qkvz"],
+"in_proj_ba": ["in_proj_ba"]} (the GDN input projections are fused on disk already), a stacked-only mapper (no
+renames), conv1d, mlp.gate, mlp.shared_expert_gate, lm_head and embed_tokens built without quant_config (never
+quantized: a quantized head would be misread, so lm_head is not a class here), MTP under `mtp.` whose quantization
+prefixes equal the checkpoint names.
 
 On disk: model.layers.{i}.linear_attn.{in_proj_qkvz,in_proj_ba,out_proj,conv1d,A_log,dt_bias,norm} (3 of every 4
 layers), model.layers.{i}.self_attn.{q,k,v,o}_proj (every 4th; q includes the output gate), mlp.experts.{e}.*,
