@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from .arch import PACKED_SUFFIXES, Architecture, get_architecture
+from .arch import Architecture, get_architecture
+from .formats import QUANT_SUFFIXES
 from .config_schema import check_config
 from .errors import SplicerError
 from .safetensors_io import ShardHeader, TensorInfo, headers_digest, read_header
@@ -196,4 +197,4 @@ def load_shard_header(ckpt: Checkpoint, shard: str) -> ShardHeader:
 
 
 def is_packed_tensor(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in PACKED_SUFFIXES
+    return name.rsplit(".", 1)[-1] in QUANT_SUFFIXES

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -134,7 +135,8 @@ def _cmd_ablate(args) -> int:
                               allow_quantized_base=args.allow_quantized_base, process_per_variant=args.process_per_variant,
                               overlap_starts=args.overlap_starts, precompile=args.precompile, engine_cache_dir=args.engine_cache_dir,
                               rewake_before_timing=args.rewake_before_timing, gpus=gpus,
-                              engine_args=engine_args, engine_env=engine_env, bandwidth_gbs=args.bandwidth_gbs)
+                              engine_args=engine_args, engine_env=engine_env, bandwidth_gbs=args.bandwidth_gbs,
+                              add_checkpoints=tuple(args.add))
     from .outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
 
     if args.demo:
@@ -173,6 +175,25 @@ def _cmd_ablate(args) -> int:
     print(f"\nwrote {args.out / 'results.json'}, {args.out / 'table.md'} and {args.out / 'report.md'} in {results.get('elapsed_s', 0):.0f} s"
           + (f"; failed rows: {', '.join(failed)}" if failed else ""))
     return 0
+
+
+def _row_name_for(source: str, taken: set[str]) -> str:
+    """A results row name from a checkpoint folder or repo id: its last part, made a plain name, unique."""
+    stem = re.sub(r"[^A-Za-z0-9_.+-]", "-", Path(source.rstrip("/")).name or "checkpoint").lstrip(".-")[:90] or "checkpoint"
+    name, k = stem, 2
+    while name in taken:
+        name, k = f"{stem}-{k}", k + 1
+    taken.add(name)
+    return name
+
+
+def _cmd_score(args) -> int:
+    """`splicer score BASE BUILD...`: `ablate` with the first BUILD as the build row and the others as checkpoint rows."""
+    taken = {"build", "base"}
+    args.add = [f"{_row_name_for(b, taken)}={b}" for b in args.builds[1:]]
+    args.rows = ",".join(a.partition("=")[0] for a in args.add) or "build"
+    args.build, args.demo = args.builds[0], False
+    return _cmd_ablate(args)
 
 
 def _cmd_table(args) -> int:
@@ -232,38 +253,9 @@ def _share(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="splicer", description="Where does the error of an INT4 checkpoint come from, and what would it cost to restore each part?")
-    p.add_argument("--version", action="version", version=f"splicer {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    s = sub.add_parser("inspect", help="classes, bits, bytes and config lint of a checkpoint")
-    s.add_argument("build", metavar="BUILD", help="checkpoint folder or Hub repo id")
-    s.add_argument("--json", action="store_true", help="print the report as JSON")
-    s.set_defaults(func=_cmd_inspect)
-
-    s = sub.add_parser("splice", help="restore module classes of BUILD to BF16 from BASE")
-    s.add_argument("build", metavar="BUILD", help="compressed-tensors INT4 build: folder or Hub repo id")
-    s.add_argument("base", metavar="BASE", help="its BF16 base: folder or Hub repo id (only needed shards are read)")
-    s.add_argument("-o", "--out", required=True, metavar="OUT", help="output folder (must not exist unless --force)")
-    s.add_argument("--restore", required=True, metavar="CLASSES",
-                   help="comma list of the family's module classes (splicer inspect lists them), or all")
-    s.add_argument("--layers", metavar="LIST", help="only these decoder layers, e.g. 0,4-7 (the MTP head, class mtp, is restored whole)")
-    s.add_argument("--modules", metavar="REGEX", help="only modules whose HF name matches REGEX (fused groups must stay whole)")
-    s.add_argument("--tokenizer-from-base", action="store_true", help="copy the base's tokenizer, chat template and generation config verbatim")
-    s.add_argument("--drop-dead-ignore", action="store_true", help="remove ignore entries that match no module under either naming")
-    s.add_argument("--force", action="store_true", help="replace OUT if it exists and an earlier splice wrote it")
-    s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP)
-    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    s.set_defaults(func=_cmd_splice)
-
-    s = sub.add_parser("ablate", help="splice, score and time every row of a plan; write DIR/results.json and DIR/table.md")
-    s.add_argument("rows", metavar="ROWS", help="all, or a comma list of row names from the plan (the build row always runs)")
-    s.add_argument("build", metavar="BUILD", nargs="?", help="INT4 build (folder or Hub id)")
-    s.add_argument("base", metavar="BASE", nargs="?", help="its BF16 base (folder or Hub id)")
-    s.add_argument("-o", "--out", required=True, type=Path, metavar="DIR", help="results folder (resumable)")
+def _run_options(s) -> None:
+    """Options `ablate` and `score` share: plan, backend, engine and timing settings."""
     s.add_argument("--plan", help="plan name from ablations/ or a .toml path (default where-error-comes-from; demo with --demo)")
-    s.add_argument("--demo", action="store_true", help="build the tiny synthetic pair and run on CPU, no network")
     s.add_argument("--backend", default="torch", choices=["torch", "vllm"])
     s.add_argument("--device", default="auto", help="torch backend: cpu, cuda, cuda:N or auto")
     s.add_argument("--corpus", action="append", metavar="NAME=FILE", help="replace a plan corpus with a local .txt/.jsonl file")
@@ -302,7 +294,52 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP + "; rows that restore them are skipped")
     s.add_argument("--bandwidth-gbs", type=_positive, help="memory bandwidth in GB/s: adds the decode floor (bytes read per step / bandwidth) to the table")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="splicer", description="Where does the error of an INT4 checkpoint come from, and what would it cost to restore each part?")
+    p.add_argument("--version", action="version", version=f"splicer {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("inspect", help="classes, bits, bytes and config lint of a checkpoint")
+    s.add_argument("build", metavar="BUILD", help="checkpoint folder or Hub repo id")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.set_defaults(func=_cmd_inspect)
+
+    s = sub.add_parser("splice", help="restore module classes of BUILD to BF16 from BASE")
+    s.add_argument("build", metavar="BUILD", help="compressed-tensors INT4 build: folder or Hub repo id")
+    s.add_argument("base", metavar="BASE", help="its BF16 base: folder or Hub repo id (only needed shards are read)")
+    s.add_argument("-o", "--out", required=True, metavar="OUT", help="output folder (must not exist unless --force)")
+    s.add_argument("--restore", required=True, metavar="CLASSES",
+                   help="comma list of the family's module classes (splicer inspect lists them), or all")
+    s.add_argument("--layers", metavar="LIST", help="only these decoder layers, e.g. 0,4-7 (the MTP head, class mtp, is restored whole)")
+    s.add_argument("--modules", metavar="REGEX", help="only modules whose HF name matches REGEX (fused groups must stay whole)")
+    s.add_argument("--tokenizer-from-base", action="store_true", help="copy the base's tokenizer, chat template and generation config verbatim")
+    s.add_argument("--drop-dead-ignore", action="store_true", help="remove ignore entries that match no module under either naming")
+    s.add_argument("--force", action="store_true", help="replace OUT if it exists and an earlier splice wrote it")
+    s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP)
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=_cmd_splice)
+
+    s = sub.add_parser("ablate", help="splice, score and time every row of a plan; write DIR/results.json and DIR/table.md")
+    s.add_argument("rows", metavar="ROWS", help="all, or a comma list of row names from the plan (the build row always runs)")
+    s.add_argument("build", metavar="BUILD", nargs="?", help="INT4 build (folder or Hub id)")
+    s.add_argument("base", metavar="BASE", nargs="?", help="its BF16 base (folder or Hub id)")
+    s.add_argument("-o", "--out", required=True, type=Path, metavar="DIR", help="results folder (resumable)")
+    s.add_argument("--add", action="append", default=[], metavar="NAME=DIR",
+                   help="also score (and time) another checkpoint of the model as row NAME, in any format the backend "
+                        "loads, against the same base pass (repeatable)")
+    s.add_argument("--demo", action="store_true", help="build the tiny synthetic pair and run on CPU, no network")
+    _run_options(s)
     s.set_defaults(func=_cmd_ablate)
+
+    s = sub.add_parser("score", help="builds of one model in any format vLLM (or the torch backend) loads, each against "
+                                     "the same BF16 base on the same tokens: the first BUILD is the table's reference row")
+    s.add_argument("base", metavar="BASE", help="the BF16 base (folder or Hub id)")
+    s.add_argument("builds", metavar="BUILD", nargs="+", help="quantized checkpoints of it (folders or Hub ids)")
+    s.add_argument("-o", "--out", required=True, type=Path, metavar="DIR", help="results folder (resumable)")
+    _run_options(s)
+    s.set_defaults(func=_cmd_score)
 
     s = sub.add_parser("table", help="print the table of an ablate results folder")
     s.add_argument("dir", metavar="DIR", type=Path)

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from .arch.qwen3_5_moe import QWEN3_5_MOE
 from .checkpoint import INDEX_NAME
 from .gptq import quantize_gptq
-from .quantize import make_scheme, quantize_weight
+from .quantize import config_group, make_scheme, preset_scheme, quantize_weight
 
 TEXT_PRESETS = {
     # Used by the tests and the demo: ~30 MB BF16, every K a multiple of 128.
@@ -67,7 +67,13 @@ VISION_TINY = dict(depth=1, hidden_size=128, intermediate_size=256, num_heads=2,
 # lowlatency-nomtp: seed 000's raw export, before its fix-ups (llm-compressor's oneshot drops mtp.* on load).
 # gptq-experts-g32: seed 003's layout (GPTQModel, quant_method gptq v1, 4-bit g32 sym, routed experts only,
 # the rest excluded through `dynamic` negative rules), values by round to nearest.
-BUILD_KINDS = ("lowlatency", "lowlatency-nomtp", "experts-g32", "gptq-experts-g32")
+# The format builds: seed 000's module selection (every decoder Linear vLLM quantizes, MTP and vision BF16) in one of
+# compressed-tensors' presets, as llm-compressor's model_free_ptq writes them without calibration data; the head stays
+# BF16 (`ignore: lm_head`, as model_free_ptq's examples do). `mixed`: one group per scheme in one config, as
+# seed 000's INT8 head is: NVFP4A16 routed experts, FP8_DYNAMIC for the other Linears, a W8A16 g128 head.
+FORMAT_BUILDS = {"w4a16": "W4A16", "w8a16": "W8A16", "w8a8": "W8A8", "fp8-dynamic": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK",
+                 "nvfp4a16": "NVFP4A16"}
+BUILD_KINDS = ("lowlatency", "lowlatency-nomtp", "experts-g32", "gptq-experts-g32", *FORMAT_BUILDS, "mixed")
 
 
 @dataclass
@@ -249,22 +255,57 @@ def _quant_config(groups: dict, ignore: list[str]) -> dict:
     }
 
 
-def _build_plan(kind: str) -> tuple[dict, callable]:
-    """(quantization_config, module -> (bits, group) or None) for a build kind."""
-    if kind in ("lowlatency", "lowlatency-nomtp"):
-        ignore = ["re:.*visual.*", r"re:.*linear_attn\.in_proj_a$", r"re:.*linear_attn\.in_proj_b$",
-                  r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$", "re:.*mtp.*"]
-        qc = _quant_config({"group_0": _ct_group(["Linear"], 4, 128), "group_1": _ct_group([r"re:.*lm_head$"], 8, 128)}, ignore)
+LOWLATENCY_IGNORE = ["re:.*visual.*", r"re:.*linear_attn\.in_proj_a$", r"re:.*linear_attn\.in_proj_b$",
+                     r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$", "re:.*mtp.*"]
+
+
+def _lowlatency_body(module: str) -> bool:
+    """seed 000's quantized decoder Linears: GDN (but in_proj_a/b), attention, shared and routed experts."""
+    cls = QWEN3_5_MOE.module_class(module)
+    return cls in ("experts", "shared_expert", "attention") or (cls == "gdn" and not module.endswith(("in_proj_a", "in_proj_b")))
+
+
+def _format_plan(kind: str) -> tuple[dict, callable]:
+    expert_target = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
+    if kind == "mixed":
+        experts, body = preset_scheme("NVFP4A16", [expert_target]), preset_scheme("FP8_DYNAMIC", ["Linear"])
+        head = make_scheme(8, 128, targets=[r"re:.*lm_head$"])
+        groups = {"group_0": config_group(head), "group_1": config_group(experts), "group_2": config_group(body)}
+        qc = _quant_config(groups, LOWLATENCY_IGNORE)
+        qc["format"] = "mixed-precision"
 
         def pick(module: str):
-            cls = QWEN3_5_MOE.module_class(module)
-            if cls == "lm_head":
+            if QWEN3_5_MOE.module_class(module) == "lm_head":
+                return head
+            return (experts if QWEN3_5_MOE.expert_parts(module) else body) if _lowlatency_body(module) else None
+        return qc, pick
+    scheme = preset_scheme(FORMAT_BUILDS[kind], ["Linear"])
+    qc = _quant_config({"group_0": config_group(scheme)}, ["lm_head", *LOWLATENCY_IGNORE])
+    qc["format"] = scheme.format
+    return qc, lambda module: scheme if _lowlatency_body(module) else None
+
+
+def _global_scale_key(module: str) -> str:
+    """NVFP4 shares one global scale across the shards vLLM fuses (q/k/v, a GDN projection group, an expert's gate and
+    up), as llm-compressor's model_free_ptq does: vLLM keeps one per fused layer (the largest) and warns otherwise."""
+    parts = QWEN3_5_MOE.expert_parts(module)
+    if parts:
+        return f"{parts[0]}.{parts[1]}.{'w2' if parts[2] == 'down_proj' else 'w13'}"
+    return QWEN3_5_MOE.atomic_unit(module)
+
+
+def _build_plan(kind: str) -> tuple[dict, callable]:
+    """(quantization_config, module -> (bits, group), a compressed-tensors scheme, or None) for a build kind."""
+    if kind in FORMAT_BUILDS or kind == "mixed":
+        return _format_plan(kind)
+    if kind in ("lowlatency", "lowlatency-nomtp"):
+        qc = _quant_config({"group_0": _ct_group(["Linear"], 4, 128), "group_1": _ct_group([r"re:.*lm_head$"], 8, 128)},
+                           LOWLATENCY_IGNORE)
+
+        def pick(module: str):
+            if QWEN3_5_MOE.module_class(module) == "lm_head":
                 return (8, 128)
-            if cls in ("experts", "shared_expert", "attention") or (
-                cls == "gdn" and not module.endswith(("in_proj_a", "in_proj_b"))
-            ):
-                return (4, 128)
-            return None
+            return (4, 128) if _lowlatency_body(module) else None
         return qc, pick
     if kind == "gptq-experts-g32":
         qc = {
@@ -287,6 +328,23 @@ def _build_plan(kind: str) -> tuple[dict, callable]:
     raise ValueError(f"unknown build kind {kind!r}; one of {BUILD_KINDS}")
 
 
+def _nvfp4_global_scales(items, pick) -> dict:
+    """One NVFP4 global scale per fused group of a shard's tensors, from the group's common min and max."""
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    lo, hi = {}, {}
+    for tname, tensor in items:
+        module, _, leaf = tname.rpartition(".")
+        choice = pick(module) if leaf == "weight" and tensor.dim() == 2 else None
+        if choice is None or isinstance(choice, tuple) or str(getattr(choice.weights.strategy, "value", "")) != "tensor_group":
+            continue
+        key = _global_scale_key(module)
+        t = tensor.float()
+        lo[key] = torch.minimum(lo.get(key, t.amin()), t.amin())
+        hi[key] = torch.maximum(hi.get(key, t.amax()), t.amax())
+    return {k: generate_gparam(lo[k], hi[k]) for k in lo}
+
+
 def write_build(base: Path, out: Path, kind: str = "lowlatency") -> Path:
     """Quantize a fixture base into a compressed-tensors build (experts per expert, own shards)."""
     from safetensors import safe_open
@@ -299,28 +357,32 @@ def write_build(base: Path, out: Path, kind: str = "lowlatency") -> Path:
     n_layers = json.loads((base / "config.json").read_text())["text_config"]["num_hidden_layers"]
     for shard in sorted(set(index["weight_map"].values())):
         with safe_open(str(base / shard), "pt") as f:
+            items = []
             for name in f.keys():
                 if kind == "lowlatency-nomtp" and name.startswith("mtp."):
                     continue
-                t = f.get_tensor(name)
                 # Build files are per expert, as llm-compressor writes them.
-                items = QWEN3_5_MOE.split_fused_experts(name, t) or [(name, t)]
-                for tname, tensor in items:
-                    module, _, leaf = tname.rpartition(".")
-                    choice = pick(module) if leaf == "weight" and tensor.dim() == 2 else None
-                    key = _shard_key(tname, n_layers)
-                    if QWEN3_5_MOE.expert_parts(module):
-                        key += "-experts"  # routed experts in their own shards: most splices hard-link them
-                    dest = by_shard.setdefault(key, {})
-                    if choice is None:
-                        dest[tname] = tensor.contiguous()
-                        continue
-                    if qc.get("quant_method") == "gptq":
-                        packed = quantize_gptq(tensor.contiguous(), *choice)
-                    else:
-                        packed = quantize_weight(tensor.contiguous(), schemes.setdefault(choice, make_scheme(*choice)))
-                    for k, v in packed.items():
-                        dest[f"{module}.{k}"] = v
+                t = f.get_tensor(name)
+                items += QWEN3_5_MOE.split_fused_experts(name, t) or [(name, t)]
+            global_scales = _nvfp4_global_scales(items, pick)
+            for tname, tensor in items:
+                module, _, leaf = tname.rpartition(".")
+                choice = pick(module) if leaf == "weight" and tensor.dim() == 2 else None
+                key = _shard_key(tname, n_layers)
+                if QWEN3_5_MOE.expert_parts(module):
+                    key += "-experts"  # routed experts in their own shards: most splices hard-link them
+                dest = by_shard.setdefault(key, {})
+                if choice is None:
+                    dest[tname] = tensor.contiguous()
+                    continue
+                if qc.get("quant_method") == "gptq":
+                    packed = quantize_gptq(tensor.contiguous(), *choice)
+                elif isinstance(choice, tuple):
+                    packed = quantize_weight(tensor.contiguous(), schemes.setdefault(choice, make_scheme(*choice)))
+                else:
+                    packed = quantize_weight(tensor.contiguous(), choice, global_scales.get(_global_scale_key(module)))
+                for k, v in packed.items():
+                    dest[f"{module}.{k}"] = v
     config = json.loads((base / "config.json").read_text())
     config["quantization_config"] = qc
     _write_sharded(out, by_shard, config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .checkpoint import Checkpoint
+from .formats import scheme_label_from_args
 from .modules import list_modules
 from .rules import check, validate_regexes
 
@@ -49,7 +50,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         row["modules"] += 1
         if m.quantized:
             row["quantized"] += 1
-            row["schemes"].add(f"int{m.bits} g{m.group_size}")
+            row["schemes"].add(m.scheme)
         else:
             row["schemes"].add(m.weight_dtype.lower())
     for hdr in ckpt.headers.values():
@@ -75,7 +76,9 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         "model_type": ckpt.config.get("model_type"),
         "quant_method": qc.get("quant_method"),
         "format": qc.get("format") or qc.get("checkpoint_format"),
-        "config_groups": {g: {"targets": v.get("targets"), "bits": (v.get("weights") or {}).get("num_bits"),
+        "config_groups": {g: {"targets": v.get("targets"), "format": v.get("format") or qc.get("format"),
+                              "scheme": scheme_label_from_args(v.get("format") or qc.get("format"), v.get("weights") or {}),
+                              "bits": (v.get("weights") or {}).get("num_bits"),
                               "group_size": (v.get("weights") or {}).get("group_size")}
                           for g, v in (qc.get("config_groups") or {}).items()},
         "classes": classes,

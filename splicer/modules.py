@@ -6,9 +6,9 @@ import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .arch import PACKED_SUFFIXES, PLAIN_SUFFIXES
 from .checkpoint import Checkpoint
 from .errors import SplicerError
+from .formats import PLAIN_SUFFIXES, QUANT_SUFFIXES, QUANTIZED_WEIGHT_DTYPES, layout_for, weight_scale_strategy
 from .safetensors_io import DTYPE_SIZES, ByteSource, TensorInfo
 
 
@@ -18,13 +18,16 @@ class Module:
 
     name: str
     cls: str
-    packed: dict[str, TensorInfo] = field(default_factory=dict)  # weight_packed, weight_scale, ...
+    # The tensors of a quantized module (weight_packed, weight_scale, ...; an FP8/INT8 `weight` too): dropped on restore.
+    packed: dict[str, TensorInfo] = field(default_factory=dict)
     plain: dict[str, TensorInfo] = field(default_factory=dict)  # weight, bias
     # For a BF16 base with fused 3-D experts: this expert's slice of the fused tensor.
     fused_slice: tuple[TensorInfo, ByteSource, tuple[int, int]] | None = None
     shape: tuple[int, int] | None = None  # (out_features, in_features)
     bits: int | None = None
     group_size: int | None = None
+    layout: str | None = None  # formats.LAYOUT key of a quantized module
+    scheme: str | None = None  # what it is stored as, in words: int4 g128, fp8 channel, fp8 block128x128, nvfp4 g16
 
     @property
     def quantized(self) -> bool:
@@ -74,14 +77,16 @@ def list_modules(ckpt: Checkpoint) -> dict[str, Module]:
                 fused.append(info)
                 continue
             module, _, suffix = name.rpartition(".")
-            if suffix in PACKED_SUFFIXES or suffix in PLAIN_SUFFIXES:
+            if suffix in QUANT_SUFFIXES or suffix in PLAIN_SUFFIXES:
                 groups[module][suffix] = info
     modules: dict[str, Module] = {}
     reader = _SmallReader()
     try:
         for name, tensors in groups.items():
-            packed = {k: v for k, v in tensors.items() if k in PACKED_SUFFIXES}
+            packed = {k: v for k, v in tensors.items() if k in QUANT_SUFFIXES}
             plain = {k: v for k, v in tensors.items() if k in PLAIN_SUFFIXES}
+            if "weight" in plain and plain["weight"].dtype in QUANTIZED_WEIGHT_DTYPES:
+                packed["weight"] = plain.pop("weight")  # FP8 / INT8 formats keep the quantized values under `weight`
             if packed:
                 if "weight" in plain:
                     # A restore would add a second `weight` beside this one: the output shard would name it twice.
@@ -116,13 +121,46 @@ def _gptq_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict) -> Modu
 
 
 def _packed_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict, reader: _SmallReader) -> Module:
-    if "qweight" in packed:
-        return _gptq_module(ckpt, name, packed, plain)
-    for needed in ("weight_packed", "weight_scale", "weight_shape"):
+    qc = ckpt.quantization_config or {}
+    layout = layout_for(qc.get("quant_method"), packed)
+    if layout is None:
+        raise SplicerError(f"{ckpt.label}: module {name} has {sorted(packed)} but no quantized weight (weight_packed, qweight, "
+                           "or an fp8/int8 weight); the build is incomplete, re-export it")
+    for needed in layout.required:
         if needed not in packed:
-            raise SplicerError(
-                f"{ckpt.label}: module {name} has {sorted(packed)} but no {needed}; the build is incomplete, re-export it"
-            )
+            raise SplicerError(f"{ckpt.label}: module {name} has {sorted(packed)} but no {needed}; the build is incomplete, re-export it")
+    stray = sorted(set(packed) - set(layout.suffixes))
+    if stray:
+        raise SplicerError(f"{ckpt.label}: module {name} is stored as {layout.name} but also has {stray[0]}; "
+                           "the build mixes formats in one module, re-export it")
+    if layout.name == "gptq":
+        m = _gptq_module(ckpt, name, packed, plain)
+    elif layout.name == "awq":
+        m = _awq_module(ckpt, name, packed, plain)
+    elif layout.name == "ct-pack":
+        m = _ct_pack_module(ckpt, name, packed, plain, reader)
+    elif layout.name == "ct-nvfp4":
+        m = _nvfp4_module(ckpt, name, packed, plain)
+    else:
+        m = _weight_scale_module(ckpt, name, packed, plain, layout.name)
+    m.layout = layout.name
+    if m.scheme is None:
+        m.scheme = f"int{m.bits} g{m.group_size}"
+    return m
+
+
+def _awq_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict) -> Module:
+    """AutoAWQ GEMM: qweight [K, N/8], qzeros [K/g, N/8], scales [K/g, N] (4-bit only)."""
+    qw, qz, sc = packed["qweight"], packed["qzeros"], packed["scales"]
+    if (any(len(t.shape) != 2 for t in (qw, qz, sc)) or sc.shape[1] != qw.shape[1] * 8 or qz.shape != (sc.shape[0], qw.shape[1])
+            or sc.shape[0] == 0 or qw.shape[0] % sc.shape[0]):
+        raise SplicerError(f"{ckpt.label}: {name} has AWQ tensors of inconsistent shapes; the build is corrupt")
+    out_f, in_f = sc.shape[1], qw.shape[0]
+    return Module(name, ckpt.arch.module_class(name), packed=packed, plain=plain, shape=(out_f, in_f), bits=4,
+                  group_size=in_f // sc.shape[0])
+
+
+def _ct_pack_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict, reader: _SmallReader) -> Module:
     ws = packed["weight_shape"]
     if ws.dtype not in ("I64", "I32") or ws.shape != (2,):
         raise SplicerError(f"{ckpt.label}: {name}.weight_shape is {ws.dtype}{list(ws.shape)}, not an integer pair; the build is corrupt")
@@ -134,6 +172,32 @@ def _packed_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict, reade
     bits = pk.shape[1] * 32 // in_f if pk.shape[1] * 32 % in_f == 0 else None
     group = in_f // sc.shape[1] if in_f % sc.shape[1] == 0 else None
     return Module(name, ckpt.arch.module_class(name), packed=packed, plain=plain, shape=(out_f, in_f), bits=bits, group_size=group)
+
+
+def _nvfp4_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict) -> Module:
+    """NVFP4: weight_packed uint8 [N, K/2] (two e2m1 values a byte), weight_scale fp8 [N, K/16], weight_global_scale [1]."""
+    pk, sc = packed["weight_packed"], packed["weight_scale"]
+    if pk.dtype != "U8" or len(pk.shape) != 2 or len(sc.shape) != 2 or sc.shape[0] != pk.shape[0] or sc.shape[1] == 0:
+        raise SplicerError(f"{ckpt.label}: {name} has NVFP4 tensors of inconsistent shapes or dtypes; the build is corrupt")
+    out_f, in_f = pk.shape[0], pk.shape[1] * 2
+    group = in_f // sc.shape[1] if in_f % sc.shape[1] == 0 else None
+    return Module(name, ckpt.arch.module_class(name), packed=packed, plain=plain, shape=(out_f, in_f), bits=4,
+                  group_size=group, scheme=f"nvfp4 g{group}")
+
+
+def _weight_scale_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict, layout: str) -> Module:
+    """FP8 or INT8 values under `weight` [N, K] with a per-tensor, per-channel or block scale."""
+    w = packed["weight"]
+    scale = packed.get("weight_scale_inv") or packed.get("weight_scale")
+    if len(w.shape) != 2 or scale is None:
+        raise SplicerError(f"{ckpt.label}: {name} has an {w.dtype} weight {list(w.shape)} without a weight_scale; the build is corrupt")
+    strategy = weight_scale_strategy(tuple(w.shape), tuple(scale.shape))
+    if strategy == "unknown":
+        raise SplicerError(f"{ckpt.label}: {name}'s scale {list(scale.shape)} fits no tensor, channel or block layout of its "
+                           f"weight {list(w.shape)}; the build is corrupt")
+    kind = "int8" if w.dtype == "I8" else "fp8"
+    return Module(name, ckpt.arch.module_class(name), packed=packed, plain=plain, shape=tuple(w.shape), bits=8,
+                  group_size=None, scheme=f"{kind} {strategy}")
 
 
 def _split_fused_experts(ckpt: Checkpoint, info: TensorInfo) -> list[Module]:

@@ -19,7 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 PLAN_KEYS = {"name", "description", "top_k", "corpus", "timing", "row"}
-ROW_KEYS = {"name", "restore", "keep", "base", "repeat"}
+ROW_KEYS = {"name", "restore", "keep", "base", "repeat", "checkpoint"}
 TIMING_KEYS = {"prompt_tokens", "new_tokens", "warmup", "runs"}
 
 
@@ -32,10 +32,13 @@ class Row:
     # A second measurement of a variant another row already covers (e.g. the build again at the end
     # of the run): the spread between the two timings is the run's timing noise band.
     repeat: bool = False
+    # Another checkpoint of the same model (a folder or a Hub repo id), in any format the backend loads: scored and
+    # timed as it is, against the same base pass, beside the build's splices (seed 000's table of formats).
+    checkpoint: str | None = None
 
     def restored(self, quantized: list[str]) -> list[str] | None:
-        """Classes this row restores in a build that quantizes `quantized` (None: the base itself)."""
-        if self.base:
+        """Classes this row restores in a build that quantizes `quantized` (None: the base itself, or a checkpoint)."""
+        if self.base or self.checkpoint:
             return None
         if self.keep is not None:
             return [c for c in quantized if c not in self.keep]
@@ -81,6 +84,7 @@ ROW_FIELDS = {
     "keep": expect("list", items="str"),
     "base": expect("bool", choices=(True,)),  # `base = false` would silently make the row the build
     "repeat": expect("bool"),
+    "checkpoint": expect("str"),
 }
 
 
@@ -142,24 +146,49 @@ def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
         seen.add(name)
         for key, spec in ROW_FIELDS.items():
             check_value(spec, _get(r, key), where, f"row {name!r}: {key}", PLAN_FIX)
-        given = [k for k in ("restore", "keep", "base") if k in r]
+        given = [k for k in ("restore", "keep", "base", "checkpoint") if k in r]
         if len(given) != 1:
-            raise SplicerError(f"{where}: row {name!r} needs exactly one of restore, keep or base")
+            raise SplicerError(f"{where}: row {name!r} needs exactly one of restore, keep, base or checkpoint")
+        if "checkpoint" in r and not r["checkpoint"].strip():
+            raise SplicerError(f"{where}: row {name!r} has an empty checkpoint; give a folder or a Hub repo id")
         for key in ("restore", "keep"):
             for c in r.get(key) or []:
                 if c not in classes:
                     raise SplicerError(f"{where}: row {name!r} names unknown class {c[:40]!r}; classes: {', '.join(classes)}")
-        rows.append(Row(name, r.get("restore"), r.get("keep"), bool(r.get("base", False)), bool(r.get("repeat", False))))
+        rows.append(Row(name, r.get("restore"), r.get("keep"), bool(r.get("base", False)), bool(r.get("repeat", False)),
+                        r.get("checkpoint")))
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
     return Plan(data.get("name", path.stem), data.get("description", ""), int(data.get("top_k", 20)), corpora, timing, rows,
                 str(path), digest)
 
 
+def add_checkpoints(plan: Plan, specs: list[str]) -> list[str]:
+    """`--add NAME=DIR` rows appended to the plan (its digest covers them); returns their names."""
+    names = []
+    for spec in specs:
+        name, sep, source = spec.partition("=")
+        if not sep or not name.strip() or not source.strip():
+            raise SplicerError(f"--add {spec[:80]!r} should be NAME=DIR (a checkpoint folder or a Hub repo id)")
+        check_name(name.strip(), "--add", "a row's name")
+        if any(r.name == name.strip() for r in plan.rows):
+            raise SplicerError(f"--add {name.strip()!r}: plan {plan.name} already has a row of that name; choose another NAME")
+        plan.rows.append(Row(name.strip(), checkpoint=source.strip()))
+        names.append(name.strip())
+    if names:
+        extra = json.dumps([(r.name, r.checkpoint) for r in plan.rows if r.checkpoint])
+        plan.digest = hashlib.sha256((plan.digest + extra).encode()).hexdigest()[:16]
+    return names
+
+
 @dataclass
 class PlannedRow:
     row: Row
-    restored: list[str] | None  # classes restored (None: the base itself; []: the build)
+    restored: list[str] | None  # classes restored (None: the base itself, or row.checkpoint; []: the build)
     splice_name: str  # the row whose splice it uses (itself, or the first row of the same variant for a repeat)
+
+    @property
+    def checkpoint(self) -> str | None:
+        return self.row.checkpoint
 
 
 def resolve_rows(plan: Plan, family: str, family_classes: tuple[str, ...], quantized: list[str],
@@ -173,6 +202,9 @@ def resolve_rows(plan: Plan, family: str, family_classes: tuple[str, ...], quant
     seen: dict[tuple, str] = {}
     todo, skipped = [], []
     for row in plan.rows:
+        if row.checkpoint:
+            todo.append(PlannedRow(row, None, row.name))
+            continue
         lacking = [c for c in (row.restore or []) + (row.keep or []) if c not in family_classes]
         if lacking:
             what = f"class {lacking[0]}" if len(lacking) == 1 else f"classes {', '.join(lacking)}"

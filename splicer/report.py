@@ -64,7 +64,10 @@ def findings(results: dict) -> list[str]:
         ) if c]
         if build and v.get("size_bytes") is not None and build.get("size_bytes") is not None:
             clauses.append(f"size {(v['size_bytes'] - build['size_bytes']) / 1e9:+.3f} GB")
-        what = "the base itself" if v["restored"] == "base" else "restores " + (", ".join(v["restored"]) or "nothing")
+        if v["restored"] == "checkpoint":
+            what = f"another checkpoint, {v['checkpoint']['source']} ({v['checkpoint']['quant_method']})"
+        else:
+            what = "the base itself" if v["restored"] == "base" else "restores " + (", ".join(v["restored"]) or "nothing")
         if clauses:
             out.append(f"{v['name']} ({what}) against the build: " + "; ".join(clauses) + ".")
     for v in results.get("variants", []):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .arch import Architecture
 from .errors import SplicerError
+from .formats import scheme_label_from_args
 from .modules import Module
 
 CLASS_TARGET_HF = "Linear"  # the class target compressed-tensors exporters write
@@ -299,7 +300,7 @@ def _fused_on_disk(modules: dict[str, Module], arch: Architecture, report: Repor
     for m in modules.values():
         units.setdefault(arch.atomic_unit(m.name), []).append(m)
     for unit, ms in sorted(units.items()):
-        kinds = {(m.quantized, m.bits, m.group_size) for m in ms}
+        kinds = {(m.quantized, m.scheme) for m in ms}
         if len(kinds) > 1:
             q = sorted(m.name.rsplit(".", 1)[-1] for m in ms if m.quantized)
             report.add("fused-shards-disagree", "disk", f"{unit}: {len([m for m in ms if m.quantized])} of {len(ms)} shards packed ({', '.join(q[:3])}...) with {sorted(kinds, key=str)}")
@@ -347,13 +348,14 @@ def check(modules: dict[str, Module], qc: dict | None, arch: Architecture) -> Re
         if first != r.group:
             report.notes.append(f"{n}: loaders use {r.group}, but compressed-tensors' model-free dequantizer takes {first} "
                                 f"(first group in file order); put {r.group} first for model-free tools")
-    # Group bits/group size against the tensors.
+    # Each group's scheme against the tensors it claims.
     groups = qc.get("config_groups") or {}
     for n, r in report.hf.items():
         m = modules[n]
         if r.group and m.quantized:
-            w = groups[r.group].get("weights") or {}
-            if (w.get("num_bits"), w.get("group_size")) != (m.bits, m.group_size):
-                report.add("scheme-mismatch", "hf", f"{n}: config {r.group} says {w.get('num_bits')}-bit g{w.get('group_size')}, tensors are {m.bits}-bit g{m.group_size}")
+            g = groups[r.group]
+            said = scheme_label_from_args(g.get("format") or qc.get("format"), g.get("weights") or {}, m.shape[1])
+            if said != m.scheme:
+                report.add("scheme-mismatch", "hf", f"{n}: config {r.group} says {said}, tensors are {m.scheme}")
                 break
     return report

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__, faults
-from .arch import PACKED_SUFFIXES, Architecture
+from .arch import Architecture
 from .checkpoint import (
     INDEX_NAME,
     Checkpoint,
@@ -33,6 +33,7 @@ from .config_edit import (
     restored_config,
 )
 from .errors import SplicerError
+from .formats import LAYOUT, QUANT_SUFFIXES
 from .modules import Module, list_modules, weight_source
 from .outputs import PARTIAL_SUFFIX, SPLICE, check_output, local_folder, lock_output, replace_dir, sibling, write_error
 from .progress import SILENT, Stages
@@ -120,7 +121,7 @@ def _wanted_base_tensors(build: Checkpoint, picked: dict[str, Module], base_weig
         if f"{name}.weight" in base_weight_map:
             out[name] = f"{name}.weight"
             continue
-        if any(f"{name}.{s}" in base_weight_map for s in PACKED_SUFFIXES):
+        if any(f"{name}.{s}" in base_weight_map for s in QUANT_SUFFIXES):
             raise SplicerError(f"{name} ({picked[name].cls}) is quantized in the base too, so it cannot be restored from it; "
                                f"drop {picked[name].cls} from --restore or pass a base that holds it in BF16")
         parts = arch.expert_parts(name)
@@ -200,7 +201,7 @@ def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module],
             )
         plan.restore[name] = b
         drop.update(t.name for t in m.packed.values())
-        anchor = m.packed.get("weight_packed") or m.packed.get("qweight")
+        anchor = m.packed[LAYOUT[m.layout].anchor]
         shard = build.weight_map[anchor.name]
         add_to_shard[shard].append(OutTensor(f"{name}.weight", dtype, tuple(shape), src))
     for shard, hdr in sorted(build.headers.items()):

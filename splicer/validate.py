@@ -11,6 +11,7 @@ import re
 from .arch import DRAFTER_CLASS, Architecture
 from .checkpoint import Checkpoint, is_packed_tensor
 from .errors import SplicerError
+from .formats import CT_FORMATS, scheme_label_from_args
 from .modules import Module
 from .rules import HfReader, is_gptq, validate_regexes
 
@@ -24,19 +25,20 @@ def validate_build(build: Checkpoint) -> None:
     if qc.get("quant_method") != "compressed-tensors":
         raise SplicerError(
             f"build {build.label} uses quant_method {qc.get('quant_method')!r}; splicer handles compressed-tensors "
-            "pack-quantized and GPTQ builds"
+            f"({', '.join(CT_FORMATS)}) and GPTQ builds"
         )
-    formats = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
-    formats.discard(None)
-    if formats != {"pack-quantized"}:
-        raise SplicerError(f"build {build.label} has format {sorted(formats)}; only pack-quantized (W4A16/W8A16) is supported")
     if not isinstance(qc.get("config_groups"), dict) or not qc["config_groups"]:
         raise SplicerError(f"build {build.label}: quantization_config has no config_groups; the config is invalid, restore it from the original export")
+    formats = {g.get("format") or qc.get("format") for g in qc["config_groups"].values()}
+    unknown = sorted(str(f) for f in formats if f not in CT_FORMATS)
+    if unknown:
+        raise SplicerError(f"build {build.label} has format {unknown[0]}; splicer reads compressed-tensors {', '.join(CT_FORMATS)} "
+                           "(give each config group its own format when the top-level one is mixed-precision)")
     validate_regexes(qc, f"build {build.label}")
     if not any(is_packed_tensor(t) for t in build.weight_map):
         raise SplicerError(
-            f"build {build.label}: config.json says pack-quantized but no tensor is packed (no weight_packed); "
-            "the shards do not belong to this config"
+            f"build {build.label}: config.json says {sorted(formats)[0]} but no module is stored quantized (no weight_packed "
+            "or weight_scale); the shards do not belong to this config"
         )
 
 
@@ -67,13 +69,15 @@ def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
         group = reader.reading(m).group
         if group is None:
             continue  # reported by inspect's lint (stored packed, read as BF16)
-        w = qc["config_groups"][group].get("weights") or {}
-        g, bits = w.get("group_size"), w.get("num_bits")
-        if g and m.shape[1] % int(g):
-            raise SplicerError(f"build {build.label}: {group} has group_size {g}, which does not divide the input dim {m.shape[1]} "
+        g = qc["config_groups"][group]
+        w = g.get("weights") or {}
+        size = w.get("group_size")
+        if size and m.shape[1] % int(size):
+            raise SplicerError(f"build {build.label}: {group} has group_size {size}, which does not divide the input dim {m.shape[1]} "
                                f"of {name}; the build is corrupt, re-export it")
-        if (bits, g) != (m.bits, m.group_size) and g:
-            raise SplicerError(f"build {build.label}: {name} is stored as {m.bits}-bit g{m.group_size} but {group} says {bits}-bit g{g}; "
+        said = scheme_label_from_args(g.get("format") or qc.get("format"), w, m.shape[1])
+        if said != m.scheme:
+            raise SplicerError(f"build {build.label}: {name} is stored as {m.scheme} but {group} says {said}; "
                                "the config does not match the shards, re-export the build")
 
 

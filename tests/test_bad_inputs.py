@@ -107,7 +107,7 @@ CASES = [
     ("not-compressed-tensors", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, lambda f: _edit_config(f, lambda c: c["quantization_config"].update(quant_method="awq")))), str(p["base"]), "-o", str(t / "out")], "quant_method 'awq'"),
     ("invalid-ignore-regex", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, lambda f: _edit_config(f, lambda c: c["quantization_config"]["ignore"].append("re:.*(visual")))), str(p["base"]), "-o", str(t / "out")], "not a valid regex"),
     ("unsupported-model-type", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, lambda f: _edit_config(f, lambda c: c.update(model_type="gpt2")))), str(p["base"]), "-o", str(t / "out")], "model_type 'gpt2' is not supported"),
-    ("config-packed-tensors-not", lambda p, t: ["splice", "--restore", "gdn", str(_unpacked_build(p["base"], t)), str(p["base"]), "-o", str(t / "out")], "no tensor is packed"),
+    ("config-packed-tensors-not", lambda p, t: ["splice", "--restore", "gdn", str(_unpacked_build(p["base"], t)), str(p["base"]), "-o", str(t / "out")], "no module is stored quantized"),
     ("out-exists", lambda p, t: ["splice", "--restore", "gdn", str(p["lowlatency"]), str(p["base"]), "-o", str(_existing(t))], "exists; pass --force"),
     ("out-inside-build", lambda p, t: ["splice", "--restore", "gdn", str(p["lowlatency"]), str(p["base"]), "-o", str(p["lowlatency"] / "sub")], "inside an input folder"),
     ("split-fused-group", lambda p, t: ["splice", "--restore", "attention", "--modules", r"q_proj$", str(p["lowlatency"]), str(p["base"]), "-o", str(t / "out")], "would split"),

@@ -10,7 +10,9 @@ INT4: what a hand edit of an ignore list makes, and what `splicer splice` refuse
   * `splicer inspect`'s lint of the hand-made checkpoint (fused-shards-disagree, and vllm-refuses: splicer's prediction);
   * vLLM loading it (eager, Triton autotuning off): the error it raises, or that it loaded.
 Writes OUT/split-groups.json. Usage (GPU machine, after install_bundle.sh and `source scripts/gpu/env.sh`):
-  python3 scripts/gpu/split_group_check.py WORK OUT [FAMILY ...]
+  python3 scripts/gpu/split_group_check.py WORK OUT [FAMILY[:BUILD] ...]
+FAMILY:BUILD splits that fixture build instead of the family's INT4 one (issue 16: qwen3_5_moe:fp8-block, ...; the
+module's tensors are whatever splicer.formats says its format stores).
 `--no-vllm` makes and lints the checkpoints only (what the CPU test runs).
 """
 
@@ -29,7 +31,6 @@ FAMILIES = ("llama", "qwen3", "mistral", "qwen3_moe", "glm4_moe", "deepseek_v3",
 # The fused groups split per family (prefix of the shard's suffix); the fixture build that quantizes every Linear.
 GROUPS = {"qwen3_5_moe": ("linear_attn.", "self_attn.")}
 BUILD = {"qwen3_5_moe": "lowlatency"}
-PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
 
 # vLLM in a child: the load either raises (its last exception line is what a user sees) or serves one token.
 _VLLM_LOAD = """
@@ -51,15 +52,18 @@ def make_split(int4: Path, base: Path, out: Path, group: str = "self_attn.") -> 
     it is quantized, restored from base and named in `ignore`. Files not changed are hard links; returns what was split."""
     from safetensors.torch import load_file, save_file
 
-    from splicer.arch import get_architecture
+    from splicer.checkpoint import open_checkpoint
+    from splicer.modules import list_modules
 
     config = json.loads((int4 / "config.json").read_text())
-    arch = get_architecture(config)
+    ckpt = open_checkpoint(int4, "build")
+    arch = ckpt.arch
     shard, (fused, shards) = next((s, g) for s, g in arch.fused_shards.items() if s.startswith(group))
     index = json.loads((int4 / "model.safetensors.index.json").read_text())
-    module = min((k[: -len(".weight_packed")] for k in index["weight_map"]
-                  if re.search(r"layers\.\d+\." + re.escape(shard) + r"\.weight_packed$", k)
-                  and not arch.is_mtp(k)), key=lambda m: arch.layer_index(m))
+    quantized = {n: m for n, m in list_modules(ckpt).items() if m.quantized}
+    module = min((n for n in quantized if re.search(r"layers\.\d+\." + re.escape(shard) + "$", n) and not arch.is_mtp(n)),
+                 key=lambda m: arch.layer_index(m))
+    stored = {t.name for t in quantized[module].packed.values()}  # the module's tensors in its format
     base_index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
     out.mkdir(parents=True)
     touched = {index["weight_map"][k] for k in index["weight_map"] if k.startswith(module + ".")}
@@ -68,7 +72,7 @@ def make_split(int4: Path, base: Path, out: Path, group: str = "self_attn.") -> 
             os.link(p, out / p.name)
     for name in sorted(touched):  # the module's packed tensors out, its BF16 weight into the first of their files
         tensors = load_file(str(int4 / name))
-        for k in [k for k in tensors if k.startswith(module + ".") and k.endswith(PACKED_SUFFIXES)]:
+        for k in [k for k in tensors if k in stored]:
             del tensors[k]
             del index["weight_map"][k]
         if name == min(touched):
@@ -78,7 +82,8 @@ def make_split(int4: Path, base: Path, out: Path, group: str = "self_attn.") -> 
     config["quantization_config"]["ignore"] = [*config["quantization_config"]["ignore"], module]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return {"module": module, "shard": shard, "fused": fused, "shards": list(shards), "class": arch.module_class(module)}
+    return {"module": module, "shard": shard, "fused": fused, "shards": list(shards), "class": arch.module_class(module),
+            "format": quantized[module].scheme}
 
 
 def _vllm_says(folder: Path, timeout_s: int = 300) -> dict:
@@ -104,16 +109,19 @@ def _vllm_says(folder: Path, timeout_s: int = 300) -> dict:
 
 
 def check_family(work: Path, family: str, vllm: bool) -> list[dict]:
-    pair, build = work / family, BUILD.get(family, "int4")
+    family, _, kind = family.partition(":")
+    pair, build = work / family, kind or BUILD.get(family, "int4")
     if not (pair / build / "config.json").exists():
-        made = _splicer("fixture", str(pair), *(("--family", family) if family != "qwen3_5_moe" else ()))
+        shutil.rmtree(pair, ignore_errors=True)
+        builds = ("--builds", build) if family == "qwen3_5_moe" else ()
+        made = _splicer("fixture", str(pair), *(("--family", family) if family != "qwen3_5_moe" else builds))
         if made.returncode:
             return [{"family": family, "fixture_error": made.stderr.strip().splitlines()[-1:]}]
     return [check_group(work, family, pair / build, pair / "base", group, vllm) for group in GROUPS.get(family, ("self_attn.",))]
 
 
 def check_group(work: Path, family: str, build: Path, base: Path, group: str, vllm: bool) -> dict:
-    tag = f"{family}-{group.rstrip('.')}"
+    tag = f"{family}-{build.name}-{group.rstrip('.')}"
     split_dir = work / f"{tag}-split"
     shutil.rmtree(split_dir, ignore_errors=True)
     record = {"family": family, "build": build.name, **make_split(build, base, split_dir, group)}

@@ -53,6 +53,7 @@ class RowSchedule:
         # Rows spread over GPUs score and time one at a time (spread.py): a row on one GPU is measured while the others
         # at most start engines, on their own GPUs and cores. With one GPU it is never contended.
         self.measuring = threading.Lock()
+        self.checkpoints: dict[str, object] = {}  # row name -> the opened Checkpoint of a `checkpoint` row (run.py)
 
     def folder(self, item: PlannedRow) -> tuple[Path, float]:
         """The row's folder and the seconds its splice took now (0 when made ahead or not needed)."""
@@ -62,7 +63,9 @@ class RowSchedule:
         from ..splice import splice
 
         t0 = time.perf_counter()
-        if restored is None:
+        if item.checkpoint:
+            folder = self.checkpoints[row.name].root
+        elif restored is None:
             folder = self.base_root
         elif not restored:
             folder = self.build.root
@@ -155,13 +158,22 @@ class RowSchedule:
             self._preparing = None
 
 
+def _checkpoint_record(ckpt) -> dict:
+    """What a `checkpoint` row ran: its source and format, as results.json and the table name it."""
+    qc = ckpt.quantization_config or {}
+    return {"source": ckpt.label, "quant_method": qc.get("quant_method"),
+            "format": qc.get("format") or qc.get("checkpoint_format") or qc.get("version"),
+            "header_digest": ckpt.header_digest()}
+
+
 def run_row(item: PlannedRow, schedule: RowSchedule, backend, cache: Path, corpora: list[Corpus], plan: Plan,
             settings: AblateSettings, out: Path, gpu: str | None = None) -> dict:
     """One row: its folder, sizes, scores against the base pass and decode timing, as its results.json entry (status
     "error" with the reason when any step fails: one variant's failure must not end the plan). gpu: the CUDA id it
     ran on, in a run spread over GPUs."""
     row, restored, splice_name = item.row, item.restored, item.splice_name
-    entry = {"name": row.name, "restored": restored if restored is not None else "base",
+    entry = {"name": row.name, "restored": "checkpoint" if item.checkpoint else restored if restored is not None else "base",
+             **({"checkpoint": _checkpoint_record(schedule.checkpoints[row.name])} if item.checkpoint else {}),
              **({"repeat_of": splice_name} if splice_name != row.name else {}),
              **({"gpu": gpu} if gpu is not None else {}),
              "status": "running", "elapsed": {}}

@@ -10,7 +10,7 @@ from .. import spread
 from ..checkpoint import open_checkpoint
 from ..errors import SplicerError
 from ..outputs import ABLATE, check_output, exclusive, local_folder
-from ..plan import load_plan, resolve_rows
+from ..plan import add_checkpoints, load_plan, resolve_rows
 from ..progress import Stages
 from .base_pass import base_cache
 from .common import AblateSettings, _closing
@@ -29,15 +29,20 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     from ..modules import list_modules
     from ..validate import validate_build
 
-    validate_build(build)
-    # Before the base is read (or downloaded).
-    out = check_output(out, [build.root, *local_folder(base_src)], ABLATE, own=settings.own_inputs)
-    modules = list_modules(build)
-    quantized = [c for c in build.arch.classes if any(m.quantized and m.cls == c for m in modules.values())]
     from ..arch import all_classes
 
     plan = load_plan(plan_name, all_classes())  # a plan may name any family's classes; rows this one lacks are skipped
-    selected = select_rows(plan, rows_spec, quantized)
+    added = add_checkpoints(plan, settings.add_checkpoints)
+    # A build only scored (`splicer score`, or only checkpoint rows asked for) need not be one splicer can splice.
+    splicing = any(r.restore or r.keep is not None for r in plan.rows if rows_spec == "all" or r.name in rows_spec.split(","))
+    if splicing or build.quantization_config is None:
+        validate_build(build)
+    # Before the base is read (or downloaded).
+    out = check_output(out, [build.root, *local_folder(base_src), *(p for r in plan.rows if r.checkpoint for p in local_folder(r.checkpoint))],
+                       ABLATE, own=settings.own_inputs)
+    modules = list_modules(build)
+    quantized = [c for c in build.arch.classes if any(m.quantized and m.cls == c for m in modules.values())]
+    selected = select_rows(plan, rows_spec, quantized) | set(added)
     options = ({"engine_args": settings.engine_args, "log_dir": out / "logs", "cache_dir": settings.engine_cache_dir,
                 "one_process": not settings.process_per_variant, "overlap_starts": settings.overlap_starts,
                 "rewake_before_timing": settings.rewake_before_timing, "precompile": settings.precompile,
@@ -55,6 +60,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     from ..validate import validate_base
 
     frozen = validate_base(base, build, settings.allow_quantized_base)
+    checkpoints = open_checkpoint_rows(plan, selected, base, settings)
     family = build.config.get("model_type") or build.arch.name
     todo, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen)
     if settings.gpus:  # each GPU's own engines of the build replace the plan's extra ones (spread.py); refused before DIR changes
@@ -64,7 +70,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         skipped += [{"name": it.row.name, "reason": spread.SPREAD_REPEAT_REASON} for it in replaced]
         selected |= {it.row.name for it in (*firsts, *lasts) if it is not None}
     skipped = [s for s in skipped if s["name"] in selected]  # a row not asked for is not reported as skipped
-    inputs = [build.root, base.root]
+    inputs = [build.root, base.root, *(c.root for c in checkpoints.values())]
     check_output(out, inputs, ABLATE, own=settings.own_inputs)
     base_digest = base.header_digest()
     base_root = base.root
@@ -85,6 +91,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         run_list = [it for it in todo if it.row.name not in done and it.row.name in selected]
         cache = base_cache(backend, plan, settings, out, base_digest, corpora)
         schedule = RowSchedule(run_list, backend, build, build_src, base_root, base_src, out, settings, compilers=backends)
+        schedule.checkpoints = checkpoints
         try:
             return _run_rows(schedule, backends, todo, run_list, done, cache, corpora, tok, plan, settings, out, base, job,
                              quantized, frozen, skipped, earlier_runs, started,
@@ -92,3 +99,28 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         except BaseException:
             schedule.cancel()  # nothing is spliced or compiled into DIR once its lock is released
             raise
+
+
+def open_checkpoint_rows(plan, selected: set[str], base, settings: AblateSettings) -> dict:
+    """Open (for a Hub id, download) every selected `checkpoint` row and check it is the base's model, before DIR
+    changes: row name -> Checkpoint. The torch backend must also be able to dequantize its format."""
+    from ..validate import validate_base
+
+    out = {}
+    for row in plan.rows:
+        if not (row.checkpoint and row.name in selected):
+            continue
+        ckpt = open_checkpoint(row.checkpoint, f"checkpoint of row {row.name}")
+        try:
+            validate_base(base, ckpt, allow_quantized=True)
+        except SplicerError as e:
+            raise SplicerError(f"row {row.name}: {e}") from None
+        if settings.backend == "torch" and ckpt.quantization_config:
+            from ..backends.torch_ref import TorchBackend
+
+            try:
+                TorchBackend.check_readable(ckpt)
+            except SplicerError as e:
+                raise SplicerError(f"row {row.name}: {e}") from None
+        out[row.name] = ckpt
+    return out

@@ -13,15 +13,6 @@ from dataclasses import dataclass, field
 
 from ..errors import SplicerError
 
-# Tensors that make up one quantized module in compressed-tensors' pack-quantized format
-# (compressors/pack_quantized/base.py: compression_param_names; g_idx only up to 0.18).
-CT_PACKED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
-# GPTQ (AutoGPTQ / GPTQModel `checkpoint_format: gptq`): qweight [K*b/32, N] i32 packed along K, qzeros [K/g, N*b/32] i32
-# packed along N (v1 stores zero - 1), scales [K/g, N] f16, g_idx [K] i32.
-GPTQ_PACKED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
-PACKED_SUFFIXES = CT_PACKED_SUFFIXES + GPTQ_PACKED_SUFFIXES
-PLAIN_SUFFIXES = ("weight", "bias")
-
 
 # The class of the MTP head: a speculative-decoding drafter, which no scoring pass runs (so restoring it changes no
 # score) and which vLLM loads only with --speculative-config.

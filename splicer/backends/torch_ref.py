@@ -124,47 +124,59 @@ class TorchBackend:
         self.model = model
         self.folder = Path(folder)
 
+    @classmethod
+    def check_readable(cls, ckpt) -> None:
+        """Refuse, in one line, a checkpoint whose format this backend cannot dequantize (before a run starts)."""
+        cls._module_schemes(ckpt)
+
     @staticmethod
     def _module_schemes(ckpt) -> dict:
-        """Packed module -> its scheme, chosen the way compressed-tensors' loader does (exact name, then
-        regex, then class target). Its model-free dequantizer instead takes the first group in file
-        order, which reads seed 000's INT8 head with the INT4 `Linear` group."""
+        """Quantized module -> (its Module, what to dequantize it with), the scheme chosen the way compressed-tensors'
+        loader chooses it (exact name, then regex, then class target). Its model-free dequantizer instead takes the
+        first group in file order, which reads seed 000's INT8 head with the INT4 `Linear` group."""
+        from ..formats import scheme_label_from_args
         from ..modules import list_modules
         from ..quantize import scheme_from_group
         from ..rules import HfReader
 
         qc = ckpt.quantization_config
+        modules = {n: m for n, m in list_modules(ckpt).items() if m.quantized}
         if qc.get("quant_method") == "gptq":
             if qc.get("checkpoint_format", "gptq") != "gptq":
                 raise SplicerError(f"{ckpt.label}: GPTQ checkpoint_format {qc.get('checkpoint_format')!r}; the torch backend reads v1 ('gptq') only")
-            return {n: m.bits for n, m in list_modules(ckpt).items() if m.quantized}
+            return {n: (m, m.bits) for n, m in modules.items()}
+        if qc.get("quant_method") != "compressed-tensors":
+            raise SplicerError(f"{ckpt.label}: the torch backend cannot dequantize quant_method {qc.get('quant_method')!r} "
+                               "yet; score it with --backend vllm")
         reader = HfReader(qc, ckpt.arch)
         out = {}
-        for name, m in list_modules(ckpt).items():
-            if not m.quantized:
-                continue
+        for name, m in modules.items():
             group = reader.reading(m).group
             if group is None:
                 raise SplicerError(f"{ckpt.label}: {name} is stored packed but quantization_config does not target it; fix the config (see splicer inspect)")
-            scheme = scheme_from_group(qc["config_groups"][group])
-            if (scheme.weights.num_bits, scheme.weights.group_size) != (m.bits, m.group_size):
-                raise SplicerError(f"{ckpt.label}: {name} is {m.bits}-bit g{m.group_size} on disk but {group} says "
-                                   f"{scheme.weights.num_bits}-bit g{scheme.weights.group_size}; fix the config")
-            out[name] = scheme
+            g = qc["config_groups"][group]
+            said = scheme_label_from_args(g.get("format") or qc.get("format"), g.get("weights") or {}, m.shape[1])
+            if said != m.scheme:
+                raise SplicerError(f"{ckpt.label}: {name} is stored as {m.scheme} but {group} says {said}; fix the config")
+            scheme = scheme_from_group({**g, "format": g.get("format") or qc.get("format")})
+            out[name] = (m, scheme)
         return out
 
     def _dequantize(self, raw: dict, schemes: dict) -> dict:
-        from ..arch import PACKED_SUFFIXES
+        from ..formats import LAYOUT
         from ..gptq import dequantize_gptq
         from ..quantize import dequantize_module
 
-        out = {k: v for k, v in raw.items() if k.rpartition(".")[2] not in PACKED_SUFFIXES}
-        for module in {k.rpartition(".")[0] for k in raw if k.endswith(".qweight")}:
-            local = {s: raw[f"{module}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx") if f"{module}.{s}" in raw}
-            out[f"{module}.weight"] = dequantize_gptq(local, schemes[module], self.dtype)
-        for module in {k.rpartition(".")[0] for k in raw if k.endswith(".weight_packed")}:
-            local = {s: raw[f"{module}.{s}"] for s in PACKED_SUFFIXES if f"{module}.{s}" in raw}
-            out[f"{module}.weight"] = dequantize_module(local, schemes[module], self.dtype)
+        out = dict(raw)
+        for module, (m, scheme) in schemes.items():
+            layout = LAYOUT[m.layout]
+            if f"{module}.{layout.anchor}" not in raw:
+                continue  # in another chunk
+            local = {s: out.pop(f"{module}.{s}") for s in layout.suffixes if f"{module}.{s}" in out}
+            if m.layout == "gptq":
+                out[f"{module}.weight"] = dequantize_gptq(local, scheme, self.dtype)
+            else:
+                out[f"{module}.weight"] = dequantize_module(local, scheme, self.dtype)
         return out
 
     @staticmethod

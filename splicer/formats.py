@@ -1,0 +1,120 @@
+"""Storage layouts of quantized modules: which tensors a quantized Linear is stored as, in each format splicer reads.
+
+One table, as the architecture tables are for names: everything else asks it which tensors belong to a quantized
+module (and are dropped when it is restored), which tensor marks a module as quantized, and how to read a module's
+shape and scheme from the tensor headers alone. Sources: compressed-tensors 0.17 `compressors/*/base.py`
+(`compression_param_names`), AutoGPTQ / GPTQModel v1, vLLM 0.26 `layers/quantization/fp8.py` and `auto_awq.py`, and
+the shared formats fact sheet (its section numbers are cited below).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Stored dtypes of a quantized module's `weight` in the formats that keep that name (FP8, INT8): a BF16 `weight` beside
+# them would be a corrupt module.
+QUANTIZED_WEIGHT_DTYPES = ("F8_E4M3", "F8_E5M2", "I8")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one quantized module is stored in one format."""
+
+    name: str
+    quant_method: str  # config.json quantization_config.quant_method of checkpoints that use it
+    anchor: str  # the tensor every quantized module of this layout has; the restored weight goes into its shard
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+    formats: tuple[str, ...] = ()  # compressed-tensors `format` values stored this way
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        return self.required + self.optional
+
+
+LAYOUTS = (
+    # compressed-tensors pack-quantized (W4A16, W8A16): int32 words packed along K, weight_shape [2] (fact sheet §4).
+    Layout("ct-pack", "compressed-tensors", "weight_packed", ("weight_packed", "weight_scale", "weight_shape"),
+           ("weight_zero_point", "weight_g_idx"), ("pack-quantized",)),
+    # compressed-tensors NVFP4: uint8 [N, K/2] e2m1 pairs, fp8 group scales [N, K/16], fp32 global scale (§3).
+    Layout("ct-nvfp4", "compressed-tensors", "weight_packed", ("weight_packed", "weight_scale", "weight_global_scale"),
+           ("weight_zero_point", "input_global_scale"), ("nvfp4-pack-quantized",)),
+    # compressed-tensors float-quantized (FP8 W8A8) and int-quantized (INT8 W8A8): the quantized values keep the name
+    # `weight` (fp8 or int8), scales per tensor [1], channel [N, 1] or 128x128 block (§1, §4).
+    Layout("ct-float", "compressed-tensors", "weight", ("weight", "weight_scale"),
+           ("weight_zero_point", "input_scale", "input_zero_point"), ("float-quantized", "naive-quantized")),
+    Layout("ct-int", "compressed-tensors", "weight", ("weight", "weight_scale"),
+           ("weight_zero_point", "input_scale", "input_zero_point"), ("int-quantized", "naive-quantized")),
+    # GPTQ v1: qweight [K*b/32, N] packed along K, qzeros [K/g, N*b/32], scales [K/g, N], g_idx [K].
+    Layout("gptq", "gptq", "qweight", ("qweight", "qzeros", "scales"), ("g_idx",)),
+    # AutoAWQ GEMM: qweight [K, N/8] packed along N in AWQ's interleaved order, qzeros [K/g, N/8], scales [K/g, N] (§5).
+    Layout("awq", "awq", "qweight", ("qweight", "qzeros", "scales")),
+    # Native FP8 (DeepSeek-V3, Qwen *-FP8: quant_method fp8): fp8 weight with a 128x128 block `weight_scale_inv`
+    # (a multiplier despite its name), or per-tensor `weight_scale` plus `input_scale` when activations are static (§2).
+    Layout("fp8", "fp8", "weight", ("weight",), ("weight_scale_inv", "weight_scale", "input_scale")),
+)
+LAYOUT = {layout.name: layout for layout in LAYOUTS}
+
+# compressed-tensors formats splicer reads (a config group's own `format`, else the top-level one).
+CT_FORMATS = tuple(f for layout in LAYOUTS if layout.quant_method == "compressed-tensors" for f in layout.formats)
+CT_FORMATS = tuple(dict.fromkeys(CT_FORMATS))
+
+# Every tensor name ending that belongs to a quantized module (besides `weight`, which FP8/INT8 formats keep).
+QUANT_SUFFIXES = tuple(sorted({s for layout in LAYOUTS for s in layout.suffixes} - {"weight"}))
+PLAIN_SUFFIXES = ("weight", "bias")
+
+
+def layout_for(quant_method: str | None, tensors: dict) -> Layout | None:
+    """The layout of one module from its tensors (suffix -> TensorInfo) and the checkpoint's quant_method."""
+    if "qweight" in tensors:
+        return LAYOUT["awq" if quant_method == "awq" else "gptq"]
+    if "weight_packed" in tensors:
+        return LAYOUT["ct-nvfp4" if "weight_global_scale" in tensors else "ct-pack"]
+    w = tensors.get("weight")
+    if w is not None and w.dtype in QUANTIZED_WEIGHT_DTYPES:
+        if quant_method == "fp8":
+            return LAYOUT["fp8"]
+        return LAYOUT["ct-int" if w.dtype == "I8" else "ct-float"]
+    return None
+
+
+def _block_side(dim: int, blocks: int) -> int | None:
+    """The block length that splits `dim` into `blocks` blocks, the last one possibly short (a power of two, as every
+    shipped block size is: 128 for DeepSeek-V3 and Qwen FP8)."""
+    b = 1
+    while b <= max(dim, 1) * 2:
+        if math.ceil(dim / b) == blocks:
+            return b
+        b *= 2
+    return None
+
+
+def weight_scale_strategy(shape: tuple[int, int], scale_shape: tuple[int, ...]) -> str:
+    """fp8/int8 `weight` scale layout from shapes: tensor, channel, or blockBHxBW (fact sheet §1)."""
+    n, k = shape
+    if math.prod(scale_shape) == 1:
+        return "tensor"
+    if tuple(scale_shape) == (n, 1):
+        return "channel"
+    if len(scale_shape) == 2:
+        bh, bw = _block_side(n, scale_shape[0]), _block_side(k, scale_shape[1])
+        if bh and bw:
+            return f"block{bh}x{bw}"
+    return "unknown"
+
+
+def scheme_label_from_args(fmt: str | None, weights: dict, in_features: int | None = None) -> str:
+    """What a compressed-tensors group's weight args say a module is stored as, in the words of `Module.scheme`
+    (in_features: the module's K, which a packed per-channel scale cannot be told apart from one group of)."""
+    t, bits = weights.get("type") or "int", weights.get("num_bits")
+    strategy = str(weights.get("strategy") or ("group" if weights.get("group_size") else "channel"))
+    if fmt == "pack-quantized" and strategy == "channel" and in_features:
+        return f"int{bits} g{in_features}"
+    if strategy in ("group", "tensor_group"):
+        kind = "nvfp" if t == "float" else "int"
+        return f"{kind}{bits} g{weights.get('group_size')}"
+    if strategy == "block":
+        bh, bw = weights.get("block_structure") or (None, None)
+        return f"{'fp' if t == 'float' else 'int'}{bits} block{bh}x{bw}"
+    return f"{'fp' if t == 'float' else 'int'}{bits} {strategy}"
