@@ -6,14 +6,14 @@
 #   STEP=ablate: per format, `splicer ablate all` with the gpu-families plan: each class restored alone and all together
 #                (vLLM loads each, kernels_by_class says which kernel serves each class, all restored = the base?);
 #   STEP=split : a hand-split fused group (attention q_proj, GDN in_proj_qkv) per format: splice's refusal and vLLM's.
-# Engines run eager with Triton autotuning off: nothing here is timed. FORMATS overrides the builds of STEP=ablate/split;
+# Engines run eager, text only (the fixture has no image processor), with Triton autotuning off: nothing here is timed. FORMATS overrides the builds of STEP=ablate/split;
 # BUDGET_S stops before a build that would not finish. The work folder survives between calls of one lease.
 set -uo pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/formats}; BUDGET_S=${BUDGET_S:-540}; STEP=${STEP:-score}
 FORMATS=${FORMATS:-"w8a8 fp8-dynamic fp8-block nvfp4a16 mixed"}
-ENGINE=(--backend vllm --no-time -q --engine-arg enforce_eager=true --gpu-memory-utilization 0.3
+ENGINE=(--backend vllm --no-time -q --language-model-only --engine-arg enforce_eager=true --gpu-memory-utilization 0.3
         --engine-env VLLM_TRITON_FORCE_FIRST_CONFIG=1)
 t0=$(date +%s)
 mkdir -p "$WORK"
