@@ -57,8 +57,7 @@ LAYOUTS = (
 LAYOUT = {layout.name: layout for layout in LAYOUTS}
 
 # compressed-tensors formats splicer reads (a config group's own `format`, else the top-level one).
-CT_FORMATS = tuple(f for layout in LAYOUTS if layout.quant_method == "compressed-tensors" for f in layout.formats)
-CT_FORMATS = tuple(dict.fromkeys(CT_FORMATS))
+CT_FORMATS = tuple(dict.fromkeys(f for layout in LAYOUTS if layout.quant_method == "compressed-tensors" for f in layout.formats))
 
 # Every tensor name ending that belongs to a quantized module (besides `weight`, which FP8/INT8 formats keep).
 QUANT_SUFFIXES = tuple(sorted({s for layout in LAYOUTS for s in layout.suffixes} - {"weight"}))
@@ -118,3 +117,14 @@ def scheme_label_from_args(fmt: str | None, weights: dict, in_features: int | No
         bh, bw = weights.get("block_structure") or (None, None)
         return f"{'fp' if t == 'float' else 'int'}{bits} block{bh}x{bw}"
     return f"{'fp' if t == 'float' else 'int'}{bits} {strategy}"
+
+
+def group_format(qc: dict, group: dict) -> str | None:
+    """A compressed-tensors config group's format: its own, else the config's (vLLM reads them so, fact sheet R3)."""
+    return group.get("format") or qc.get("format")
+
+
+def group_scheme(qc: dict, group_name: str, in_features: int | None = None) -> str:
+    """What config group `group_name` says its modules are stored as, in the words of `Module.scheme`."""
+    group = qc["config_groups"][group_name]
+    return scheme_label_from_args(group_format(qc, group), group.get("weights") or {}, in_features)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .checkpoint import Checkpoint
-from .formats import scheme_label_from_args
+from .formats import group_format, group_scheme
 from .modules import list_modules
 from .rules import check, validate_regexes
 
@@ -76,8 +76,8 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         "model_type": ckpt.config.get("model_type"),
         "quant_method": qc.get("quant_method"),
         "format": qc.get("format") or qc.get("checkpoint_format"),
-        "config_groups": {g: {"targets": v.get("targets"), "format": v.get("format") or qc.get("format"),
-                              "scheme": scheme_label_from_args(v.get("format") or qc.get("format"), v.get("weights") or {}),
+        "config_groups": {g: {"targets": v.get("targets"), "format": group_format(qc, v),
+                              "scheme": group_scheme(qc, g),
                               "bits": (v.get("weights") or {}).get("num_bits"),
                               "group_size": (v.get("weights") or {}).get("group_size")}
                           for g, v in (qc.get("config_groups") or {}).items()},

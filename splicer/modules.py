@@ -104,10 +104,7 @@ def list_modules(ckpt: Checkpoint) -> dict[str, Module]:
 
 
 def _gptq_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict) -> Module:
-    """Shape, bits and group size of a GPTQ module from its tensors' shapes alone."""
-    for needed in ("qweight", "qzeros", "scales"):
-        if needed not in packed:
-            raise SplicerError(f"{ckpt.label}: module {name} has {sorted(packed)} but no {needed}; the build is incomplete, re-export it")
+    """Shape, bits and group size of a GPTQ module from its tensors' shapes alone (its tensors checked by the caller)."""
     qw, qz, sc = packed["qweight"], packed["qzeros"], packed["scales"]
     if any(len(t.shape) != 2 for t in (qw, qz, sc)) or qw.shape[1] != sc.shape[1] or qz.shape[0] != sc.shape[0] or sc.shape[1] == 0:
         raise SplicerError(f"{ckpt.label}: {name} has GPTQ tensors of inconsistent shapes; the build is corrupt")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from .arch import Architecture
 from .errors import SplicerError
-from .formats import scheme_label_from_args
+from .formats import group_scheme
 from .modules import Module
 
 CLASS_TARGET_HF = "Linear"  # the class target compressed-tensors exporters write
@@ -349,12 +349,10 @@ def check(modules: dict[str, Module], qc: dict | None, arch: Architecture) -> Re
             report.notes.append(f"{n}: loaders use {r.group}, but compressed-tensors' model-free dequantizer takes {first} "
                                 f"(first group in file order); put {r.group} first for model-free tools")
     # Each group's scheme against the tensors it claims.
-    groups = qc.get("config_groups") or {}
     for n, r in report.hf.items():
         m = modules[n]
         if r.group and m.quantized:
-            g = groups[r.group]
-            said = scheme_label_from_args(g.get("format") or qc.get("format"), g.get("weights") or {}, m.shape[1])
+            said = group_scheme(qc, r.group, m.shape[1])
             if said != m.scheme:
                 report.add("scheme-mismatch", "hf", f"{n}: config {r.group} says {said}, tensors are {m.scheme}")
                 break

@@ -11,7 +11,7 @@ import re
 from .arch import DRAFTER_CLASS, Architecture
 from .checkpoint import Checkpoint, is_packed_tensor
 from .errors import SplicerError
-from .formats import CT_FORMATS, scheme_label_from_args
+from .formats import CT_FORMATS, group_format, group_scheme
 from .modules import Module
 from .rules import HfReader, is_gptq, validate_regexes
 
@@ -29,7 +29,7 @@ def validate_build(build: Checkpoint) -> None:
         )
     if not isinstance(qc.get("config_groups"), dict) or not qc["config_groups"]:
         raise SplicerError(f"build {build.label}: quantization_config has no config_groups; the config is invalid, restore it from the original export")
-    formats = {g.get("format") or qc.get("format") for g in qc["config_groups"].values()}
+    formats = {group_format(qc, g) for g in qc["config_groups"].values()}
     unknown = sorted(str(f) for f in formats if f not in CT_FORMATS)
     if unknown:
         raise SplicerError(f"build {build.label} has format {unknown[0]}; splicer reads compressed-tensors {', '.join(CT_FORMATS)} "
@@ -69,13 +69,11 @@ def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
         group = reader.reading(m).group
         if group is None:
             continue  # reported by inspect's lint (stored packed, read as BF16)
-        g = qc["config_groups"][group]
-        w = g.get("weights") or {}
-        size = w.get("group_size")
+        size = (qc["config_groups"][group].get("weights") or {}).get("group_size")
         if size and m.shape[1] % int(size):
             raise SplicerError(f"build {build.label}: {group} has group_size {size}, which does not divide the input dim {m.shape[1]} "
                                f"of {name}; the build is corrupt, re-export it")
-        said = scheme_label_from_args(g.get("format") or qc.get("format"), w, m.shape[1])
+        said = group_scheme(qc, group, m.shape[1])
         if said != m.scheme:
             raise SplicerError(f"build {build.label}: {name} is stored as {m.scheme} but {group} says {said}; "
                                "the config does not match the shards, re-export the build")

@@ -34,7 +34,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     plan = load_plan(plan_name, all_classes())  # a plan may name any family's classes; rows this one lacks are skipped
     added = add_checkpoints(plan, settings.add_checkpoints)
     # A build only scored (`splicer score`, or only checkpoint rows asked for) need not be one splicer can splice.
-    splicing = any(r.restore or r.keep is not None for r in plan.rows if rows_spec == "all" or r.name in rows_spec.split(","))
+    asked = {w.strip() for w in rows_spec.split(",")}
+    splicing = any(r.restore or r.keep is not None for r in plan.rows if rows_spec == "all" or r.name in asked)
     if splicing or build.quantization_config is None:
         validate_build(build)
     # Before the base is read (or downloaded).

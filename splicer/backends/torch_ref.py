@@ -134,7 +134,7 @@ class TorchBackend:
         """Quantized module -> (its Module, what to dequantize it with), the scheme chosen the way compressed-tensors'
         loader chooses it (exact name, then regex, then class target). Its model-free dequantizer instead takes the
         first group in file order, which reads seed 000's INT8 head with the INT4 `Linear` group."""
-        from ..formats import scheme_label_from_args
+        from ..formats import group_format, group_scheme
         from ..modules import list_modules
         from ..quantize import scheme_from_group
         from ..rules import HfReader
@@ -154,11 +154,11 @@ class TorchBackend:
             group = reader.reading(m).group
             if group is None:
                 raise SplicerError(f"{ckpt.label}: {name} is stored packed but quantization_config does not target it; fix the config (see splicer inspect)")
-            g = qc["config_groups"][group]
-            said = scheme_label_from_args(g.get("format") or qc.get("format"), g.get("weights") or {}, m.shape[1])
+            said = group_scheme(qc, group, m.shape[1])
             if said != m.scheme:
                 raise SplicerError(f"{ckpt.label}: {name} is stored as {m.scheme} but {group} says {said}; fix the config")
-            scheme = scheme_from_group({**g, "format": g.get("format") or qc.get("format")})
+            g = qc["config_groups"][group]
+            scheme = scheme_from_group({**g, "format": group_format(qc, g)})
             out[name] = (m, scheme)
         return out
 
@@ -168,10 +168,10 @@ class TorchBackend:
         from ..quantize import dequantize_module
 
         out = dict(raw)
-        for module, (m, scheme) in schemes.items():
+        # Only the modules whose tensors are in this chunk (one decoder layer): not every module of the model per chunk.
+        for module in {k.rpartition(".")[0] for k in raw} & schemes.keys():
+            m, scheme = schemes[module]
             layout = LAYOUT[m.layout]
-            if f"{module}.{layout.anchor}" not in raw:
-                continue  # in another chunk
             local = {s: out.pop(f"{module}.{s}") for s in layout.suffixes if f"{module}.{s}" in out}
             if m.layout == "gptq":
                 out[f"{module}.weight"] = dequantize_gptq(local, scheme, self.dtype)
