@@ -13,7 +13,7 @@ from collections import defaultdict
 from .arch import Architecture
 from .checkpoint import Checkpoint
 from .modules import Module
-from .rules import check, is_gptq
+from .rules import check, is_gptq, is_skip_list, skip_list_keys
 
 
 def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[str, Module],
@@ -22,7 +22,16 @@ def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[
     arch = build.arch
     config = json.loads(json.dumps(build.config))
     qc = config["quantization_config"]
-    if is_gptq(qc):
+    if is_skip_list(qc):
+        # Native FP8 / AWQ list what stays unquantized. An empty list means "detect it" (vLLM's AWQ reads the dtypes,
+        # transformers' FP8 skips the head): once entries are added that stops, so the modules stored unquantized are
+        # listed too, by name.
+        if not any(qc.get(k) for k in skip_list_keys(qc)):
+            _add_exclusions(qc, skip_list_entries({n: m for n, m in modules.items() if not m.quantized and not arch.is_embedding(n)}, arch))
+        _add_exclusions(qc, skip_list_entries(picked, arch))
+        if "lm_head" in picked and qc.get("lm_head"):
+            qc["lm_head"] = False
+    elif is_gptq(qc):
         # vLLM and GPTQModel stop at the first `dynamic` rule that matches: the new `-:` rules go first. They name the
         # restored modules and the vLLM layers those load into (fused names, the MoE prefix), under both namings.
         units = {arch.atomic_unit(n) for n in picked}
@@ -42,13 +51,14 @@ def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[
     after = modules_after(modules, picked, added)
     report = check(after, qc, arch)
     if added and any(r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if n in added):
-        _add_exclusions(qc, [arch.mtp_ignore])  # the added BF16 MTP head must not be read as quantized
+        # the added BF16 MTP head must not be read as quantized
+        _add_exclusions(qc, skip_list_entries(added, arch) if is_skip_list(qc) else [arch.mtp_ignore])
         report = check(after, qc, arch)
     dropped = []
     if drop_dead:
         dropped = sorted(set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", [])), key=exclusions(qc).index)
         _remove_exclusions(qc, set(dropped))
-    if is_gptq(qc):
+    if is_gptq(qc) or is_skip_list(qc):
         if not any(m.quantized for m in after.values()):
             del config["quantization_config"]
         return config, dropped
@@ -61,9 +71,28 @@ def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[
     return config, dropped
 
 
+def skip_list_entries(modules: dict[str, Module], arch: Architecture) -> list[str]:
+    """Full module names for a native FP8 / AWQ skip list, routed experts as their layer's `...mlp.experts`.
+
+    Neither reader takes regexes there: vLLM's FP8 loader wants the exact name (and skips a whole MoE layer for a name
+    under its experts), its AWQ loader a substring of the name, transformers a prefix up to a module boundary or a
+    suffix. A full name is read the same by all three, and a layer's experts are decided together anyway.
+    """
+    names = []
+    for name in modules:
+        parts = arch.expert_parts(name)
+        names.append(parts[0] if parts else name)
+    return list(dict.fromkeys(names))
+
+
 def _add_exclusions(qc: dict, entries: list[str]) -> None:
-    """`re:X` entries appended to `ignore` (compressed-tensors), or `-:X` rules put first in `dynamic` (GPTQ)."""
-    if is_gptq(qc):
+    """`re:X` entries appended to `ignore` (compressed-tensors), `-:X` rules put first in `dynamic` (GPTQ), or full
+    names appended to the skip lists (native FP8, AWQ)."""
+    if is_skip_list(qc):
+        for key in skip_list_keys(qc):
+            have = list(qc.get(key) or [])
+            qc[key] = have + [e for e in entries if e not in have]
+    elif is_gptq(qc):
         rules = ["-:" + (e[3:] if e.startswith("re:") else re.escape(e) + "$") for e in entries]
         old = qc.get("dynamic") or {}
         qc["dynamic"] = {**{r: {} for r in rules if r not in old}, **old}
@@ -72,7 +101,10 @@ def _add_exclusions(qc: dict, entries: list[str]) -> None:
 
 
 def _remove_exclusions(qc: dict, entries: set[str]) -> None:
-    if is_gptq(qc):
+    if is_skip_list(qc):
+        for key in skip_list_keys(qc):
+            qc[key] = [e for e in qc.get(key) or [] if e not in entries]
+    elif is_gptq(qc):
         qc["dynamic"] = {k: v for k, v in qc["dynamic"].items() if k not in entries}
     else:
         qc["ignore"] = [e for e in qc["ignore"] if e not in entries]
@@ -164,5 +196,8 @@ def modules_after(modules: dict[str, Module], picked: dict[str, Module], added: 
 
 
 def exclusions(qc: dict) -> list[str]:
-    """The entries that keep modules unquantized: `ignore` (compressed-tensors) or `-:` rules of `dynamic` (GPTQ)."""
+    """The entries that keep modules unquantized: `ignore` (compressed-tensors), `-:` rules of `dynamic` (GPTQ), or the
+    skip list (native FP8, AWQ)."""
+    if is_skip_list(qc):
+        return list(dict.fromkeys(e for k in skip_list_keys(qc) for e in qc.get(k) or []))
     return [k for k in qc.get("dynamic") or {} if k.startswith("-:")] if is_gptq(qc) else list(qc.get("ignore") or [])

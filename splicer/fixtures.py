@@ -28,8 +28,10 @@ from safetensors.torch import save_file
 
 from .arch.qwen3_5_moe import QWEN3_5_MOE
 from .checkpoint import INDEX_NAME
+from .awq import quantize_awq
 from .gptq import quantize_gptq
-from .quantize import config_group, make_scheme, preset_scheme, quantize_weight
+from .config_edit import skip_list_entries
+from .quantize import config_group, make_scheme, preset_scheme, quantize_native_fp8, quantize_weight
 
 TEXT_PRESETS = {
     # Used by the tests and the demo: ~30 MB BF16, every K a multiple of 128.
@@ -73,7 +75,14 @@ VISION_TINY = dict(depth=1, hidden_size=128, intermediate_size=256, num_heads=2,
 # seed 000's INT8 head is: NVFP4A16 routed experts, FP8_DYNAMIC for the other Linears, a W8A16 g128 head.
 FORMAT_BUILDS = {"w4a16": "W4A16", "w8a16": "W8A16", "w8a8": "W8A8", "fp8-dynamic": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK",
                  "nvfp4a16": "NVFP4A16"}
-BUILD_KINDS = ("lowlatency", "lowlatency-nomtp", "experts-g32", "gptq-experts-g32", *FORMAT_BUILDS, "mixed")
+# Builds in the two formats that list what stays unquantized, with seed 000's module selection too:
+# fp8-native: `quant_method: fp8` with 128x128 `weight_scale_inv` blocks (float32, as DeepSeek-V3's README says), the
+#   skip list as full module names in `modules_to_not_convert` (vLLM's FP8 loader matches names exactly);
+# awq: AutoAWQ GEMM, 4-bit g128 with zero points, fp16 scales, the skip list as the substrings AWQ exports write.
+SKIP_LIST_BUILDS = ("fp8-native", "awq")
+AWQ_NOT_CONVERT = ["model.visual", "visual", "mtp", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "mlp.gate",
+                   "shared_expert_gate"]
+BUILD_KINDS = ("lowlatency", "lowlatency-nomtp", "experts-g32", "gptq-experts-g32", *FORMAT_BUILDS, "mixed", *SKIP_LIST_BUILDS)
 
 
 @dataclass
@@ -298,6 +307,15 @@ def _build_plan(kind: str) -> tuple[dict, callable]:
     """(quantization_config, module -> (bits, group), a compressed-tensors scheme, or None) for a build kind."""
     if kind in FORMAT_BUILDS or kind == "mixed":
         return _format_plan(kind)
+    if kind == "fp8-native":
+        # The skip list is filled in by write_build from what it left unquantized.
+        qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
+              "modules_to_not_convert": []}
+        return qc, lambda module: "fp8" if _lowlatency_body(module) else None
+    if kind == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
+              "modules_to_not_convert": list(AWQ_NOT_CONVERT)}
+        return qc, lambda module: "awq" if _lowlatency_body(module) else None
     if kind in ("lowlatency", "lowlatency-nomtp"):
         qc = _quant_config({"group_0": _ct_group(["Linear"], 4, 128), "group_1": _ct_group([r"re:.*lm_head$"], 8, 128)},
                            LOWLATENCY_IGNORE)
@@ -336,7 +354,7 @@ def _nvfp4_global_scales(items, pick) -> dict:
     for tname, tensor in items:
         module, _, leaf = tname.rpartition(".")
         choice = pick(module) if leaf == "weight" and tensor.dim() == 2 else None
-        if choice is None or isinstance(choice, tuple) or str(getattr(choice.weights.strategy, "value", "")) != "tensor_group":
+        if choice is None or isinstance(choice, (tuple, str)) or str(getattr(choice.weights.strategy, "value", "")) != "tensor_group":
             continue
         key = _global_scale_key(module)
         t = tensor.float()
@@ -377,12 +395,21 @@ def write_build(base: Path, out: Path, kind: str = "lowlatency") -> Path:
                     continue
                 if qc.get("quant_method") == "gptq":
                     packed = quantize_gptq(tensor.contiguous(), *choice)
+                elif qc.get("quant_method") == "fp8":
+                    packed = quantize_native_fp8(tensor.contiguous(), qc["weight_block_size"])
+                elif qc.get("quant_method") == "awq":
+                    packed = quantize_awq(tensor.contiguous(), qc["group_size"])
                 elif isinstance(choice, tuple):
                     packed = quantize_weight(tensor.contiguous(), schemes.setdefault(choice, make_scheme(*choice)))
                 else:
                     packed = quantize_weight(tensor.contiguous(), choice, global_scales.get(_global_scale_key(module)))
                 for k, v in packed.items():
                     dest[f"{module}.{k}"] = v
+    if qc.get("quant_method") == "fp8":
+        # Every module left BF16, by its full name: vLLM's FP8 loader matches exactly (fact sheet §2).
+        plain = [n.rpartition(".")[0] for d in by_shard.values() for n, t in d.items()
+                 if n.endswith(".weight") and t.dim() == 2 and t.dtype == torch.bfloat16]
+        qc["modules_to_not_convert"] = skip_list_entries(dict.fromkeys(sorted(n for n in plain if not QWEN3_5_MOE.is_embedding(n))), QWEN3_5_MOE)
     config = json.loads((base / "config.json").read_text())
     config["quantization_config"] = qc
     _write_sharded(out, by_shard, config)

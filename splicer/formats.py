@@ -128,3 +128,34 @@ def group_scheme(qc: dict, group_name: str, in_features: int | None = None) -> s
     """What config group `group_name` says its modules are stored as, in the words of `Module.scheme`."""
     group = qc["config_groups"][group_name]
     return scheme_label_from_args(group_format(qc, group), group.get("weights") or {}, in_features)
+
+
+def checkpoint_format(qc: dict | None) -> str | None:
+    """The storage format a quantization_config names, in a word: compressed-tensors' `format`, GPTQ's
+    `checkpoint_format`, AWQ's `version` (gemm), native FP8's block size (or per-tensor)."""
+    qc = qc or {}
+    if qc.get("quant_method") == "fp8":
+        block = qc.get("weight_block_size")
+        return f"block{block[0]}x{block[1]}" if block else "per-tensor"
+    return qc.get("format") or qc.get("checkpoint_format") or qc.get("version")
+
+
+READ_METHODS = "compressed-tensors (" + ", ".join(CT_FORMATS) + "), GPTQ, AWQ (gemm) and native FP8"
+
+
+def unreadable(qc: dict | None) -> str | None:
+    """Why splicer cannot read a checkpoint's quantized modules (None: it can). Other formats store modules under
+    names and layouts this table does not know (bitsandbytes' `weight.absmax`, ModelOpt's `weight_scale_2`, ...), so
+    their modules, schemes and per-class sizes would be wrong rather than missing."""
+    qc = qc or {}
+    method = qc.get("quant_method")
+    if not qc or method in ("gptq", "fp8"):
+        return None
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        return None if version == "gemm" else f"AWQ version {qc.get('version')!r} (splicer reads gemm)"
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups") or {}
+        bad = sorted({str(group_format(qc, g)) for g in groups.values() if group_format(qc, g) not in CT_FORMATS})
+        return f"compressed-tensors format {bad[0]}" if bad else None
+    return f"quant_method {method!r}"

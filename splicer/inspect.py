@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .checkpoint import Checkpoint
-from .formats import group_format, group_scheme
+from .errors import SplicerError
+from .formats import READ_METHODS, checkpoint_format, group_format, group_scheme, unreadable
 from .modules import list_modules
 from .rules import check, validate_regexes
 
@@ -39,6 +40,12 @@ def bytes_per_decode_step(ckpt: Checkpoint) -> int:
 
 def inspect_checkpoint(ckpt: Checkpoint) -> dict:
     qc = ckpt.quantization_config or {}
+    why = unreadable(qc)
+    if why:
+        total = sum(info.nbytes for hdr in ckpt.headers.values() for info in hdr.tensors.values())
+        raise SplicerError(f"{ckpt.label}: splicer cannot read {why}: it reads {READ_METHODS}, so it reports no modules or "
+                           f"sizes per class ({total / 1e9:.3f} GB of tensors in all); vLLM may still load it: score it "
+                           "with `splicer score BASE BUILD --backend vllm`")
     validate_regexes(qc, ckpt.label)
     arch = ckpt.arch
     modules = list_modules(ckpt)
@@ -75,7 +82,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         "checkpoint": ckpt.label,
         "model_type": ckpt.config.get("model_type"),
         "quant_method": qc.get("quant_method"),
-        "format": qc.get("format") or qc.get("checkpoint_format"),
+        "format": checkpoint_format(qc),
         "config_groups": {g: {"targets": v.get("targets"), "format": group_format(qc, v),
                               "scheme": group_scheme(qc, g),
                               "bits": (v.get("weights") or {}).get("num_bits"),

@@ -62,6 +62,24 @@ def config_group(scheme: QuantizationScheme) -> dict:
             "targets": list(scheme.targets), "weights": dump(scheme.weights)}
 
 
+def native_fp8_scheme(weight_block_size=None) -> QuantizationScheme:
+    """The compressed-tensors scheme a native FP8 checkpoint (`quant_method: fp8`) is equivalent to: e4m3 weights with
+    one scale per weight_block_size block (DeepSeek-V3, Qwen *-FP8: [128, 128]), or per tensor without it."""
+    block = list(weight_block_size) if weight_block_size else None
+    args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block" if block else "tensor",
+                            block_structure=block)
+    return QuantizationScheme(targets=["Linear"], weights=args, format="float-quantized")
+
+
+def quantize_native_fp8(weight: torch.Tensor, weight_block_size=None) -> dict[str, torch.Tensor]:
+    """A weight as a native FP8 checkpoint stores it: `weight` e4m3 and, with blocks, `weight_scale_inv` float32 (a
+    multiplier despite its name, DeepSeek-V3's README), else a per-tensor `weight_scale`."""
+    out = quantize_weight(weight, native_fp8_scheme(weight_block_size))
+    scale = out.pop("weight_scale").float().contiguous()
+    out["weight_scale_inv" if weight_block_size else "weight_scale"] = scale
+    return out
+
+
 def _compressor(scheme: QuantizationScheme):
     return BaseCompressor.get_value_from_registry(scheme.format or PACK_QUANTIZED)
 
@@ -122,7 +140,7 @@ def dequantize_module(tensors: dict[str, torch.Tensor], scheme: QuantizationSche
     args = scheme.weights
     if fmt == PACK_QUANTIZED:
         return _compressor(scheme).decompress(dict(tensors), scheme)["weight"].to(dtype)
-    scale = tensors["weight_scale"]
+    scale = tensors["weight_scale"] if "weight_scale" in tensors else tensors["weight_scale_inv"]  # native FP8's name
     if fmt == "nvfp4-pack-quantized":
         from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 

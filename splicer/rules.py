@@ -261,6 +261,153 @@ class GptqVllmReader:
         return reading
 
 
+SKIP_LIST_METHODS = ("fp8", "awq")  # formats whose config lists the modules left unquantized, not the quantized ones
+
+
+def is_skip_list(qc: dict | None) -> bool:
+    """Native FP8 (`ignored_layers`) and AWQ (`modules_to_not_convert`): everything is quantized but what is listed."""
+    return bool(qc) and qc.get("quant_method") in SKIP_LIST_METHODS
+
+
+def skip_lists(qc: dict) -> tuple[list[str] | None, list[str]]:
+    """(the list transformers reads, None when absent; the list vLLM reads) of a skip-list config.
+
+    vLLM 0.26 `Fp8Config.from_config` reads `ignored_layers` and only when that is missing or empty
+    `modules_to_not_convert`; transformers' FineGrainedFP8Config reads `modules_to_not_convert` and takes
+    `ignored_layers` only as an alias when the former is absent. AWQ: `modules_to_not_convert` for both.
+    """
+    if qc.get("quant_method") == "fp8":
+        vllm = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or []
+        hf = qc.get("modules_to_not_convert")
+        return (qc.get("ignored_layers") if hf is None else hf), list(vllm)
+    return qc.get("modules_to_not_convert"), list(qc.get("modules_to_not_convert") or [])
+
+
+def skip_list_keys(qc: dict) -> list[str]:
+    """The config keys a splice appends its entries to: each skip list the build has, else modules_to_not_convert
+    (read by transformers, and by vLLM's FP8 loader when ignored_layers is absent)."""
+    if qc.get("quant_method") == "fp8":
+        keys = [k for k in ("ignored_layers", "modules_to_not_convert") if qc.get(k) is not None]
+        return keys or ["modules_to_not_convert"]
+    return ["modules_to_not_convert"]
+
+
+def skip_list_scheme(qc: dict) -> str:
+    """What a skip-list config says every quantized module is stored as, in the words of `Module.scheme`."""
+    if qc.get("quant_method") == "fp8":
+        block = qc.get("weight_block_size")
+        return f"fp8 block{block[0]}x{block[1]}" if block else "fp8 tensor"
+    return f"int{qc.get('w_bit', qc.get('bits'))} g{qc.get('q_group_size', qc.get('group_size'))}"
+
+
+def hf_should_skip(name: str, patterns: list[str]) -> bool:
+    """transformers 5 `quantizers_utils.should_convert_module`, negated: a pattern matches from the start of the name up
+    to a module boundary (as a regex), or as a suffix. Mirrored because transformers imports in seconds."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return any(re.match(rf"(?:{p}){boundary}", name) or name.endswith(p) for p in patterns)
+
+
+class SkipListHfReader:
+    """transformers' view of a native FP8 or AWQ build: every Linear is replaced unless `should_convert_module` says
+    skip; routed experts are one module per layer (`...mlp.experts`), decided together. Its default skips (the output
+    head) apply when the FP8 list is absent, and always for AWQ (`add_default_skips=True`)."""
+
+    def __init__(self, qc: dict, arch: Architecture):
+        self.arch, self.method = arch, qc["quant_method"]
+        listed, _ = skip_lists(qc)
+        defaults = self.method == "awq" or listed is None
+        self.patterns = list(listed or []) + (list(arch.lm_head_names[:1]) if defaults else [])
+        self.tested: set[str] = set()
+
+    def reading(self, module: Module) -> Reading:
+        if self.arch.is_embedding(module.name):
+            return Reading(None)
+        parts = self.arch.expert_parts(module.name)
+        name = parts[0] if parts else module.name
+        self.tested.add(name)
+        return Reading(None if hf_should_skip(name, self.patterns) else self.method)
+
+
+class SkipListVllmReader:
+    """vLLM 0.26's view (`quant_utils.is_layer_skipped`): FP8 matches a layer's full name exactly, AWQ as a substring
+    of it; a fused layer is skipped when its own name matches, else all its shards must agree; FP8 skips a whole MoE
+    layer when its prefix is a substring of any listed name that contains "experts" (so one listed expert skips them
+    all). The head is never FP8, and AWQ only with `lm_head: true`. An empty AWQ list makes vLLM list every module
+    whose tensors are all float (`AutoAWQConfig.maybe_update_config`)."""
+
+    def __init__(self, qc: dict, arch: Architecture, modules: dict[str, Module]):
+        self.arch, self.method = arch, qc["quant_method"]
+        _, listed = skip_lists(qc)
+        if self.method == "awq" and not listed:
+            listed = [n for n, m in modules.items() if not m.quantized]
+        self.entries = [arch.vllm_rename_entry(e) for e in listed]
+        self.entry_set = set(self.entries)
+        self.substr = self.method == "awq"
+        self.head_quantized = self.method == "awq" and bool(qc.get("lm_head"))
+        self.tested: set[str] = set()
+        self._cache: dict[str, Reading] = {}
+
+    def _match(self, prefix: str) -> bool:
+        self.tested.add(prefix)
+        return any(e in prefix for e in self.entries) if self.substr else prefix in self.entry_set
+
+    def _skipped(self, layer) -> bool:
+        if layer.kind == "moe":
+            if self.substr:
+                return self._match(layer.name)
+            self.tested.add(layer.name)
+            return any(layer.name in e for e in self.entries if "experts" in e)
+        shards = self.arch.vllm_shards_of(layer)
+        if len(shards) > 1:
+            if self._match(layer.name):
+                return True
+            states = {s: self._match(s) for s in shards}
+            if len(set(states.values())) > 1:
+                raise ValueError(f"Detected some but not all shards of {layer.name} are quantized")
+            return next(iter(states.values()))
+        return self._match(layer.name)
+
+    def entry_live(self, entry: str) -> bool:
+        if self.substr:
+            return any(entry in t for t in self.tested)
+        return entry in self.tested or ("experts" in entry and any(t in entry for t in self.tested))
+
+    def reading(self, module: Module) -> Reading:
+        layer = self.arch.vllm_layer(module.name)
+        if layer.kind in ("unquantized", "embedding") or (layer.kind == "lm_head" and not self.head_quantized):
+            return Reading(None)
+        if layer.name not in self._cache:
+            try:
+                self._cache[layer.name] = Reading(None if self._skipped(layer) else self.method)
+            except ValueError as e:
+                self._cache[layer.name] = Reading(None, error=str(e))
+        return self._cache[layer.name]
+
+
+def _check_skip_list(modules: dict[str, Module], qc: dict, arch: Architecture, report: Report) -> Report:
+    hr, vr = SkipListHfReader(qc, arch), SkipListVllmReader(qc, arch, modules)
+    for name in sorted(modules):
+        report.hf[name] = hr.reading(modules[name])
+        report.vllm[name] = vr.reading(modules[name])
+    _readings_vs_storage(modules, report)
+    _fused_on_disk(modules, arch, report)
+    hf_list, vllm_list = skip_lists(qc)
+    if qc.get("quant_method") == "fp8" and hf_list is not None and list(hf_list) != vllm_list:
+        report.add("skip-lists-differ", "hf+vllm", "ignored_layers and modules_to_not_convert differ: vLLM reads "
+                   "ignored_layers, transformers modules_to_not_convert; keep one list")
+    report.dead_ignore["hf"] = [e for e in hf_list or [] if not any(hf_should_skip(t, [e]) for t in hr.tested)]
+    if qc.get("quant_method") != "awq" or qc.get("modules_to_not_convert"):
+        report.dead_ignore["vllm"] = [e for e in vllm_list if not vr.entry_live(arch.vllm_rename_entry(e))]
+    dead_both = [e for e in report.dead_ignore["hf"] if e in report.dead_ignore.get("vllm", [])]
+    if dead_both:
+        report.add("dead-ignore", "hf+vllm", f"{len(dead_both)} skip-list entries match no module, e.g. {dead_both[0]!r}")
+    said = skip_list_scheme(qc)
+    wrong = next((m for m in modules.values() if m.quantized and m.scheme != said), None)
+    if wrong:
+        report.add("scheme-mismatch", "hf", f"{wrong.name}: config says {said}, tensors are {wrong.scheme}")
+    return report
+
+
 def _record_dead(report: Report, entries: list[tuple[str, str, str]], hf_names: set[str], vllm_names: set[str], what: str) -> None:
     """Entries (raw, as HF reads it, as vLLM reads it; `re:` or exact) that match no module name a reader tests.
 
@@ -329,6 +476,8 @@ def check(modules: dict[str, Module], qc: dict | None, arch: Architecture) -> Re
     qc = qc or {}
     if is_gptq(qc):
         return _check_gptq(modules, qc, arch, report)
+    if is_skip_list(qc):
+        return _check_skip_list(modules, qc, arch, report)
     vr, hr = VllmReader(qc, arch), HfReader(qc, arch)
     for name in sorted(modules):
         m = modules[name]

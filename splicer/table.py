@@ -75,7 +75,7 @@ def records(results: dict) -> list[dict]:
         restored = v["restored"] if isinstance(v["restored"], str) else ",".join(v["restored"])
         if restored == "checkpoint":  # another build of the model, scored as it is: say which format it is
             ck = v.get("checkpoint") or {}
-            restored = "checkpoint: " + " ".join(str(x) for x in (ck.get("quant_method"), ck.get("format")) if x)
+            restored = "checkpoint: " + (" ".join(str(x) for x in (ck.get("quant_method"), ck.get("format")) if x) or "not quantized")
         rec = {"variant": v["name"], "restored": restored, "status": "ok" if ok else "error",
                "error": None if ok else (v.get("error") or ""), "repeat_of": v.get("repeat_of"),
                "size_gb": v["size_bytes"] / 1e9 if ok and v.get("size_bytes") is not None else None}

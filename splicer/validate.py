@@ -13,7 +13,7 @@ from .checkpoint import Checkpoint, is_packed_tensor
 from .errors import SplicerError
 from .formats import CT_FORMATS, group_format, group_scheme
 from .modules import Module
-from .rules import HfReader, is_gptq, validate_regexes
+from .rules import HfReader, is_gptq, is_skip_list, skip_list_scheme, validate_regexes
 
 
 def validate_build(build: Checkpoint) -> None:
@@ -22,10 +22,14 @@ def validate_build(build: Checkpoint) -> None:
         raise SplicerError(f"build {build.label} has no quantization_config in config.json; it is not a quantized build (did you swap BUILD and BASE?)")
     if is_gptq(qc):
         return _validate_gptq(build, qc)
+    if qc.get("quant_method") == "fp8":
+        return _validate_native_fp8(build, qc)
+    if qc.get("quant_method") == "awq":
+        return _validate_awq(build, qc)
     if qc.get("quant_method") != "compressed-tensors":
         raise SplicerError(
             f"build {build.label} uses quant_method {qc.get('quant_method')!r}; splicer handles compressed-tensors "
-            f"({', '.join(CT_FORMATS)}) and GPTQ builds"
+            f"({', '.join(CT_FORMATS)}), GPTQ, AWQ (gemm) and native FP8 builds"
         )
     if not isinstance(qc.get("config_groups"), dict) or not qc["config_groups"]:
         raise SplicerError(f"build {build.label}: quantization_config has no config_groups; the config is invalid, restore it from the original export")
@@ -50,6 +54,48 @@ def _validate_gptq(build: Checkpoint, qc: dict) -> None:
         raise SplicerError(f"build {build.label}: config.json says gptq but no tensor is packed (no qweight); the shards do not belong to this config")
 
 
+def _validate_skip_list_entries(build: Checkpoint, qc: dict) -> None:
+    for key in ("ignored_layers", "modules_to_not_convert"):
+        value = qc.get(key)
+        if value is not None and (not isinstance(value, list) or not all(isinstance(e, str) for e in value)):
+            raise SplicerError(f"build {build.label}: quantization_config.{key} must be a list of module names, not "
+                               f"{json.dumps(value)[:60]}; fix config.json")
+
+
+def _validate_native_fp8(build: Checkpoint, qc: dict) -> None:
+    """What vLLM's Fp8Config.from_config requires of a native FP8 config, checked before anything is written."""
+    scheme = qc.get("activation_scheme")
+    if scheme not in ("static", "dynamic"):
+        raise SplicerError(f"build {build.label}: a native FP8 config needs activation_scheme 'static' or 'dynamic', "
+                           f"not {scheme!r}; fix config.json")
+    block = qc.get("weight_block_size")
+    if block is not None and (not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise SplicerError(f"build {build.label}: weight_block_size {json.dumps(block)} is not two positive integers; fix config.json")
+    if block is not None and scheme != "dynamic":
+        raise SplicerError(f"build {build.label}: block FP8 needs activation_scheme 'dynamic' (vLLM refuses {scheme!r}); fix config.json")
+    _validate_skip_list_entries(build, qc)
+    if not any(t.endswith((".weight_scale_inv", ".weight_scale")) for t in build.weight_map):
+        raise SplicerError(f"build {build.label}: config.json says fp8 but no module has a weight_scale_inv or weight_scale; "
+                           "the shards do not belong to this config")
+
+
+def _validate_awq(build: Checkpoint, qc: dict) -> None:
+    """What vLLM's AutoAWQConfig reads (w_bit|bits, q_group_size|group_size, zero_point), for AutoAWQ's GEMM layout."""
+    bits, group = qc.get("w_bit", qc.get("bits")), qc.get("q_group_size", qc.get("group_size"))
+    if bits != 4:
+        raise SplicerError(f"build {build.label}: AWQ bits {bits!r}; vLLM and AutoAWQ's GEMM layout take 4-bit only")
+    if not isinstance(group, int) or group <= 0:
+        raise SplicerError(f"build {build.label}: AWQ group_size {group!r} is not a positive integer; fix config.json")
+    if "zero_point" not in qc:
+        raise SplicerError(f"build {build.label}: the AWQ config has no zero_point (vLLM requires it); fix config.json")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise SplicerError(f"build {build.label}: AWQ version {qc.get('version')!r}; splicer reads AutoAWQ's gemm layout only")
+    _validate_skip_list_entries(build, qc)
+    if not any(t.endswith(".qweight") for t in build.weight_map):
+        raise SplicerError(f"build {build.label}: config.json says awq but no tensor is packed (no qweight); the shards do not belong to this config")
+
+
 def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
     """Every packed module must agree with the config group that claims it (bits, group size dividing its input dim)."""
     qc = build.quantization_config
@@ -61,6 +107,13 @@ def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
             if m.quantized and ((m.bits, m.group_size) != (qc["bits"], g if g and g > 0 else m.shape[1])):
                 raise SplicerError(f"build {build.label}: {name} is stored as {m.bits}-bit g{m.group_size} but the config says "
                                    f"{qc['bits']}-bit g{g}; the config does not match the shards, re-export the build")
+        return
+    if is_skip_list(qc):
+        said = skip_list_scheme(qc)
+        wrong = next(((n, m) for n, m in sorted(modules.items()) if m.quantized and m.scheme != said), None)
+        if wrong:
+            raise SplicerError(f"build {build.label}: {wrong[0]} is stored as {wrong[1].scheme} but the config says {said}; "
+                               "the config does not match the shards, re-export the build")
         return
     reader = HfReader(qc, build.arch)
     for name, m in sorted(modules.items()):

@@ -1,5 +1,6 @@
-"""Every compressed-tensors format splicer reads: fixtures made with compressed-tensors' presets and compressors,
-read by inspect, dequantized by the torch backend, spliced class by class, and refused when a fused group would split."""
+"""Every format splicer reads: fixtures made with compressed-tensors' presets and compressors (native FP8 and AWQ in
+their own layouts), read by inspect, dequantized by the torch backend, spliced class by class, and refused when a fused
+group would split; the skip lists of native FP8 and AWQ read as vLLM and transformers read them."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ FORMATS = {
     "nvfp4a16": ("nvfp4 g16", "nvfp4-pack-quantized", 0.15),
     "w8a16": ("int8 g128", "pack-quantized", 0.02),
     "mixed": ("fp8 channel", "mixed-precision", 0.05),
+    "fp8-native": ("fp8 block128x128", "block128x128", 0.05),
+    "awq": ("int4 g128", "gemm", 0.15),
 }
 
 
@@ -131,3 +134,145 @@ def test_split_fused_group_is_refused_in_each_format(pairs, builds, kind, tmp_pa
     err = capsys.readouterr().err
     assert code == 2 and "would split" in err and "qkv_proj" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_awq_layout_reads_back_through_compressed_tensors_and_autoawq_formula():
+    """quantize_awq's packing, read back by compressed-tensors' AutoAWQ converter and by AutoAWQ's own formula
+    (packing_utils.dequantize_gemm: shift out the nibbles, undo the [0,2,4,6,1,3,5,7] order, (q - z) * s, transpose),
+    written here independently of splicer.awq."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from splicer.awq import awq_to_compressed_tensors, dequantize_awq, quantize_awq
+
+    torch.manual_seed(2)
+    w = (torch.randn(96, 256) / 20).to(torch.bfloat16)
+    t = quantize_awq(w, 64)
+    assert [tuple(t[k].shape) for k in ("qweight", "qzeros", "scales")] == [(256, 12), (4, 12), (4, 96)]
+    assert t["scales"].dtype == torch.float16 and t["qweight"].dtype == torch.int32
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=64)
+    g = w.float().reshape(96, 4, 64)
+    scale, zero = calculate_qparams(g.amin(-1), g.amax(-1), args)
+    values, got_scale, got_zero = awq_to_compressed_tensors(t, 64)
+    assert torch.equal(values, quantize(w.float(), scale.half().float(), zero, args, dtype=torch.int8))
+    assert torch.equal(got_zero.to(torch.int8), zero.to(torch.int8)) and torch.equal(got_scale, scale.half())
+    shifts = torch.arange(0, 32, 4)
+    reverse = torch.arange(96).view(-1, 8)[:, [0, 4, 1, 5, 2, 6, 3, 7]].reshape(-1)
+
+    def unpack(x):
+        return ((x[:, :, None] >> shifts) & 15).reshape(x.shape[0], -1)[:, reverse]
+    rows = torch.arange(256) // 64
+    reference = ((unpack(t["qweight"]) - unpack(t["qzeros"])[rows]).float() * t["scales"].float()[rows]).t()
+    assert torch.allclose(dequantize_awq(t, 64, torch.float32), reference, atol=1e-6)
+    assert _rel(reference, w) < 0.15
+
+
+def _edit_quant_config(src, dst, edit):
+    """A copy of build `src` (tensors hard-linked) with its quantization_config changed by `edit`."""
+    import os
+
+    dst.mkdir()
+    for p in src.iterdir():
+        if p.name != "config.json":
+            os.link(p, dst / p.name)
+    config = json.loads((src / "config.json").read_text())
+    edit(config["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _lint(folder):
+    return inspect_checkpoint(open_checkpoint(folder, "build"))["lint"]["issues"]
+
+
+def test_native_fp8_one_listed_expert_unquantizes_the_layer_in_vllm(builds, tmp_path):
+    """vLLM's FP8 loader skips a whole MoE layer when its prefix is a substring of any listed name with "experts" in
+    it; transformers decides the layer's fused experts module by its own name, so it still quantizes them."""
+    expert = "model.language_model.layers.1.mlp.experts.3.gate_proj"
+    folder = _edit_quant_config(builds["fp8-native"], tmp_path / "b", lambda qc: qc["modules_to_not_convert"].append(expert))
+    issues = _lint(folder)
+    assert [(i["check"], i["naming"]) for i in issues] == [("stored-quantized-read-bf16", "vllm")] * 20 + [("more", "vllm")]
+    assert "layers.1.mlp.experts.0." in issues[0]["detail"]
+
+
+def test_awq_substring_entry_on_one_shard_is_refused_as_vllm_would(builds, tmp_path):
+    """AWQ entries are substrings: `self_attn.q_proj` listed alone leaves k/v quantized, and vLLM refuses the fused
+    qkv_proj with shards that disagree."""
+    folder = _edit_quant_config(builds["awq"], tmp_path / "b", lambda qc: qc["modules_to_not_convert"].append("self_attn.q_proj"))
+    checks = {(i["check"], i["naming"]) for i in _lint(folder)}
+    assert ("vllm-refuses", "vllm") in checks and ("stored-quantized-read-bf16", "hf") in checks
+    assert any("some but not all shards" in i["detail"] and "qkv_proj" in i["detail"] for i in _lint(folder))
+
+
+def test_awq_empty_list_is_detected_by_vllm_and_spliced_into_a_full_list(pairs, builds, tmp_path):
+    """With no modules_to_not_convert vLLM lists every module stored unquantized itself (by parameter name), which
+    misses BF16 routed experts: its MoE check wants an entry inside the layer prefix `...mlp.experts`, and a listed
+    `...experts.0.down_proj` is not. A splice that adds entries turns the detection off, so it writes the modules
+    stored unquantized too, experts by their layer prefix, and the result reads clean."""
+    folder = _edit_quant_config(builds["awq"], tmp_path / "b", lambda qc: qc.update(modules_to_not_convert=None))
+    vllm_issues = [i for i in _lint(folder) if i["naming"] == "vllm" and i["check"] != "more"]
+    assert vllm_issues and all(i["check"] == "stored-bf16-read-quantized" and i["detail"].startswith("mtp.layers.0.mlp.experts.")
+                               for i in vllm_issues)
+    out = tmp_path / "out"
+    assert main(["splice", "--restore", "attention", str(folder), str(pairs["fused"]["base"]), "-o", str(out)]) == 0
+    listed = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert "model.language_model.layers.0.linear_attn.in_proj_a" in listed and "lm_head" in listed
+    assert "model.language_model.layers.3.self_attn.q_proj" in listed
+    assert _lint(out) == []
+
+
+def test_native_fp8_ignored_layers_key_is_the_one_spliced(pairs, builds, tmp_path):
+    """A build that lists under ignored_layers (vLLM's key; transformers takes it as an alias) gets its entries there."""
+    def to_ignored_layers(qc):
+        qc["ignored_layers"] = qc.pop("modules_to_not_convert")
+    folder = _edit_quant_config(builds["fp8-native"], tmp_path / "b", to_ignored_layers)
+    assert _lint(folder) == []
+    out = tmp_path / "out"
+    assert main(["splice", "--restore", "gdn", str(folder), str(pairs["fused"]["base"]), "-o", str(out)]) == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "modules_to_not_convert" not in qc and "model.language_model.layers.0.linear_attn.in_proj_qkv" in qc["ignored_layers"]
+    assert _lint(out) == []
+
+
+def test_native_fp8_two_lists_that_differ_are_reported(builds, tmp_path):
+    folder = _edit_quant_config(builds["fp8-native"], tmp_path / "b", lambda qc: qc.update(ignored_layers=["lm_head"]))
+    assert "skip-lists-differ" in {i["check"] for i in _lint(folder)}
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda qc: qc.update(activation_scheme="static"), "block FP8 needs activation_scheme 'dynamic'"),
+    (lambda qc: qc.update(weight_block_size=[128]), "weight_block_size [128] is not two positive integers"),
+    (lambda qc: qc.update(modules_to_not_convert="lm_head"), "must be a list of module names"),
+])
+def test_bad_native_fp8_configs_are_refused(pairs, builds, tmp_path, capsys, edit, message):
+    folder = _edit_quant_config(builds["fp8-native"], tmp_path / "b", edit)
+    code = main(["splice", "--restore", "gdn", str(folder), str(pairs["fused"]["base"]), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda qc: qc.update(bits=8), "AWQ bits 8"),
+    (lambda qc: qc.update(version="gemv"), "AWQ version 'gemv'"),
+    (lambda qc: qc.pop("zero_point"), "no zero_point"),
+])
+def test_bad_awq_configs_are_refused(pairs, builds, tmp_path, capsys, edit, message):
+    folder = _edit_quant_config(builds["awq"], tmp_path / "b", edit)
+    code = main(["splice", "--restore", "gdn", str(folder), str(pairs["fused"]["base"]), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("qc, named", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_method 'modelopt'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemv"}, "AWQ version 'gemv'"),
+])
+def test_inspect_says_plainly_which_formats_it_cannot_read(builds, tmp_path, capsys, qc, named):
+    folder = _edit_quant_config(builds["w8a16"], tmp_path / "b", lambda old: (old.clear(), old.update(qc)))
+    assert main(["inspect", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "splicer cannot read" in err and "--backend vllm" in err and len(err.strip().splitlines()) == 1

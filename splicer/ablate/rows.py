@@ -14,6 +14,7 @@ from .. import faults, spread
 from ..checkpoint import open_checkpoint
 from ..corpora import Corpus
 from ..errors import SplicerError
+from ..formats import checkpoint_format
 from ..plan import Plan, PlannedRow
 from .base_pass import base_pass
 from .common import AblateSettings, _folder_bytes, _pbar
@@ -162,7 +163,7 @@ def _checkpoint_record(ckpt) -> dict:
     """What a `checkpoint` row ran: its source and format, as results.json and the table name it."""
     qc = ckpt.quantization_config or {}
     return {"source": ckpt.label, "quant_method": qc.get("quant_method"),
-            "format": qc.get("format") or qc.get("checkpoint_format") or qc.get("version"),
+            "format": checkpoint_format(qc),
             "header_digest": ckpt.header_digest()}
 
 

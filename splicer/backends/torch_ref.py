@@ -145,6 +145,19 @@ class TorchBackend:
             if qc.get("checkpoint_format", "gptq") != "gptq":
                 raise SplicerError(f"{ckpt.label}: GPTQ checkpoint_format {qc.get('checkpoint_format')!r}; the torch backend reads v1 ('gptq') only")
             return {n: (m, m.bits) for n, m in modules.items()}
+        if qc.get("quant_method") in ("fp8", "awq"):
+            # One scheme for every quantized module: the config's, checked against what the tensors say.
+            from ..quantize import native_fp8_scheme
+            from ..rules import skip_list_scheme
+
+            said = skip_list_scheme(qc)
+            wrong = next((m for m in modules.values() if m.scheme != said), None)
+            if wrong:
+                raise SplicerError(f"{ckpt.label}: {wrong.name} is stored as {wrong.scheme} but the config says {said}; fix the config")
+            if qc["quant_method"] == "fp8":
+                scheme = native_fp8_scheme(qc.get("weight_block_size"))
+                return {n: (m, scheme) for n, m in modules.items()}
+            return {n: (m, m.group_size) for n, m in modules.items()}
         if qc.get("quant_method") != "compressed-tensors":
             raise SplicerError(f"{ckpt.label}: the torch backend cannot dequantize quant_method {qc.get('quant_method')!r} "
                                "yet; score it with --backend vllm")
@@ -163,6 +176,7 @@ class TorchBackend:
         return out
 
     def _dequantize(self, raw: dict, schemes: dict) -> dict:
+        from ..awq import dequantize_awq
         from ..formats import LAYOUT
         from ..gptq import dequantize_gptq
         from ..quantize import dequantize_module
@@ -175,6 +189,8 @@ class TorchBackend:
             local = {s: out.pop(f"{module}.{s}") for s in layout.suffixes if f"{module}.{s}" in out}
             if m.layout == "gptq":
                 out[f"{module}.weight"] = dequantize_gptq(local, scheme, self.dtype)
+            elif m.layout == "awq":
+                out[f"{module}.weight"] = dequantize_awq(local, scheme, self.dtype)
             else:
                 out[f"{module}.weight"] = dequantize_module(local, scheme, self.dtype)
         return out
