@@ -27,8 +27,8 @@ def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[
         # transformers' FP8 skips the head): once entries are added that stops, so the modules stored unquantized are
         # listed too, by name.
         if not any(qc.get(k) for k in skip_list_keys(qc)):
-            _add_exclusions(qc, skip_list_entries({n: m for n, m in modules.items() if not m.quantized and not arch.is_embedding(n)}, arch))
-        _add_exclusions(qc, skip_list_entries(picked, arch))
+            add_exclusions(qc, skip_list_entries({n: m for n, m in modules.items() if not m.quantized and not arch.is_embedding(n)}, arch))
+        add_exclusions(qc, skip_list_entries(picked, arch))
         if "lm_head" in picked and qc.get("lm_head"):
             qc["lm_head"] = False
     elif is_gptq(qc):
@@ -39,11 +39,11 @@ def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[
         universe = dict(modules)
         for u in {arch.atomic_unit(n) for n, m in modules.items() if m.quantized}:
             universe[u] = Module(u, arch.module_class(u), packed={"qweight": None}, shape=(0, 0))
-        _add_exclusions(qc, ignore_entries(names, universe, arch))
+        add_exclusions(qc, ignore_entries(names, universe, arch))
         if "lm_head" in picked:
             qc["lm_head"] = False
     else:
-        _add_exclusions(qc, ignore_entries(picked, modules, arch))
+        add_exclusions(qc, ignore_entries(picked, modules, arch))
         if "lm_head" in picked:
             # A group aimed at the head (re:.*lm_head$) would otherwise still claim it.
             for g in qc["config_groups"].values():
@@ -52,7 +52,7 @@ def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[
     report = check(after, qc, arch)
     if added and any(r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if n in added):
         # the added BF16 MTP head must not be read as quantized
-        _add_exclusions(qc, skip_list_entries(added, arch) if is_skip_list(qc) else [arch.mtp_ignore])
+        add_exclusions(qc, skip_list_entries(added, arch) if is_skip_list(qc) else [arch.mtp_ignore])
         report = check(after, qc, arch)
     dropped = []
     if drop_dead:
@@ -85,7 +85,7 @@ def skip_list_entries(modules: dict[str, Module], arch: Architecture) -> list[st
     return list(dict.fromkeys(names))
 
 
-def _add_exclusions(qc: dict, entries: list[str]) -> None:
+def add_exclusions(qc: dict, entries: list[str]) -> None:
     """`re:X` entries appended to `ignore` (compressed-tensors), `-:X` rules put first in `dynamic` (GPTQ), or full
     names appended to the skip lists (native FP8, AWQ)."""
     if is_skip_list(qc):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, after install_bundle.sh (issue 16, formats): the qwen3_5_moe fixture pair with one build per
 # compressed-tensors format (`splicer fixture --builds ...`: INT4 seed-000-like, W8A8 INT8, FP8 per channel, FP8 128x128
-# blocks, NVFP4A16, and a mixed config), then
+# blocks, NVFP4A16, and a mixed config) and a native FP8 (quant_method fp8) and an AutoAWQ GEMM build, then
 #   STEP=score : `splicer score BASE BUILD...`: every format's build against the one base, in vLLM (the mixed-format table);
 #   STEP=ablate: per format, `splicer ablate all` with the gpu-families plan: each class restored alone and all together
 #                (vLLM loads each, kernels_by_class says which kernel serves each class, all restored = the base?);
@@ -12,19 +12,20 @@ set -uo pipefail
 source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/formats}; BUDGET_S=${BUDGET_S:-540}; STEP=${STEP:-score}
-FORMATS=${FORMATS:-"w8a8 fp8-dynamic fp8-block nvfp4a16 mixed"}
+FORMATS=${FORMATS:-"fp8-native awq w8a8 fp8-dynamic fp8-block nvfp4a16 mixed"}
 ENGINE=(--backend vllm --no-time -q --language-model-only --engine-arg enforce_eager=true --gpu-memory-utilization 0.3
         --engine-env VLLM_TRITON_FORCE_FIRST_CONFIG=1)
 t0=$(date +%s)
 mkdir -p "$WORK"
-if [ ! -f "$WORK/pair/mixed/config.json" ]; then
-  python3 -m splicer fixture "$WORK/pair" --builds lowlatency,w8a8,fp8-dynamic,fp8-block,nvfp4a16,mixed > "$WORK/fixture.log" 2>&1
+if [ ! -f "$WORK/pair/awq/config.json" ]; then
+  python3 -m splicer fixture "$WORK/pair" --builds lowlatency,w8a8,fp8-dynamic,fp8-block,nvfp4a16,mixed,fp8-native,awq \
+    > "$WORK/fixture.log" 2>&1
 fi
 P="$WORK/pair"
 case "$STEP" in
   score)
     timeout -s INT -k 20 "$BUDGET_S" python3 -m splicer score "$P/base" "$P/lowlatency" "$P/w8a8" "$P/fp8-dynamic" \
-      "$P/fp8-block" "$P/nvfp4a16" "$P/mixed" -o "$WORK/score" --plan gpu-families "${ENGINE[@]}" > "$WORK/score.log" 2>&1
+      "$P/fp8-block" "$P/nvfp4a16" "$P/mixed" "$P/fp8-native" "$P/awq" -o "$WORK/score" --plan gpu-families "${ENGINE[@]}" > "$WORK/score.log" 2>&1
     echo "score: exit $?, $(( $(date +%s) - t0 )) s" >> "$WORK/formats.txt" ;;
   ablate)
     for f in $FORMATS; do

@@ -49,10 +49,11 @@ def _splicer(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
 
 def make_split(int4: Path, base: Path, out: Path, group: str = "self_attn.") -> dict:
     """out: int4 with the first shard of a fused group under `group` (a shard-suffix prefix), in the first layer where
-    it is quantized, restored from base and named in `ignore`. Files not changed are hard links; returns what was split."""
+    it is quantized, restored from base and named in `ignore` (or the skip list). Files not changed are hard links; returns what was split."""
     from safetensors.torch import load_file, save_file
 
     from splicer.checkpoint import open_checkpoint
+    from splicer.config_edit import add_exclusions
     from splicer.modules import list_modules
 
     config = json.loads((int4 / "config.json").read_text())
@@ -79,7 +80,8 @@ def make_split(int4: Path, base: Path, out: Path, group: str = "self_attn.") -> 
             tensors[module + ".weight"] = load_file(str(base / base_index[module + ".weight"]))[module + ".weight"]
             index["weight_map"][module + ".weight"] = name
         save_file(tensors, str(out / name), metadata={"format": "pt"})
-    config["quantization_config"]["ignore"] = [*config["quantization_config"]["ignore"], module]
+    # Named in the build's own exclusion list: `ignore` (compressed-tensors), the skip list (native FP8, AWQ).
+    add_exclusions(config["quantization_config"], [module])
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return {"module": module, "shard": shard, "fused": fused, "shards": list(shards), "class": arch.module_class(module),
@@ -102,7 +104,9 @@ def _vllm_says(folder: Path, timeout_s: int = 300) -> dict:
     errors = [line for line in bare if re.match(r"^\w*(Error|Exception)\b|^[\w.]+(Error|Exception): ", line)]
     # "refused": vLLM's own check of the fused layer (should_ignore_layer) stopped the load; "failed": something else did,
     # before that check could say anything (call 4's first qwen3_5_moe records, an image processor missing).
-    refused = any("quantization schemes" in e for e in errors)
+    # compressed-tensors: "Found a different quantization schemes for ..."; native FP8 / AWQ (is_layer_skipped):
+    # "Detected some but not all shards of ... are quantized".
+    refused = any("quantization schemes" in e or "not all shards" in e for e in errors)
     return {"outcome": "loaded" if loaded else "refused" if refused else "failed", "exit": p.returncode, "loaded": loaded,
             "error": errors[-1].strip() if errors else None, "last_lines": lines[-6:],
             "seconds": round(time.perf_counter() - t0, 1)}
