@@ -37,6 +37,17 @@ def builds(pairs, tmp_path_factory):
     return {kind: write_build(pairs["fused"]["base"], root / kind, kind) for kind in FORMATS}
 
 
+SEQS = [list(range(10, 60)), list(range(300, 340))]
+
+
+@pytest.fixture(scope="module")
+def base_model(pairs):
+    """The base loaded once for every format: its parameters and its scores of SEQS."""
+    base = TorchBackend("cpu")
+    base.load(pairs["fused"]["base"])
+    return {"params": {n: p.detach().clone() for n, p in base.model.named_parameters()}, "scores": base.score(SEQS, top_k=20)}
+
+
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -81,11 +92,10 @@ def test_inspect_reads_each_format(builds, kind):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
-def test_torch_backend_dequantizes_each_format(pairs, builds, kind):
-    base, build = TorchBackend("cpu"), TorchBackend("cpu")
-    base.load(pairs["fused"]["base"])
+def test_torch_backend_dequantizes_each_format(base_model, builds, kind):
+    build = TorchBackend("cpu")
     build.load(builds[kind])
-    pb, pq = dict(base.model.named_parameters()), dict(build.model.named_parameters())
+    pb, pq = base_model["params"], dict(build.model.named_parameters())
     bound = FORMATS[kind][2]
     for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.3.self_attn.q_proj.weight",
                  "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.shared_expert.down_proj.weight"):
@@ -115,15 +125,13 @@ def test_splice_each_class_of_each_format(pairs, builds, kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
-def test_all_restored_scores_as_the_base(pairs, builds, kind, tmp_path):
+def test_all_restored_scores_as_the_base(pairs, base_model, builds, kind, tmp_path):
     out = tmp_path / "all"
     assert main(["splice", "--restore", "all", str(builds[kind]), str(pairs["fused"]["base"]), "-o", str(out)]) == 0
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
-    seqs = [list(range(10, 60)), list(range(300, 340))]
-    base, spliced = TorchBackend("cpu"), TorchBackend("cpu")
-    base.load(pairs["fused"]["base"])
+    spliced = TorchBackend("cpu")
     spliced.load(out)
-    for a, b in zip(base.score(seqs, top_k=20), spliced.score(seqs, top_k=20)):
+    for a, b in zip(base_model["scores"], spliced.score(SEQS, top_k=20)):
         assert torch.equal(a.topk_logprobs, b.topk_logprobs) and torch.equal(a.topk_ids, b.topk_ids)
 
 
