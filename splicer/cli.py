@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("out", metavar="DIR")
     s.add_argument("--preset", default="tiny", choices=["tiny", "gpu", "bench"])
     s.add_argument("--experts-layout", default="fused", choices=["fused", "per_expert"])
-    s.add_argument("--builds", default=BUILDS_DEFAULT, help="comma list of lowlatency, lowlatency-nomtp, experts-g32, gptq-experts-g32")
+    s.add_argument("--builds", default=BUILDS_DEFAULT, help="comma list of build kinds (see BUILD_KINDS in splicer/fixtures.py): lowlatency, lowlatency-nomtp, experts-g32, "
+                        "gptq-experts-g32, w4a16, w8a16, w8a8, fp8-dynamic, fp8-block, nvfp4a16, mixed, fp8-native, awq")
     s.add_argument("--family", default="qwen3_5_moe",
                    help="qwen3_5_moe (default), or another family's model_type (an unknown one is answered with the list): a tiny "
                         "pair of that family made from transformers' own model class (an int4 build; the MoE families also experts-g32)")

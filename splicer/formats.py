@@ -67,7 +67,8 @@ PLAIN_SUFFIXES = ("weight", "bias")
 def layout_for(quant_method: str | None, tensors: dict) -> Layout | None:
     """The layout of one module from its tensors (suffix -> TensorInfo) and the checkpoint's quant_method."""
     if "qweight" in tensors:
-        return LAYOUT["awq" if quant_method == "awq" else "gptq"]
+        # vLLM maps awq, awq_marlin and auto_awq to one AWQ loader (auto_awq.py)
+        return LAYOUT["awq" if str(quant_method or "").startswith(("awq", "auto_awq")) else "gptq"]
     if "weight_packed" in tensors:
         return LAYOUT["ct-nvfp4" if "weight_global_scale" in tensors else "ct-pack"]
     w = tensors.get("weight")
@@ -89,9 +90,13 @@ def _block_side(dim: int, blocks: int) -> int | None:
     return None
 
 
-def weight_scale_strategy(shape: tuple[int, int], scale_shape: tuple[int, ...]) -> str:
-    """fp8/int8 `weight` scale layout from shapes: tensor, channel, or blockBHxBW (fact sheet §1)."""
+def weight_scale_strategy(shape: tuple[int, int], scale_shape: tuple[int, ...], block: tuple[int, int] | None = None) -> str:
+    """fp8/int8 `weight` scale layout from shapes: tensor, channel, or blockBHxBW (fact sheet §1). block: the block size
+    the checkpoint's config states, taken when the scale has ceil(N/BH) x ceil(K/BW) entries; a dimension of one block
+    (N or K up to the block size, e.g. a GDN in_proj_b of a few heads) says nothing about the block size by itself."""
     n, k = shape
+    if block and len(scale_shape) == 2 and tuple(scale_shape) == (math.ceil(n / block[0]), math.ceil(k / block[1])):
+        return f"block{block[0]}x{block[1]}"
     if math.prod(scale_shape) == 1:
         return "tensor"
     if tuple(scale_shape) == (n, 1):
@@ -159,3 +164,16 @@ def unreadable(qc: dict | None) -> str | None:
         bad = sorted({str(group_format(qc, g)) for g in groups.values() if group_format(qc, g) not in CT_FORMATS})
         return f"compressed-tensors format {bad[0]}" if bad else None
     return f"quant_method {method!r}"
+
+
+def config_block(qc: dict | None) -> tuple[int, int] | None:
+    """The one FP8 block size a config states (native FP8's weight_block_size, or the block_structure every
+    compressed-tensors block group shares); None when there is none or several."""
+    qc = qc or {}
+    if qc.get("quant_method") == "fp8":
+        b = qc.get("weight_block_size")
+        return (int(b[0]), int(b[1])) if isinstance(b, list) and len(b) == 2 else None
+    blocks = {tuple((g.get("weights") or {}).get("block_structure") or ()) for g in (qc.get("config_groups") or {}).values()
+              if isinstance(g, dict) and (g.get("weights") or {}).get("strategy") == "block"}
+    blocks.discard(())
+    return next(iter(blocks)) if len(blocks) == 1 else None

@@ -65,7 +65,15 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
             row = per_class[tensor_class(ckpt, name)]
             row["bytes_on_disk"] += info.nbytes
             row["bytes_per_decode_step"] += info.nbytes * decode_fraction(ckpt, name, info.shape)
-    report = check(modules, qc, arch)
+    report = check(modules, qc, arch, {n: info.dtype for hdr in ckpt.headers.values() for n, info in hdr.tensors.items()})
+    if qc.get("quant_method") in ("fp8", "awq"):
+        # What vLLM's loader requires of the config itself (splice refuses these before writing anything).
+        from .validate import validate_build
+
+        try:
+            validate_build(ckpt)
+        except SplicerError as e:
+            report.issues.append({"check": "config-invalid", "naming": "vllm", "detail": str(e)})
     if not ckpt.config.get("architectures"):
         # vLLM picks the model class (and the runner) from this list; without it vLLM 0.26 resolved the qwen3 family
         # fixtures to their bare Qwen3Model and served them as embedding models (results/gpu-families).

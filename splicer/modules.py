@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from .checkpoint import Checkpoint
 from .errors import SplicerError
-from .formats import PLAIN_SUFFIXES, QUANT_SUFFIXES, QUANTIZED_WEIGHT_DTYPES, layout_for, weight_scale_strategy
+from .formats import PLAIN_SUFFIXES, QUANT_SUFFIXES, QUANTIZED_WEIGHT_DTYPES, config_block, layout_for, weight_scale_strategy
 from .safetensors_io import DTYPE_SIZES, ByteSource, TensorInfo
 
 
@@ -187,8 +187,9 @@ def _weight_scale_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict,
     w = packed["weight"]
     scale = packed.get("weight_scale_inv") or packed.get("weight_scale")
     if len(w.shape) != 2 or scale is None:
-        raise SplicerError(f"{ckpt.label}: {name} has an {w.dtype} weight {list(w.shape)} without a weight_scale; the build is corrupt")
-    strategy = weight_scale_strategy(tuple(w.shape), tuple(scale.shape))
+        names = "a weight_scale_inv or weight_scale" if layout == "fp8" else "a weight_scale"
+        raise SplicerError(f"{ckpt.label}: {name} has an {w.dtype} weight {list(w.shape)} without {names}; the build is corrupt")
+    strategy = weight_scale_strategy(tuple(w.shape), tuple(scale.shape), config_block(ckpt.quantization_config))
     if strategy == "unknown":
         raise SplicerError(f"{ckpt.label}: {name}'s scale {list(scale.shape)} fits no tensor, channel or block layout of its "
                            f"weight {list(w.shape)}; the build is corrupt")

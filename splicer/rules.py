@@ -284,10 +284,14 @@ def skip_lists(qc: dict) -> tuple[list[str] | None, list[str]]:
 
 
 def skip_list_keys(qc: dict) -> list[str]:
-    """The config keys a splice appends its entries to: each skip list the build has, else modules_to_not_convert
-    (read by transformers, and by vLLM's FP8 loader when ignored_layers is absent)."""
+    """The config keys a splice appends its entries to: the list each reader reads (see skip_lists), else
+    modules_to_not_convert (read by transformers, and by vLLM's FP8 loader when ignored_layers is missing or empty).
+    An empty ignored_layers beside a full modules_to_not_convert is not one of them: filling it would hide the other
+    list from vLLM."""
     if qc.get("quant_method") == "fp8":
-        keys = [k for k in ("ignored_layers", "modules_to_not_convert") if qc.get(k) is not None]
+        vllm_key = "ignored_layers" if qc.get("ignored_layers") else "modules_to_not_convert" if qc.get("modules_to_not_convert") else None
+        hf_key = "modules_to_not_convert" if qc.get("modules_to_not_convert") is not None else "ignored_layers" if qc.get("ignored_layers") is not None else None
+        keys = [k for k in ("ignored_layers", "modules_to_not_convert") if k in (vllm_key, hf_key)]
         return keys or ["modules_to_not_convert"]
     return ["modules_to_not_convert"]
 
@@ -307,10 +311,15 @@ def hf_should_skip(name: str, patterns: list[str]) -> bool:
     return any(re.match(rf"(?:{p}){boundary}", name) or name.endswith(p) for p in patterns)
 
 
+AWQ_HF_EXPERTS = ("transformers 5 replaces only nn.Linear modules with AWQ ones (integrations/awq.py), so it cannot load "
+                  "routed experts stored as AWQ (vLLM can)")
+
+
 class SkipListHfReader:
     """transformers' view of a native FP8 or AWQ build: every Linear is replaced unless `should_convert_module` says
-    skip; routed experts are one module per layer (`...mlp.experts`), decided together. Its default skips (the output
-    head) apply when the FP8 list is absent, and always for AWQ (`add_default_skips=True`)."""
+    skip; routed experts are one module per layer (`...mlp.experts`), decided together, and only FP8 replaces them
+    (`replace_with_fp8_linear` swaps `.experts` modules; `replace_with_awq_linear` only nn.Linear). Its default skips (the
+    output head) apply when the FP8 list is absent, and always for AWQ (`add_default_skips=True`)."""
 
     def __init__(self, qc: dict, arch: Architecture):
         self.arch, self.method = arch, qc["quant_method"]
@@ -323,6 +332,8 @@ class SkipListHfReader:
         if self.arch.is_embedding(module.name):
             return Reading(None)
         parts = self.arch.expert_parts(module.name)
+        if parts and self.method == "awq":
+            return Reading(None, error=AWQ_HF_EXPERTS if module.quantized else None)
         name = parts[0] if parts else module.name
         self.tested.add(name)
         return Reading(None if hf_should_skip(name, self.patterns) else self.method)
@@ -332,14 +343,22 @@ class SkipListVllmReader:
     """vLLM 0.26's view (`quant_utils.is_layer_skipped`): FP8 matches a layer's full name exactly, AWQ as a substring
     of it; a fused layer is skipped when its own name matches, else all its shards must agree; FP8 skips a whole MoE
     layer when its prefix is a substring of any listed name that contains "experts" (so one listed expert skips them
-    all). The head is never FP8, and AWQ only with `lm_head: true`. An empty AWQ list makes vLLM list every module
-    whose tensors are all float (`AutoAWQConfig.maybe_update_config`)."""
+    all). The head is never FP8, and AWQ only with `lm_head: true`. An empty AWQ list makes vLLM list the parent of
+    every tensor whose dtype is float16, bfloat16 or float32 unless a sibling tensor is not (`AutoAWQConfig.
+    maybe_update_config`): that includes parents such as `...linear_attn` (its A_log, dt_bias), which as a substring
+    then unquantizes every projection under it. tensor_dtypes (tensor name -> safetensors dtype) gives those parents;
+    without it the modules stored unquantized stand in for them."""
 
-    def __init__(self, qc: dict, arch: Architecture, modules: dict[str, Module]):
+    def __init__(self, qc: dict, arch: Architecture, modules: dict[str, Module], tensor_dtypes: dict[str, str] | None = None):
         self.arch, self.method = arch, qc["quant_method"]
         _, listed = skip_lists(qc)
         if self.method == "awq" and not listed:
-            listed = [n for n, m in modules.items() if not m.quantized]
+            if tensor_dtypes:
+                parents = {t.rpartition(".")[0] for t in tensor_dtypes}
+                quant = {t.rpartition(".")[0] for t, d in tensor_dtypes.items() if d not in ("F16", "BF16", "F32")}
+                listed = sorted(parents - quant)
+            else:
+                listed = [n for n, m in modules.items() if not m.quantized]
         self.entries = [arch.vllm_rename_entry(e) for e in listed]
         self.entry_set = set(self.entries)
         self.substr = self.method == "awq"
@@ -384,8 +403,9 @@ class SkipListVllmReader:
         return self._cache[layer.name]
 
 
-def _check_skip_list(modules: dict[str, Module], qc: dict, arch: Architecture, report: Report) -> Report:
-    hr, vr = SkipListHfReader(qc, arch), SkipListVllmReader(qc, arch, modules)
+def _check_skip_list(modules: dict[str, Module], qc: dict, arch: Architecture, report: Report,
+                     tensor_dtypes: dict[str, str] | None = None) -> Report:
+    hr, vr = SkipListHfReader(qc, arch), SkipListVllmReader(qc, arch, modules, tensor_dtypes)
     for name in sorted(modules):
         report.hf[name] = hr.reading(modules[name])
         report.vllm[name] = vr.reading(modules[name])
@@ -405,6 +425,12 @@ def _check_skip_list(modules: dict[str, Module], qc: dict, arch: Architecture, r
     wrong = next((m for m in modules.values() if m.quantized and m.scheme != said), None)
     if wrong:
         report.add("scheme-mismatch", "hf", f"{wrong.name}: config says {said}, tensors are {wrong.scheme}")
+    if qc.get("quant_method") == "awq" and ("bits" not in qc or "group_size" not in qc):
+        report.notes.append("transformers' AwqConfig reads bits and group_size only (defaults 4 and 128), not w_bit / "
+                            "q_group_size, which vLLM also reads; write both spellings for transformers")
+    if qc.get("quant_method") == "fp8" and not qc.get("weight_block_size"):
+        report.notes.append("transformers' FineGrainedFP8 loader assumes 128x128 blocks (weight_scale_inv): it cannot load "
+                            "this per-tensor FP8 build; vLLM can")
     return report
 
 
@@ -430,7 +456,7 @@ def _record_dead(report: Report, entries: list[tuple[str, str, str]], hf_names: 
 def _readings_vs_storage(modules: dict[str, Module], report: Report) -> None:
     for naming, readings in (("hf", report.hf), ("vllm", report.vllm)):
         for err in sorted({r.error for r in readings.values() if r.error}):
-            report.add("vllm-refuses", naming, err)
+            report.add("vllm-refuses" if naming == "vllm" else "hf-cannot-load", naming, err)
         wrong = [(n, r) for n, r in readings.items() if not r.error and (r.group is not None) != modules[n].quantized]
         for n, r in wrong[:20]:
             if modules[n].quantized:
@@ -470,14 +496,15 @@ def _check_gptq(modules: dict[str, Module], qc: dict, arch: Architecture, report
     return report
 
 
-def check(modules: dict[str, Module], qc: dict | None, arch: Architecture) -> Report:
-    """Lint a checkpoint's config against its tensors, under HF and vLLM naming."""
+def check(modules: dict[str, Module], qc: dict | None, arch: Architecture, tensor_dtypes: dict[str, str] | None = None) -> Report:
+    """Lint a checkpoint's config against its tensors, under HF and vLLM naming (tensor_dtypes: every tensor's
+    safetensors dtype, for the one reader that decides from them, vLLM's AWQ loader with an empty skip list)."""
     report = Report()
     qc = qc or {}
     if is_gptq(qc):
         return _check_gptq(modules, qc, arch, report)
     if is_skip_list(qc):
-        return _check_skip_list(modules, qc, arch, report)
+        return _check_skip_list(modules, qc, arch, report, tensor_dtypes)
     vr, hr = VllmReader(qc, arch), HfReader(qc, arch)
     for name in sorted(modules):
         m = modules[name]

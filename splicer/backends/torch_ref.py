@@ -139,7 +139,12 @@ class TorchBackend:
         from ..quantize import scheme_from_group
         from ..rules import HfReader
 
+        from ..formats import unreadable
+
         qc = ckpt.quantization_config
+        why = unreadable(qc)
+        if why:
+            raise SplicerError(f"{ckpt.label}: the torch backend cannot read {why}; score it with --backend vllm")
         modules = {n: m for n, m in list_modules(ckpt).items() if m.quantized}
         if qc.get("quant_method") == "gptq":
             if qc.get("checkpoint_format", "gptq") != "gptq":
