@@ -320,3 +320,61 @@ def test_inspect_says_plainly_which_formats_it_cannot_read(builds, tmp_path, cap
     assert main(["inspect", str(folder)]) == 2
     err = capsys.readouterr().err
     assert named in err and "splicer cannot read" in err and "--backend vllm" in err and len(err.strip().splitlines()) == 1
+
+
+def _with_static_input_scales(src, dst, native: bool):
+    """A copy of an FP8 build whose activations are static: every quantized module gets an `input_scale` [1] (as
+    llm-compressor's FP8 scheme or a static native FP8 export stores it), and the config says so. Native FP8 takes
+    static activations with per-tensor weight scales only (vLLM refuses blocks with them), so its block-quantized
+    weights are dequantized and quantized again per tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from splicer.quantize import native_fp8_scheme, quantize_native_fp8
+
+    dst.mkdir()
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(str(src / shard))
+        for name in [n for n in tensors if n.endswith((".weight_scale", ".weight_scale_inv"))]:
+            module = name.rpartition(".")[0]
+            if native:
+                stored = {"weight": tensors.pop(f"{module}.weight"), "weight_scale_inv": tensors.pop(name)}
+                del index["weight_map"][name]
+                per_tensor = quantize_native_fp8(dequantize_module(stored, native_fp8_scheme([128, 128])))
+                tensors.update({f"{module}.{k}": v for k, v in per_tensor.items()})
+                index["weight_map"][f"{module}.weight_scale"] = shard
+            tensors[f"{module}.input_scale"] = torch.tensor([0.02], dtype=torch.float32)
+            index["weight_map"][f"{module}.input_scale"] = shard
+        save_file(tensors, str(dst / shard), metadata={"format": "pt"})
+    for p in src.iterdir():
+        if not p.name.endswith(".safetensors") and p.name not in ("config.json", "model.safetensors.index.json"):
+            (dst / p.name).write_bytes(p.read_bytes())
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((src / "config.json").read_text())
+    qc = config["quantization_config"]
+    if native:
+        qc["activation_scheme"] = "static"
+        del qc["weight_block_size"]
+    else:
+        for g in qc["config_groups"].values():
+            g["input_activations"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("kind, scheme", [("fp8-dynamic", "fp8 channel"), ("fp8-native", "fp8 tensor")])
+def test_fp8_with_static_activation_scales_splices(pairs, builds, kind, scheme, tmp_path):
+    """FP8 with activation scales: a restored module's input_scale goes with its other quantized tensors, and both
+    readers read the result."""
+    folder = _with_static_input_scales(builds[kind], tmp_path / "static", native=kind == "fp8-native")
+    info = inspect_checkpoint(open_checkpoint(folder, "build"))
+    assert info["classes"]["gdn"]["schemes"] == ["bf16", scheme] and _lint_issues(info, kind) == []
+    out = tmp_path / "gdn"
+    assert main(["splice", "--restore", "gdn", str(folder), str(pairs["fused"]["base"]), "-o", str(out)]) == 0
+    weight_map = open_checkpoint(out, "out").weight_map
+    assert not any(t.endswith("linear_attn.in_proj_qkv.input_scale") for t in weight_map)
+    assert any(t.endswith("self_attn.q_proj.input_scale") for t in weight_map)
+    assert _lint(out) == []
+    out = tmp_path / "all"
+    assert main(["splice", "--restore", "all", str(folder), str(pairs["fused"]["base"]), "-o", str(out)]) == 0
+    assert not any(t.endswith((".input_scale", ".weight_scale")) for t in open_checkpoint(out, "out").weight_map)
