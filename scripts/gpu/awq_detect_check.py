@@ -26,6 +26,7 @@ from split_group_check import _splicer, _vllm_says  # noqa: E402  (the same vLLM
 def main(argv: list[str]) -> int:
     work, out = Path(argv[0]), Path(argv[1])
     out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)  # `splicer fixture` wants the parent of its folder to exist
     pair = work / "pair"
     if not (pair / "awq" / "config.json").exists():
         made = _splicer("fixture", str(pair), "--builds", "awq")
