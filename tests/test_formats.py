@@ -378,3 +378,28 @@ def test_fp8_with_static_activation_scales_splices(pairs, builds, kind, scheme, 
     out = tmp_path / "all"
     assert main(["splice", "--restore", "all", str(folder), str(pairs["fused"]["base"]), "-o", str(out)]) == 0
     assert not any(t.endswith((".input_scale", ".weight_scale")) for t in open_checkpoint(out, "out").weight_map)
+
+
+@pytest.mark.parametrize("backend", ["vllm", "torch"])
+def test_a_build_splicer_cannot_read_is_left_to_vllm(pairs, builds, tmp_path, backend):
+    """A checkpoint row in a format splicer's tables do not cover (bitsandbytes here) is opened and checked against
+    the base for the vLLM backend, which loads it as it is; the torch backend, which must dequantize it, refuses it in
+    one line before the run."""
+    from splicer.ablate.common import AblateSettings
+    from splicer.ablate.run import open_checkpoint_rows
+    from splicer.arch import all_classes
+    from splicer.errors import SplicerError
+    from splicer.plan import add_checkpoints, load_plan
+
+    folder = _edit_quant_config(builds["w8a16"], tmp_path / "bnb", lambda qc: (qc.clear(), qc.update(
+        quant_method="bitsandbytes", load_in_4bit=True, bnb_4bit_quant_type="nf4")))
+    plan = load_plan("demo", all_classes())
+    add_checkpoints(plan, [f"bnb={folder}"])
+    base = open_checkpoint(pairs["fused"]["base"], "base")
+    if backend == "vllm":
+        rows = open_checkpoint_rows(plan, {"bnb"}, base, AblateSettings(backend="vllm"))
+        assert rows["bnb"].quantization_config["quant_method"] == "bitsandbytes"
+    else:
+        with pytest.raises(SplicerError, match=r"row bnb: .*the torch backend cannot read quant_method 'bitsandbytes'; "
+                                               r"score it with --backend vllm"):
+            open_checkpoint_rows(plan, {"bnb"}, base, AblateSettings(backend="torch"))
