@@ -55,6 +55,9 @@ LAYOUTS = (
     Layout("fp8", "fp8", "weight", ("weight",), ("weight_scale_inv", "weight_scale", "input_scale")),
 )
 LAYOUT = {layout.name: layout for layout in LAYOUTS}
+# quant_method values whose layouts this table holds (a checkpoint of another method is read best effort, or refused
+# where reading matters: see unreadable)
+READ_QUANT_METHODS = tuple(dict.fromkeys(layout.quant_method for layout in LAYOUTS))
 
 # compressed-tensors formats splicer reads (a config group's own `format`, else the top-level one).
 CT_FORMATS = tuple(dict.fromkeys(f for layout in LAYOUTS if layout.quant_method == "compressed-tensors" for f in layout.formats))

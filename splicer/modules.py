@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from .checkpoint import Checkpoint
 from .errors import SplicerError
-from .formats import PLAIN_SUFFIXES, QUANT_SUFFIXES, QUANTIZED_WEIGHT_DTYPES, config_block, layout_for, weight_scale_strategy
+from .formats import (PLAIN_SUFFIXES, QUANT_SUFFIXES, QUANTIZED_WEIGHT_DTYPES, READ_QUANT_METHODS, config_block, layout_for,
+                      weight_scale_strategy)
 from .safetensors_io import DTYPE_SIZES, ByteSource, TensorInfo
 
 
@@ -123,6 +124,13 @@ def _packed_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict, reade
     if layout is None:
         raise SplicerError(f"{ckpt.label}: module {name} has {sorted(packed)} but no quantized weight (weight_packed, qweight, "
                            "or an fp8/int8 weight); the build is incomplete, re-export it")
+    method = str(qc.get("quant_method") or "")
+    said = "awq" if method.startswith(("awq", "auto_awq")) else method
+    if said in READ_QUANT_METHODS and layout.quant_method != said:
+        stored = {"gptq": "GPTQ or AWQ", "awq": "GPTQ or AWQ", "ct-pack": "compressed-tensors pack-quantized",
+                  "ct-nvfp4": "NVFP4", "ct-int": "INT8"}.get(layout.name, "FP8")
+        raise SplicerError(f"{ckpt.label}: module {name} is stored as {stored} ({', '.join(sorted(packed))}) but config.json "
+                           f"says quant_method {method!r}; the config does not belong to these shards")
     for needed in layout.required:
         if needed not in packed:
             raise SplicerError(f"{ckpt.label}: module {name} has {sorted(packed)} but no {needed}; the build is incomplete, re-export it")

@@ -403,3 +403,14 @@ def test_a_build_splicer_cannot_read_is_left_to_vllm(pairs, builds, tmp_path, ba
         with pytest.raises(SplicerError, match=r"row bnb: .*the torch backend cannot read quant_method 'bitsandbytes'; "
                                                r"score it with --backend vllm"):
             open_checkpoint_rows(plan, {"bnb"}, base, AblateSettings(backend="torch"))
+
+
+@pytest.mark.parametrize("kind, qc, stored", [
+    ("awq", {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "GPTQ or AWQ"),
+    ("fp8-native", {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}, "FP8"),
+])
+def test_a_config_of_another_format_than_the_tensors_is_named(builds, tmp_path, capsys, kind, qc, stored):
+    folder = _edit_quant_config(builds[kind], tmp_path / "b", lambda old: (old.clear(), old.update(qc)))
+    assert main(["inspect", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert f"is stored as {stored}" in err and f"says quant_method {qc['quant_method']!r}" in err and len(err.strip().splitlines()) == 1
