@@ -12,6 +12,7 @@ from pathlib import Path
 from .config_schema import MISSING, check_value, expect
 from .corpora import check_name, validate_spec
 from .errors import SplicerError
+from .selection import canonical_entries, entry_class
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -37,12 +38,14 @@ class Row:
     checkpoint: str | None = None
 
     def restored(self, quantized: list[str]) -> list[str] | None:
-        """Classes this row restores in a build that quantizes `quantized` (None: the base itself, or a checkpoint)."""
+        """What this row restores in a build that quantizes `quantized`: classes, or `class@layers` entries, in class
+        order (None: the base itself, or a checkpoint)."""
         if self.base or self.checkpoint:
             return None
         if self.keep is not None:
             return [c for c in quantized if c not in self.keep]
-        return [c for c in quantized if c in (self.restore or [])]
+        by_class = {entry_class(e): e for e in self.restore or []}
+        return [by_class[c] for c in quantized if c in by_class]
 
 
 @dataclass
@@ -151,8 +154,12 @@ def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
             raise SplicerError(f"{where}: row {name!r} needs exactly one of restore, keep, base or checkpoint")
         if "checkpoint" in r and not r["checkpoint"].strip():
             raise SplicerError(f"{where}: row {name!r} has an empty checkpoint; give a folder or a Hub repo id")
+        if r.get("restore"):
+            r = dict(r, restore=canonical_entries(r["restore"], f"{where}: row {name!r}: restore"))
+        if any("@" in c for c in r.get("keep") or []):
+            raise SplicerError(f"{where}: row {name!r}: keep takes whole classes; name layers in restore (gdn@0-9)")
         for key in ("restore", "keep"):
-            for c in r.get(key) or []:
+            for c in (entry_class(e) for e in r.get(key) or []):
                 if c not in classes:
                     raise SplicerError(f"{where}: row {name!r} names unknown class {c[:40]!r}; classes: {', '.join(classes)}")
         rows.append(Row(name, r.get("restore"), r.get("keep"), bool(r.get("base", False)), bool(r.get("repeat", False)),
@@ -205,7 +212,7 @@ def resolve_rows(plan: Plan, family: str, family_classes: tuple[str, ...], quant
         if row.checkpoint:
             todo.append(PlannedRow(row, None, row.name))
             continue
-        lacking = [c for c in (row.restore or []) + (row.keep or []) if c not in family_classes]
+        lacking = [c for c in (entry_class(e) for e in (row.restore or []) + (row.keep or [])) if c not in family_classes]
         if lacking:
             what = f"class {lacking[0]}" if len(lacking) == 1 else f"classes {', '.join(lacking)}"
             skipped.append({"name": row.name, "reason": f"{family} has no {what}"})
@@ -214,9 +221,9 @@ def resolve_rows(plan: Plan, family: str, family_classes: tuple[str, ...], quant
         if restored is not None and row.restore and not restored:
             skipped.append({"name": row.name, "reason": f"{', '.join(row.restore)} not quantized in this build"})
             continue
-        if restored and set(restored) & set(base_quantized):
-            skipped.append({"name": row.name, "reason": f"needs BF16 {', '.join(sorted(set(restored) & set(base_quantized)))}, "
-                                                        "which the base keeps quantized"})
+        frozen = sorted({entry_class(e) for e in restored or []} & set(base_quantized))
+        if frozen:
+            skipped.append({"name": row.name, "reason": f"needs BF16 {', '.join(frozen)}, which the base keeps quantized"})
             continue
         key = ("BASE",) if restored is None else tuple(sorted(restored))
         if key in seen and not row.repeat:

@@ -39,10 +39,11 @@ from .outputs import PARTIAL_SUFFIX, SPLICE, check_output, local_folder, lock_ou
 from .progress import SILENT, Stages
 from .rules import check
 from .safetensors_io import ByteSource, CastSource, OutTensor, write_shard
+from .selection import format_layers
 from .validate import (
     check_modules_regex,
-    parse_classes,
     parse_layers,
+    parse_restore,
     validate_base,
     validate_build,
     validate_schemes,
@@ -68,6 +69,7 @@ class SplicePlan:
     side_files: dict[str, Path] = field(default_factory=dict)  # file name -> the base's copy that replaces the build's
     dropped_ignore: list[str] = field(default_factory=list)
     inherited_lint: list[str] = field(default_factory=list)  # misreadings the build's own config already had
+    restore_spec: str = ""  # the restore asked for, as splice.json records it (gdn@0-3,attention)
     float_dtype: str = "BF16"  # the dtype the build keeps its unquantized weights in; restored weights get it too
     dtype_cast: dict[str, int] = field(default_factory=dict)  # base dtype -> restored weights cast from it
 
@@ -83,14 +85,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # ---------------------------------------------------------------- validation
 
 
-def select_modules(modules: dict[str, Module], classes: list[str], arch: Architecture,
+def select_modules(modules: dict[str, Module], classes: list[str] | dict[str, set[int] | None], arch: Architecture,
                    layers: set[int] | None = None, only: str | None = None, allow_empty: bool = False) -> dict[str, Module]:
+    """The quantized modules of `classes` (a list, or class -> its decoder layers, None for all of them), in `layers`
+    (all classes) and matching `only`, grown to whole fused groups and MoE layers."""
     pattern = re.compile(only) if only else None
+    per_class = classes if isinstance(classes, dict) else dict.fromkeys(classes)
     picked = {}
     for name, m in modules.items():
-        if not m.quantized or m.cls not in classes:
+        if not m.quantized or m.cls not in per_class:
             continue
         if layers is not None and not arch.is_mtp(name) and arch.layer_index(name) not in layers:
+            continue
+        if per_class[m.cls] is not None and arch.layer_index(name) not in per_class[m.cls]:
             continue
         if pattern and not pattern.search(name):
             continue
@@ -399,6 +406,7 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
         "base": {"source": plan.base.label, "header_digest": plan.base.header_digest(), "shards_read": sorted(plan.base.headers)},
         # The classes a module was restored from (--layers or --modules may leave some of those asked for untouched).
         "restored_classes": [c for c in plan.classes if c in {plan.build.arch.module_class(n) for n in plan.restore}],
+        "restore": plan.restore_spec,  # what was asked, per class and layer (--layers and --modules not folded in)
         "restored_modules": len(plan.restore) - len(plan.added_modules),
         "mtp_tensors_added": len(plan.mtp_added),
         "files_from_base": sorted(plan.side_files),
@@ -426,9 +434,11 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
     modules = list_modules(build)
     validate_schemes(build, modules)
     has_mtp = build.arch.mtp_prefix is None or any(build.arch.is_mtp(t) for t in build.weight_map)
-    classes = parse_classes(restore, build.arch, modules, build_has_mtp=has_mtp)
+    n_layers = build.text_config["num_hidden_layers"]
+    per_class = parse_restore(restore, build.arch, modules, has_mtp, n_layers, build.arch.mtp_layer_index, layers)
+    classes = list(per_class)
     add_mtp = "mtp" in classes and not has_mtp  # seed 000's exporter dropped the MTP head: put the base's back
-    picked = select_modules(modules, classes, build.arch, parse_layers(layers, build.text_config["num_hidden_layers"], build.arch.mtp_layer_index),
+    picked = select_modules(modules, per_class, build.arch, parse_layers(layers, n_layers, build.arch.mtp_layer_index),
                             check_modules_regex(modules_regex), allow_empty=add_mtp)
     base, add_mtp = open_base_for(build, base_src, picked, add_mtp, allow_quantized_base,
                                   mtp_optional=restore.strip() == "all")
@@ -437,6 +447,7 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
     inputs = [build.root, base.root]
     out = check_output(out, inputs, SPLICE, force)
     plan = plan_splice(build, base, modules, picked, classes, add_mtp, tokenizer_from_base, drop_dead_ignore)
+    plan.restore_spec = ",".join(c if per_class.get(c) is None else f"{c}@{format_layers(per_class[c])}" for c in classes)
     plan.inherited_lint = verify_plan(plan, modules)
     with lock_output(out, SPLICE):
         # Again under the lock: another run may have finished OUT meanwhile, or a killed --force run parked it aside.

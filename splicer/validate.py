@@ -13,6 +13,7 @@ from .checkpoint import Checkpoint, is_packed_tensor
 from .errors import SplicerError
 from .formats import CT_FORMATS, group_format, group_scheme
 from .modules import Module
+from .selection import LAYER_PART, format_layers, split_restore
 from .rules import HfReader, is_gptq, is_skip_list, skip_list_scheme, validate_regexes
 
 
@@ -202,14 +203,44 @@ def parse_classes(spec: str, arch: Architecture, modules: dict[str, Module], bui
     return [c for c in arch.classes if c in items]
 
 
-_LAYER_PART = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+_LAYER_PART = LAYER_PART
+
+
+def parse_restore(spec: str, arch: Architecture, modules: dict[str, Module], build_has_mtp: bool, num_layers: int,
+                  mtp_layer: int | None = None, layers_option: str | None = None) -> dict[str, set[int] | None]:
+    """`--restore gdn@0-9,attention@3,7,experts` -> {class: the decoder layers to restore it in, or None for all}, in
+    the family's class order. Checked against the build: each class as parse_classes checks it, each layer in range,
+    and a class given layers must have quantized modules in them."""
+    items = split_restore(spec)
+    classes = parse_classes(",".join(c for c, _ in items), arch, modules, build_has_mtp)
+    if any(layers is not None for _, layers in items) and layers_option is not None:
+        raise SplicerError("--restore names layers with @ and --layers is given too; put the layers after each class "
+                           "(gdn@0-9) or use --layers for all of them, not both")
+    per: dict[str, set[int] | None] = {}
+    for cls, text in items:
+        if text is None:
+            per[cls] = None
+            continue
+        have = sorted({arch.layer_index(n) for n, m in modules.items()
+                       if m.quantized and m.cls == cls and not arch.is_mtp(n) and arch.layer_index(n) is not None})
+        if not have:
+            raise SplicerError(f"--restore {cls}@{_clip(text, 20)[1:-1]}: {cls} has no decoder layers in this build "
+                               f"(one head, or stored apart); restore it whole: {cls}")
+        got = parse_layers(text, num_layers, mtp_layer, what=f"--restore {cls}@")
+        if cls in per and per[cls] is None:
+            continue
+        per[cls] = (per.get(cls) or set()) | got
+        if not got & set(have):
+            raise SplicerError(f"--restore {cls}@{_clip(text, 20)[1:-1]}: no quantized {cls} module in those layers; "
+                               f"this build has {cls} in layers {format_layers(have)}")
+    return {c: per.get(c) for c in classes}
 
 
 def _clip(text: str, n: int = 40) -> str:
     return repr(text if len(text) <= n else text[:n] + "...")
 
 
-def parse_layers(spec: str | None, num_layers: int, mtp_layer: int | None = None) -> set[int] | None:
+def parse_layers(spec: str | None, num_layers: int, mtp_layer: int | None = None, what: str = "--layers") -> set[int] | None:
     """`--layers 0,4-7` as a set of decoder layers of a build with num_layers layers (None: all of them). mtp_layer:
     the index of an MTP head stored as one more decoder layer (DeepSeek-V3, GLM-4.5), which --layers does not select.
 
@@ -218,26 +249,27 @@ def parse_layers(spec: str | None, num_layers: int, mtp_layer: int | None = None
     """
     if spec is None:
         return None
+    label = f"{what}{_clip(spec)[1:-1]}" if what.endswith("@") else f"{what} {_clip(spec)}"
     last = num_layers - 1
     have = f"this build has {num_layers} decoder layers, 0-{last}"
     if not spec.strip():
-        raise SplicerError(f"--layers is empty; give layer numbers or ranges like 0,4-7 ({have}), or drop --layers")
+        raise SplicerError(f"{what} is empty; give layer numbers or ranges like 0,4-7 ({have}), or drop --layers")
     bounds = []
     for part in (p.strip() for p in spec.split(",")):
         m = _LAYER_PART.fullmatch(part)
         if m is None:
-            raise SplicerError(f"--layers {_clip(spec)}: {_clip(part)} is not a layer number or a range like 4-7; {have}")
+            raise SplicerError(f"{label}: {_clip(part)} is not a layer number or a range like 4-7; {have}")
         ends = []
         for text in (m.group(1), m.group(2) or m.group(1)):
             # Longer than any layer number: out of range without converting it (int() of a huge string is slow).
             if mtp_layer is not None and len(text.lstrip("0")) <= 9 and int(text) == mtp_layer:
-                raise SplicerError(f"--layers {_clip(spec)}: layer {mtp_layer} is the MTP head, stored as one more decoder "
+                raise SplicerError(f"{label}: layer {mtp_layer} is the MTP head, stored as one more decoder "
                                    f"layer; restore it whole with --restore mtp (--layers selects decoder layers 0-{last})")
             if len(text.lstrip("0")) > 9 or int(text) > last:
-                raise SplicerError(f"--layers {_clip(spec)}: layer {_clip(text, 12)[1:-1]} is out of range; {have}")
+                raise SplicerError(f"{label}: layer {_clip(text, 12)[1:-1]} is out of range; {have}")
             ends.append(int(text))
         if ends[0] > ends[1]:
-            raise SplicerError(f"--layers {_clip(spec)}: the range {part} runs backwards; write it as {ends[1]}-{ends[0]}")
+            raise SplicerError(f"{label}: the range {part} runs backwards; write it as {ends[1]}-{ends[0]}")
         bounds.append(ends)
     return {i for lo, hi in bounds for i in range(lo, hi + 1)}
 

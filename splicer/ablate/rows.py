@@ -302,4 +302,8 @@ def _splice_is_current(folder: Path, build, restored: list[str]) -> bool:
     if not record.exists():
         return False
     r = json.loads(record.read_text())
-    return r.get("build", {}).get("header_digest") == build.header_digest() and r.get("restored_classes") == restored
+    if r.get("build", {}).get("header_digest") != build.header_digest():
+        return False
+    if "restore" not in r:  # written before per-layer restores: the classes only
+        return r.get("restored_classes") == restored
+    return r["restore"] == ",".join(restored)

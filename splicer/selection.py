@@ -1,0 +1,82 @@
+"""What a restore names: classes, whole or in some decoder layers (`gdn@0-9`, `attention@3,7`, `experts`).
+
+The same spelling serves `splice --restore`, plan rows (`restore = ["gdn@0-9"]`) and results (a row's `restored`), so a
+variant has one name everywhere. These are pure functions on the text; which layers a build has is checked where the
+build is open (validate.parse_restore).
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import SplicerError
+
+LAYER_PART = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+_CLASS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def split_restore(spec: str) -> list[tuple[str, str | None]]:
+    """`gdn@0-9,attention@3,7,experts` -> [("gdn", "0-9"), ("attention", "3,7"), ("experts", None)].
+
+    Items are comma separated, and so are an item's layers: a bare number or range right after an item with `@`
+    belongs to that item (there is no class named by digits)."""
+    items: list[tuple[str, str | None]] = []
+    for part in (p.strip() for p in (spec or "").split(",")):
+        if not part:
+            continue
+        if items and items[-1][1] is not None and LAYER_PART.fullmatch(part):
+            items[-1] = (items[-1][0], f"{items[-1][1]},{part}")
+            continue
+        cls, at, layers = part.partition("@")
+        items.append((cls.strip(), layers.strip() if at else None))
+    return items
+
+
+def entry_class(entry: str) -> str:
+    """The class an entry restores: `gdn@0-9` -> gdn."""
+    return entry.partition("@")[0].strip()
+
+
+def layer_numbers(text: str, where: str) -> list[int]:
+    """`0-2,7` -> [0, 1, 2, 7], checked for form only (a build's range is checked with the build open)."""
+    out: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        m = LAYER_PART.fullmatch(part)
+        if m is None or len(part) > 12:
+            raise SplicerError(f"{where}: {part[:20]!r} is not a layer number or a range like 4-7")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if lo > hi:
+            raise SplicerError(f"{where}: the range {part} runs backwards; write it as {hi}-{lo}")
+        if hi - lo > 100_000:
+            raise SplicerError(f"{where}: the range {part} is longer than any model")
+        out.update(range(lo, hi + 1))
+    if not out:
+        raise SplicerError(f"{where}: no layers after @; give layer numbers or ranges like 0-9 or 3,7")
+    return sorted(out)
+
+
+def format_layers(layers) -> str:
+    """[0, 1, 2, 4, 5, 7] -> `0-2,4-5,7`."""
+    nums = sorted(set(layers))
+    runs, start = [], None
+    for i, n in enumerate(nums):
+        if start is None:
+            start = n
+        if i + 1 == len(nums) or nums[i + 1] != n + 1:
+            runs.append(f"{start}-{n}" if n > start else str(start))
+            start = None
+    return ",".join(runs)
+
+
+def canonical_entries(entries: list[str], where: str) -> list[str]:
+    """Plan or command-line entries in one spelling: a class, or `class@ranges` with the ranges sorted and merged (a
+    class named twice is one entry; whole wins over some layers)."""
+    layers: dict[str, set[int] | None] = {}
+    for cls, text in split_restore(",".join(entries)):
+        if not _CLASS.fullmatch(cls):
+            raise SplicerError(f"{where}: {cls[:40]!r} is not a class name (write CLASS or CLASS@LAYERS, e.g. gdn@0-9)")
+        if text is None:
+            layers[cls] = None
+        elif cls not in layers or layers[cls] is not None:
+            layers[cls] = (layers.get(cls) or set()) | set(layer_numbers(text, f"{where}: {cls}@{text[:40]}"))
+    return [c if ls is None else f"{c}@{format_layers(ls)}" for c, ls in layers.items()]

@@ -1,0 +1,115 @@
+"""Per-layer restores (issue 17, first part): `gdn@0-1`, `attention@3,7` in `splice --restore` and in plan rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splicer.checkpoint import open_checkpoint
+from splicer.cli import main
+from splicer.errors import SplicerError
+from splicer.inspect import inspect_checkpoint
+from splicer.modules import list_modules
+from splicer.plan import Row
+from splicer.selection import canonical_entries, format_layers, split_restore
+
+
+def test_split_canonical_and_format():
+    assert split_restore("gdn@0-9,attention@3,7,experts") == [("gdn", "0-9"), ("attention", "3,7"), ("experts", None)]
+    assert split_restore(" gdn , lm_head ") == [("gdn", None), ("lm_head", None)]
+    assert format_layers([7, 0, 1, 2, 4, 5]) == "0-2,4-5,7"
+    assert canonical_entries(["attention@7,3", "gdn@2-3,0-1"], "x") == ["attention@3,7", "gdn@0-3"]
+    assert canonical_entries(["gdn@0", "gdn"], "x") == ["gdn"]  # the whole class wins
+    for bad, message in (("gdn@", "is not a layer number"), ("gdn@3-1", "runs backwards"), ("gdn@a", "not a layer number"),
+                         ("9x@1", "not a class name")):
+        with pytest.raises(SplicerError, match=message):
+            canonical_entries([bad], "row r")
+
+
+def _splice(pairs, tmp_path, *args):
+    out = tmp_path / "out"
+    code = main(["splice", *args, str(pairs["fused"]["lowlatency"]), str(pairs["fused"]["base"]), "-o", str(out)])
+    return code, out
+
+
+def test_splice_restores_a_class_in_some_layers_only(pairs, tmp_path):
+    """gdn@0-1,attention@3: GDN modules of layers 0 and 1 and the attention of layer 3 restored, whole fused groups,
+    the rest as built; both readers read the result; splice.json records the restore as asked."""
+    code, out = _splice(pairs, tmp_path, "--restore", "gdn@1,0,attention@3")
+    assert code == 0
+    build = list_modules(open_checkpoint(pairs["fused"]["lowlatency"], "build"))
+    after = list_modules(open_checkpoint(out, "out"))
+    arch = open_checkpoint(out, "out").arch
+    for name, m in build.items():
+        if not m.quantized or name not in after:
+            continue
+        layer = arch.layer_index(name)
+        restored = (m.cls == "gdn" and layer in (0, 1) and not arch.is_mtp(name)) or (m.cls == "attention" and layer == 3)
+        assert after[name].quantized != restored, name
+    assert inspect_checkpoint(open_checkpoint(out, "out"))["lint"]["issues"] == []
+    assert json.loads((out / "splice.json").read_text())["restore"] == "gdn@0-1,attention@3"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--restore", "gdn@3"], "no quantized gdn module in those layers; this build has gdn in layers 0-2"),
+    (["--restore", "gdn@0-9"], "--restore gdn@0-9: layer 9 is out of range"),
+    (["--restore", "lm_head@1"], "lm_head has no decoder layers in this build"),
+    (["--restore", "gdn@0", "--layers", "1"], "--layers is given too"),
+])
+def test_bad_layer_restores_are_refused(pairs, tmp_path, capsys, args, message):
+    code, out = _splice(pairs, tmp_path, *args)
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_plan_rows_name_layers_and_resume_without_splicing_again(pairs, tmp_path):
+    plan = tmp_path / "layers.toml"
+    plan.write_text("""name = "layers"
+description = "per-layer rows"
+top_k = 20
+[[corpus]]
+name = "wiki-en"
+kind = "builtin"
+text = "wiki-en"
+chunk_tokens = 32
+max_chunks = 2
+[[row]]
+name = "build"
+restore = []
+[[row]]
+name = "gdn-early"
+restore = ["gdn@1,0"]
+[[row]]
+name = "two"
+restore = ["attention@3", "gdn@0-1"]
+""")
+    args = ["ablate", "all", str(pairs["fused"]["lowlatency"]), str(pairs["fused"]["base"]), "-o", str(tmp_path / "run"),
+            "--plan", str(plan), "--no-time", "--device", "cpu"]
+    assert main(args) == 0
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert {v["name"]: v["restored"] for v in results["variants"]} == {
+        "build": [], "gdn-early": ["gdn@0-1"], "two": ["gdn@0-1", "attention@3"]}
+    spliced = tmp_path / "run" / "variants" / "two" / "splice.json"
+    assert json.loads(spliced.read_text())["restore"] == "gdn@0-1,attention@3"
+    stamp = spliced.stat().st_mtime_ns
+    (tmp_path / "run" / "results.json").unlink()  # rows to run again: their splices are current and reused
+    assert main(args) == 0
+    assert spliced.stat().st_mtime_ns == stamp
+
+
+def test_row_restored_keeps_layer_entries_in_class_order():
+    row = Row("r", restore=["attention@3", "gdn@0-1", "mtp"])
+    assert row.restored(["gdn", "attention", "shared_expert"]) == ["gdn@0-1", "attention@3"]
+
+
+def test_a_plan_keep_with_layers_is_refused(tmp_path):
+    from splicer.arch import all_classes
+    from splicer.plan import load_plan
+
+    plan = tmp_path / "p.toml"
+    plan.write_text('name = "p"\ndescription = "d"\ntop_k = 20\n[[corpus]]\nname = "c"\nkind = "builtin"\ntext = "wiki-en"\n'
+                    '[[row]]\nname = "r"\nkeep = ["gdn@0"]\n')
+    with pytest.raises(SplicerError, match="keep takes whole classes"):
+        load_plan(str(plan), all_classes())
