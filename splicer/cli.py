@@ -196,6 +196,14 @@ def _cmd_score(args) -> int:
     return _cmd_ablate(args)
 
 
+def _cmd_plan_sweep(args) -> int:
+    from .sweep import write_sweep
+
+    out = write_sweep(args.build, args.cls, args.groups, args.out, args.template)
+    print(f"wrote {out}: run it with splicer ablate all BUILD BASE -o DIR --plan {out}")
+    return 0
+
+
 def _cmd_table(args) -> int:
     from .table import render
 
@@ -340,6 +348,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--out", required=True, type=Path, metavar="DIR", help="results folder (resumable)")
     _run_options(s)
     s.set_defaults(func=_cmd_score)
+
+    s = sub.add_parser("plan", help="write a plan file")
+    plans = s.add_subparsers(dest="plan_command", required=True)
+    t = plans.add_parser("sweep", help="rows restoring one class in groups of its layers, each group left out, and whole: "
+                                       "which layers carry the error")
+    t.add_argument("build", metavar="BUILD", help="the quantized build the plan is for (folder or Hub repo id): its layers")
+    t.add_argument("--class", dest="cls", required=True, help="the class to sweep, e.g. gdn")
+    t.add_argument("--groups", type=int, required=True, help="how many groups of its layers (2 or more)")
+    t.add_argument("-o", "--out", required=True, help="the plan file to write (.toml, new)")
+    t.add_argument("--from", dest="template", default="where-error-comes-from",
+                   help="plan whose corpora, timing and top_k the sweep uses (a name from ablations/ or a .toml path)")
+    t.set_defaults(func=_cmd_plan_sweep)
 
     s = sub.add_parser("table", help="print the table of an ablate results folder")
     s.add_argument("dir", metavar="DIR", type=Path)

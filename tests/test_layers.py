@@ -113,3 +113,43 @@ def test_a_plan_keep_with_layers_is_refused(tmp_path):
                     '[[row]]\nname = "r"\nkeep = ["gdn@0"]\n')
     with pytest.raises(SplicerError, match="keep takes whole classes"):
         load_plan(str(plan), all_classes())
+
+
+def test_layer_groups_are_contiguous_and_even():
+    from splicer.sweep import layer_groups
+
+    assert layer_groups([0, 1, 2, 4, 5, 6, 8, 9, 10, 12], 4) == [[0, 1, 2], [4, 5, 6], [8, 9], [10, 12]]
+    assert layer_groups([0, 1, 2], 3) == [[0], [1], [2]]
+
+
+def test_plan_sweep_writes_group_leave_one_out_and_whole_rows(pairs, tmp_path, capsys):
+    from splicer.arch import all_classes
+    from splicer.plan import load_plan
+
+    out = tmp_path / "sweep.toml"
+    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "3", "-o", str(out),
+                 "--from", "demo"]) == 0
+    plan = load_plan(str(out), all_classes())
+    assert [(r.name, r.restore, r.repeat) for r in plan.rows] == [
+        ("build", [], False), ("gdn-1", ["gdn@0"], False), ("gdn-2", ["gdn@1"], False), ("gdn-3", ["gdn@2"], False),
+        ("gdn-without-1", ["gdn@1-2"], False), ("gdn-without-2", ["gdn@0,2"], False), ("gdn-without-3", ["gdn@0-1"], False),
+        ("gdn", ["gdn"], False), ("build-again", [], True)]
+    assert plan.corpora == load_plan("demo", all_classes()).corpora
+    two = tmp_path / "two.toml"
+    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(two)]) == 0
+    assert [r.name for r in load_plan(str(two), all_classes()).rows] == ["build", "gdn-1", "gdn-2", "gdn", "build-again"]
+    capsys.readouterr()
+    for args, message in ((["--groups", "4"], "--groups 4: give 2 to 3"), (["--groups", "2", "--class", "lm_head"], "no quantized lm_head"),
+                          (["--groups", "2", "--class", "nope"], "--class 'nope'")):
+        argv = ["plan", "sweep", str(pairs["fused"]["lowlatency"]), "-o", str(tmp_path / "x.toml"), *args]
+        if "--class" not in args:
+            argv += ["--class", "gdn"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
+        assert not (tmp_path / "x.toml").exists()
+    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(two)]) == 2
+    assert "exists" in capsys.readouterr().err
+    inside = pairs["fused"]["lowlatency"] / "sweep.toml"
+    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(inside)]) == 2
+    assert "inside the build folder" in capsys.readouterr().err and not inside.exists()

@@ -1,0 +1,96 @@
+"""`splicer plan sweep`: a plan whose rows restore one class in groups of its layers, to find which layers carry the error.
+
+For a build and a class it writes, as plan rows (corpora, timing and top_k taken from a template plan):
+  * the build, and the build again on a fresh engine (every plan times the build twice);
+  * one row per group of the class's quantized layers, in layer order, as even as the count allows (`gdn@0-9`);
+  * with three groups or more, one leave-one-group-out row per group (every group but that one);
+  * the whole class, the end of the sweep and the check that the groups add up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .checkpoint import open_checkpoint
+from .errors import SplicerError
+from .modules import list_modules
+from .plan import _plan_path, load_plan, tomllib
+from .selection import format_layers
+
+
+def layer_groups(layers: list[int], groups: int) -> list[list[int]]:
+    """`layers` in `groups` contiguous runs whose sizes differ by at most one (the first ones longer)."""
+    size, extra = divmod(len(layers), groups)
+    out, start = [], 0
+    for g in range(groups):
+        end = start + size + (1 if g < extra else 0)
+        out.append(layers[start:end])
+        start = end
+    return out
+
+
+def sweep_plan(build_src: str, cls: str, groups: int, template: str = "where-error-comes-from") -> dict:
+    """The sweep plan as TOML data (see the module docstring)."""
+    build = open_checkpoint(build_src, "build")
+    arch = build.arch
+    if cls not in arch.classes:
+        raise SplicerError(f"--class {cls[:40]!r}: this build's family ({arch.name}) has {', '.join(arch.classes)}")
+    modules = list_modules(build)
+    layers = sorted({arch.layer_index(n) for n, m in modules.items()
+                     if m.quantized and m.cls == cls and not arch.is_mtp(n) and arch.layer_index(n) is not None})
+    if not layers:
+        raise SplicerError(f"--class {cls}: no quantized {cls} module in a decoder layer of this build (see splicer inspect); "
+                           "a sweep needs a class spread over layers")
+    if not 2 <= groups <= len(layers):
+        raise SplicerError(f"--groups {groups}: give 2 to {len(layers)} (this build has {cls} in {len(layers)} layers, "
+                           f"{format_layers(layers)})")
+    raw = tomllib.loads(_plan_path(template).read_text(encoding="utf-8"))
+    parts = layer_groups(layers, groups)
+    rows = [{"name": "build", "restore": []}]
+    for i, part in enumerate(parts, 1):
+        rows.append({"name": f"{cls}-{i}", "restore": [f"{cls}@{format_layers(part)}"]})
+    if groups >= 3:  # with two groups, leaving one out is the other group's row
+        for i, part in enumerate(parts, 1):
+            rest = [n for n in layers if n not in part]
+            rows.append({"name": f"{cls}-without-{i}", "restore": [f"{cls}@{format_layers(rest)}"]})
+    rows.append({"name": cls, "restore": [cls]})
+    rows.append({"name": "build-again", "restore": [], "repeat": True})
+    plan = {"name": f"sweep-{cls}-{groups}",
+            "description": f"{cls} restored in {groups} groups of its layers ({', '.join(format_layers(p) for p in parts)}), "
+                           f"{'each left out, ' if groups >= 3 else ''}and whole; corpora and timing of {raw.get('name', template)}",
+            "top_k": raw.get("top_k", 20)}
+    for key in ("corpus", "timing"):
+        if key in raw:
+            plan[key] = raw[key]
+    plan["row"] = rows
+    return plan
+
+
+def write_sweep(build_src: str, cls: str, groups: int, out: str | Path, template: str = "where-error-comes-from") -> Path:
+    """Write the sweep plan to `out` (a new .toml file), checked by reading it back as any plan is read."""
+    import tomli_w
+
+    from .arch import all_classes
+
+    out = Path(out)
+    if out.suffix != ".toml":
+        raise SplicerError(f"-o {str(out)[:80]}: a plan file ends in .toml; name it e.g. sweep-gdn.toml")
+    if out.exists():
+        raise SplicerError(f"-o {str(out)[:80]} exists; choose a new file name (a plan is never overwritten)")
+    if not out.parent.is_dir():
+        raise SplicerError(f"the folder of -o ({out.parent}) does not exist; create it first")
+    build_root = open_checkpoint(build_src, "build").root.resolve()
+    if out.parent.resolve() == build_root or build_root in out.parent.resolve().parents:
+        raise SplicerError(f"-o {str(out)[:80]} is inside the build folder, an input, which splicer never changes; "
+                           "write the plan elsewhere")
+    plan = sweep_plan(build_src, cls, groups, template)
+    text = ("# Written by `splicer plan sweep`: " + plan["description"] + "\n" + tomli_w.dumps(plan))
+    tmp = out.with_name(f".{out.name}.partial")
+    tmp.write_text(text, encoding="utf-8")
+    try:
+        load_plan(str(tmp), all_classes())
+    except SplicerError:
+        tmp.unlink()
+        raise
+    tmp.rename(out)
+    return out
