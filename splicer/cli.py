@@ -204,6 +204,14 @@ def _cmd_plan_sweep(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    from .plot import write_plot
+
+    written = write_plot(args.dir)
+    print(f"wrote {', '.join(str(p) for p in written)}; linked from {Path(args.dir) / 'table.md'}")
+    return 0
+
+
 def _cmd_table(args) -> int:
     from .table import render
 
@@ -360,6 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--from", dest="template", default="where-error-comes-from",
                    help="plan whose corpora, timing and top_k the sweep uses (a name from ablations/ or a .toml path)")
     t.set_defaults(func=_cmd_plan_sweep)
+
+    s = sub.add_parser("plot", help="KL per corpus against decode ms and size on disk, every variant a point, the Pareto "
+                                    "front drawn: DIR/plot-kl.png and .svg, linked from DIR/table.md")
+    s.add_argument("dir", metavar="DIR", help="a results folder (splicer ablate or splicer score)")
+    s.set_defaults(func=_cmd_plot)
 
     s = sub.add_parser("table", help="print the table of an ablate results folder")
     s.add_argument("dir", metavar="DIR", type=Path)

@@ -57,4 +57,8 @@ def _finish(results: dict, out: Path, backends, reps: int = 2000) -> None:
     attach(results, out, reps)
     _atomic_json(out / RESULTS, results)
     (out / "table.md").write_text(render_markdown(results) + "\n")
+    if (out / "plot-kl.png").exists():  # `splicer plot DIR` made one: keep the table's link to it
+        from ..plot import link
+
+        link(out)
     (out / "report.md").write_text(render_report(results))

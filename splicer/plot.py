@@ -1,0 +1,107 @@
+"""`splicer plot DIR`: KL per corpus against decode time and against size on disk, every variant of a results folder a
+labelled point (a repeat row is not a variant of its own), the Pareto front drawn, written as PNG and SVG beside table.md and linked from it.
+
+Read from DIR/results.json only. Vertical bars: the variant's KL 95 % interval on that corpus (bootstrap over
+sequences, as the table's). Horizontal bars on the decode panels: the interquartile range of the variant's timing runs
+(their spread, not an interval of the median). Checkpoint rows and repeats are drawn like the rest; a row with no
+timing (a --no-time run) is left out of the decode panels, which are then not drawn at all. Predicted points (the
+budget search's) are hollow, measured ones filled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import SplicerError
+
+PLOT_STEM = "plot-kl"
+LINK_LINE = "Plot: KL per corpus against decode ms/token and against size on disk"
+
+
+def _points(results: dict) -> list[dict]:
+    out = []
+    for v in results.get("variants", []):
+        if v.get("status") != "ok" or not v.get("metrics") or v.get("repeat_of"):
+            continue  # a repeat is the same variant measured again: its spread is in the table, not a point of its own
+        out.append({"name": v["name"], "size_gb": (v.get("size_bytes") or 0) / 1e9, "decode": v.get("decode_ms_per_token"),
+                    "decode_iqr": (v.get("timing") or {}).get("decode_iqr"), "metrics": v["metrics"],
+                    "predicted": bool(v.get("predicted"))})
+    return out
+
+
+def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """The points no other point beats on both x and y (lower is better on both), by increasing x."""
+    front, best = [], float("inf")
+    for x, y, name in sorted(points, key=lambda p: (p[0], p[1])):
+        if y < best:
+            front.append((x, y, name))
+            best = y
+    return front
+
+
+def write_plot(folder: str | Path) -> list[Path]:
+    """Write DIR/plot-kl.png and .svg and link them from DIR/table.md; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = Path(folder)
+    path = folder / "results.json"
+    if not path.exists():
+        raise SplicerError(f"{folder} has no results.json; pass a folder `splicer ablate` or `splicer score` wrote")
+    results = json.loads(path.read_text())
+    points = _points(results)
+    corpora = [c for c in (results.get("corpora") or {}) if any(c in p["metrics"] for p in points)] or \
+        sorted({c for p in points for c in p["metrics"]})
+    if not points or not corpora:
+        raise SplicerError(f"{folder}/results.json has no scored variant yet; run the rows first")
+    timed = [p for p in points if p["decode"] is not None]
+    axes_x = ([("decode", "decode ms/token (batch 1)")] if timed else []) + [("size_gb", "size on disk, GB")]
+    fig, axes = plt.subplots(len(axes_x), len(corpora), figsize=(5.2 * len(corpora), 4.4 * len(axes_x)), squeeze=False)
+    for r, (key, label) in enumerate(axes_x):
+        for c, corpus in enumerate(corpora):
+            ax = axes[r][c]
+            pts = [p for p in (timed if key == "decode" else points) if corpus in p["metrics"]]
+            for p in pts:
+                m = p["metrics"][corpus]
+                x, y = p[key], m["kl"]
+                lo, hi = m.get("kl_ci") or (y, y)
+                xerr = None
+                if key == "decode" and p["decode_iqr"]:
+                    xerr = [[x - p["decode_iqr"][0]], [p["decode_iqr"][1] - x]]
+                ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], xerr=xerr, fmt="o", ms=6, capsize=2, lw=0.8,
+                            color="C0", mfc="none" if p["predicted"] else "C0")
+                ax.annotate(p["name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            front = pareto([(p[key], p["metrics"][corpus]["kl"], p["name"]) for p in pts if not p["predicted"]])
+            if len(front) > 1:
+                ax.step([f[0] for f in front], [f[1] for f in front], where="post", color="C3", lw=1, label="Pareto front")
+                ax.legend(fontsize=7, loc="upper right")
+            ax.set_xlabel(label)
+            ax.set_ylabel(f"KL(base ‖ variant), {corpus}")
+            ax.grid(alpha=0.3)
+    build = ((results.get("inputs") or {}).get("build") or {}).get("source", "")
+    fig.suptitle(f"{Path(str(build)).name or folder.name}: every variant of {folder.name} against the base "
+                 "(bars: KL 95 % interval; decode: IQR of runs)", fontsize=9)
+    fig.tight_layout()
+    written = []
+    for ext in ("png", "svg"):
+        out = folder / f"{PLOT_STEM}.{ext}"
+        tmp = folder / f".{PLOT_STEM}.partial.{ext}"
+        fig.savefig(tmp, dpi=120, format=ext)
+        tmp.replace(out)
+        written.append(out)
+    plt.close(fig)
+    link(folder)
+    return written
+
+
+def link(folder: Path) -> None:
+    """Add the plot's link line to DIR/table.md (once)."""
+    table = folder / "table.md"
+    if not table.exists():
+        return
+    text = table.read_text()
+    if LINK_LINE not in text:
+        table.write_text(text.rstrip("\n") + f"\n\n{LINK_LINE}: [{PLOT_STEM}.png]({PLOT_STEM}.png) ([SVG]({PLOT_STEM}.svg)).\n")
