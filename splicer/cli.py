@@ -208,7 +208,9 @@ def _cmd_plot(args) -> int:
     from .plot import write_plot
 
     written = write_plot(args.dir)
-    print(f"wrote {', '.join(str(p) for p in written)}; linked from {Path(args.dir) / 'table.md'}")
+    plots = [str(p) for p in written if p.suffix != ".md"]
+    linked = any(p.suffix == ".md" for p in written)
+    print(f"wrote {', '.join(plots)}" + (f"; linked from {Path(args.dir) / 'table.md'}" if linked else " (no table.md to link from)"))
     return 0
 
 
@@ -327,8 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("base", metavar="BASE", help="its BF16 base: folder or Hub repo id (only needed shards are read)")
     s.add_argument("-o", "--out", required=True, metavar="OUT", help="output folder (must not exist unless --force)")
     s.add_argument("--restore", required=True, metavar="CLASSES",
-                   help="comma list of the family's module classes (splicer inspect lists them), or all")
-    s.add_argument("--layers", metavar="LIST", help="only these decoder layers, e.g. 0,4-7 (the MTP head, class mtp, is restored whole)")
+                   help="comma list of the family's module classes (splicer inspect lists them), each whole or in some "
+                        "decoder layers (gdn@0-9,attention@3,7), or all")
+    s.add_argument("--layers", metavar="LIST", help="only these decoder layers for every class, e.g. 0,4-7 (the MTP head, class "
+                                                  "mtp, is restored whole; not with CLASS@LAYERS entries)")
     s.add_argument("--modules", metavar="REGEX", help="only modules whose HF name matches REGEX (fused groups must stay whole)")
     s.add_argument("--tokenizer-from-base", action="store_true", help="copy the base's tokenizer, chat template and generation config verbatim")
     s.add_argument("--drop-dead-ignore", action="store_true", help="remove ignore entries that match no module under either naming")

@@ -12,7 +12,7 @@ from pathlib import Path
 from .config_schema import MISSING, check_value, expect
 from .corpora import check_name, validate_spec
 from .errors import SplicerError
-from .selection import canonical_entries, entry_class
+from .selection import canonical_entries, entry_class, normalize_entry
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -199,12 +199,16 @@ class PlannedRow:
 
 
 def resolve_rows(plan: Plan, family: str, family_classes: tuple[str, ...], quantized: list[str],
-                 base_quantized: list[str]) -> tuple[list[PlannedRow], list[dict]]:
+                 base_quantized: list[str], class_layers: dict[str, list[int]] | None = None,
+                 num_layers: int | None = None) -> tuple[list[PlannedRow], list[dict]]:
     """The plan's rows for one build: what each restores, and the rows skipped with their reason.
 
     Skipped: a row naming a class the family lacks, a row whose classes the build does not quantize, a row that needs
     a class the base keeps quantized, and a second row of the same variant unless it is a repeat (more engines of it).
     Restoring every quantized class stays its own row: it must reproduce the base exactly, an end-to-end check.
+    class_layers (class -> the build's layers holding it quantized) and num_layers turn `class@layers` entries into this
+    build's reading of them (selection.normalize_entry), so that one variant has one name; an entry no layer of the
+    build can serve is refused here, before anything runs.
     """
     seen: dict[tuple, str] = {}
     todo, skipped = [], []
@@ -218,6 +222,9 @@ def resolve_rows(plan: Plan, family: str, family_classes: tuple[str, ...], quant
             skipped.append({"name": row.name, "reason": f"{family} has no {what}"})
             continue
         restored = row.restored(quantized)
+        if restored and class_layers is not None:
+            restored = list(dict.fromkeys(normalize_entry(e, class_layers, f"plan {plan.name}: row {row.name!r}", num_layers)
+                                          for e in restored))
         if restored is not None and row.restore and not restored:
             skipped.append({"name": row.name, "reason": f"{', '.join(row.restore)} not quantized in this build"})
             continue

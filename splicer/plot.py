@@ -22,10 +22,13 @@ LINK_LINE = "Plot: KL per corpus against decode ms/token and against size on dis
 def _points(results: dict) -> list[dict]:
     out = []
     for v in results.get("variants", []):
-        if v.get("status") != "ok" or not v.get("metrics") or v.get("repeat_of"):
+        if not isinstance(v, dict) or v.get("status") != "ok" or not isinstance(v.get("metrics"), dict) or v.get("repeat_of"):
             continue  # a repeat is the same variant measured again: its spread is in the table, not a point of its own
+        metrics = {c: m for c, m in v["metrics"].items() if isinstance(m, dict) and isinstance(m.get("kl"), (int, float))}
+        if not metrics:
+            continue
         out.append({"name": v["name"], "size_gb": (v.get("size_bytes") or 0) / 1e9, "decode": v.get("decode_ms_per_token"),
-                    "decode_iqr": (v.get("timing") or {}).get("decode_iqr"), "metrics": v["metrics"],
+                    "decode_iqr": (v.get("timing") or {}).get("decode_iqr"), "metrics": metrics,
                     "predicted": bool(v.get("predicted"))})
     return out
 
@@ -51,7 +54,12 @@ def write_plot(folder: str | Path) -> list[Path]:
     path = folder / "results.json"
     if not path.exists():
         raise SplicerError(f"{folder} has no results.json; pass a folder `splicer ablate` or `splicer score` wrote")
-    results = json.loads(path.read_text())
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SplicerError(f"{path} cannot be read as JSON ({e.__class__.__name__}); it is damaged: run the ablate again") from None
+    if not isinstance(results, dict) or not isinstance(results.get("variants"), list):
+        raise SplicerError(f"{path} is not a splicer results file (no variants list); pass a folder splicer ablate or score wrote")
     points = _points(results)
     corpora = [c for c in (results.get("corpora") or {}) if any(c in p["metrics"] for p in points)] or \
         sorted({c for p in points for c in p["metrics"]})
@@ -82,8 +90,8 @@ def write_plot(folder: str | Path) -> list[Path]:
             ax.set_ylabel(f"KL(base ‖ variant), {corpus}")
             ax.grid(alpha=0.3)
     build = ((results.get("inputs") or {}).get("build") or {}).get("source", "")
-    fig.suptitle(f"{Path(str(build)).name or folder.name}: every variant of {folder.name} against the base "
-                 "(bars: KL 95 % interval; decode: IQR of runs)", fontsize=9)
+    fig.suptitle(f"{Path(str(build)).name or folder.name}: every variant against the base\n(bars: KL 95 % interval"
+                 + ("; decode: IQR of timing runs)" if timed else "; decode not timed in this run)"), fontsize=9)
     fig.tight_layout()
     written = []
     for ext in ("png", "svg"):
@@ -93,15 +101,20 @@ def write_plot(folder: str | Path) -> list[Path]:
         tmp.replace(out)
         written.append(out)
     plt.close(fig)
-    link(folder)
+    if link(folder):
+        written.append(folder / "table.md")
     return written
 
 
-def link(folder: Path) -> None:
-    """Add the plot's link line to DIR/table.md (once)."""
+def link(folder: Path) -> bool:
+    """Add the plot's link line to DIR/table.md (once), saying so when the plot is older than results.json (rows
+    finished after it was drawn); returns whether there was a table to link from."""
     table = folder / "table.md"
     if not table.exists():
-        return
-    text = table.read_text()
-    if LINK_LINE not in text:
-        table.write_text(text.rstrip("\n") + f"\n\n{LINK_LINE}: [{PLOT_STEM}.png]({PLOT_STEM}.png) ([SVG]({PLOT_STEM}.svg)).\n")
+        return False
+    text = "\n".join(line for line in table.read_text().splitlines() if not line.startswith(LINK_LINE)).rstrip("\n")
+    png, results = folder / f"{PLOT_STEM}.png", folder / "results.json"
+    stale = png.exists() and results.exists() and png.stat().st_mtime_ns < results.stat().st_mtime_ns
+    note = " It was drawn before the last rows finished: run `splicer plot DIR` again." if stale else ""
+    table.write_text(f"{text}\n\n{LINK_LINE}: [{PLOT_STEM}.png]({PLOT_STEM}.png) ([SVG]({PLOT_STEM}.svg)).{note}\n")
+    return True

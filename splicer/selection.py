@@ -70,9 +70,16 @@ def format_layers(layers) -> str:
 
 def canonical_entries(entries: list[str], where: str) -> list[str]:
     """Plan or command-line entries in one spelling: a class, or `class@ranges` with the ranges sorted and merged (a
-    class named twice is one entry; whole wins over some layers)."""
+    class named twice is one entry; whole wins over some layers). Each list element is one entry (its own layers may
+    be comma separated: "attention@3,7"); an empty element or one that is only numbers is refused."""
     layers: dict[str, set[int] | None] = {}
-    for cls, text in split_restore(",".join(entries)):
+    for element in entries:
+        if not str(element).strip():
+            raise SplicerError(f"{where}: an empty entry; name a class, or a class in some layers like gdn@0-9")
+        items = split_restore(element)
+        if len(items) != 1:
+            raise SplicerError(f"{where}: {element[:40]!r} holds {len(items)} entries; give each class its own list element")
+        cls, text = items[0]
         if not _CLASS.fullmatch(cls):
             raise SplicerError(f"{where}: {cls[:40]!r} is not a class name (write CLASS or CLASS@LAYERS, e.g. gdn@0-9)")
         if text is None:
@@ -80,3 +87,24 @@ def canonical_entries(entries: list[str], where: str) -> list[str]:
         elif cls not in layers or layers[cls] is not None:
             layers[cls] = (layers.get(cls) or set()) | set(layer_numbers(text, f"{where}: {cls}@{text[:40]}"))
     return [c if ls is None else f"{c}@{format_layers(ls)}" for c, ls in layers.items()]
+
+
+def normalize_entry(entry: str, class_layers: dict[str, list[int]], where: str, num_layers: int | None = None) -> str:
+    """An entry as this build reads it: layers that hold no quantized module of the class dropped, and all of the
+    class's layers written as the bare class, so that one variant has one name. Refused when no layer is left."""
+    cls, _, text = entry.partition("@")
+    if not text:
+        return entry
+    have = class_layers.get(cls) or []
+    if not have:
+        raise SplicerError(f"{where}: {entry}: {cls} has no decoder layers in this build (one head, or stored apart); "
+                           f"restore it whole: {cls}")
+    asked = set(layer_numbers(text, f"{where}: {entry}"))
+    if num_layers is not None and max(asked) >= num_layers:
+        raise SplicerError(f"{where}: {entry}: layer {max(asked)} is out of range; this build has {num_layers} decoder "
+                           f"layers, 0-{num_layers - 1}")
+    kept = sorted(asked & set(have))
+    if not kept:
+        raise SplicerError(f"{where}: {entry}: no quantized {cls} module in those layers; this build has {cls} in layers "
+                           f"{format_layers(have)}")
+    return cls if kept == sorted(have) else f"{cls}@{format_layers(kept)}"

@@ -41,9 +41,15 @@ def sweep_plan(build_src: str, cls: str, groups: int, template: str = "where-err
     if not layers:
         raise SplicerError(f"--class {cls}: no quantized {cls} module in a decoder layer of this build (see splicer inspect); "
                            "a sweep needs a class spread over layers")
+    if len(layers) < 2:
+        raise SplicerError(f"--class {cls}: this build has {cls} quantized in one decoder layer only ({layers[0]}), "
+                           "so there are no groups to sweep; restore it whole in a plan row")
     if not 2 <= groups <= len(layers):
         raise SplicerError(f"--groups {groups}: give 2 to {len(layers)} (this build has {cls} in {len(layers)} layers, "
                            f"{format_layers(layers)})")
+    from .arch import all_classes
+
+    load_plan(template, all_classes())  # a template that is not a valid plan is refused as any plan is, naming its file
     raw = tomllib.loads(_plan_path(template).read_text(encoding="utf-8"))
     parts = layer_groups(layers, groups)
     rows = [{"name": "build", "restore": []}]

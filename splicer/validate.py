@@ -212,17 +212,22 @@ def parse_restore(spec: str, arch: Architecture, modules: dict[str, Module], bui
     the family's class order. Checked against the build: each class as parse_classes checks it, each layer in range,
     and a class given layers must have quantized modules in them."""
     items = split_restore(spec)
+    if any(not c for c, _ in items):
+        raise SplicerError(f"--restore {_clip(spec)}: an entry has no class before @; write CLASS or CLASS@LAYERS, e.g. gdn@0-9")
+    if any(c == "all" for c, _ in items) and (len(items) > 1 or items[0][1] is not None):
+        raise SplicerError(f"--restore {_clip(spec)}: all means every quantized class in every layer and stands alone; "
+                           "drop it, or drop the other entries")
     classes = parse_classes(",".join(c for c, _ in items), arch, modules, build_has_mtp)
     if any(layers is not None for _, layers in items) and layers_option is not None:
         raise SplicerError("--restore names layers with @ and --layers is given too; put the layers after each class "
                            "(gdn@0-9) or use --layers for all of them, not both")
     per: dict[str, set[int] | None] = {}
+    layers_of = quantized_layers(modules, arch)
     for cls, text in items:
         if text is None:
             per[cls] = None
             continue
-        have = sorted({arch.layer_index(n) for n, m in modules.items()
-                       if m.quantized and m.cls == cls and not arch.is_mtp(n) and arch.layer_index(n) is not None})
+        have = layers_of.get(cls, [])
         if not have:
             raise SplicerError(f"--restore {cls}@{_clip(text, 20)[1:-1]}: {cls} has no decoder layers in this build "
                                f"(one head, or stored apart); restore it whole: {cls}")
@@ -233,7 +238,21 @@ def parse_restore(spec: str, arch: Architecture, modules: dict[str, Module], bui
         if not got & set(have):
             raise SplicerError(f"--restore {cls}@{_clip(text, 20)[1:-1]}: no quantized {cls} module in those layers; "
                                f"this build has {cls} in layers {format_layers(have)}")
+    # One variant, one name: layers without the class dropped, all of its layers written as the bare class.
+    for cls, got in per.items():
+        if got is not None:
+            got &= set(layers_of[cls])
+            per[cls] = None if got == set(layers_of[cls]) else got
     return {c: per.get(c) for c in classes}
+
+
+def quantized_layers(modules: dict[str, Module], arch: Architecture) -> dict[str, list[int]]:
+    """class -> the decoder layers holding its quantized modules (the MTP head, stored apart or as a layer, not counted)."""
+    out: dict[str, set[int]] = {}
+    for n, m in modules.items():
+        if m.quantized and not arch.is_mtp(n) and arch.layer_index(n) is not None:
+            out.setdefault(m.cls, set()).add(arch.layer_index(n))
+    return {c: sorted(v) for c, v in out.items()}
 
 
 def _clip(text: str, n: int = 40) -> str:
@@ -253,7 +272,8 @@ def parse_layers(spec: str | None, num_layers: int, mtp_layer: int | None = None
     last = num_layers - 1
     have = f"this build has {num_layers} decoder layers, 0-{last}"
     if not spec.strip():
-        raise SplicerError(f"{what} is empty; give layer numbers or ranges like 0,4-7 ({have}), or drop --layers")
+        raise SplicerError(f"{what} is empty; give layer numbers or ranges like 0,4-7 ({have}), or "
+                           + ("drop --layers" if what == "--layers" else "name the class alone for all its layers"))
     bounds = []
     for part in (p.strip() for p in spec.split(",")):
         m = _LAYER_PART.fullmatch(part)

@@ -48,7 +48,8 @@ def test_splice_restores_a_class_in_some_layers_only(pairs, tmp_path):
         restored = (m.cls == "gdn" and layer in (0, 1) and not arch.is_mtp(name)) or (m.cls == "attention" and layer == 3)
         assert after[name].quantized != restored, name
     assert inspect_checkpoint(open_checkpoint(out, "out"))["lint"]["issues"] == []
-    assert json.loads((out / "splice.json").read_text())["restore"] == "gdn@0-1,attention@3"
+    # attention is quantized in layer 3 only: attention@3 is all of it, recorded as the bare class
+    assert json.loads((out / "splice.json").read_text())["restore"] == "gdn@0-1,attention"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -90,9 +91,9 @@ restore = ["attention@3", "gdn@0-1"]
     assert main(args) == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert {v["name"]: v["restored"] for v in results["variants"]} == {
-        "build": [], "gdn-early": ["gdn@0-1"], "two": ["gdn@0-1", "attention@3"]}
+        "build": [], "gdn-early": ["gdn@0-1"], "two": ["gdn@0-1", "attention"]}
     spliced = tmp_path / "run" / "variants" / "two" / "splice.json"
-    assert json.loads(spliced.read_text())["restore"] == "gdn@0-1,attention@3"
+    assert json.loads(spliced.read_text())["restore"] == "gdn@0-1,attention"
     stamp = spliced.stat().st_mtime_ns
     (tmp_path / "run" / "results.json").unlink()  # rows to run again: their splices are current and reused
     assert main(args) == 0
@@ -153,3 +154,48 @@ def test_plan_sweep_writes_group_leave_one_out_and_whole_rows(pairs, tmp_path, c
     inside = pairs["fused"]["lowlatency"] / "sweep.toml"
     assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(inside)]) == 2
     assert "inside the build folder" in capsys.readouterr().err and not inside.exists()
+
+
+def test_plan_entries_are_read_as_the_build_reads_them():
+    """One variant, one name: layers without the class dropped, all of a class's layers written as the bare class, so
+    two spellings of one variant are one row; an entry no layer of the build serves is refused before anything runs."""
+    from splicer.plan import Plan, resolve_rows
+
+    def plan(*rows):
+        return Plan("p", "d", 20, [], None, [Row(n, restore=r) for n, r in rows], "digest")
+
+    layers = {"gdn": [0, 1, 2], "attention": [3], "experts": [0, 1, 2, 3]}
+    quantized = ["gdn", "attention", "experts"]
+    todo, skipped = resolve_rows(plan(("a3", ["attention@3"]), ("a", ["attention"]), ("g03", ["gdn@0,3"]), ("g0", ["gdn@0"]),
+                                      ("g", ["gdn@0-2"])), "qwen3_5_moe", quantized + ["lm_head"], quantized, [], layers, 4)
+    assert [(t.row.name, t.restored) for t in todo] == [("a3", ["attention"]), ("g03", ["gdn@0"]), ("g", ["gdn"])]
+    assert {s["name"]: s["reason"] for s in skipped} == {"a": "same variant as a3", "g0": "same variant as g03"}
+    for entry, message in (("gdn@3", "no quantized gdn module in those layers"), ("gdn@9", "layer 9 is out of range"),
+                           ("lm_head@0", "lm_head has no decoder layers")):
+        with pytest.raises(SplicerError, match=message):
+            resolve_rows(plan(("r", [entry])), "qwen3_5_moe", quantized + ["lm_head"], quantized + ["lm_head"], [], layers, 4)
+
+
+def test_plan_entries_that_are_empty_or_only_numbers_are_refused():
+    for entries, message in (([""], "an empty entry"), (["gdn@0", "3"], "'3' is not a class name"),
+                             (["gdn@0,attention"], "holds 2 entries")):
+        with pytest.raises(SplicerError, match=message):
+            canonical_entries(entries, "row r")
+
+
+def test_splice_names_a_variant_as_the_build_reads_it(pairs, tmp_path):
+    for spec, recorded in (("gdn@0,3", "gdn@0"), ("gdn@0-2", "gdn")):
+        out = tmp_path / spec.replace(",", "_").replace("@", "_")
+        assert main(["splice", "-q", "--restore", spec, str(pairs["fused"]["lowlatency"]), str(pairs["fused"]["base"]),
+                     "-o", str(out)]) == 0
+        assert json.loads((out / "splice.json").read_text())["restore"] == recorded
+
+
+def test_sweep_refuses_a_bad_template_and_a_class_in_one_layer(pairs, tmp_path, capsys):
+    template = tmp_path / "t.toml"
+    template.write_text('name = "t"\ndescription = "d"\ntop_k = 20\n[[row]]\nname = "b"\nrestore = []\n')
+    for args, message in ((["--class", "gdn", "--from", str(template)], f"plan {template} declares no [[corpus]]"),
+                          (["--class", "attention"], "attention quantized in one decoder layer only")):
+        assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--groups", "2", "-o", str(tmp_path / "s.toml"), *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "s.toml").exists()

@@ -40,3 +40,29 @@ def test_plot_of_a_folder_without_results_is_refused(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "has no results.json" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_plot_older_than_the_results_is_linked_as_stale(tmp_path):
+    import os
+
+    from splicer.plot import link, write_plot
+
+    results = {"corpora": {"wiki-en": {}}, "variants": [_variant("build", 0.8, 9e9), _variant("gdn", 0.5, 9.5e9)]}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    (tmp_path / "table.md").write_text("| table |\n")
+    write_plot(tmp_path)
+    assert "drawn before" not in (tmp_path / "table.md").read_text()
+    later = (tmp_path / "plot-kl.png").stat().st_mtime_ns + 10**9
+    os.utime(tmp_path / "results.json", ns=(later, later))  # a row finished after the plot
+    (tmp_path / "table.md").write_text("| table, rewritten |\n")
+    link(tmp_path)
+    text = (tmp_path / "table.md").read_text()
+    assert text.count(LINK_LINE) == 1 and "drawn before the last rows finished" in text
+
+
+def test_a_damaged_results_file_is_one_line(tmp_path, capsys):
+    for content, message in (("{", "cannot be read as JSON"), ("[]", "not a splicer results file")):
+        (tmp_path / "results.json").write_text(content)
+        assert main(["plot", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1

@@ -67,7 +67,10 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     frozen = validate_base(base, build, settings.allow_quantized_base)
     checkpoints = open_checkpoint_rows(plan, selected, base, settings)
     family = build.config.get("model_type") or build.arch.name
-    todo, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen)
+    from ..validate import quantized_layers
+
+    todo, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen, quantized_layers(modules, build.arch),
+                                 build.text_config.get("num_hidden_layers"))
     if settings.gpus:  # each GPU's own engines of the build replace the plan's extra ones (spread.py); refused before DIR changes
         firsts, lasts, spread_rows, replaced = spread.gpu_build_rows(todo, settings.gpus,
                                                                      timed=bool(settings.time_decode and plan.timing))
