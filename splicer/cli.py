@@ -214,6 +214,13 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+def _cmd_budget(args) -> int:
+    from .budget import budget_report
+
+    print(budget_report(args.dir, args.max_decode_ms, args.max_gb, args.max_kl, args.corpus))
+    return 0
+
+
 def _cmd_table(args) -> int:
     from .table import render
 
@@ -377,6 +384,15 @@ def build_parser() -> argparse.ArgumentParser:
                                     "front drawn: DIR/plot-kl.png and .svg, linked from DIR/table.md")
     s.add_argument("dir", metavar="DIR", help="a results folder (splicer ablate or splicer score)")
     s.set_defaults(func=_cmd_plot)
+
+    s = sub.add_parser("budget", help="which restores fit a size, decode or KL budget: every combination of the measured "
+                                      "single-entry rows predicted (additive, with the measured additivity), the Pareto front")
+    s.add_argument("dir", metavar="DIR", help="a results folder of splicer ablate with single-class (or per-layer) rows")
+    s.add_argument("--max-decode-ms", type=float, help="decode ms/token at most (needs a timed run)")
+    s.add_argument("--max-gb", type=float, help="size on disk at most, GB")
+    s.add_argument("--max-kl", type=float, help="predicted KL at most")
+    s.add_argument("--corpus", help="KL on this corpus (default: pooled over the corpora)")
+    s.set_defaults(func=_cmd_budget)
 
     s = sub.add_parser("table", help="print the table of an ablate results folder")
     s.add_argument("dir", metavar="DIR", type=Path)

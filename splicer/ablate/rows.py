@@ -231,15 +231,17 @@ def run_row(item: PlannedRow, schedule: RowSchedule, backend, cache: Path, corpo
 
 def _run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list, done: dict, cache: Path, corpora, tok,
               plan: Plan, settings: AblateSettings, out: Path, base, job: dict, quantized, frozen, skipped, earlier_runs,
-              started: str, t_start: float, spread_plan) -> dict:
+              started: str, t_start: float, spread_plan, class_layers: dict | None = None) -> dict:
     """run_ablate under DIR's lock, from the base pass on: the base pass (splices and compiles beside it), each row
-    (serially, or with --gpus one thread per GPU), results.json, table.md and report.md after every row."""
+    (serially, or with --gpus one thread per GPU), results.json, table.md and report.md after every row.
+    class_layers: class -> the decoder layers holding it quantized, recorded for `splicer budget`."""
     backend = backends[0]
     schedule.before_base_pass(base_pending=not (cache / "done.json").exists())
     with settings.stages.stage("base pass"):
         corpora = base_pass(backend, base.root, plan, settings, cache, tok, corpora, base.arch.chat_stop_tokens)
     schedule.wait_prepared()
     results = new_results(job, plan, corpora, cache, quantized, frozen, skipped, settings, earlier_runs, started)
+    results["class_layers"] = class_layers or {}  # what a whole-class row restores, layer by layer (splicer budget)
 
     def finish_precompile(on_backend, gpu=None) -> None:
         # Spread over GPUs, each GPU's thread waits for its own compiling processes only.

@@ -69,7 +69,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     family = build.config.get("model_type") or build.arch.name
     from ..validate import quantized_layers
 
-    todo, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen, quantized_layers(modules, build.arch),
+    class_layers = quantized_layers(modules, build.arch)
+    todo, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen, class_layers,
                                  build.text_config.get("num_hidden_layers"))
     if settings.gpus:  # each GPU's own engines of the build replace the plan's extra ones (spread.py); refused before DIR changes
         firsts, lasts, spread_rows, replaced = spread.gpu_build_rows(todo, settings.gpus,
@@ -103,7 +104,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         try:
             return _run_rows(schedule, backends, todo, run_list, done, cache, corpora, tok, plan, settings, out, base, job,
                              quantized, frozen, skipped, earlier_runs, started,
-                             t_start, (firsts, lasts, spread_rows) if settings.gpus else None)
+                             t_start, (firsts, lasts, spread_rows) if settings.gpus else None, class_layers)
         except BaseException:
             schedule.cancel()  # nothing is spliced or compiled into DIR once its lock is released
             raise

@@ -1,0 +1,75 @@
+"""`splicer budget DIR` (issue 17, first part): the additive model fitted from measured rows, its stated error, and
+the Pareto front under a limit. Synthetic results.json files, so that every number is known."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splicer.budget import fit, front, predictions
+from splicer.cli import main
+from splicer.errors import SplicerError
+
+
+def _v(name, restored, kl, size, decode=None):
+    return {"name": name, "status": "ok", "restored": restored, "size_bytes": size, "decode_ms_per_token": decode,
+            "metrics": {"wiki-en": {"kl": kl, "positions": 100}}}
+
+
+def _results(*variants, class_layers=None):
+    return {"variants": list(variants), "class_layers": class_layers or {"gdn": [0, 1, 2], "attention": [3]}}
+
+
+def test_atoms_ratio_and_leave_one_out_error():
+    """Reductions 0.2 (gdn@0), 0.1 (gdn@1), 0.3 (attention); rows restoring several reduce 0.9x their atoms' sum, so the
+    fitted additivity is 0.9 and each such row is predicted from the others exactly."""
+    r = _results(_v("build", [], 1.0, 10e9, 10.0), _v("g0", ["gdn@0"], 0.8, 11e9, 11.0), _v("g1", ["gdn@1"], 0.9, 11e9, 11.0),
+                 _v("a", ["attention"], 0.7, 12e9, 12.0), _v("g01", ["gdn@0-1"], 1.0 - 0.9 * 0.3, 12e9, 12.0),
+                 _v("g0a", ["gdn@0", "attention"], 1.0 - 0.9 * 0.5, 13e9, 13.0))
+    m = fit(r)
+    assert sorted(a.entry for a in m.atoms) == ["attention", "gdn@0", "gdn@1"]
+    assert m.kl_ratio == pytest.approx(0.9)
+    assert [(c["row"], round(c["predicted_kl"], 6), round(c["measured_kl"], 6)) for c in m.checks] == [
+        ("g01", 0.73, 0.73), ("g0a", 0.55, 0.55)]
+    preds = {p.label: p for p in predictions(m, r)}
+    assert preds["gdn@0-1,attention"].kl == pytest.approx(1.0 - 0.9 * 0.6)
+    assert preds["gdn@0-1,attention"].size_gb == pytest.approx(14.0)  # sizes add exactly
+    assert preds["gdn@0-1"].measured["row"] == "g01"
+    best = front([p for p in predictions(m, r) if p.size_gb <= 12.0], "size_gb")
+    assert [p.label for p in best] == ["none (the build)", "gdn@0", "attention"]
+
+
+def test_a_whole_class_row_is_a_union_of_its_layer_groups():
+    """A sweep: gdn@0, gdn@1, gdn@2 are atoms; gdn@1-2 (leave one out) and gdn (whole, from class_layers) measure
+    additivity instead of being atoms."""
+    r = _results(_v("build", [], 1.0, 10e9), _v("g0", ["gdn@0"], 0.9, 11e9), _v("g1", ["gdn@1"], 0.9, 11e9),
+                 _v("g2", ["gdn@2"], 0.9, 11e9), _v("no0", ["gdn@1-2"], 0.8, 12e9), _v("gdn", ["gdn"], 0.7, 13e9))
+    m = fit(r)
+    assert sorted(a.entry for a in m.atoms) == ["gdn@0", "gdn@1", "gdn@2"]
+    assert [c["row"] for c in m.checks] == ["no0", "gdn"] and m.kl_ratio == pytest.approx(1.0)
+
+
+def test_no_multi_row_means_additivity_is_assumed_and_said(tmp_path, capsys):
+    r = _results(_v("build", [], 1.0, 10e9), _v("g0", ["gdn@0"], 0.8, 11e9), _v("a", ["attention"], 0.7, 12e9))
+    (tmp_path / "results.json").write_text(json.dumps(r))
+    assert main(["budget", str(tmp_path), "--max-gb", "11.5"]) == 0
+    out = capsys.readouterr().out
+    assert "additivity is assumed (1.00), not measured" in out and "gdn@0" in out and "| attention" not in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-decode-ms", "5"], "--max-decode-ms needs timed rows"),
+    (["--corpus", "chat"], "no scored build row on corpus 'chat'"),
+])
+def test_budget_refuses_what_the_results_cannot_answer(tmp_path, capsys, args, message):
+    r = _results(_v("build", [], 1.0, 10e9), _v("g0", ["gdn@0"], 0.8, 11e9))
+    (tmp_path / "results.json").write_text(json.dumps(r))
+    assert main(["budget", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_no_single_rows_is_refused():
+    with pytest.raises(SplicerError, match="no row that restores one class"):
+        fit(_results(_v("build", [], 1.0, 10e9), _v("all", ["gdn", "attention"], 0.5, 12e9)))
