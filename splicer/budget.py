@@ -213,13 +213,9 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
                   max_kl: float | None = None, corpus: str | None = None) -> str:
     from tabulate import tabulate
 
-    path = Path(folder) / "results.json"
-    if not path.exists():
-        raise SplicerError(f"{folder} has no results.json; pass a folder splicer ablate wrote")
-    try:
-        results = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SplicerError(f"{path} cannot be read as JSON ({e.__class__.__name__}); it is damaged: run the ablate again") from None
+    from .table import load_results
+
+    results = load_results(Path(folder))
     model = fit(results, corpus)
     if max_decode_ms is not None and model.decode_ratio is None:
         raise SplicerError("--max-decode-ms needs timed rows, and this run did not time every single-entry row and the build "

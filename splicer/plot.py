@@ -10,10 +10,10 @@ budget search's) are hollow, measured ones filled.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .errors import SplicerError
+from .table import load_results
 
 PLOT_STEM = "plot-kl"
 LINK_LINE = "Plot: KL per corpus against decode ms/token and against size on disk"
@@ -51,15 +51,7 @@ def write_plot(folder: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     folder = Path(folder)
-    path = folder / "results.json"
-    if not path.exists():
-        raise SplicerError(f"{folder} has no results.json; pass a folder `splicer ablate` or `splicer score` wrote")
-    try:
-        results = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SplicerError(f"{path} cannot be read as JSON ({e.__class__.__name__}); it is damaged: run the ablate again") from None
-    if not isinstance(results, dict) or not isinstance(results.get("variants"), list):
-        raise SplicerError(f"{path} is not a splicer results file (no variants list); pass a folder splicer ablate or score wrote")
+    results = load_results(folder)
     points = _points(results)
     corpora = [c for c in (results.get("corpora") or {}) if any(c in p["metrics"] for p in points)] or \
         sorted({c for p in points for c in p["metrics"]})

@@ -354,9 +354,12 @@ def load_results(out_dir: Path) -> dict:
     if not path.exists():
         raise SplicerError(f"{path} does not exist; run splicer ablate with -o {out_dir} first")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
+        results = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
         raise SplicerError(f"{path} is not valid JSON; rerun splicer ablate to rewrite it") from None
+    if not isinstance(results, dict) or not isinstance(results.get("variants"), list):
+        raise SplicerError(f"{path} is not a splicer results file (no variants list); pass a folder splicer ablate or score wrote")
+    return results
 
 
 def render(out_dir: Path, fmt: str = "markdown") -> str:

@@ -39,7 +39,7 @@ def test_plot_writes_png_and_svg_and_links_them_once(tmp_path, capsys):
 def test_plot_of_a_folder_without_results_is_refused(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "has no results.json" in err and len(err.strip().splitlines()) == 1
+    assert "results.json does not exist" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_plot_older_than_the_results_is_linked_as_stale(tmp_path):
@@ -61,7 +61,7 @@ def test_a_plot_older_than_the_results_is_linked_as_stale(tmp_path):
 
 
 def test_a_damaged_results_file_is_one_line(tmp_path, capsys):
-    for content, message in (("{", "cannot be read as JSON"), ("[]", "not a splicer results file")):
+    for content, message in (("{", "is not valid JSON"), ("[]", "not a splicer results file")):
         (tmp_path / "results.json").write_text(content)
         assert main(["plot", str(tmp_path)]) == 2
         err = capsys.readouterr().err
