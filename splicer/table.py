@@ -42,6 +42,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import math
 from pathlib import Path
 
@@ -144,7 +145,8 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
     headers += ["Δ decode [95 %]", "ΔKL, % of build's [95 %]", "Δtop-1 vs build, pp [95 %]"]
     rows = []
     for r in records(results):
-        restored = r["restored"].replace(",", ", ") or "none (the build)"
+        # a space after the commas between entries, not those inside one (gdn@0,2, attention)
+        restored = re.sub(r",(?=[A-Za-z_])", ", ", r["restored"]) or "none (the build)"
         if r["status"] != "ok":
             rows.append([r["variant"], restored, "", *[""] * (2 * len(corpora)), *([""] if dnll_corpora else []), "",
                          *([""] if bw else []), "", "", f"failed: {r['error'][:80]}"])
