@@ -201,12 +201,9 @@ def predictions(model: Model, results: dict, corpus: str | None = None) -> list[
 
 def front(preds: list[Prediction], cost: str) -> list[Prediction]:
     """The predictions no other beats on both predicted KL and `cost` (size_gb or decode), by increasing cost."""
-    out, best = [], float("inf")
-    for p in sorted(preds, key=lambda p: (getattr(p, cost), p.kl)):
-        if p.kl < best - 1e-12:
-            out.append(p)
-            best = p.kl
-    return out
+    from .plot import pareto
+
+    return pareto(preds, lambda p: getattr(p, cost), lambda p: p.kl)
 
 
 def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb: float | None = None,

@@ -346,14 +346,14 @@ def _build_plan(kind: str) -> tuple[dict, callable]:
     raise ValueError(f"unknown build kind {kind!r}; one of {BUILD_KINDS}")
 
 
-def _nvfp4_global_scales(items, pick) -> dict:
-    """One NVFP4 global scale per fused group of a shard's tensors, from the group's common min and max."""
+def _nvfp4_global_scales(items) -> dict:
+    """One NVFP4 global scale per fused group of a shard's tensors (name, tensor, its build plan choice), from the
+    group's common min and max."""
     from compressed_tensors.quantization.utils import generate_gparam
 
     lo, hi = {}, {}
-    for tname, tensor in items:
-        module, _, leaf = tname.rpartition(".")
-        choice = pick(module) if leaf == "weight" and tensor.dim() == 2 else None
+    for tname, tensor, choice in items:
+        module = tname.rpartition(".")[0]
         if choice is None or isinstance(choice, (tuple, str)) or str(getattr(choice.weights.strategy, "value", "")) != "tensor_group":
             continue
         key = _global_scale_key(module)
@@ -381,11 +381,12 @@ def write_build(base: Path, out: Path, kind: str = "lowlatency") -> Path:
                     continue
                 # Build files are per expert, as llm-compressor writes them.
                 t = f.get_tensor(name)
-                items += QWEN3_5_MOE.split_fused_experts(name, t) or [(name, t)]
-            global_scales = _nvfp4_global_scales(items, pick)
-            for tname, tensor in items:
-                module, _, leaf = tname.rpartition(".")
-                choice = pick(module) if leaf == "weight" and tensor.dim() == 2 else None
+                for tname, tensor in QWEN3_5_MOE.split_fused_experts(name, t) or [(name, t)]:
+                    module, _, leaf = tname.rpartition(".")
+                    items.append((tname, tensor, pick(module) if leaf == "weight" and tensor.dim() == 2 else None))
+            global_scales = _nvfp4_global_scales(items)
+            for tname, tensor, choice in items:
+                module = tname.rpartition(".")[0]
                 key = _shard_key(tname, n_layers)
                 if QWEN3_5_MOE.expert_parts(module):
                     key += "-experts"  # routed experts in their own shards: most splices hard-link them

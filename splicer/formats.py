@@ -67,11 +67,17 @@ QUANT_SUFFIXES = tuple(sorted({s for layout in LAYOUTS for s in layout.suffixes}
 PLAIN_SUFFIXES = ("weight", "bias")
 
 
+def layout_method(quant_method: str | None) -> str:
+    """A config's quant_method as the layouts name it: vLLM maps awq, awq_marlin and auto_awq to one AWQ loader
+    (auto_awq.py)."""
+    method = str(quant_method or "")
+    return "awq" if method.startswith(("awq", "auto_awq")) else method
+
+
 def layout_for(quant_method: str | None, tensors: dict) -> Layout | None:
     """The layout of one module from its tensors (suffix -> TensorInfo) and the checkpoint's quant_method."""
     if "qweight" in tensors:
-        # vLLM maps awq, awq_marlin and auto_awq to one AWQ loader (auto_awq.py)
-        return LAYOUT["awq" if str(quant_method or "").startswith(("awq", "auto_awq")) else "gptq"]
+        return LAYOUT["awq" if layout_method(quant_method) == "awq" else "gptq"]
     if "weight_packed" in tensors:
         return LAYOUT["ct-nvfp4" if "weight_global_scale" in tensors else "ct-pack"]
     w = tensors.get("weight")

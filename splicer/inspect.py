@@ -8,7 +8,7 @@ from .checkpoint import Checkpoint
 from .errors import SplicerError
 from .formats import READ_METHODS, checkpoint_format, group_format, group_scheme, unreadable
 from .modules import list_modules
-from .rules import check, validate_regexes
+from .rules import check, is_skip_list, validate_regexes
 
 
 def tensor_class(ckpt: Checkpoint, tensor: str) -> str:
@@ -66,7 +66,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
             row["bytes_on_disk"] += info.nbytes
             row["bytes_per_decode_step"] += info.nbytes * decode_fraction(ckpt, name, info.shape)
     report = check(modules, qc, arch, {n: info.dtype for hdr in ckpt.headers.values() for n, info in hdr.tensors.items()})
-    if qc.get("quant_method") in ("fp8", "awq"):
+    if is_skip_list(qc):
         # What vLLM's loader requires of the config itself (splice refuses these before writing anything).
         from .validate import validate_build
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from .checkpoint import Checkpoint
 from .errors import SplicerError
 from .formats import (PLAIN_SUFFIXES, QUANT_SUFFIXES, QUANTIZED_WEIGHT_DTYPES, READ_QUANT_METHODS, config_block, layout_for,
-                      weight_scale_strategy)
+                      layout_method, weight_scale_strategy)
 from .safetensors_io import DTYPE_SIZES, ByteSource, TensorInfo
 
 
@@ -125,7 +125,7 @@ def _packed_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict, reade
         raise SplicerError(f"{ckpt.label}: module {name} has {sorted(packed)} but no quantized weight (weight_packed, qweight, "
                            "or an fp8/int8 weight); the build is incomplete, re-export it")
     method = str(qc.get("quant_method") or "")
-    said = "awq" if method.startswith(("awq", "auto_awq")) else method
+    said = layout_method(method)
     if said in READ_QUANT_METHODS and layout.quant_method != said:
         stored = {"gptq": "GPTQ or AWQ", "awq": "GPTQ or AWQ", "ct-pack": "compressed-tensors pack-quantized",
                   "ct-nvfp4": "NVFP4", "ct-int": "INT8"}.get(layout.name, "FP8")

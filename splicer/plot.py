@@ -33,13 +33,15 @@ def _points(results: dict) -> list[dict]:
     return out
 
 
-def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
-    """The points no other point beats on both x and y (lower is better on both), by increasing x."""
+def pareto(items: list, x=lambda p: p[0], y=lambda p: p[1]) -> list:
+    """The items no other item beats on both x and y (lower is better on both), by increasing x; a y lower by less
+    than 1e-12 (float noise of a sum) is no improvement. Used for the measured points here and the predicted
+    combinations of `splicer budget`."""
     front, best = [], float("inf")
-    for x, y, name in sorted(points, key=lambda p: (p[0], p[1])):
-        if y < best:
-            front.append((x, y, name))
-            best = y
+    for item in sorted(items, key=lambda p: (x(p), y(p))):
+        if y(item) < best - 1e-12:
+            front.append(item)
+            best = y(item)
     return front
 
 

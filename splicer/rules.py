@@ -304,6 +304,12 @@ def skip_list_scheme(qc: dict) -> str:
     return f"int{qc.get('w_bit', qc.get('bits'))} g{qc.get('q_group_size', qc.get('group_size'))}"
 
 
+def skip_list_mismatch(qc: dict, modules: dict[str, Module]) -> Module | None:
+    """The first quantized module (by name) stored otherwise than a skip-list config says every one is (None: all agree)."""
+    said = skip_list_scheme(qc)
+    return next((m for _, m in sorted(modules.items()) if m.quantized and m.scheme != said), None)
+
+
 def hf_should_skip(name: str, patterns: list[str]) -> bool:
     """transformers 5 `quantizers_utils.should_convert_module`, negated: a pattern matches from the start of the name up
     to a module boundary (as a regex), or as a suffix. Mirrored because transformers imports in seconds."""
@@ -421,10 +427,9 @@ def _check_skip_list(modules: dict[str, Module], qc: dict, arch: Architecture, r
     dead_both = [e for e in report.dead_ignore["hf"] if e in report.dead_ignore.get("vllm", [])]
     if dead_both:
         report.add("dead-ignore", "hf+vllm", f"{len(dead_both)} skip-list entries match no module, e.g. {dead_both[0]!r}")
-    said = skip_list_scheme(qc)
-    wrong = next((m for m in modules.values() if m.quantized and m.scheme != said), None)
+    wrong = skip_list_mismatch(qc, modules)
     if wrong:
-        report.add("scheme-mismatch", "hf", f"{wrong.name}: config says {said}, tensors are {wrong.scheme}")
+        report.add("scheme-mismatch", "hf", f"{wrong.name}: config says {skip_list_scheme(qc)}, tensors are {wrong.scheme}")
     if qc.get("quant_method") == "awq" and ("bits" not in qc or "group_size" not in qc):
         report.notes.append("transformers' AwqConfig reads bits and group_size only (defaults 4 and 128), not w_bit / "
                             "q_group_size, which vLLM also reads; write both spellings for transformers")

@@ -89,6 +89,13 @@ def canonical_entries(entries: list[str], where: str) -> list[str]:
     return [c if ls is None else f"{c}@{format_layers(ls)}" for c, ls in layers.items()]
 
 
+def layers_read(asked, have) -> set[int] | None:
+    """The layers of `asked` that hold the class (`have`), or None when that is all of them: one variant, one name,
+    whether it was written `gdn`, `gdn@0-2` or `gdn@0-9` on a build with GDN in layers 0-2."""
+    kept = set(asked) & set(have)
+    return None if kept == set(have) else kept
+
+
 def normalize_entry(entry: str, class_layers: dict[str, list[int]], where: str, num_layers: int | None = None) -> str:
     """An entry as this build reads it: layers that hold no quantized module of the class dropped, and all of the
     class's layers written as the bare class, so that one variant has one name. Refused when no layer is left."""
@@ -103,8 +110,10 @@ def normalize_entry(entry: str, class_layers: dict[str, list[int]], where: str, 
     if num_layers is not None and max(asked) >= num_layers:
         raise SplicerError(f"{where}: {entry}: layer {max(asked)} is out of range; this build has {num_layers} decoder "
                            f"layers, 0-{num_layers - 1}")
-    kept = sorted(asked & set(have))
+    kept = layers_read(asked, have)
+    if kept is None:
+        return cls
     if not kept:
         raise SplicerError(f"{where}: {entry}: no quantized {cls} module in those layers; this build has {cls} in layers "
                            f"{format_layers(have)}")
-    return cls if kept == sorted(have) else f"{cls}@{format_layers(kept)}"
+    return f"{cls}@{format_layers(kept)}"

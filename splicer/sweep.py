@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import open_checkpoint
+from .checkpoint import Checkpoint, open_checkpoint
 from .errors import SplicerError
 from .modules import list_modules
+from .outputs import protected_paths
 from .plan import _plan_path, load_plan, tomllib
 from .selection import format_layers
+from .validate import quantized_layers
 
 
 def layer_groups(layers: list[int], groups: int) -> list[list[int]]:
@@ -29,15 +31,12 @@ def layer_groups(layers: list[int], groups: int) -> list[list[int]]:
     return out
 
 
-def sweep_plan(build_src: str, cls: str, groups: int, template: str = "where-error-comes-from") -> dict:
-    """The sweep plan as TOML data (see the module docstring)."""
-    build = open_checkpoint(build_src, "build")
+def sweep_plan(build: Checkpoint, cls: str, groups: int, template: str = "where-error-comes-from") -> dict:
+    """The sweep plan for an opened build, as TOML data (see the module docstring)."""
     arch = build.arch
     if cls not in arch.classes:
         raise SplicerError(f"--class {cls[:40]!r}: this build's family ({arch.name}) has {', '.join(arch.classes)}")
-    modules = list_modules(build)
-    layers = sorted({arch.layer_index(n) for n, m in modules.items()
-                     if m.quantized and m.cls == cls and not arch.is_mtp(n) and arch.layer_index(n) is not None})
+    layers = quantized_layers(list_modules(build), arch).get(cls, [])
     if not layers:
         raise SplicerError(f"--class {cls}: no quantized {cls} module in a decoder layer of this build (see splicer inspect); "
                            "a sweep needs a class spread over layers")
@@ -85,11 +84,13 @@ def write_sweep(build_src: str, cls: str, groups: int, out: str | Path, template
         raise SplicerError(f"-o {str(out)[:80]} exists; choose a new file name (a plan is never overwritten)")
     if not out.parent.is_dir():
         raise SplicerError(f"the folder of -o ({out.parent}) does not exist; create it first")
-    build_root = open_checkpoint(build_src, "build").root.resolve()
-    if out.parent.resolve() == build_root or build_root in out.parent.resolve().parents:
-        raise SplicerError(f"-o {str(out)[:80]} is inside the build folder, an input, which splicer never changes; "
-                           "write the plan elsewhere")
-    plan = sweep_plan(build_src, cls, groups, template)
+    build = open_checkpoint(build_src, "build")
+    folder = out.parent.resolve()
+    for p in protected_paths([build.root]):  # the build's folder, where its files really live, its Hub-cache repo
+        if folder == p or p in folder.parents:
+            raise SplicerError(f"-o {str(out)[:80]} is inside the build folder ({p}), an input, which splicer never "
+                               "changes; write the plan elsewhere")
+    plan = sweep_plan(build, cls, groups, template)
     text = ("# Written by `splicer plan sweep`: " + plan["description"] + "\n" + tomli_w.dumps(plan))
     tmp = out.with_name(f".{out.name}.partial")
     tmp.write_text(text, encoding="utf-8")

@@ -13,8 +13,8 @@ from .checkpoint import Checkpoint, is_packed_tensor
 from .errors import SplicerError
 from .formats import CT_FORMATS, group_format, group_scheme
 from .modules import Module
-from .selection import LAYER_PART, format_layers, split_restore
-from .rules import HfReader, is_gptq, is_skip_list, skip_list_scheme, validate_regexes
+from .selection import LAYER_PART, format_layers, layers_read, split_restore
+from .rules import HfReader, is_gptq, is_skip_list, skip_list_mismatch, skip_list_scheme, validate_regexes
 
 
 def validate_build(build: Checkpoint) -> None:
@@ -110,11 +110,10 @@ def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
                                    f"{qc['bits']}-bit g{g}; the config does not match the shards, re-export the build")
         return
     if is_skip_list(qc):
-        said = skip_list_scheme(qc)
-        wrong = next(((n, m) for n, m in sorted(modules.items()) if m.quantized and m.scheme != said), None)
+        wrong = skip_list_mismatch(qc, modules)
         if wrong:
-            raise SplicerError(f"build {build.label}: {wrong[0]} is stored as {wrong[1].scheme} but the config says {said}; "
-                               "the config does not match the shards, re-export the build")
+            raise SplicerError(f"build {build.label}: {wrong.name} is stored as {wrong.scheme} but the config says "
+                               f"{skip_list_scheme(qc)}; the config does not match the shards, re-export the build")
         return
     reader = HfReader(qc, build.arch)
     for name, m in sorted(modules.items()):
@@ -241,8 +240,7 @@ def parse_restore(spec: str, arch: Architecture, modules: dict[str, Module], bui
     # One variant, one name: layers without the class dropped, all of its layers written as the bare class.
     for cls, got in per.items():
         if got is not None:
-            got &= set(layers_of[cls])
-            per[cls] = None if got == set(layers_of[cls]) else got
+            per[cls] = layers_read(got, layers_of[cls])
     return {c: per.get(c) for c in classes}
 
 

@@ -38,14 +38,14 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     splicing = any(r.restore or r.keep is not None for r in plan.rows if rows_spec == "all" or r.name in asked)
     if splicing or build.quantization_config is None:
         validate_build(build)
+    modules = list_modules(build)
     if settings.backend == "torch" and build.quantization_config:
         from ..backends.torch_ref import TorchBackend
 
-        TorchBackend.check_readable(build)  # the build row is loaded as stored: refused now, not as a failed row
+        TorchBackend.check_readable(build, modules)  # the build row is loaded as stored: refused now, not as a failed row
     # Before the base is read (or downloaded).
     out = check_output(out, [build.root, *local_folder(base_src), *(p for r in plan.rows if r.checkpoint for p in local_folder(r.checkpoint))],
                        ABLATE, own=settings.own_inputs)
-    modules = list_modules(build)
     quantized = [c for c in build.arch.classes if any(m.quantized and m.cls == c for m in modules.values())]
     selected = select_rows(plan, rows_spec, quantized) | set(added)
     options = ({"engine_args": settings.engine_args, "log_dir": out / "logs", "cache_dir": settings.engine_cache_dir,

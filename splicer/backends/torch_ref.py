@@ -125,47 +125,40 @@ class TorchBackend:
         self.folder = Path(folder)
 
     @classmethod
-    def check_readable(cls, ckpt) -> None:
-        """Refuse, in one line, a checkpoint whose format this backend cannot dequantize (before a run starts)."""
-        cls._module_schemes(ckpt)
+    def check_readable(cls, ckpt, modules: dict | None = None) -> None:
+        """Refuse, in one line, a checkpoint whose format this backend cannot dequantize (before a run starts).
+        modules: its list_modules, when the caller has them."""
+        cls._module_schemes(ckpt, modules)
 
     @staticmethod
-    def _module_schemes(ckpt) -> dict:
+    def _module_schemes(ckpt, modules: dict | None = None) -> dict:
         """Quantized module -> (its Module, what to dequantize it with), the scheme chosen the way compressed-tensors'
         loader chooses it (exact name, then regex, then class target). Its model-free dequantizer instead takes the
         first group in file order, which reads seed 000's INT8 head with the INT4 `Linear` group."""
-        from ..formats import group_format, group_scheme
+        from ..formats import group_format, group_scheme, unreadable
         from ..modules import list_modules
-        from ..quantize import scheme_from_group
-        from ..rules import HfReader
-
-        from ..formats import unreadable
+        from ..quantize import native_fp8_scheme, scheme_from_group
+        from ..rules import HfReader, is_skip_list, skip_list_mismatch, skip_list_scheme
 
         qc = ckpt.quantization_config
         why = unreadable(qc)
         if why:
             raise SplicerError(f"{ckpt.label}: the torch backend cannot read {why}; score it with --backend vllm")
-        modules = {n: m for n, m in list_modules(ckpt).items() if m.quantized}
+        modules = {n: m for n, m in (modules if modules is not None else list_modules(ckpt)).items() if m.quantized}
         if qc.get("quant_method") == "gptq":
             if qc.get("checkpoint_format", "gptq") != "gptq":
                 raise SplicerError(f"{ckpt.label}: GPTQ checkpoint_format {qc.get('checkpoint_format')!r}; the torch backend reads v1 ('gptq') only")
             return {n: (m, m.bits) for n, m in modules.items()}
-        if qc.get("quant_method") in ("fp8", "awq"):
+        if is_skip_list(qc):
             # One scheme for every quantized module: the config's, checked against what the tensors say.
-            from ..quantize import native_fp8_scheme
-            from ..rules import skip_list_scheme
-
-            said = skip_list_scheme(qc)
-            wrong = next((m for m in modules.values() if m.scheme != said), None)
+            wrong = skip_list_mismatch(qc, modules)
             if wrong:
-                raise SplicerError(f"{ckpt.label}: {wrong.name} is stored as {wrong.scheme} but the config says {said}; fix the config")
+                raise SplicerError(f"{ckpt.label}: {wrong.name} is stored as {wrong.scheme} but the config says "
+                                   f"{skip_list_scheme(qc)}; fix the config")
             if qc["quant_method"] == "fp8":
                 scheme = native_fp8_scheme(qc.get("weight_block_size"))
                 return {n: (m, scheme) for n, m in modules.items()}
             return {n: (m, m.group_size) for n, m in modules.items()}
-        if qc.get("quant_method") != "compressed-tensors":
-            raise SplicerError(f"{ckpt.label}: the torch backend cannot dequantize quant_method {qc.get('quant_method')!r} "
-                               "yet; score it with --backend vllm")
         reader = HfReader(qc, ckpt.arch)
         out = {}
         for name, m in modules.items():
