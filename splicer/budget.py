@@ -1,33 +1,48 @@
 """`splicer budget DIR`: which restores to make under a size, decode-time or KL budget, predicted from the rows a
-results folder measured (issue 17, first part: prediction and the front; splicing and measuring the chosen points,
-`--verify`, is not built yet).
+results folder measured, then spliced and measured (`--verify N`) and compared with the prediction.
 
-The model, from DIR/results.json alone:
-  * atoms: the rows that restore one entry (a class, or a class in some layers: `gdn`, `gdn@0-9`); each has a
-    measured KL reduction against the build, a size change and (when timed) a decode-time change;
+The model, from DIR/results.json (and DIR/scores/ for the intervals):
+  * atoms: the rows that restore one entry (a class, or a class in some layers: `gdn`, `gdn@0-9`) and hold no smaller
+    such row of their class; each has a measured KL reduction against the build, a size change and (when timed) a
+    decode-time change (its engines' mean against the mean of the build's engines);
   * a combination of atoms that do not overlap (different classes, or one class in disjoint layers) is predicted as
-    the build less the sum of its atoms' reductions, times the measured additivity: the mean, over rows that restore
-    several atoms together (the all row, leave-one-out rows, a sweep's whole-class row), of their measured reduction
-    over the sum of their atoms' (1.00 = additive; no such row: 1.00, and the error cannot be stated). Size adds
-    exactly (bytes on disk); decode time adds with its own measured ratio.
+    the build less the sum of its atoms' reductions, times the measured additivity: the least-squares slope, through
+    0, of the measured reduction of every row that restores several atoms together (the all row, leave-one-out rows,
+    a sweep's whole-class row, verified points) against the sum of its atoms' (1.00 = additive; no such row: 1.00,
+    and the error cannot be stated). A slope rather than a mean of ratios, so that rows whose atoms barely change KL
+    (a ratio of two noises) weigh little. Size adds exactly (bytes on disk); decode time adds with its own slope.
   * the model's own error: each multi-atom row predicted from the others (leave one out) against what it measured.
+  * intervals: a prediction's KL interval is the stratified bootstrap over sequences of the prediction made position
+    by position (the same positions for every row), the additivity held fixed; its decode interval comes from the
+    engine-to-engine spread of the run (Student's t, as the decode verdicts), the build's engines counted once per
+    atom. Neither carries the model's own error, which is stated beside them.
 KL is pooled over corpora (position-weighted) unless --corpus names one. MTP entries are left out of the KL model:
 the drafter never runs in a scoring pass (as the table's additivity note does).
+
+`--verify N` picks N points of the front that no row measured (the lowest predicted KL first, the rest spread along
+the front), adds them to DIR's job as plan rows (with one more engine of the build, so the decode intervals gain a
+degree of freedom), runs them with DIR's own inputs and settings (`splicer ablate` into DIR: finished rows are kept),
+and prints each point's prediction (made before it ran) against its measurement, the difference with its interval:
+KL paired position by position, decode with both sides' engine spread. DIR/budget.json holds the search, the
+predictions and the verification; `splicer plot DIR` draws the predicted front hollow.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .arch import DRAFTER_CLASS
 from .errors import SplicerError
 from .selection import layer_numbers
-from .verdicts import pooled_kl
+from .verdicts import pooled_kl, timed_engines
 
 MAX_ATOMS = 16  # 2^16 combinations at most, enumerated exactly
+BUDGET_JSON = "budget.json"
+VERIFY_PLAN = "budget-plan.toml"
 
 
 @dataclass(frozen=True)
@@ -35,9 +50,51 @@ class Atom:
     entry: str
     cls: str
     layers: frozenset | None  # None: every layer of the class
+    row: str  # the row that measured it (its scores are DIR/scores/ROW)
     d_kl: float  # KL reduction against the build (positive: better)
     d_size: float  # bytes added
     d_decode: float | None  # ms/token added (None: not timed)
+    engines: int = 1  # timed engines of its variant
+
+
+@dataclass
+class Additivity:
+    """How KL reductions combine: within one class (a class's layer groups together) by that class's slope, and the
+    classes' combined reductions across classes by one more slope; an unmeasured slope is 1 (additive), and said."""
+    within: dict = field(default_factory=dict)  # class -> slope, for the classes some row measured
+    across: float | None = None  # None: no row restored several classes
+
+    def reduce(self, parts, value):
+        """The predicted reduction of restoring `parts` together; value(atom) is an atom's reduction (a number, or a
+        tensor of per-position reductions)."""
+        by_cls: dict[str, list] = {}
+        for a in parts:
+            by_cls.setdefault(a.cls, []).append(a)
+        sums = [(self.within.get(c, 1.0) if len(ps) > 1 else 1.0) * sum(value(a) for a in ps) for c, ps in by_cls.items()]
+        total = sum(sums)
+        return (self.across if self.across is not None else 1.0) * total if len(sums) > 1 else total
+
+    def to_json(self) -> dict:
+        return {"within": self.within, "across": self.across}
+
+    @classmethod
+    def from_json(cls, d) -> "Additivity":
+        d = d if isinstance(d, dict) else {}
+        return cls(dict(d.get("within") or {}), d.get("across"))
+
+    @classmethod
+    def fit(cls, multi: list, measure) -> "Additivity":
+        """Least-squares slopes through 0: per class from the rows restoring several of its atoms only, then across
+        classes from the rows restoring several classes, against their classes' reductions as `within` predicts them."""
+        within = {}
+        for c in sorted({p[0].cls for _, p in multi if len({a.cls for a in p}) == 1}):
+            r = slope([(v, p) for v, p in multi if {a.cls for a in p} == {c}], measure, lambda p: sum(a.d_kl for a in p))
+            if r is not None:
+                within[c] = r
+        inner = cls(within)
+        across = slope([(v, p) for v, p in multi if len({a.cls for a in p}) > 1], measure,
+                       lambda p: inner.reduce(p, lambda a: a.d_kl))
+        return cls(within, across)
 
 
 @dataclass
@@ -47,13 +104,29 @@ class Prediction:
     size_gb: float
     decode: float | None
     measured: dict | None = None  # the row that restored exactly this set, if one did
+    kl_ci: list | None = None  # 95 % interval of the predicted KL (intervals(): front points only)
+    decode_ci: list | None = None
+    kl_by_corpus: dict = field(default_factory=dict)
+    kl_ci_by_corpus: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
         """The restore in splice's spelling (`gdn@0-1,attention`), ready for --restore or a plan row."""
+        return ",".join(self.entries) or "none (the build)"
+
+    @property
+    def entries(self) -> list[str]:
         from .selection import canonical_entries
 
-        return ",".join(canonical_entries([a.entry for a in self.atoms], "budget")) or "none (the build)"
+        return canonical_entries([a.entry for a in self.atoms], "budget") if self.atoms else []
+
+    @property
+    def row_name(self) -> str:
+        """A plan row's name for this restore: `gdn.0-7+attention` (row names are plain: no @ or commas)."""
+        import hashlib
+
+        name = "+".join(e.replace("@", ".").replace(",", "_") for e in self.entries)
+        return name if len(name) <= 100 else name[:90] + "-" + hashlib.sha256(name.encode()).hexdigest()[:8]
 
 
 @dataclass
@@ -62,10 +135,25 @@ class Model:
     build_size: float
     build_decode: float | None
     atoms: list[Atom]
-    kl_ratio: float
+    additivity: Additivity
     decode_ratio: float | None
     checks: list[dict] = field(default_factory=list)  # multi-atom rows: measured against predicted from the others
     measured: dict = field(default_factory=dict)  # frozenset of atom entries -> the row that restored exactly those
+    corpus: str | None = None
+    build_row: str = "build"
+    build_engines: int = 1
+    engine_sd_ms: float | None = None  # the run's engine-to-engine spread of a variant's mean decode (verdicts)
+    engine_df: int = 0
+    build_by_corpus: dict = field(default_factory=dict)  # corpus -> build KL
+    atom_kl_by_corpus: dict = field(default_factory=dict)  # atom entry -> corpus -> its KL
+
+    def to_json(self) -> dict:
+        return {"corpus": self.corpus, "build_kl": self.build_kl, "build_size_bytes": self.build_size,
+                "build_decode_ms": self.build_decode, "build_engines": self.build_engines, "additivity": self.additivity.to_json(),
+                "decode_ratio": self.decode_ratio, "engine_sd_ms": self.engine_sd_ms, "engine_df": self.engine_df,
+                "atoms": [{"entry": a.entry, "row": a.row, "d_kl": a.d_kl, "d_size_bytes": a.d_size, "d_decode_ms": a.d_decode,
+                           "engines": a.engines} for a in self.atoms],
+                "checks": self.checks}
 
 
 def _kl(variant: dict, corpus: str | None) -> float | None:
@@ -85,6 +173,36 @@ def _disjoint(a: Atom, b: Atom) -> bool:
     return a.layers is not None and b.layers is not None and not (a.layers & b.layers)
 
 
+def _decode(results: dict, v: dict) -> tuple[float | None, int]:
+    """A variant's decode ms/token: the mean of its engines' means (its row and its repeats, as the decode verdicts
+    take it), or the row's own figure when no per-block times were kept; and how many engines that is."""
+    engines = timed_engines(results, v["name"])
+    if engines:
+        means = [sum(e) / len(e) for e in engines]
+        return sum(means) / len(means), len(means)
+    return v.get("decode_ms_per_token"), 1
+
+
+def slope(rows, measure, x) -> float | None:
+    """Least-squares slope through 0 of measure(row) against x(its atoms)."""
+    num = den = 0.0
+    for v, parts in rows:
+        total = x(parts)
+        num += measure(v) * total
+        den += total * total
+    return num / den if den > 0 else None
+
+
+def _engine_spread(results: dict) -> tuple[float | None, int]:
+    """The run's engine-to-engine standard deviation of one engine's mean decode and its degrees of freedom, as the
+    decode verdicts estimated them (the same for every row of a run)."""
+    for v in results.get("variants", []):
+        d = v.get("decode_vs_build") if isinstance(v, dict) else None
+        if isinstance(d, dict) and d.get("engine_sd_ms") is not None and d.get("df"):
+            return d["engine_sd_ms"], d["df"]
+    return None, 0
+
+
 def fit(results: dict, corpus: str | None = None) -> Model:
     """The additive model of a results folder (see the module docstring)."""
     ok = [v for v in results.get("variants", []) if isinstance(v, dict) and v.get("status") == "ok"
@@ -94,7 +212,8 @@ def fit(results: dict, corpus: str | None = None) -> Model:
         known = sorted({c for v in ok for c in (v.get("metrics") or {})})
         raise SplicerError("the results hold no scored build row" + (f" on corpus {corpus!r} (corpora: {', '.join(known)})"
                                                                       if corpus and known else "") + "; run the plan's build row first")
-    b_kl, b_size, b_dec = _kl(build, corpus), build.get("size_bytes") or 0, build.get("decode_ms_per_token")
+    b_kl, b_size = _kl(build, corpus), build.get("size_bytes") or 0
+    b_dec, b_engines = _decode(results, build)
     scored = [(v, [e for e in v["restored"] if _parse(e)[0] != DRAFTER_CLASS]) for v in ok if v is not build]
     class_layers = {c: frozenset(ls) for c, ls in (results.get("class_layers") or {}).items()}
     singles = {}
@@ -118,9 +237,10 @@ def fit(results: dict, corpus: str | None = None) -> Model:
     for entry, v in singles.items():
         if minimal(entry):
             cls, layers = _parse(entry)
-            dec = v.get("decode_ms_per_token")
-            atoms[entry] = Atom(entry, cls, layers if layers is not None else class_layers.get(cls), b_kl - _kl(v, corpus),
-                                (v.get("size_bytes") or 0) - b_size, dec - b_dec if dec is not None and b_dec is not None else None)
+            dec, n = _decode(results, v)
+            atoms[entry] = Atom(entry, cls, layers if layers is not None else class_layers.get(cls), v["name"],
+                                b_kl - _kl(v, corpus), (v.get("size_bytes") or 0) - b_size,
+                                dec - b_dec if dec is not None and b_dec is not None else None, n)
     if not atoms:
         raise SplicerError("the results hold no row that restores one class (or one class in some layers); a budget "
                            "needs them: run a plan with single-class rows (where-error-comes-from, or splicer plan sweep)")
@@ -149,53 +269,51 @@ def fit(results: dict, corpus: str | None = None) -> Model:
         if parts and len(parts) >= 2:
             multi.append((v, parts))
 
-    def ratio(rows, measure, part) -> float | None:
-        rs = []
-        for v, parts in rows:
-            total = sum(part(a) for a in parts)
-            if total:
-                rs.append(measure(v) / total)
-        return sum(rs) / len(rs) if rs else None
-
     kl_measure = lambda v: b_kl - _kl(v, corpus)  # noqa: E731
-    kl_ratio = ratio(multi, kl_measure, lambda a: a.d_kl)
+    additivity = Additivity.fit(multi, kl_measure)
     timed = b_dec is not None and all(a.d_decode is not None for a in atoms.values())
-    dec_measure = lambda v: v["decode_ms_per_token"] - b_dec  # noqa: E731
-    dec_rows = [(v, p) for v, p in multi if v.get("decode_ms_per_token") is not None] if timed else []
-    decode_ratio = ratio(dec_rows, dec_measure, lambda a: a.d_decode) if timed else None
+    dec_rows = [(v, p) for v, p in multi if _decode(results, v)[0] is not None] if timed else []
+    decode_ratio = slope(dec_rows, lambda v: _decode(results, v)[0] - b_dec, lambda p: sum(a.d_decode for a in p)) if timed else None
     checks = []
     for i, (v, parts) in enumerate(multi):
-        others = multi[:i] + multi[i + 1:]
-        r = ratio(others, kl_measure, lambda a: a.d_kl)
-        checks.append({"row": v["name"], "measured_kl": _kl(v, corpus),
-                       "predicted_kl": None if r is None else b_kl - r * sum(a.d_kl for a in parts)})
+        others = Additivity.fit(multi[:i] + multi[i + 1:], kl_measure)
+        checks.append({"row": v["name"], "atoms": [a.entry for a in parts], "measured_kl": _kl(v, corpus),
+                       "predicted_kl": b_kl - others.reduce(parts, lambda a: a.d_kl)})
     measured = {frozenset(): build, **{frozenset([e]): singles[e] for e in atoms}}
     for v, parts in multi:
         measured.setdefault(frozenset(a.entry for a in parts), v)
-    return Model(b_kl, b_size, b_dec, list(atoms.values()), kl_ratio if kl_ratio is not None else 1.0,
-                 (decode_ratio if decode_ratio is not None else 1.0) if timed else None, checks, measured)
+    sd, df = _engine_spread(results)
+    corpora = list(results.get("corpora") or {}) or sorted({c for v in ok for c in (v.get("metrics") or {})})
+    return Model(b_kl, b_size, b_dec, list(atoms.values()), additivity,
+                 (decode_ratio if decode_ratio is not None else 1.0) if timed else None, checks, measured, corpus,
+                 build["name"], b_engines, sd, df,
+                 {c: _kl(build, c) for c in corpora if _kl(build, c) is not None},
+                 {e: {c: _kl(singles[e], c) for c in corpora if _kl(singles[e], c) is not None} for e in atoms})
 
 
-def predictions(model: Model, results: dict, corpus: str | None = None) -> list[Prediction]:
+def _combine(model: Model, combo, build_value: float, atom_value) -> float:
+    """build less the atoms' reductions combined by the measured additivity; one atom is its own measurement."""
+    return build_value - model.additivity.reduce(combo, lambda a: build_value - atom_value(a))
+
+
+def predictions(model: Model, results: dict | None = None, corpus: str | None = None) -> list[Prediction]:
     """Every combination of non-overlapping atoms (the build included), predicted; the measured row attached where one
     restored exactly that set."""
-    measured = model.measured
     out = []
     n = len(model.atoms)
     for k in range(n + 1):
         for combo in itertools.combinations(model.atoms, k):
             if not all(_disjoint(a, b) for a, b in itertools.combinations(combo, 2)):
                 continue
-            red = sum(a.d_kl for a in combo)
-            kl = model.build_kl - (model.kl_ratio * red if len(combo) > 1 else red)
+            kl = _combine(model, combo, model.build_kl, lambda a: model.build_kl - a.d_kl)
             size = (model.build_size + sum(a.d_size for a in combo)) / 1e9
             dec = None
             if model.decode_ratio is not None:
                 add = sum(a.d_decode for a in combo)
                 dec = model.build_decode + (model.decode_ratio * add if len(combo) > 1 else add)
-            m = measured.get(frozenset(a.entry for a in combo))
+            m = model.measured.get(frozenset(a.entry for a in combo))
             out.append(Prediction(combo, kl, size, dec, None if m is None else
-                                  {"row": m["name"], "kl": _kl(m, corpus), "decode": m.get("decode_ms_per_token")}))
+                                  {"row": m["name"], "kl": _kl(m, model.corpus), "decode": m.get("decode_ms_per_token")}))
     return out
 
 
@@ -206,52 +324,323 @@ def front(preds: list[Prediction], cost: str) -> list[Prediction]:
     return pareto(preds, lambda p: getattr(p, cost), lambda p: p.kl)
 
 
-def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb: float | None = None,
-                  max_kl: float | None = None, corpus: str | None = None) -> str:
-    from tabulate import tabulate
+class PositionScores:
+    """Per-position KL of the rows of a results folder (DIR/scores/ROW/CORPUS.safetensors), loaded once each."""
 
-    from .table import load_results
+    def __init__(self, folder: Path, corpora: list[str]):
+        self.folder, self.corpora, self._cache = Path(folder), corpora, {}
 
-    results = load_results(Path(folder))
-    model = fit(results, corpus)
-    if max_decode_ms is not None and model.decode_ratio is None:
-        raise SplicerError("--max-decode-ms needs timed rows, and this run did not time every single-entry row and the build "
-                           "(was it run with --no-time?); use --max-gb or --max-kl, or run the plan with timing")
-    preds = predictions(model, results, corpus)
+    def get(self, row: str, corpus: str):
+        key = (row, corpus)
+        if key not in self._cache:
+            from .verdicts import _load_scores
+
+            self._cache[key] = _load_scores(self.folder, row, corpus)
+        return self._cache[key]
+
+    def strata(self, model: Model, combo, corpus: str | None, other=None) -> dict | None:
+        """{corpus: paired_comparison stratum} of the prediction position by position (a) against `other` row's
+        measurement (b; zeros when None); None when a row's score files are missing or cover other positions."""
+        import torch
+
+        out = {}
+        for c in ([corpus] if corpus else self.corpora):
+            build = self.get(model.build_row, c)
+            parts = [self.get(a.row, c) for a in combo]
+            meas = self.get(other, c) if other else None
+            if build is None or any(p is None for p in parts) or (other and meas is None):
+                return None
+            if any(p["seq_index"].shape != build["seq_index"].shape for p in parts + ([meas] if meas else [])):
+                return None
+            b = build["kl_top"].double()
+            per_atom = {a.entry: b - p["kl_top"].double() for a, p in zip(combo, parts)}
+            pred = b - model.additivity.reduce(combo, lambda a: per_atom[a.entry]) if combo else b
+            out[c] = {"a": pred, "b": meas["kl_top"].double() if meas else torch.zeros_like(pred),
+                      "cluster": build["seq_index"], "weight": build.get("weight")}
+        return out
+
+
+def _pooled_or(comparison: dict, corpus: str | None) -> dict:
+    return comparison["per_stratum"][corpus] if corpus else comparison["pooled"]
+
+
+def intervals(model: Model, preds: list[Prediction], scores: PositionScores | None, reps: int = 2000) -> None:
+    """Fill each prediction's KL interval (from the rows' per-position scores) and decode interval (from the run's
+    engine spread), and its KL per corpus."""
+    from .metrics import _t975, paired_comparison
+
+    for p in preds:
+        p.kl_by_corpus = {c: _combine(model, p.atoms, b, lambda a, c=c: model.atom_kl_by_corpus[a.entry][c])
+                          for c, b in model.build_by_corpus.items()
+                          if all(c in model.atom_kl_by_corpus.get(a.entry, {}) for a in p.atoms)}
+        strata = scores.strata(model, p.atoms, model.corpus) if scores is not None else None
+        if strata:
+            comparison = paired_comparison(strata, reps)
+            p.kl_ci = _pooled_or(comparison, model.corpus)["diff_ci"]
+            p.kl_ci_by_corpus = {c: r["diff_ci"] for c, r in comparison["per_stratum"].items()}
+        if p.decode is not None and model.engine_sd_ms is not None and model.engine_df:
+            k = len(p.atoms)
+            r = model.decode_ratio if k > 1 else 1.0
+            var = model.engine_sd_ms ** 2 * r * r * (sum(1 / a.engines for a in p.atoms) + k * k / model.build_engines)
+            half = _t975(model.engine_df) * math.sqrt(var)
+            p.decode_ci = [p.decode - half, p.decode + half]
+
+
+def pick_verify(best: list[Prediction], n: int) -> list[Prediction]:
+    """N points of the front that no row measured: the lowest predicted KL first (the budget's answer), then the
+    rest spread evenly along the front."""
+    todo = [p for p in best if p.measured is None and p.atoms]
+    if not todo or n <= 0:
+        return []
+    chosen = [min(todo, key=lambda p: p.kl)]
+    rest = [p for p in todo if p is not chosen[0]]
+    k = min(n - 1, len(rest))
+    if k > 0:
+        step = len(rest) / k
+        chosen += [rest[int(i * step + step / 2)] for i in range(k)]
+    return chosen
+
+
+def _settings_from_job(job: dict, results: dict, progress: bool):
+    """DIR's own run settings, so that the verified rows are measured exactly as the rest."""
+    from .ablate import AblateSettings
+
+    st = job.get("settings") or {}
+    bw = results.get("bandwidth_bytes_per_s")
+    return AblateSettings(backend=st.get("backend", "torch"), device=st.get("device", "auto"), time_decode=st.get("time_decode", True),
+                          corpus_overrides=st.get("corpus_overrides") or {}, batch_size=st.get("batch_size"),
+                          engine_args=st.get("engine_args") or {}, engine_env=st.get("engine_env") or {},
+                          allow_quantized_base=bool(st.get("allow_quantized_base")), overlap_starts=st.get("overlap_starts") or 0,
+                          rewake_before_timing=bool(st.get("rewake_before_timing")), gpus=tuple(st.get("gpus") or ()),
+                          bandwidth_gbs=bw / 1e9 if bw else None, progress=progress, extend_only=True)
+
+
+def verify_plan(folder: Path, results: dict, chosen: list[Prediction]) -> tuple[Path, list[str]]:
+    """DIR/budget-plan.toml: DIR's plan settings and every row of its job, plus a row per chosen point (and one more
+    engine of the build when the run is timed), checked by reading it back as any plan is read; and the rows to run
+    (the chosen points and that engine: other unfinished rows of DIR's plan stay as they are)."""
+    import tomli_w
+
+    from .arch import all_classes
+    from .plan import load_plan
+
+    job = results.get("job") or {}
+    source = (results.get("plan") or {}).get("source")
+    if not isinstance(job.get("rows"), dict) or not job.get("plan_settings_digest"):
+        raise SplicerError(f"{folder} was written by an older splicer (its job does not list its rows); run its plan again "
+                           "into a new folder to verify there")
+    try:
+        plan = load_plan(str(source), all_classes())
+    except SplicerError as e:
+        raise SplicerError(f"the plan {folder} was run with cannot be read ({e}); --verify needs it for the corpora and "
+                           "timing") from None
+    if plan.settings_digest != job["plan_settings_digest"]:
+        raise SplicerError(f"the plan {source} has other corpora, top_k or timing than when {folder} was run; put them "
+                           "back, or run the plan into a new folder")
+    rows = [{"name": n, **d} for n, d in job["rows"].items()]
+    new = [{"name": p.row_name, "restore": p.entries} for p in chosen if p.row_name not in job["rows"]]
+    timed = bool((job.get("settings") or {}).get("time_decode", True) and plan.timing)
+    run = [p.row_name for p in chosen]
+    if new and timed:  # one more engine of the build, timed after the new rows: the decode spread gains a degree of freedom
+        k = 1 + sum(1 for n in job["rows"] if n.startswith("build-verify-"))
+        new.append({"name": f"build-verify-{k}", "restore": [], "repeat": True})
+    elif timed:  # resumed: the engine an interrupted verification added
+        run += [n for n in job["rows"] if n.startswith("build-verify-")][-1:]
+    data = {"name": plan.name, "description": plan.description, "top_k": plan.top_k, "corpus": plan.corpora,
+            **({"timing": plan.timing} if plan.timing else {}), "row": rows + new}
+    out = folder / VERIFY_PLAN
+    tmp = folder / f".{VERIFY_PLAN}.partial"
+    tmp.write_text("# Written by `splicer budget --verify`: the plan of " + str(source) + " with the rows of this "
+                   "folder's job and the budget's points to verify\n" + tomli_w.dumps(data), encoding="utf-8")
+    try:
+        load_plan(str(tmp), all_classes())
+    except SplicerError:
+        tmp.unlink()
+        raise
+    tmp.replace(out)
+    return out, run
+
+
+def _verification(model: Model, stored: dict, results: dict, scores: PositionScores, reps: int = 2000) -> dict | None:
+    """A verified point's prediction (stored before it ran) against its measurement, with the differences' intervals:
+    KL paired position by position (prediction from the atoms' rows, measurement from the point's row), decode from
+    the engine spread of the run (the point's engines, its atoms' and the build's)."""
+    from .metrics import _t975, paired_comparison
+
+    row = next((v for v in results.get("variants", []) if v.get("name") == stored["row"] and v.get("status") == "ok"), None)
+    if row is None:
+        return None
+    by_entry = {a.entry: a for a in model.atoms}
+    atoms = [by_entry.get(e) for e in stored["atoms"]]
+    out = {**stored, "measured": {"kl": _kl(row, model.corpus), "size_gb": (row.get("size_bytes") or 0) / 1e9,
+                                  "decode": _decode(results, row)[0]}}
+    if any(a is None for a in atoms):  # the atoms changed since (rows rerun): no paired comparison
+        return out
+    saved = model.additivity
+    model.additivity = Additivity.from_json(stored.get("additivity"))  # the prediction as it was made
+    try:
+        strata = scores.strata(model, atoms, model.corpus, other=row["name"])
+    finally:
+        model.additivity = saved
+    if strata:
+        r = _pooled_or(paired_comparison(strata, reps), model.corpus)
+        out["error_kl"] = {"diff": -r["diff"], "ci": [-r["diff_ci"][1], -r["diff_ci"][0]]}  # measured - predicted
+    m_v, n_v = _decode(results, row)
+    if m_v is not None and model.build_decode is not None and all(a.d_decode is not None for a in atoms):
+        rd = stored.get("decode_ratio") or 1.0
+        predicted_now = model.build_decode + rd * sum(a.d_decode for a in atoms)
+        err = {"diff_ms": m_v - predicted_now, "measured_rel": m_v / model.build_decode - 1,
+               "predicted_rel": predicted_now / model.build_decode - 1}
+        if model.engine_sd_ms is not None and model.engine_df:
+            k = len(atoms)
+            var = model.engine_sd_ms ** 2 * (1 / n_v + rd * rd * sum(1 / a.engines for a in atoms)
+                                             + (rd * k - 1) ** 2 / model.build_engines)
+            half = _t975(model.engine_df) * math.sqrt(var)
+            err["ci_ms"] = [err["diff_ms"] - half, err["diff_ms"] + half]
+        out["error_decode"] = err
+    return out
+
+
+def _prediction_json(p: Prediction, model: Model) -> dict:
+    return {"restore": p.label, "row": p.row_name if p.atoms else None, "atoms": [a.entry for a in p.atoms],
+            "kl": p.kl, "kl_ci": p.kl_ci, "kl_by_corpus": p.kl_by_corpus,
+            "kl_ci_by_corpus": p.kl_ci_by_corpus, "size_gb": p.size_gb, "decode": p.decode,
+            "decode_ci": p.decode_ci, "measured_row": (p.measured or {}).get("row"),
+            "additivity": model.additivity.to_json(), "decode_ratio": model.decode_ratio}
+
+
+def _search(model: Model, folder: Path, results: dict, max_decode_ms, max_gb, max_kl):
+    """Every combination predicted, those within the limits, their Pareto front (with intervals) and its cost axis."""
+    preds = predictions(model, results, model.corpus)
     cost = "decode" if model.decode_ratio is not None and (max_decode_ms is not None or max_gb is None) else "size_gb"
     feasible = [p for p in preds if (max_gb is None or p.size_gb <= max_gb)
                 and (max_decode_ms is None or (p.decode is not None and p.decode <= max_decode_ms))
                 and (max_kl is None or p.kl <= max_kl)]
+    best = front(feasible, cost)
+    intervals(model, best, PositionScores(folder, list(results.get("corpora") or {})))
+    return preds, feasible, best, cost
+
+
+def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb: float | None = None,
+                  max_kl: float | None = None, corpus: str | None = None, verify: int = 0, progress: bool = True) -> str:
+    from tabulate import tabulate
+
+    from .table import load_results
+
+    folder = Path(folder)
+    results = load_results(folder)
+    if verify < 0:
+        raise SplicerError(f"--verify {verify}: give how many points of the front to splice and measure (1 or more)")
+    model = fit(results, corpus)
+    if max_decode_ms is not None and model.decode_ratio is None:
+        raise SplicerError("--max-decode-ms needs timed rows, and this run did not time every single-entry row and the build "
+                           "(was it run with --no-time?); use --max-gb or --max-kl, or run the plan with timing")
+    preds, feasible, best, cost = _search(model, folder, results, max_decode_ms, max_gb, max_kl)
+    scores = PositionScores(folder, list(results.get("corpora") or {}))
+    limits = {"max_gb": max_gb, "max_decode_ms": max_decode_ms, "max_kl": max_kl}
+    record_path = folder / BUDGET_JSON
+    try:
+        earlier = json.loads(record_path.read_text()).get("verified", []) if record_path.exists() else []
+    except (OSError, ValueError, AttributeError):
+        earlier = []
+    job = results.get("job") or {}
+    finished = {v.get("name") for v in results.get("variants", []) if isinstance(v, dict) and v.get("status") == "ok"}
+    # A verification an earlier --verify started and did not finish is resumed as it was chosen, not chosen again.
+    unfinished = [e for e in earlier if isinstance(e, dict) and e.get("row") in (job.get("rows") or {}) and e["row"] not in finished]
+    chosen = pick_verify(best, verify) if verify and not unfinished else []
+    if verify and not chosen and not unfinished:
+        raise SplicerError("every point of the front within the limits was measured already; nothing to verify "
+                           "(widen the limits, or run without --verify)")
+    pending = [_prediction_json(p, model) for p in chosen]
+    record = {"corpus": corpus, "cost": cost, "limits": limits, "model": model.to_json(),
+              "front": [_prediction_json(p, model) for p in best],
+              "verified": [e for e in earlier if e.get("row") not in {p["row"] for p in pending}] + pending}
+    from .ablate.common import _atomic_json
+
+    if verify:
+        from .ablate import run_ablate
+
+        if unfinished:
+            plan_path = folder / VERIFY_PLAN
+            to_run = [e["row"] for e in unfinished] + [n for n in job["rows"] if n.startswith("build-verify-")][-1:]
+            if progress:
+                print(f"resuming the verification an earlier --verify began: {', '.join(e['row'] for e in unfinished)}",
+                      file=__import__("sys").stderr)
+        else:
+            plan_path, to_run = verify_plan(folder, results, chosen)
+        _atomic_json(record_path, record)  # the predictions, written before anything is measured
+        settings = _settings_from_job(job, results, progress)
+        run_ablate(",".join(to_run), str((job.get("build") or {}).get("source")), str((job.get("base") or {}).get("source")), folder,
+                   str(plan_path), settings)
+        results = load_results(folder)
+        model = fit(results, corpus)  # the verified rows now measure the additivity too
+        preds, feasible, best, cost = _search(model, folder, results, max_decode_ms, max_gb, max_kl)
+        record.update(cost=cost, model=model.to_json(), front=[_prediction_json(p, model) for p in best])
+        scores = PositionScores(folder, list(results.get("corpora") or {}))
+    verified = []
+    for e in record["verified"]:
+        v = _verification(model, e, results, scores) if e.get("row") else None
+        verified.append(v or e)
+    record["verified"] = verified
+    _atomic_json(record_path, record)
+
     lines = [f"KL {'on ' + corpus if corpus else 'pooled over corpora'}; build {model.build_kl:.4f}, "
              f"{model.build_size / 1e9:.3f} GB" + (f", {model.build_decode:.3f} ms/token" if model.build_decode is not None else "")
              + f"; {len(model.atoms)} single-entry rows: {', '.join(a.entry for a in model.atoms)}."]
     if model.checks:
-        lines.append(f"Additivity of KL reductions: {model.kl_ratio:.2f} (mean over {len(model.checks)} rows restoring several "
-                     "of them: 1.00 = additive).")
+        add = model.additivity
+        within = ", ".join(f"within {c} {r:.2f}" for c, r in add.within.items())
+        across = (f"across classes {add.across:.2f}" if add.across is not None
+                  else "across classes assumed 1.00 (no row restores atoms of several classes)")
+        lines.append(f"Additivity of KL reductions (least-squares slopes over the {len(model.checks)} rows restoring several "
+                     f"single-entry rows' modules; 1.00 = additive): {', '.join(x for x in (within, across) if x)}.")
         errs = [c for c in model.checks if c["predicted_kl"] is not None]
         if errs:
             worst = max(errs, key=lambda c: abs(c["predicted_kl"] - c["measured_kl"]))
-            lines.append("Prediction error, each such row predicted from the others: " + ", ".join(
+            lines.append("The model's own error, each such row predicted from the others: " + ", ".join(
                 f"{c['row']} {c['predicted_kl']:.4f} predicted, {c['measured_kl']:.4f} measured" for c in errs)
                 + f"; largest |error| {abs(worst['predicted_kl'] - worst['measured_kl']):.4f} ({worst['row']}).")
         else:
-            lines.append("Prediction error: one row restores several atoms, so none can be predicted from the others.")
+            lines.append("The model's own error: one row restores several atoms, so none can be predicted from the others.")
     else:
         lines.append("No row restores several of these together: additivity is assumed (1.00), not measured, and the "
                      "prediction error cannot be stated; add an all row or leave-one-out rows.")
-    best = front(feasible, cost)
-    rows = [[p.label, f"{p.kl:.4f}", f"{p.size_gb:.3f}", "" if p.decode is None else f"{p.decode:.3f}",
+    if model.decode_ratio is not None and model.engine_sd_ms is None:
+        lines.append("Decode intervals: none (the build was timed on one engine, so the engine-to-engine spread is unknown).")
+
+    def ci(x):
+        return "" if not x else f" [{x[0]:.4f}, {x[1]:.4f}]"
+
+    rows = [[p.label, f"{p.kl:.4f}{ci(p.kl_ci)}", f"{p.size_gb:.3f}",
+             "" if p.decode is None else f"{p.decode:.3f}" + ("" if not p.decode_ci else f" [{p.decode_ci[0]:.3f}, {p.decode_ci[1]:.3f}]"),
              "" if p.measured is None else f"{p.measured['row']}: KL {p.measured['kl']:.4f}"] for p in best]
-    limits = ", ".join(x for x in ((f"size <= {max_gb:g} GB" if max_gb is not None else ""),
-                                   (f"decode <= {max_decode_ms:g} ms/token" if max_decode_ms is not None else ""),
-                                   (f"KL <= {max_kl:g}" if max_kl is not None else "")) if x) or "no limit"
+    text_limits = ", ".join(x for x in ((f"size <= {max_gb:g} GB" if max_gb is not None else ""),
+                                        (f"decode <= {max_decode_ms:g} ms/token" if max_decode_ms is not None else ""),
+                                        (f"KL <= {max_kl:g}" if max_kl is not None else "")) if x) or "no limit"
     lines.append(f"Pareto front of predicted KL against {'decode ms/token' if cost == 'decode' else 'size on disk'} "
-                 f"({limits}; {len(feasible)} of {len(preds)} combinations within it):")
+                 f"({text_limits}; {len(feasible)} of {len(preds)} combinations within it; 95 % intervals, the "
+                 "additivity held fixed):")
     if not rows:
         lines.append("no combination fits the limits.")
     else:
         lines.append(tabulate(rows, headers=["restore", "KL predicted", "size GB", "decode ms/tok predicted", "measured row"],
                               tablefmt="github"))
-    lines.append("Splicing and measuring the chosen points (--verify) is not built yet: splice one with "
-                 "`splicer splice --restore ENTRIES BUILD BASE -o OUT`, or add it as a plan row.")
+    done = [v for v in record["verified"] if v.get("measured")]
+    if done:
+        lines.append("Verified (spliced and measured; predicted before measuring; error = measured - predicted, 95 % "
+                     "intervals, KL paired position by position):")
+        vrows = []
+        for v in done:
+            ek, ed = v.get("error_kl") or {}, v.get("error_decode") or {}
+            vrows.append([v["restore"], v["row"], f"{v['kl']:.4f}", f"{v['measured']['kl']:.4f}",
+                          "" if not ek else f"{ek['diff']:+.4f}{ci(ek['ci'])}",
+                          "" if not ed else f"{100 * ed['predicted_rel']:+.2f} % / {100 * ed['measured_rel']:+.2f} %",
+                          "" if not ed else f"{ed['diff_ms']:+.3f}" + ("" if not ed.get("ci_ms") else
+                                                                      f" [{ed['ci_ms'][0]:+.3f}, {ed['ci_ms'][1]:+.3f}]")])
+        lines.append(tabulate(vrows, headers=["restore", "row", "KL predicted", "KL measured", "KL error",
+                                              "decode vs build predicted / measured", "decode error ms"], tablefmt="github"))
+    elif not verify:
+        lines.append("Splice and measure the chosen points with --verify N (rows added to this folder's job), or splice "
+                     "one with `splicer splice --restore ENTRIES BUILD BASE -o OUT`.")
+    lines.append(f"Written: {record_path}.")
     return "\n".join(lines)

@@ -217,7 +217,7 @@ def _cmd_plot(args) -> int:
 def _cmd_budget(args) -> int:
     from .budget import budget_report
 
-    print(budget_report(args.dir, args.max_decode_ms, args.max_gb, args.max_kl, args.corpus))
+    print(budget_report(args.dir, args.max_decode_ms, args.max_gb, args.max_kl, args.corpus, args.verify, not args.quiet))
     return 0
 
 
@@ -392,6 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-gb", type=float, help="size on disk at most, GB")
     s.add_argument("--max-kl", type=float, help="predicted KL at most")
     s.add_argument("--corpus", help="KL on this corpus (default: pooled over the corpora)")
+    s.add_argument("--verify", type=int, default=0, metavar="N",
+                   help="splice and measure N points of the front no row measured (rows added to DIR's job, run with its "
+                        "inputs and settings), then print predicted against measured")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bars while --verify runs")
     s.set_defaults(func=_cmd_budget)
 
     s = sub.add_parser("table", help="print the table of an ablate results folder")

@@ -37,6 +37,16 @@ class Row:
     # timed as it is, against the same base pass, beside the build's splices (seed 000's table of formats).
     checkpoint: str | None = None
 
+    def definition(self) -> dict:
+        """The row as a plan file declares it, name aside: a rerun keeps this row's finished result only while its
+        definition is unchanged (job.json's rows)."""
+        out = {k: v for k, v in (("restore", self.restore), ("keep", self.keep), ("checkpoint", self.checkpoint)) if v is not None}
+        if self.base:
+            out["base"] = True
+        if self.repeat:
+            out["repeat"] = True
+        return out
+
     def restored(self, quantized: list[str]) -> list[str] | None:
         """What this row restores in a build that quantizes `quantized`: classes, or `class@layers` entries, in class
         order (None: the base itself, or a checkpoint)."""
@@ -58,6 +68,12 @@ class Plan:
     rows: list[Row]
     source: str
     digest: str = field(default="")
+
+    @property
+    def settings_digest(self) -> str:
+        """What every row of the plan is measured with (corpora, top_k, timing): rows measured under another one are
+        not comparable, so a rerun keeps none of them; rows may be added or changed without touching the others."""
+        return hashlib.sha256(json.dumps([self.corpora, self.top_k, self.timing], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _plan_path(name_or_path: str) -> Path:

@@ -4,8 +4,9 @@ labelled point (a repeat row is not a variant of its own), the Pareto front draw
 Read from DIR/results.json only. Vertical bars: the variant's KL 95 % interval on that corpus (bootstrap over
 sequences, as the table's). Horizontal bars on the decode panels: the interquartile range of the variant's timing runs
 (their spread, not an interval of the median). Checkpoint rows and repeats are drawn like the rest; a row with no
-timing (a --no-time run) is left out of the decode panels, which are then not drawn at all. Predicted points (the
-budget search's) are hollow, measured ones filled.
+timing (a --no-time run) is left out of the decode panels, which are then not drawn at all. Predicted points are
+hollow, measured ones filled: the Pareto front `splicer budget DIR` last predicted (DIR/budget.json), with its KL and
+decode intervals, drawn dashed; a point it verified is joined by a thin line to its measured row.
 """
 
 from __future__ import annotations
@@ -28,9 +29,23 @@ def _points(results: dict) -> list[dict]:
         if not metrics:
             continue
         out.append({"name": v["name"], "size_gb": (v.get("size_bytes") or 0) / 1e9, "decode": v.get("decode_ms_per_token"),
-                    "decode_iqr": (v.get("timing") or {}).get("decode_iqr"), "metrics": metrics,
-                    "predicted": bool(v.get("predicted"))})
+                    "decode_iqr": (v.get("timing") or {}).get("decode_iqr"), "metrics": metrics})
     return out
+
+
+def _predicted(folder: Path) -> tuple[list[dict], list[dict], str | None]:
+    """The budget search's predicted front and its verified points (DIR/budget.json), or nothing."""
+    import json
+
+    try:
+        record = json.loads((folder / "budget.json").read_text())
+    except (OSError, ValueError):
+        return [], [], None
+    if not isinstance(record, dict):
+        return [], [], None
+    ok = lambda e: isinstance(e, dict) and isinstance(e.get("kl_by_corpus"), dict)  # noqa: E731
+    return ([e for e in record.get("front") or [] if ok(e)], [e for e in record.get("verified") or [] if ok(e)],
+            record.get("cost"))
 
 
 def pareto(items: list, x=lambda p: p[0], y=lambda p: p[1]) -> list:
@@ -60,6 +75,8 @@ def write_plot(folder: str | Path) -> list[Path]:
     if not points or not corpora:
         raise SplicerError(f"{folder}/results.json has no scored variant yet; run the rows first")
     timed = [p for p in points if p["decode"] is not None]
+    predicted, verified, cost = _predicted(folder)
+    by_row = {p["name"]: p for p in points}
     axes_x = ([("decode", "decode ms/token (batch 1)")] if timed else []) + [("size_gb", "size on disk, GB")]
     fig, axes = plt.subplots(len(axes_x), len(corpora), figsize=(5.2 * len(corpora), 4.4 * len(axes_x)), squeeze=False)
     for r, (key, label) in enumerate(axes_x):
@@ -74,11 +91,13 @@ def write_plot(folder: str | Path) -> list[Path]:
                 if key == "decode" and p["decode_iqr"]:
                     xerr = [[x - p["decode_iqr"][0]], [p["decode_iqr"][1] - x]]
                 ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], xerr=xerr, fmt="o", ms=6, capsize=2, lw=0.8,
-                            color="C0", mfc="none" if p["predicted"] else "C0")
+                            color="C0")
                 ax.annotate(p["name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-            front = pareto([(p[key], p["metrics"][corpus]["kl"], p["name"]) for p in pts if not p["predicted"]])
+            _draw_predicted(ax, key, corpus, predicted, verified, by_row, front_line=key == cost)
+            front = pareto([(p[key], p["metrics"][corpus]["kl"], p["name"]) for p in pts])
             if len(front) > 1:
-                ax.step([f[0] for f in front], [f[1] for f in front], where="post", color="C3", lw=1, label="Pareto front")
+                ax.step([f[0] for f in front], [f[1] for f in front], where="post", color="C3", lw=1, label="Pareto front (measured)")
+            if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7, loc="upper right")
             ax.set_xlabel(label)
             ax.set_ylabel(f"KL(base ‖ variant), {corpus}")
@@ -98,6 +117,29 @@ def write_plot(folder: str | Path) -> list[Path]:
     if link(folder):
         written.append(folder / "table.md")
     return written
+
+
+def _draw_predicted(ax, key: str, corpus: str, front: list[dict], verified: list[dict], by_row: dict,
+                    front_line: bool) -> None:
+    """The budget's predicted front (hollow squares with their KL and decode intervals, joined by a dashed line on the
+    panels of the cost it was searched against) and a line from each verified prediction to its measured row."""
+    pts = [(e[key], e["kl_by_corpus"][corpus], e) for e in front if e.get(key) is not None and corpus in e["kl_by_corpus"]]
+    if pts:
+        pts.sort(key=lambda t: t[0])
+        ax.plot([t[0] for t in pts], [t[1] for t in pts], ls="--" if front_line else "none", lw=0.8, color="C1",
+                label="predicted front (budget)" if front_line else "predicted front points (budget)")
+        for x, y, e in pts:
+            xerr = [[x - e["decode_ci"][0]], [e["decode_ci"][1] - x]] if key == "decode" and e.get("decode_ci") else None
+            ci = (e.get("kl_ci_by_corpus") or {}).get(corpus)
+            yerr = [[y - ci[0]], [ci[1] - y]] if ci else None
+            ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="s", ms=5, mfc="none", color="C1", capsize=2, lw=0.6)
+    for e in verified:
+        row = by_row.get(e.get("row"))
+        if row is None or e.get(key) is None or corpus not in e["kl_by_corpus"] or row.get(key) is None or corpus not in row["metrics"]:
+            continue
+        x, y = e[key], e["kl_by_corpus"][corpus]
+        ax.plot([x, row[key]], [y, row["metrics"][corpus]["kl"]], color="C1", lw=0.8)
+        ax.plot([x], [y], "s", ms=6, mfc="none", color="C1")
 
 
 def link(folder: Path) -> bool:

@@ -22,18 +22,19 @@ def _results(*variants, class_layers=None):
 
 
 def test_atoms_ratio_and_leave_one_out_error():
-    """Reductions 0.2 (gdn@0), 0.1 (gdn@1), 0.3 (attention); rows restoring several reduce 0.9x their atoms' sum, so the
-    fitted additivity is 0.9 and each such row is predicted from the others exactly."""
+    """Reductions 0.2 (gdn@0), 0.1 (gdn@1), 0.3 (attention); rows restoring several reduce 0.9x their atoms' sum: the
+    additivity is 0.9 within gdn (gdn@0-1) and 0.9 across classes (gdn@0 with attention). Each row is the only one of
+    its kind, so predicted from the others it falls back to additive (1.00)."""
     r = _results(_v("build", [], 1.0, 10e9, 10.0), _v("g0", ["gdn@0"], 0.8, 11e9, 11.0), _v("g1", ["gdn@1"], 0.9, 11e9, 11.0),
                  _v("a", ["attention"], 0.7, 12e9, 12.0), _v("g01", ["gdn@0-1"], 1.0 - 0.9 * 0.3, 12e9, 12.0),
                  _v("g0a", ["gdn@0", "attention"], 1.0 - 0.9 * 0.5, 13e9, 13.0))
     m = fit(r)
     assert sorted(a.entry for a in m.atoms) == ["attention", "gdn@0", "gdn@1"]
-    assert m.kl_ratio == pytest.approx(0.9)
+    assert m.additivity.within == {"gdn": pytest.approx(0.9)} and m.additivity.across == pytest.approx(0.9)
     assert [(c["row"], round(c["predicted_kl"], 6), round(c["measured_kl"], 6)) for c in m.checks] == [
-        ("g01", 0.73, 0.73), ("g0a", 0.55, 0.55)]
+        ("g01", 0.7, 0.73), ("g0a", 0.5, 0.55)]
     preds = {p.label: p for p in predictions(m, r)}
-    assert preds["gdn@0-1,attention"].kl == pytest.approx(1.0 - 0.9 * 0.6)
+    assert preds["gdn@0-1,attention"].kl == pytest.approx(1.0 - 0.9 * (0.9 * 0.3 + 0.3))
     assert preds["gdn@0-1,attention"].size_gb == pytest.approx(14.0)  # sizes add exactly
     assert preds["gdn@0-1"].measured["row"] == "g01"
     best = front([p for p in predictions(m, r) if p.size_gb <= 12.0], "size_gb")
@@ -47,7 +48,7 @@ def test_a_whole_class_row_is_a_union_of_its_layer_groups():
                  _v("g2", ["gdn@2"], 0.9, 11e9), _v("no0", ["gdn@1-2"], 0.8, 12e9), _v("gdn", ["gdn"], 0.7, 13e9))
     m = fit(r)
     assert sorted(a.entry for a in m.atoms) == ["gdn@0", "gdn@1", "gdn@2"]
-    assert [c["row"] for c in m.checks] == ["no0", "gdn"] and m.kl_ratio == pytest.approx(1.0)
+    assert [c["row"] for c in m.checks] == ["no0", "gdn"] and m.additivity.within == {"gdn": pytest.approx(1.0)}
 
 
 def test_no_multi_row_means_additivity_is_assumed_and_said(tmp_path, capsys):

@@ -34,6 +34,7 @@ class AblateSettings:
     allow_quantized_base: bool = False  # a stand-in reference that keeps some classes quantized (see validate_base)
     engine_cache_dir: Path | None = None  # vllm: compile/Triton/Inductor caches; None: their per-user defaults
     add_checkpoints: tuple = ()  # `--add NAME=DIR`: other checkpoints of the model, scored as plan rows of their own
+    extend_only: bool = False  # `budget --verify`: rows added to DIR's job, refused unless the job measures as DIR's
     own_inputs: tuple = ()  # input folders this run wrote inside DIR itself (the demo's pair), which DIR may hold
     stages: Stages = field(default=SILENT, repr=False)  # stage lines (stderr off a terminal, and DIR/ablate.log)
 

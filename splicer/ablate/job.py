@@ -64,6 +64,7 @@ def make_job(plan: Plan, corpora: list[Corpus], build_src: str, build, base_src:
     The tokenized corpora belong to it: rows scored on other positions (a corpus file edited, a new chat set) would
     otherwise be paired with the new ones."""
     return {"tool": f"splicer {__version__}", "plan": plan.name, "plan_digest": plan.digest,
+            "plan_settings_digest": plan.settings_digest, "rows": {r.name: r.definition() for r in plan.rows},
             "corpora_digest": _digest([c.digest() for c in corpora]),
             "build": {"source": str(build_src), "header_digest": build.header_digest()},
             "base": {"source": str(base_src), "digest": base_digest},
@@ -113,18 +114,51 @@ def host_info() -> dict:
     return {"cpu": cpu, "logical_cores": os.cpu_count(), "memory_gib": memory_gib}
 
 
-def write_job(out: Path, job: dict, stages) -> tuple[dict[str, dict], list[dict]]:
+ROW_KEYS_OF_JOB = ("plan", "plan_digest", "rows")  # what may differ between two runs of one job: the plan's rows
+
+
+def same_measurements(a: dict | None, b: dict | None) -> bool:
+    """Whether two jobs measure alike (inputs, corpora, plan settings, backend settings, splicer's version), so that
+    a row finished under one is a result of the other when the row itself is unchanged; a job written before rows
+    were recorded one by one never is."""
+    if not isinstance(a, dict) or not isinstance(b, dict) or "rows" not in a or "rows" not in b:
+        return False
+    return ({k: v for k, v in a.items() if k not in ROW_KEYS_OF_JOB} == {k: v for k, v in b.items() if k not in ROW_KEYS_OF_JOB})
+
+
+def job_differences(a: dict, b: dict) -> list[str]:
+    """The top-level fields (and settings) in which two jobs differ, for a message."""
+    keys = sorted((set(a) | set(b)) - set(ROW_KEYS_OF_JOB))
+    out = [k for k in keys if k != "settings" and a.get(k) != b.get(k)]
+    sa, sb = a.get("settings") or {}, b.get("settings") or {}
+    out += [f"settings.{k}" for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k)]
+    return out
+
+
+def write_job(out: Path, job: dict, stages, extend_only: bool = False) -> tuple[dict[str, dict], list[dict]]:
     """DIR/job.json for this invocation, and what an earlier run of DIR left that this one keeps: its finished rows
-    and its run records, both only under the same job. Splices made from another build or base are removed."""
+    whose definition is unchanged, and its run records, both only when the two jobs measure alike (same_measurements):
+    rows may be added to a plan, or changed, and only those run. Splices made from another build or base are removed.
+    extend_only (`splicer budget --verify`): refuse, before anything changes, a job that does not measure as DIR's."""
     results_path = out / RESULTS
     previous = json.loads(results_path.read_text()) if results_path.exists() else None
-    if previous and (previous.get("job", {}).get("build") != job["build"] or previous.get("job", {}).get("base") != job["base"]):
+    before = (previous or {}).get("job")
+    alike = same_measurements(before, job)
+    if extend_only and not alike:
+        what = ", ".join(job_differences(before, job)) if isinstance(before, dict) else "no earlier job"
+        raise SplicerError(f"{out} was measured under another job ({what or 'written by an older splicer'}); rows added "
+                           "to it would not be comparable: run the plan again into a new folder")
+    if previous and ((before or {}).get("build"), (before or {}).get("base")) != (job["build"], job["base"]):
         shutil.rmtree(out / "variants", ignore_errors=True)  # another build or base: every splice is stale
-    same_job = previous is not None and previous.get("job") == job
     _atomic_json(out / "job.json", job)
-    if previous and not same_job and previous.get("variants"):
-        stages.line("the job differs from the one in DIR (inputs, plan, corpora or settings such as --gpus): "
-                    "its finished rows are run again")
-    if not same_job:
+    if not alike:
+        if previous and previous.get("variants"):
+            stages.line("the job differs from the one in DIR (inputs, corpora, the plan's settings or run settings such as "
+                        "--gpus): its finished rows are run again")
         return {}, []
-    return {v["name"]: v for v in previous.get("variants", []) if v.get("status") == "ok"}, previous.get("runs", [])
+    kept = {v["name"]: v for v in previous.get("variants", []) if v.get("status") == "ok"
+            and v["name"] in job["rows"] and before["rows"].get(v["name"]) == job["rows"][v["name"]]}
+    changed = [v["name"] for v in previous.get("variants", []) if v.get("status") == "ok" and v["name"] not in kept]
+    if changed:
+        stages.line(f"rows changed or no longer in the plan, not kept: {', '.join(changed)}")
+    return kept, previous.get("runs", [])

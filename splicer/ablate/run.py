@@ -92,7 +92,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         settings.stages = Stages(quiet=not settings.progress, log_path=out / "ablate.log")
         settings.stages.line(f"ablate {rows_spec} of plan {plan.name}: {build_src} against {base_src} into {out}")
         job = make_job(plan, corpora, build_src, build, base_src, base_digest, settings)
-        done, earlier_runs = write_job(out, job, settings.stages)
+        done, earlier_runs = write_job(out, job, settings.stages, settings.extend_only)
         t_start = time.perf_counter()
         # When this invocation began (before its splices and base pass), as its elapsed_s counts from then.
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
