@@ -11,6 +11,9 @@ source scripts/gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/fulldims}; BUDGET_S=${BUDGET_S:-540}; VERIFY=${VERIFY:-3}
 DIR="$WORK/budget"
+# tomli-w (plan sweep and budget --verify write plans with it) is not in bundles made before it was added to
+# make_bundle.sh: its wheel travels in .bundle/extra (carried with the last bundle part) and is unpacked beside vLLM.
+python3 -c "import tomli_w" 2>/dev/null || for w in .bundle/extra/tomli_w-*.whl; do python3 -m zipfile -e "$w" /tmp/vllm_site; done
 t0=$(date +%s)
 if [ "$BUDGET_S" -gt 560 ]; then BUDGET_S=560; fi
 mkdir -p "$WORK"

@@ -16,7 +16,7 @@ PY="--python-version 3.12 --implementation cp --only-binary=:all:"
 PLATS=""
 for p in manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_26_x86_64 manylinux_2_24_x86_64 \
          manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do PLATS="$PLATS --platform $p"; done
-PKGS="vllm==0.26.0 compressed-tensors==0.17.0 tabulate==0.9.0 pytest==8.4.2 pluggy==1.6.0 iniconfig==2.1.0
+PKGS="vllm==0.26.0 compressed-tensors==0.17.0 tabulate==0.9.0 tomli-w==1.2.0 pytest==8.4.2 pluggy==1.6.0 iniconfig==2.1.0
  pydantic==2.13.4 pydantic-core==2.46.4 typing-inspection==0.4.2 annotated-types==0.8.0 cbor2==6.1.3 pyzmq==27.1.0
  openai-harmony==0.0.8 openai==2.48.0 sniffio==1.3.1 distro==1.9.0 jiter==0.16.0 msgspec==0.21.1 pybase64==1.4.3
  cachetools==7.1.6 llguidance==1.7.6 xgrammar==0.2.3 apache-tvm-ffi==0.1.10 fastapi==0.136.3 starlette==1.3.1
