@@ -10,7 +10,10 @@ The model, from DIR/results.json (and DIR/scores/ for the intervals):
     0, of the measured reduction of every row that restores several atoms together (the all row, leave-one-out rows,
     a sweep's whole-class row, verified points) against the sum of its atoms' (1.00 = additive; no such row: 1.00,
     and the error cannot be stated). A slope rather than a mean of ratios, so that rows whose atoms barely change KL
-    (a ratio of two noises) weigh little. Size adds exactly (bytes on disk); decode time adds with its own slope.
+    (a ratio of two noises) weigh little. Size adds exactly (bytes on disk). Decode time adds without a correction:
+    the stand-in's first verification fitted a decode slope of -1.34 from one row whose atoms' decode changes were
+    all within the engine spread, and predicted +3.9 % where -2.3 % was measured (results/budget-h200/); each
+    multi-atom row's decode against its atoms' sum is stated instead, with its interval.
   * the model's own error: each multi-atom row predicted from the others (leave one out) against what it measured.
   * intervals: a prediction's KL interval is the stratified bootstrap over sequences of the prediction made position
     by position (the same positions for every row), the additivity held fixed; its decode interval comes from the
@@ -146,6 +149,7 @@ class Model:
     engine_df: int = 0
     build_by_corpus: dict = field(default_factory=dict)  # corpus -> build KL
     atom_kl_by_corpus: dict = field(default_factory=dict)  # atom entry -> corpus -> its KL
+    decode_checks: list = field(default_factory=list)  # multi-atom rows: decode measured against its atoms' sum
 
     def to_json(self) -> dict:
         return {"corpus": self.corpus, "build_kl": self.build_kl, "build_size_bytes": self.build_size,
@@ -153,7 +157,7 @@ class Model:
                 "decode_ratio": self.decode_ratio, "engine_sd_ms": self.engine_sd_ms, "engine_df": self.engine_df,
                 "atoms": [{"entry": a.entry, "row": a.row, "d_kl": a.d_kl, "d_size_bytes": a.d_size, "d_decode_ms": a.d_decode,
                            "engines": a.engines} for a in self.atoms],
-                "checks": self.checks}
+                "checks": self.checks, "decode_checks": self.decode_checks}
 
 
 def _kl(variant: dict, corpus: str | None) -> float | None:
@@ -273,7 +277,19 @@ def fit(results: dict, corpus: str | None = None) -> Model:
     additivity = Additivity.fit(multi, kl_measure)
     timed = b_dec is not None and all(a.d_decode is not None for a in atoms.values())
     dec_rows = [(v, p) for v, p in multi if _decode(results, v)[0] is not None] if timed else []
-    decode_ratio = slope(dec_rows, lambda v: _decode(results, v)[0] - b_dec, lambda p: sum(a.d_decode for a in p)) if timed else None
+    sd, df = _engine_spread(results)
+    decode_checks = []
+    for v, parts in dec_rows:
+        m, n = _decode(results, v)
+        pred = b_dec + sum(a.d_decode for a in parts)
+        check = {"row": v["name"], "predicted_ms": pred, "measured_ms": m}
+        if sd is not None and df:
+            from .metrics import _t975
+
+            k = len(parts)
+            half = _t975(df) * sd * math.sqrt(1 / n + sum(1 / a.engines for a in parts) + (k - 1) ** 2 / b_engines)
+            check["error_ci_ms"] = [m - pred - half, m - pred + half]
+        decode_checks.append(check)
     checks = []
     for i, (v, parts) in enumerate(multi):
         others = Additivity.fit(multi[:i] + multi[i + 1:], kl_measure)
@@ -282,13 +298,12 @@ def fit(results: dict, corpus: str | None = None) -> Model:
     measured = {frozenset(): build, **{frozenset([e]): singles[e] for e in atoms}}
     for v, parts in multi:
         measured.setdefault(frozenset(a.entry for a in parts), v)
-    sd, df = _engine_spread(results)
     corpora = list(results.get("corpora") or {}) or sorted({c for v in ok for c in (v.get("metrics") or {})})
     return Model(b_kl, b_size, b_dec, list(atoms.values()), additivity,
-                 (decode_ratio if decode_ratio is not None else 1.0) if timed else None, checks, measured, corpus,
+                 1.0 if timed else None, checks, measured, corpus,
                  build["name"], b_engines, sd, df,
                  {c: _kl(build, c) for c in corpora if _kl(build, c) is not None},
-                 {e: {c: _kl(singles[e], c) for c in corpora if _kl(singles[e], c) is not None} for e in atoms})
+                 {e: {c: _kl(singles[e], c) for c in corpora if _kl(singles[e], c) is not None} for e in atoms}, decode_checks)
 
 
 def _combine(model: Model, combo, build_value: float, atom_value) -> float:
@@ -522,7 +537,9 @@ def _search(model: Model, folder: Path, results: dict, max_decode_ms, max_gb, ma
 
 
 def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb: float | None = None,
-                  max_kl: float | None = None, corpus: str | None = None, verify: int = 0, progress: bool = True) -> str:
+                  max_kl: float | None = None, corpus: str | None = None, verify: int = 0,
+                  progress: bool = True) -> tuple[str, bool]:
+    """The search's text, and False when a row --verify ran did not finish (the text names it)."""
     from tabulate import tabulate
 
     from .table import load_results
@@ -577,6 +594,11 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
         preds, feasible, best, cost = _search(model, folder, results, max_decode_ms, max_gb, max_kl)
         record.update(cost=cost, model=model.to_json(), front=[_prediction_json(p, model) for p in best])
         scores = PositionScores(folder, list(results.get("corpora") or {}))
+    failed = []
+    if verify:
+        by_name = {v.get("name"): v for v in results.get("variants", []) if isinstance(v, dict)}
+        failed = [(n, (by_name.get(n) or {}).get("error") or "not run") for n in to_run
+                  if (by_name.get(n) or {}).get("status") != "ok"]
     verified = []
     for e in record["verified"]:
         v = _verification(model, e, results, scores) if e.get("row") else None
@@ -605,6 +627,12 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     else:
         lines.append("No row restores several of these together: additivity is assumed (1.00), not measured, and the "
                      "prediction error cannot be stated; add an all row or leave-one-out rows.")
+    if model.decode_checks:
+        lines.append("Decode adds without a correction; rows restoring several of them, measured against their atoms' sum: "
+                     + ", ".join(f"{c['row']} {c['predicted_ms']:.3f} predicted, {c['measured_ms']:.3f} measured"
+                                 + ("" if not c.get("error_ci_ms") else
+                                    f" (error {c['measured_ms'] - c['predicted_ms']:+.3f} [{c['error_ci_ms'][0]:+.3f}, {c['error_ci_ms'][1]:+.3f}])")
+                                 for c in model.decode_checks) + " ms/token.")
     if model.decode_ratio is not None and model.engine_sd_ms is None:
         lines.append("Decode intervals: none (the build was timed on one engine, so the engine-to-engine spread is unknown).")
 
@@ -642,5 +670,8 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     elif not verify:
         lines.append("Splice and measure the chosen points with --verify N (rows added to this folder's job), or splice "
                      "one with `splicer splice --restore ENTRIES BUILD BASE -o OUT`.")
+    for name, why in failed:
+        lines.append(f"Not measured: row {name} ({str(why).splitlines()[0][:200]}); see {folder / 'ablate.log'}, "
+                     "and run the same --verify again to resume it.")
     lines.append(f"Written: {record_path}.")
-    return "\n".join(lines)
+    return "\n".join(lines), not failed

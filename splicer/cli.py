@@ -217,7 +217,11 @@ def _cmd_plot(args) -> int:
 def _cmd_budget(args) -> int:
     from .budget import budget_report
 
-    print(budget_report(args.dir, args.max_decode_ms, args.max_gb, args.max_kl, args.corpus, args.verify, not args.quiet))
+    text, finished = budget_report(args.dir, args.max_decode_ms, args.max_gb, args.max_kl, args.corpus, args.verify,
+                                   not args.quiet)
+    print(text)
+    if not finished:
+        return 1
     return 0
 
 
