@@ -17,6 +17,7 @@ from .errors import SplicerError
 from .table import load_results
 
 PLOT_STEM = "plot-kl"
+LABEL_CHARS = 24  # longer names are numbered on the plot and spelled out in a key
 LINK_LINE = "Plot: KL per corpus against decode ms/token and against size on disk"
 
 
@@ -78,7 +79,16 @@ def write_plot(folder: str | Path) -> list[Path]:
     predicted, verified, cost = _predicted(folder)
     by_row = {p["name"]: p for p in points}
     axes_x = ([("decode", "decode ms/token (batch 1)")] if timed else []) + [("size_gb", "size on disk, GB")]
-    fig, axes = plt.subplots(len(axes_x), len(corpora), figsize=(5.2 * len(corpora), 4.4 * len(axes_x)), squeeze=False)
+    # Long row names (a budget's verified points: gdn.0-2_4-6_8-10+attention+...) are drawn as [n], with a key below.
+    labels, numbered = {}, []
+    for p in points:
+        if len(p["name"]) <= LABEL_CHARS:
+            labels[p["name"]] = p["name"]
+        else:
+            numbered.append(p["name"])
+            labels[p["name"]] = f"[{len(numbered)}]"
+    fig, axes = plt.subplots(len(axes_x), len(corpora), figsize=(5.2 * len(corpora), 4.4 * len(axes_x) + 0.18 * len(numbered)),
+                             squeeze=False)
     for r, (key, label) in enumerate(axes_x):
         for c, corpus in enumerate(corpora):
             ax = axes[r][c]
@@ -92,20 +102,27 @@ def write_plot(folder: str | Path) -> list[Path]:
                     xerr = [[x - p["decode_iqr"][0]], [p["decode_iqr"][1] - x]]
                 ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], xerr=xerr, fmt="o", ms=6, capsize=2, lw=0.8,
                             color="C0")
-                ax.annotate(p["name"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+                ax.annotate(labels[p["name"]], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
             _draw_predicted(ax, key, corpus, predicted, verified, by_row, front_line=key == cost)
             front = pareto([(p[key], p["metrics"][corpus]["kl"], p["name"]) for p in pts])
             if len(front) > 1:
                 ax.step([f[0] for f in front], [f[1] for f in front], where="post", color="C3", lw=1, label="Pareto front (measured)")
             if ax.get_legend_handles_labels()[0]:
-                ax.legend(fontsize=7, loc="upper right")
+                ax.legend(fontsize=7, loc="best")
             ax.set_xlabel(label)
             ax.set_ylabel(f"KL(base ‖ variant), {corpus}")
+            kls = [p["metrics"][corpus]["kl"] for p in pts if p["metrics"][corpus]["kl"] > 0]
+            if kls and max(kls) / min(kls) > 10:  # a restore that removes most of the error: both ends readable
+                ax.set_yscale("log")
             ax.grid(alpha=0.3)
     build = ((results.get("inputs") or {}).get("build") or {}).get("source", "")
     fig.suptitle(f"{Path(str(build)).name or folder.name}: every variant against the base\n(bars: KL 95 % interval"
                  + ("; decode: IQR of timing runs)" if timed else "; decode not timed in this run)"), fontsize=9)
-    fig.tight_layout()
+    if numbered:
+        fig.text(0.01, 0.005, "\n".join(f"[{i}] {name}" for i, name in enumerate(numbered, 1)), fontsize=7, va="bottom",
+                 family="monospace")
+    bottom = 0.18 * (len(numbered) + 1) / (4.4 * len(axes_x) + 0.18 * len(numbered)) if numbered else 0
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     written = []
     for ext in ("png", "svg"):
         out = folder / f"{PLOT_STEM}.{ext}"
@@ -127,6 +144,7 @@ def _draw_predicted(ax, key: str, corpus: str, front: list[dict], verified: list
     if pts:
         pts.sort(key=lambda t: t[0])
         ax.plot([t[0] for t in pts], [t[1] for t in pts], ls="--" if front_line else "none", lw=0.8, color="C1",
+                marker="s", ms=5, mfc="none",
                 label="predicted front (budget)" if front_line else "predicted front points (budget)")
         for x, y, e in pts:
             xerr = [[x - e["decode_ci"][0]], [e["decode_ci"][1] - x]] if key == "decode" and e.get("decode_ci") else None
