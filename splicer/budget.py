@@ -6,11 +6,12 @@ The model, from DIR/results.json (and DIR/scores/ for the intervals):
     such row of their class; each has a measured KL reduction against the build, a size change and (when timed) a
     decode-time change (its engines' mean against the mean of the build's engines);
   * a combination of atoms that do not overlap (different classes, or one class in disjoint layers) is predicted as
-    the build less the sum of its atoms' reductions, times the measured additivity: the least-squares slope, through
-    0, of the measured reduction of every row that restores several atoms together (the all row, leave-one-out rows,
-    a sweep's whole-class row, verified points) against the sum of its atoms' (1.00 = additive; no such row: 1.00,
-    and the error cannot be stated). A slope rather than a mean of ratios, so that rows whose atoms barely change KL
-    (a ratio of two noises) weigh little. Size adds exactly (bytes on disk). Decode time adds without a correction:
+    the build less its atoms' reductions combined by the measured additivity (Additivity): within a class, the sum
+    of its atoms' reductions times that class's slope; across classes, the sum of the classes' times one more slope.
+    Each slope is the least-squares slope, through 0, of the measured reduction of the rows that restore several
+    atoms together (the all row, leave-one-out rows, a sweep's whole-class row, verified points) against what the
+    atoms predict (1.00 = additive; a slope no row measures is 1.00, and said). A slope rather than a mean of ratios,
+    so that rows whose atoms barely change KL (a ratio of two noises) weigh little. Size adds exactly (bytes on disk). Decode time adds without a correction:
     the stand-in's first verification fitted a decode slope of -1.34 from one row whose atoms' decode changes were
     all within the engine spread, and predicted +3.9 % where -2.3 % was measured (results/budget-h200/); each
     multi-atom row's decode against its atoms' sum is stated instead, with its interval.
