@@ -537,6 +537,35 @@ def _search(model: Model, folder: Path, results: dict, max_decode_ms, max_gb, ma
     return preds, feasible, best, cost
 
 
+def _run_verification(folder: Path, results: dict, model: Model, record: dict, record_path: Path, unfinished: list,
+                      chosen: list, job: dict, corpus, progress: bool, max_decode_ms, max_gb, max_kl):
+    """--verify's run: the rows added to DIR's job (or an interrupted verification's rows again), measured by ablate
+    with DIR's own inputs and settings; returns the results after it, the model refitted on them, its front and cost,
+    and the rows it ran."""
+    import sys
+
+    from .ablate import run_ablate
+    from .ablate.common import _atomic_json
+    from .table import load_results
+
+    if unfinished:
+        plan_path = folder / VERIFY_PLAN
+        to_run = [e["row"] for e in unfinished] + [n for n in job["rows"] if n.startswith("build-verify-")][-1:]
+        if progress:
+            print(f"resuming the verification an earlier --verify began: {', '.join(e['row'] for e in unfinished)}",
+                  file=sys.stderr)
+    else:
+        plan_path, to_run = verify_plan(folder, results, chosen)
+    _atomic_json(record_path, record)  # the predictions, written before anything is measured
+    run_ablate(",".join(to_run), str((job.get("build") or {}).get("source")), str((job.get("base") or {}).get("source")), folder,
+               str(plan_path), _settings_from_job(job, results, progress))
+    results = load_results(folder)
+    model = fit(results, corpus)  # the verified rows now measure the additivity too
+    _, _, best, cost = _search(model, folder, results, max_decode_ms, max_gb, max_kl)
+    record.update(cost=cost, model=model.to_json(), front=[_prediction_json(p, model) for p in best])
+    return results, model, best, cost, to_run
+
+
 def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb: float | None = None,
                   max_kl: float | None = None, corpus: str | None = None, verify: int = 0,
                   progress: bool = True) -> tuple[str, bool]:
@@ -576,24 +605,14 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     from .ablate.common import _atomic_json
 
     if verify:
-        from .ablate import run_ablate
+        from .outputs import exclusive
 
-        if unfinished:
-            plan_path = folder / VERIFY_PLAN
-            to_run = [e["row"] for e in unfinished] + [n for n in job["rows"] if n.startswith("build-verify-")][-1:]
-            if progress:
-                print(f"resuming the verification an earlier --verify began: {', '.join(e['row'] for e in unfinished)}",
-                      file=__import__("sys").stderr)
-        else:
-            plan_path, to_run = verify_plan(folder, results, chosen)
-        _atomic_json(record_path, record)  # the predictions, written before anything is measured
-        settings = _settings_from_job(job, results, progress)
-        run_ablate(",".join(to_run), str((job.get("build") or {}).get("source")), str((job.get("base") or {}).get("source")), folder,
-                   str(plan_path), settings)
-        results = load_results(folder)
-        model = fit(results, corpus)  # the verified rows now measure the additivity too
-        preds, feasible, best, cost = _search(model, folder, results, max_decode_ms, max_gb, max_kl)
-        record.update(cost=cost, model=model.to_json(), front=[_prediction_json(p, model) for p in best])
+        # One verification per folder at a time: its plan file and predictions are written before ablate takes DIR's lock.
+        with exclusive(folder / ".budget-lock", f"another splicer budget --verify is running on {folder}; wait for it "
+                                                "to finish"):
+            results, model, best, cost, to_run = _run_verification(
+                folder, results, model, record, record_path, unfinished, chosen, job, corpus, progress,
+                max_decode_ms, max_gb, max_kl)
         scores = PositionScores(folder, list(results.get("corpora") or {}))
     failed = []
     if verify:

@@ -211,7 +211,7 @@ def test_engine_environment_is_in_the_footnotes_the_cache_key_and_the_job(tmp_pa
     results["backend_info"]["engine_env"] = {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}
     md = render(_write(tmp_path / "env", results))
     assert "Engine environment set for this run: VLLM_TRITON_FORCE_FIRST_CONFIG=1 (Triton autotuning off" in md
-    backend, plan = SimpleNamespace(name="vllm"), SimpleNamespace(top_k=20, name="p", digest="d")
+    backend, plan = SimpleNamespace(name="vllm"), SimpleNamespace(top_k=20, name="p", digest="d", settings_digest="s", rows=[])
     plain, env = AblateSettings(backend="vllm"), AblateSettings(backend="vllm", engine_env={"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"})
     keys = {base_cache(backend, plan, s, tmp_path, "b", []).name for s in (plain, env)}
     assert len(keys) == 2
