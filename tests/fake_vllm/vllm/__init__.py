@@ -14,6 +14,38 @@ import torch
 
 __version__ = "0.0.0-fake"
 
+
+def _exit_without_teardown(code=0):
+    """sys.exit in a worker process that imported this fake: flush and end now, with the same exit code, skipping the
+    interpreter's teardown of torch (about a second per process; the CPU suite starts ~30 of them). multiprocessing's
+    spawned child calls sys.exit(exitcode) once its target has returned and its own finalizers have run. Only in such a
+    child, never in the test process itself; the real vLLM is untouched (this module is only on the suite's path)."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr, flush=True)
+        code = 1
+    os._exit(code)
+
+
+def _in_a_worker_process() -> bool:
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None
+
+
+if _in_a_worker_process():
+    import sys as _sys
+
+    _sys.exit = _exit_without_teardown
+
 # Every generated token after the first costs this much wall time (a sleep, which never returns early), as a decode
 # step costs time in a real engine. Without it the torch reference's extra steps are shorter than the clock's jitter
 # between two calls, and the backend's wall-clock estimate (t(n) - t(1)) / (n - 1) came out negative about one run
