@@ -59,6 +59,7 @@ class Atom:
     d_size: float  # bytes added
     d_decode: float | None  # ms/token added (None: not timed)
     engines: int = 1  # timed engines of its variant
+    significant: bool = True  # its KL change against the build excludes 0 (paired interval; unknown counts as yes)
 
 
 @dataclass
@@ -78,18 +79,29 @@ class Additivity:
         total = sum(sums)
         return (self.across if self.across is not None else 1.0) * total if len(sums) > 1 else total
 
+    unmeasurable: tuple = ()  # classes (and "across") whose rows' atoms all changed KL within noise: slope not fitted
+
     def to_json(self) -> dict:
-        return {"within": self.within, "across": self.across}
+        return {"within": self.within, "across": self.across, "unmeasurable": list(self.unmeasurable)}
 
     @classmethod
     def from_json(cls, d) -> "Additivity":
+        """A stored additivity (budget.json); anything that is not a number is dropped (taken as additive)."""
         d = d if isinstance(d, dict) else {}
-        return cls(dict(d.get("within") or {}), d.get("across"))
+        num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)  # noqa: E731
+        within = d.get("within") if isinstance(d.get("within"), dict) else {}
+        return cls({c: float(r) for c, r in within.items() if num(r)}, float(d["across"]) if num(d.get("across")) else None)
 
     @classmethod
     def fit(cls, multi: list, measure) -> "Additivity":
         """Least-squares slopes through 0: per class from the rows restoring several of its atoms only, then across
-        classes from the rows restoring several classes, against their classes' reductions as `within` predicts them."""
+        classes from the rows restoring several classes, against their classes' reductions as `within` predicts them.
+        A row whose atoms all changed KL within noise (none significant) fits no slope: its slope would be a ratio of
+        two noises, as the decode slope of results/budget-h200 was; when no row is left, the slope stays 1.00."""
+        kept = [(v, p) for v, p in multi if any(a.significant for a in p)]
+        unmeasurable = sorted({p[0].cls if len({a.cls for a in p}) == 1 else "across" for v, p in multi}
+                              - {p[0].cls if len({a.cls for a in p}) == 1 else "across" for v, p in kept})
+        multi = kept
         within = {}
         for c in sorted({p[0].cls for _, p in multi if len({a.cls for a in p}) == 1}):
             r = slope([(v, p) for v, p in multi if {a.cls for a in p} == {c}], measure, lambda p: sum(a.d_kl for a in p))
@@ -98,7 +110,7 @@ class Additivity:
         inner = cls(within)
         across = slope([(v, p) for v, p in multi if len({a.cls for a in p}) > 1], measure,
                        lambda p: inner.reduce(p, lambda a: a.d_kl))
-        return cls(within, across)
+        return cls(within, across, tuple(unmeasurable))
 
 
 @dataclass
@@ -112,6 +124,7 @@ class Prediction:
     decode_ci: list | None = None
     kl_by_corpus: dict = field(default_factory=dict)
     kl_ci_by_corpus: dict = field(default_factory=dict)
+    class_layers: dict = field(default_factory=dict)  # to write a class restored in all its layers as the bare class
 
     @property
     def label(self) -> str:
@@ -122,7 +135,12 @@ class Prediction:
     def entries(self) -> list[str]:
         from .selection import canonical_entries
 
-        return canonical_entries([a.entry for a in self.atoms], "budget") if self.atoms else []
+        out = []
+        for e in canonical_entries([a.entry for a in self.atoms], "budget") if self.atoms else []:
+            cls, layers = _parse(e)
+            whole = layers is not None and cls in self.class_layers and layers == frozenset(self.class_layers[cls])
+            out.append(cls if whole else e)  # one variant, one name: splice and plan rows read it so too
+        return out
 
     @property
     def row_name(self) -> str:
@@ -151,6 +169,7 @@ class Model:
     build_by_corpus: dict = field(default_factory=dict)  # corpus -> build KL
     atom_kl_by_corpus: dict = field(default_factory=dict)  # atom entry -> corpus -> its KL
     decode_checks: list = field(default_factory=list)  # multi-atom rows: decode measured against its atoms' sum
+    class_layers: dict = field(default_factory=dict)  # class -> the build's layers holding it quantized
 
     def to_json(self) -> dict:
         return {"corpus": self.corpus, "build_kl": self.build_kl, "build_size_bytes": self.build_size,
@@ -186,6 +205,14 @@ def _decode(results: dict, v: dict) -> tuple[float | None, int]:
         means = [sum(e) / len(e) for e in engines]
         return sum(means) / len(means), len(means)
     return v.get("decode_ms_per_token"), 1
+
+
+def _significant(v: dict, corpus: str | None) -> bool:
+    """Whether a row's KL differs from the build's beyond noise (its paired verdict, pooled or on the corpus); a row
+    without verdicts (a results file written by hand) counts as significant."""
+    kl = ((v.get("vs_build") or {}).get("kl") or {})
+    r = (kl.get("per_stratum") or {}).get(corpus) if corpus else kl.get("pooled")
+    return True if not isinstance(r, dict) or r.get("significant") is None else bool(r["significant"])
 
 
 def slope(rows, measure, x) -> float | None:
@@ -245,7 +272,7 @@ def fit(results: dict, corpus: str | None = None) -> Model:
             dec, n = _decode(results, v)
             atoms[entry] = Atom(entry, cls, layers if layers is not None else class_layers.get(cls), v["name"],
                                 b_kl - _kl(v, corpus), (v.get("size_bytes") or 0) - b_size,
-                                dec - b_dec if dec is not None and b_dec is not None else None, n)
+                                dec - b_dec if dec is not None and b_dec is not None else None, n, _significant(v, corpus))
     if not atoms:
         raise SplicerError("the results hold no row that restores one class (or one class in some layers); a budget "
                            "needs them: run a plan with single-class rows (where-error-comes-from, or splicer plan sweep)")
@@ -304,7 +331,8 @@ def fit(results: dict, corpus: str | None = None) -> Model:
                  1.0 if timed else None, checks, measured, corpus,
                  build["name"], b_engines, sd, df,
                  {c: _kl(build, c) for c in corpora if _kl(build, c) is not None},
-                 {e: {c: _kl(singles[e], c) for c in corpora if _kl(singles[e], c) is not None} for e in atoms}, decode_checks)
+                 {e: {c: _kl(singles[e], c) for c in corpora if _kl(singles[e], c) is not None} for e in atoms}, decode_checks,
+                 class_layers)
 
 
 def _combine(model: Model, combo, build_value: float, atom_value) -> float:
@@ -329,7 +357,8 @@ def predictions(model: Model, results: dict | None = None, corpus: str | None = 
                 dec = model.build_decode + (model.decode_ratio * add if len(combo) > 1 else add)
             m = model.measured.get(frozenset(a.entry for a in combo))
             out.append(Prediction(combo, kl, size, dec, None if m is None else
-                                  {"row": m["name"], "kl": _kl(m, model.corpus), "decode": m.get("decode_ms_per_token")}))
+                                  {"row": m["name"], "kl": _kl(m, model.corpus), "decode": m.get("decode_ms_per_token")},
+                                  class_layers=model.class_layers))
     return out
 
 
@@ -394,7 +423,7 @@ def intervals(model: Model, preds: list[Prediction], scores: PositionScores | No
             comparison = paired_comparison(strata, reps)
             p.kl_ci = _pooled_or(comparison, model.corpus)["diff_ci"]
             p.kl_ci_by_corpus = {c: r["diff_ci"] for c, r in comparison["per_stratum"].items()}
-        if p.decode is not None and model.engine_sd_ms is not None and model.engine_df:
+        if p.decode is not None and p.atoms and model.engine_sd_ms is not None and model.engine_df:
             k = len(p.atoms)
             r = model.decode_ratio if k > 1 else 1.0
             var = model.engine_sd_ms ** 2 * r * r * (sum(1 / a.engines for a in p.atoms) + k * k / model.build_engines)
@@ -448,8 +477,9 @@ def verify_plan(folder: Path, results: dict, chosen: list[Prediction]) -> tuple[
     try:
         plan = load_plan(str(source), all_classes())
     except SplicerError as e:
-        raise SplicerError(f"the plan {folder} was run with cannot be read ({e}); --verify needs it for the corpora and "
-                           "timing") from None
+        raise SplicerError(f"the plan {folder} was run with ({str(source)[:120]}, as splicer ablate was given it) cannot be "
+                           f"read: {str(e)[:160]}; --verify needs its corpora and timing: run it from the folder ablate ran in, "
+                           "with the plan in place") from None
     if plan.settings_digest != job["plan_settings_digest"]:
         raise SplicerError(f"the plan {source} has other corpora, top_k or timing than when {folder} was run; put them "
                            "back, or run the plan into a new folder")
@@ -477,19 +507,38 @@ def verify_plan(folder: Path, results: dict, chosen: list[Prediction]) -> tuple[
     return out, run
 
 
-def _verification(model: Model, stored: dict, results: dict, scores: PositionScores, reps: int = 2000) -> dict | None:
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _valid_entry(e) -> bool:
+    """A verified entry of budget.json that can be compared (written by budget; a hand edit may break one)."""
+    return (isinstance(e, dict) and isinstance(e.get("row"), str) and _number(e.get("kl"))
+            and isinstance(e.get("atoms"), list) and all(isinstance(a, str) for a in e["atoms"]))
+
+
+STRIPPED = ("measured", "error_kl", "error_decode")  # what a verification adds to a stored prediction
+
+
+def _verification(model: Model, stored: dict, results: dict, scores: PositionScores, reps: int = 2000) -> dict:
     """A verified point's prediction (stored before it ran) against its measurement, with the differences' intervals:
-    KL paired position by position (prediction from the atoms' rows, measurement from the point's row), decode from
-    the engine spread of the run (the point's engines, its atoms' and the build's)."""
+    KL paired position by position (prediction from the atoms' rows, measurement from the point's row; without the
+    rows' per-position scores, the difference of the two means and no interval), decode against the prediction's own
+    change from the build, with the engine spread of the run (the point's engines, its atoms' and the build's).
+    The model must be fitted on the corpus the prediction was made on. A row no longer in the results (a rerun of
+    another plan dropped it) leaves the prediction alone, marked so."""
     from .metrics import _t975, paired_comparison
 
+    out = {k: v for k, v in stored.items() if k not in STRIPPED and k != "missing"}
     row = next((v for v in results.get("variants", []) if v.get("name") == stored["row"] and v.get("status") == "ok"), None)
     if row is None:
-        return None
+        if stored.get("measured"):
+            out["missing"] = "its row is no longer in this folder's results (a rerun of another plan dropped it)"
+        return out
     by_entry = {a.entry: a for a in model.atoms}
     atoms = [by_entry.get(e) for e in stored["atoms"]]
-    out = {**stored, "measured": {"kl": _kl(row, model.corpus), "size_gb": (row.get("size_bytes") or 0) / 1e9,
-                                  "decode": _decode(results, row)[0]}}
+    measured_kl = _kl(row, model.corpus)
+    out["measured"] = {"kl": measured_kl, "size_gb": (row.get("size_bytes") or 0) / 1e9, "decode": _decode(results, row)[0]}
     if any(a is None for a in atoms):  # the atoms changed since (rows rerun): no paired comparison
         return out
     saved = model.additivity
@@ -501,12 +550,22 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
     if strata:
         r = _pooled_or(paired_comparison(strata, reps), model.corpus)
         out["error_kl"] = {"diff": -r["diff"], "ci": [-r["diff_ci"][1], -r["diff_ci"][0]]}  # measured - predicted
+    elif measured_kl is not None:
+        out["error_kl"] = {"diff": measured_kl - stored["kl"], "ci": None}
     m_v, n_v = _decode(results, row)
     if m_v is not None and model.build_decode is not None and all(a.d_decode is not None for a in atoms):
-        rd = stored.get("decode_ratio") or 1.0
-        predicted_now = model.build_decode + rd * sum(a.d_decode for a in atoms)
-        err = {"diff_ms": m_v - predicted_now, "measured_rel": m_v / model.build_decode - 1,
-               "predicted_rel": predicted_now / model.build_decode - 1}
+        rd = stored.get("decode_ratio") if _number(stored.get("decode_ratio")) else 1.0
+        if _number(stored.get("decode")) and _number(stored.get("build_decode")) and stored["build_decode"] > 0:
+            # The change from the build it predicted, against the change measured from the build's engines now (a
+            # verification adds one): both relative to their own build, so that the added engine moves neither.
+            predicted_rel = stored["decode"] / stored["build_decode"] - 1
+            basis = "stored"
+        else:  # a prediction stored before its build's decode was: the same model, on today's build engines
+            predicted_rel = rd * sum(a.d_decode for a in atoms) / model.build_decode
+            basis = "recomputed on this folder's build engines"
+        measured_rel = m_v / model.build_decode - 1
+        err = {"diff_ms": (measured_rel - predicted_rel) * model.build_decode, "measured_rel": measured_rel,
+               "predicted_rel": predicted_rel, "predicted_basis": basis}
         if model.engine_sd_ms is not None and model.engine_df:
             k = len(atoms)
             var = model.engine_sd_ms ** 2 * (1 / n_v + rd * rd * sum(1 / a.engines for a in atoms)
@@ -518,10 +577,10 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
 
 
 def _prediction_json(p: Prediction, model: Model) -> dict:
-    return {"restore": p.label, "row": p.row_name if p.atoms else None, "atoms": [a.entry for a in p.atoms],
-            "kl": p.kl, "kl_ci": p.kl_ci, "kl_by_corpus": p.kl_by_corpus,
+    return {"restore": p.label, "entries": p.entries, "row": p.row_name if p.atoms else None, "atoms": [a.entry for a in p.atoms],
+            "corpus": model.corpus, "kl": p.kl, "kl_ci": p.kl_ci, "kl_by_corpus": p.kl_by_corpus,
             "kl_ci_by_corpus": p.kl_ci_by_corpus, "size_gb": p.size_gb, "decode": p.decode,
-            "decode_ci": p.decode_ci, "measured_row": (p.measured or {}).get("row"),
+            "decode_ci": p.decode_ci, "build_decode": model.build_decode, "measured_row": (p.measured or {}).get("row"),
             "additivity": model.additivity.to_json(), "decode_ratio": model.decode_ratio}
 
 
@@ -566,6 +625,21 @@ def _run_verification(folder: Path, results: dict, model: Model, record: dict, r
     return results, model, best, cost, to_run
 
 
+def _check_inputs(folder: Path, job: dict) -> None:
+    """The build and base DIR's job names must still be there (as ablate was given them: a relative path is relative to
+    the folder ablate ran in), checked before --verify writes anything."""
+    from .checkpoint import open_checkpoint
+
+    for role in ("build", "base"):
+        source = str((job.get(role) or {}).get("source"))
+        try:
+            open_checkpoint(source, role)
+        except SplicerError as e:
+            raise SplicerError(f"{folder}'s job names its {role} as {source[:120]!r}, as splicer ablate was given it "
+                               f"({str(e)[:160]}); run budget --verify from the folder ablate ran in, with the {role} "
+                               "in place") from None
+
+
 def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb: float | None = None,
                   max_kl: float | None = None, corpus: str | None = None, verify: int = 0,
                   progress: bool = True) -> tuple[str, bool]:
@@ -578,6 +652,13 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     results = load_results(folder)
     if verify < 0:
         raise SplicerError(f"--verify {verify}: give how many points of the front to splice and measure (1 or more)")
+    for flag, value in (("--max-decode-ms", max_decode_ms), ("--max-gb", max_gb), ("--max-kl", max_kl)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise SplicerError(f"{flag} {value}: give a finite number, 0 or more")
+    known = list(results.get("corpora") or {})
+    if corpus is not None and known and corpus not in known:
+        raise SplicerError(f"--corpus {corpus[:40]!r}: this folder scored {', '.join(known)}; name one of them, or drop "
+                           "--corpus for KL pooled over them")
     model = fit(results, corpus)
     if max_decode_ms is not None and model.decode_ratio is None:
         raise SplicerError("--max-decode-ms needs timed rows, and this run did not time every single-entry row and the build "
@@ -587,17 +668,25 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     limits = {"max_gb": max_gb, "max_decode_ms": max_decode_ms, "max_kl": max_kl}
     record_path = folder / BUDGET_JSON
     try:
-        earlier = json.loads(record_path.read_text()).get("verified", []) if record_path.exists() else []
-    except (OSError, ValueError, AttributeError):
-        earlier = []
+        stored = json.loads(record_path.read_text()) if record_path.exists() else {}
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SplicerError(f"{record_path} cannot be read ({e.__class__.__name__}); it holds the predictions earlier "
+                           "verifications were made against: restore it, or move it away to start afresh") from None
+    listed = stored.get("verified") if isinstance(stored, dict) else None
+    earlier = [e for e in listed if _valid_entry(e)] if isinstance(listed, list) else []
+    dropped = (len(listed) if isinstance(listed, list) else int(listed is not None)) - len(earlier)
     job = results.get("job") or {}
     finished = {v.get("name") for v in results.get("variants", []) if isinstance(v, dict) and v.get("status") == "ok"}
     # A verification an earlier --verify started and did not finish is resumed as it was chosen, not chosen again.
-    unfinished = [e for e in earlier if isinstance(e, dict) and e.get("row") in (job.get("rows") or {}) and e["row"] not in finished]
+    unfinished = [e for e in earlier if e["row"] in (job.get("rows") or {}) and e["row"] not in finished]
     chosen = pick_verify(best, verify) if verify and not unfinished else []
     if verify and not chosen and not unfinished:
+        if not best:
+            raise SplicerError("no combination fits the limits, so there is nothing to verify; widen them")
         raise SplicerError("every point of the front within the limits was measured already; nothing to verify "
                            "(widen the limits, or run without --verify)")
+    if verify and not unfinished:
+        _check_inputs(folder, job)  # before anything is written
     pending = [_prediction_json(p, model) for p in chosen]
     record = {"corpus": corpus, "cost": cost, "limits": limits, "model": model.to_json(),
               "front": [_prediction_json(p, model) for p in best],
@@ -619,10 +708,13 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
         by_name = {v.get("name"): v for v in results.get("variants", []) if isinstance(v, dict)}
         failed = [(n, (by_name.get(n) or {}).get("error") or "not run") for n in to_run
                   if (by_name.get(n) or {}).get("status") != "ok"]
+    models = {corpus: model}  # each prediction is compared on the corpus it was made on
     verified = []
     for e in record["verified"]:
-        v = _verification(model, e, results, scores) if e.get("row") else None
-        verified.append(v or e)
+        c = e.get("corpus") if e.get("corpus") in known else None
+        if c not in models:
+            models[c] = fit(results, c)
+        verified.append(_verification(models[c], e, results, scores))
     record["verified"] = verified
     _atomic_json(record_path, record)
 
@@ -656,6 +748,21 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     if model.decode_ratio is not None and model.engine_sd_ms is None:
         lines.append("Decode intervals: none (the build was timed on one engine, so the engine-to-engine spread is unknown).")
 
+    if model.additivity.unmeasurable:
+        lines.append("Not fitted, taken as 1.00: the additivity " + ", ".join(
+            "across classes" if c == "across" else f"within {c}" for c in model.additivity.unmeasurable)
+            + " (every row that would measure it restores atoms whose KL changes are within noise; a slope from them "
+            "would be a ratio of two noises).")
+    if best and any(p.atoms for p in best) and not any(p.kl_ci for p in best if p.atoms):
+        lines.append(f"KL intervals: none ({folder / 'scores'} lacks the rows' per-position scores).")
+    if verify and chosen and len(chosen) < verify:
+        lines.append(f"--verify {verify}: the front had {len(chosen)} point(s) no row measured; verified those.")
+    if unfinished and verify:
+        lines.append("Resumed the verification an earlier --verify began (" + ", ".join(e["row"] for e in unfinished)
+                     + "); the limits and N given now apply once it has finished.")
+    if dropped:
+        lines.append(f"{record_path}: {dropped} verified entries could not be read and were left out.")
+
     def ci(x):
         return "" if not x else f" [{x[0]:.4f}, {x[1]:.4f}]"
 
@@ -675,8 +782,11 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
                               tablefmt="github"))
     done = [v for v in record["verified"] if v.get("measured")]
     if done:
+        other = {v.get("corpus") for v in done} - {corpus}
         lines.append("Verified (spliced and measured; predicted before measuring; error = measured - predicted, 95 % "
-                     "intervals, KL paired position by position):")
+                     "intervals, KL paired position by position"
+                     + ("; KL on the corpus each was predicted on: " + ", ".join(
+                         f"{v['row']} {v.get('corpus') or 'pooled'}" for v in done) if other else "") + "):")
         vrows = []
         for v in done:
             ek, ed = v.get("error_kl") or {}, v.get("error_decode") or {}
@@ -690,6 +800,10 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     elif not verify:
         lines.append("Splice and measure the chosen points with --verify N (rows added to this folder's job), or splice "
                      "one with `splicer splice --restore ENTRIES BUILD BASE -o OUT`.")
+    gone = [v for v in record["verified"] if v.get("missing")]
+    if gone:
+        lines.append("Verified earlier, but " + gone[0]["missing"] + ": " + ", ".join(v["row"] for v in gone)
+                     + "; rerun DIR with DIR/budget-plan.toml to keep them, or --verify measures them again.")
     for name, why in failed:
         lines.append(f"Not measured: row {name} ({str(why).splitlines()[0][:200]}); see {folder / 'ablate.log'}, "
                      "and run the same --verify again to resume it.")

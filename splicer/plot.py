@@ -11,6 +11,7 @@ decode intervals, drawn dashed; a point it verified is joined by a thin line to 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from .errors import SplicerError
@@ -44,9 +45,31 @@ def _predicted(folder: Path) -> tuple[list[dict], list[dict], str | None]:
         return [], [], None
     if not isinstance(record, dict):
         return [], [], None
-    ok = lambda e: isinstance(e, dict) and isinstance(e.get("kl_by_corpus"), dict)  # noqa: E731
-    return ([e for e in record.get("front") or [] if ok(e)], [e for e in record.get("verified") or [] if ok(e)],
-            record.get("cost"))
+    return ([e for e in _list(record.get("front")) if _drawable(e)], [e for e in _list(record.get("verified")) if _drawable(e)],
+            record.get("cost") if record.get("cost") in ("decode", "size_gb") else None)
+
+
+def _list(x) -> list:
+    return x if isinstance(x, list) else []
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _pair(x) -> bool:
+    return isinstance(x, list) and len(x) == 2 and all(_num(v) for v in x)
+
+
+def _drawable(e) -> bool:
+    """A budget.json point the plot can draw (budget writes them so; a hand edit may not): KL per corpus as numbers,
+    intervals as number pairs, costs as numbers or absent."""
+    if not isinstance(e, dict) or not isinstance(e.get("kl_by_corpus"), dict) or not all(_num(v) for v in e["kl_by_corpus"].values()):
+        return False
+    cis = e.get("kl_ci_by_corpus") or {}
+    return (isinstance(cis, dict) and all(_pair(v) for v in cis.values() if v is not None)
+            and all(e.get(k) is None or _num(e[k]) for k in ("decode", "size_gb"))
+            and (e.get("decode_ci") is None or _pair(e["decode_ci"])))
 
 
 def pareto(items: list, x=lambda p: p[0], y=lambda p: p[1]) -> list:

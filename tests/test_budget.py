@@ -74,3 +74,33 @@ def test_budget_refuses_what_the_results_cannot_answer(tmp_path, capsys, args, m
 def test_no_single_rows_is_refused():
     with pytest.raises(SplicerError, match="no row that restores one class"):
         fit(_results(_v("build", [], 1.0, 10e9), _v("all", ["gdn", "attention"], 0.5, 12e9)))
+
+
+def test_a_slope_is_not_fitted_from_atoms_whose_kl_changes_are_noise():
+    """The whole-gdn row measures within-gdn additivity only when one of its groups changed KL significantly: from
+    noise the slope would be a ratio of two noises (the decode slope of results/budget-h200 was -1.34 so)."""
+    def noisy(v, significant):
+        return dict(v, vs_build={"kl": {"pooled": {"significant": significant}}})
+
+    rows = [_v("build", [], 1.0, 10e9), _v("g0", ["gdn@0"], 0.999, 11e9), _v("g1", ["gdn@1"], 1.001, 11e9),
+            _v("g2", ["gdn@2"], 0.9995, 11e9), _v("gdn", ["gdn"], 1.002, 13e9)]
+    m = fit(_results(*(noisy(v, False) if v["name"].startswith("g") else v for v in rows)))
+    assert m.additivity.within == {} and m.additivity.unmeasurable == ("gdn",)
+    assert fit(_results(*rows)).additivity.within["gdn"] == pytest.approx((1.0 - 1.002) / (0.001 - 0.001 + 0.0005))
+
+
+def test_an_unreadable_budget_json_is_refused_not_overwritten(tmp_path, capsys):
+    r = _results(_v("build", [], 1.0, 10e9), _v("g0", ["gdn@0"], 0.8, 11e9))
+    (tmp_path / "results.json").write_text(json.dumps(r))
+    (tmp_path / "budget.json").write_text("{not json")
+    assert main(["budget", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "budget.json cannot be read" in err and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "budget.json").read_text() == "{not json"
+    for args, message in ((["--max-gb", "nan"], "--max-gb nan: give a finite number"),
+                          (["--corpus", "nope"], "--corpus 'nope': this folder scored wiki-en")):
+        (tmp_path / "budget.json").unlink(missing_ok=True)
+        r["corpora"] = {"wiki-en": {}}
+        (tmp_path / "results.json").write_text(json.dumps(r))
+        assert main(["budget", str(tmp_path), *args]) == 2
+        assert message in capsys.readouterr().err

@@ -116,21 +116,24 @@ def test_verify_runs_the_chosen_point_keeps_the_rest_and_records_prediction_agai
     for name, v in old.items():  # kept, not rerun
         assert json.dumps(new[name]["metrics"], sort_keys=True) == json.dumps(v["metrics"], sort_keys=True), name
         assert new[name]["timing"] == v["timing"], name
-    assert new[row]["status"] == "ok" and new[row]["restored"] == want["atoms"]
+    assert new[row]["status"] == "ok" and new[row]["restored"] == want["entries"]
     assert new["build-verify-1"]["status"] == "ok" and new["build-verify-1"]["repeat_of"] == "build"
     job_rows = json.loads((folder / "job.json").read_text())["rows"]
-    assert job_rows[row] == {"restore": want["atoms"]} and job_rows["build-verify-1"] == {"restore": [], "repeat": True}
+    assert job_rows[row] == {"restore": want["entries"]} and job_rows["build-verify-1"] == {"restore": [], "repeat": True}
     assert (folder / "budget-plan.toml").exists()
 
     [entry] = _budget(folder)["verified"]
     assert entry["row"] == row and entry["restore"] == want["restore"] and entry["atoms"] == want["atoms"]
     assert entry["kl"] == pytest.approx(want["kl"], abs=1e-12)  # the prediction made before the row ran
     # The additivity stored with it is the pre-verify fit: within gdn from the `gdn` row alone (the only multi-atom
-    # row, of one class), no row across classes.
+    # row, of one class) when one of its atoms changed KL significantly, else not fitted (1.00); no row across classes.
     kl = {n: v["metrics"]["wiki-en"]["kl"] for n, v in old.items()}
     b = kl["build"]
-    within_gdn = (b - kl["gdn"]) / ((b - kl["gdn-1"]) + (b - kl["gdn-2"]))
-    assert entry["additivity"]["within"]["gdn"] == pytest.approx(within_gdn, abs=1e-12)
+    if any(old[n]["vs_build"]["kl"]["pooled"]["significant"] is not False for n in ("gdn-1", "gdn-2")):
+        within_gdn = (b - kl["gdn"]) / ((b - kl["gdn-1"]) + (b - kl["gdn-2"]))
+        assert entry["additivity"]["within"]["gdn"] == pytest.approx(within_gdn, abs=1e-12)
+    else:
+        assert "gdn" not in entry["additivity"]["within"] and entry["additivity"]["unmeasurable"] == ["gdn"]
     assert entry["additivity"]["across"] is None
     assert entry["kl"] == pytest.approx(_by_hand(before, entry["atoms"], entry["additivity"]), abs=1e-12)
     measured_kl = new[row]["metrics"]["wiki-en"]["kl"]
