@@ -215,7 +215,7 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_budget(args) -> int:
-    from .budget import budget_report
+    from .budget_search import budget_report
 
     text, finished = budget_report(args.dir, args.max_decode_ms, args.max_gb, args.max_kl, args.corpus, args.verify,
                                    not args.quiet)

@@ -1,0 +1,387 @@
+"""`splicer budget DIR`: the search over the model of budget.py under the limits, and `--verify N`.
+
+`--verify N` picks N points of the front that no row measured (the lowest predicted KL first, the rest spread along
+the front), adds them to DIR's job as plan rows (with one more engine of the build, so the decode intervals gain a
+degree of freedom), runs them with DIR's own inputs and settings (`splicer ablate` into DIR: finished rows are kept),
+and prints each point's prediction (made before it ran) against its measurement, the difference with its interval:
+KL paired position by position, decode with both sides' engine spread. DIR/budget.json holds the search, the
+predictions and the verification; `splicer plot DIR` draws the predicted front hollow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .budget import (Additivity, Model, PositionScores, Prediction, _decode, _kl, _pooled_or, fit, front, intervals,
+                     pick_verify, predictions)
+from .errors import SplicerError
+
+BUDGET_JSON = "budget.json"
+VERIFY_PLAN = "budget-plan.toml"
+
+
+def _settings_from_job(job: dict, results: dict, progress: bool):
+    """DIR's own run settings, so that the verified rows are measured exactly as the rest."""
+    from .ablate import AblateSettings
+
+    st = job.get("settings") or {}
+    bw = results.get("bandwidth_bytes_per_s")
+    return AblateSettings(backend=st.get("backend", "torch"), device=st.get("device", "auto"), time_decode=st.get("time_decode", True),
+                          corpus_overrides=st.get("corpus_overrides") or {}, batch_size=st.get("batch_size"),
+                          engine_args=st.get("engine_args") or {}, engine_env=st.get("engine_env") or {},
+                          allow_quantized_base=bool(st.get("allow_quantized_base")), overlap_starts=st.get("overlap_starts") or 0,
+                          rewake_before_timing=bool(st.get("rewake_before_timing")), gpus=tuple(st.get("gpus") or ()),
+                          bandwidth_gbs=bw / 1e9 if bw else None, progress=progress, extend_only=True)
+
+
+def verify_plan(folder: Path, results: dict, chosen: list[Prediction]) -> tuple[Path, list[str]]:
+    """DIR/budget-plan.toml: DIR's plan settings and every row of its job, plus a row per chosen point (and one more
+    engine of the build when the run is timed), checked by reading it back as any plan is read; and the rows to run
+    (the chosen points and that engine: other unfinished rows of DIR's plan stay as they are)."""
+    import tomli_w
+
+    from .arch import all_classes
+    from .plan import load_plan
+
+    job = results.get("job") or {}
+    source = (results.get("plan") or {}).get("source")
+    if not isinstance(job.get("rows"), dict) or not job.get("plan_settings_digest"):
+        raise SplicerError(f"{folder} was written by an older splicer (its job does not list its rows); run its plan again "
+                           "into a new folder to verify there")
+    try:
+        plan = load_plan(str(source), all_classes())
+    except SplicerError as e:
+        raise SplicerError(f"the plan {folder} was run with ({str(source)[:120]}, as splicer ablate was given it) cannot be "
+                           f"read: {str(e)[:160]}; --verify needs its corpora and timing: run it from the folder ablate ran in, "
+                           "with the plan in place") from None
+    if plan.settings_digest != job["plan_settings_digest"]:
+        raise SplicerError(f"the plan {source} has other corpora, top_k or timing than when {folder} was run; put them "
+                           "back, or run the plan into a new folder")
+    rows = [{"name": n, **d} for n, d in job["rows"].items()]
+    new = [{"name": p.row_name, "restore": p.entries} for p in chosen if p.row_name not in job["rows"]]
+    timed = bool((job.get("settings") or {}).get("time_decode", True) and plan.timing)
+    run = [p.row_name for p in chosen]
+    if new and timed:  # one more engine of the build, timed after the new rows: the decode spread gains a degree of freedom
+        k = 1 + sum(1 for n in job["rows"] if n.startswith("build-verify-"))
+        new.append({"name": f"build-verify-{k}", "restore": [], "repeat": True})
+    elif timed:  # resumed: the engine an interrupted verification added
+        run += [n for n in job["rows"] if n.startswith("build-verify-")][-1:]
+    data = {"name": plan.name, "description": plan.description, "top_k": plan.top_k, "corpus": plan.corpora,
+            **({"timing": plan.timing} if plan.timing else {}), "row": rows + new}
+    out = folder / VERIFY_PLAN
+    tmp = folder / f".{VERIFY_PLAN}.partial"
+    tmp.write_text("# Written by `splicer budget --verify`: the plan of " + str(source) + " with the rows of this "
+                   "folder's job and the budget's points to verify\n" + tomli_w.dumps(data), encoding="utf-8")
+    try:
+        load_plan(str(tmp), all_classes())
+    except SplicerError:
+        tmp.unlink()
+        raise
+    tmp.replace(out)
+    return out, run
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _valid_entry(e) -> bool:
+    """A verified entry of budget.json that can be compared (written by budget; a hand edit may break one)."""
+    return (isinstance(e, dict) and isinstance(e.get("row"), str) and _number(e.get("kl"))
+            and isinstance(e.get("atoms"), list) and all(isinstance(a, str) for a in e["atoms"]))
+
+
+STRIPPED = ("measured", "error_kl", "error_decode")  # what a verification adds to a stored prediction
+
+
+def _verification(model: Model, stored: dict, results: dict, scores: PositionScores, reps: int = 2000) -> dict:
+    """A verified point's prediction (stored before it ran) against its measurement, with the differences' intervals:
+    KL paired position by position (prediction from the atoms' rows, measurement from the point's row; without the
+    rows' per-position scores, the difference of the two means and no interval), decode against the prediction's own
+    change from the build, with the engine spread of the run (the point's engines, its atoms' and the build's).
+    The model must be fitted on the corpus the prediction was made on. A row no longer in the results (a rerun of
+    another plan dropped it) leaves the prediction alone, marked so."""
+    from .metrics import _t975, paired_comparison
+
+    out = {k: v for k, v in stored.items() if k not in STRIPPED and k != "missing"}
+    row = next((v for v in results.get("variants", []) if v.get("name") == stored["row"] and v.get("status") == "ok"), None)
+    if row is None:
+        if stored.get("measured"):
+            out["missing"] = "its row is no longer in this folder's results (a rerun of another plan dropped it)"
+        return out
+    by_entry = {a.entry: a for a in model.atoms}
+    atoms = [by_entry.get(e) for e in stored["atoms"]]
+    measured_kl = _kl(row, model.corpus)
+    out["measured"] = {"kl": measured_kl, "size_gb": (row.get("size_bytes") or 0) / 1e9, "decode": _decode(results, row)[0]}
+    if any(a is None for a in atoms):  # the atoms changed since (rows rerun): no paired comparison
+        return out
+    saved = model.additivity
+    model.additivity = Additivity.from_json(stored.get("additivity"))  # the prediction as it was made
+    try:
+        strata = scores.strata(model, atoms, model.corpus, other=row["name"])
+    finally:
+        model.additivity = saved
+    if strata:
+        r = _pooled_or(paired_comparison(strata, reps), model.corpus)
+        out["error_kl"] = {"diff": -r["diff"], "ci": [-r["diff_ci"][1], -r["diff_ci"][0]]}  # measured - predicted
+    elif measured_kl is not None:
+        out["error_kl"] = {"diff": measured_kl - stored["kl"], "ci": None}
+    m_v, n_v = _decode(results, row)
+    if m_v is not None and model.build_decode is not None and all(a.d_decode is not None for a in atoms):
+        rd = stored.get("decode_ratio") if _number(stored.get("decode_ratio")) else 1.0
+        if _number(stored.get("decode")) and _number(stored.get("build_decode")) and stored["build_decode"] > 0:
+            # The change from the build it predicted, against the change measured from the build's engines now (a
+            # verification adds one): both relative to their own build, so that the added engine moves neither.
+            predicted_rel = stored["decode"] / stored["build_decode"] - 1
+            basis = "stored"
+        else:  # a prediction stored before its build's decode was: the same model, on today's build engines
+            predicted_rel = rd * sum(a.d_decode for a in atoms) / model.build_decode
+            basis = "recomputed on this folder's build engines"
+        measured_rel = m_v / model.build_decode - 1
+        err = {"diff_ms": (measured_rel - predicted_rel) * model.build_decode, "measured_rel": measured_rel,
+               "predicted_rel": predicted_rel, "predicted_basis": basis}
+        if model.engine_sd_ms is not None and model.engine_df:
+            k = len(atoms)
+            var = model.engine_sd_ms ** 2 * (1 / n_v + rd * rd * sum(1 / a.engines for a in atoms)
+                                             + (rd * k - 1) ** 2 / model.build_engines)
+            half = _t975(model.engine_df) * math.sqrt(var)
+            err["ci_ms"] = [err["diff_ms"] - half, err["diff_ms"] + half]
+        out["error_decode"] = err
+    return out
+
+
+def _prediction_json(p: Prediction, model: Model) -> dict:
+    return {"restore": p.label, "entries": p.entries, "row": p.row_name if p.atoms else None, "atoms": [a.entry for a in p.atoms],
+            "corpus": model.corpus, "kl": p.kl, "kl_ci": p.kl_ci, "kl_by_corpus": p.kl_by_corpus,
+            "kl_ci_by_corpus": p.kl_ci_by_corpus, "size_gb": p.size_gb, "decode": p.decode,
+            "decode_ci": p.decode_ci, "build_decode": model.build_decode, "measured_row": (p.measured or {}).get("row"),
+            "additivity": model.additivity.to_json(), "decode_ratio": model.decode_ratio}
+
+
+def _search(model: Model, folder: Path, results: dict, max_decode_ms, max_gb, max_kl):
+    """Every combination predicted, those within the limits, their Pareto front (with intervals) and its cost axis."""
+    preds = predictions(model, results, model.corpus)
+    cost = "decode" if model.decode_ratio is not None and (max_decode_ms is not None or max_gb is None) else "size_gb"
+    feasible = [p for p in preds if (max_gb is None or p.size_gb <= max_gb)
+                and (max_decode_ms is None or (p.decode is not None and p.decode <= max_decode_ms))
+                and (max_kl is None or p.kl <= max_kl)]
+    best = front(feasible, cost)
+    intervals(model, best, PositionScores(folder, list(results.get("corpora") or {})))
+    return preds, feasible, best, cost
+
+
+def _run_verification(folder: Path, results: dict, model: Model, record: dict, record_path: Path, unfinished: list,
+                      chosen: list, job: dict, corpus, progress: bool, max_decode_ms, max_gb, max_kl):
+    """--verify's run: the rows added to DIR's job (or an interrupted verification's rows again), measured by ablate
+    with DIR's own inputs and settings; returns the results after it, the model refitted on them, its front and cost,
+    and the rows it ran."""
+    import sys
+
+    from .ablate import run_ablate
+    from .ablate.common import _atomic_json
+    from .table import load_results
+
+    if unfinished:
+        plan_path = folder / VERIFY_PLAN
+        to_run = [e["row"] for e in unfinished] + [n for n in job["rows"] if n.startswith("build-verify-")][-1:]
+        if progress:
+            print(f"resuming the verification an earlier --verify began: {', '.join(e['row'] for e in unfinished)}",
+                  file=sys.stderr)
+    else:
+        plan_path, to_run = verify_plan(folder, results, chosen)
+    _atomic_json(record_path, record)  # the predictions, written before anything is measured
+    run_ablate(",".join(to_run), str((job.get("build") or {}).get("source")), str((job.get("base") or {}).get("source")), folder,
+               str(plan_path), _settings_from_job(job, results, progress))
+    results = load_results(folder)
+    model = fit(results, corpus)  # the verified rows now measure the additivity too
+    _, _, best, cost = _search(model, folder, results, max_decode_ms, max_gb, max_kl)
+    record.update(cost=cost, model=model.to_json(), front=[_prediction_json(p, model) for p in best])
+    return results, model, best, cost, to_run
+
+
+def _check_inputs(folder: Path, job: dict) -> None:
+    """The build and base DIR's job names must still be there (as ablate was given them: a relative path is relative to
+    the folder ablate ran in), checked before --verify writes anything."""
+    from .checkpoint import open_checkpoint
+
+    for role in ("build", "base"):
+        source = str((job.get(role) or {}).get("source"))
+        try:
+            open_checkpoint(source, role)
+        except SplicerError as e:
+            raise SplicerError(f"{folder}'s job names its {role} as {source[:120]!r}, as splicer ablate was given it "
+                               f"({str(e)[:160]}); run budget --verify from the folder ablate ran in, with the {role} "
+                               "in place") from None
+
+
+def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb: float | None = None,
+                  max_kl: float | None = None, corpus: str | None = None, verify: int = 0,
+                  progress: bool = True) -> tuple[str, bool]:
+    """The search's text, and False when a row --verify ran did not finish (the text names it)."""
+    from tabulate import tabulate
+
+    from .table import load_results
+
+    folder = Path(folder)
+    results = load_results(folder)
+    if verify < 0:
+        raise SplicerError(f"--verify {verify}: give how many points of the front to splice and measure (1 or more)")
+    for flag, value in (("--max-decode-ms", max_decode_ms), ("--max-gb", max_gb), ("--max-kl", max_kl)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise SplicerError(f"{flag} {value}: give a finite number, 0 or more")
+    known = list(results.get("corpora") or {})
+    if corpus is not None and known and corpus not in known:
+        raise SplicerError(f"--corpus {corpus[:40]!r}: this folder scored {', '.join(known)}; name one of them, or drop "
+                           "--corpus for KL pooled over them")
+    model = fit(results, corpus)
+    if max_decode_ms is not None and model.decode_ratio is None:
+        raise SplicerError("--max-decode-ms needs timed rows, and this run did not time every single-entry row and the build "
+                           "(was it run with --no-time?); use --max-gb or --max-kl, or run the plan with timing")
+    preds, feasible, best, cost = _search(model, folder, results, max_decode_ms, max_gb, max_kl)
+    scores = PositionScores(folder, list(results.get("corpora") or {}))
+    limits = {"max_gb": max_gb, "max_decode_ms": max_decode_ms, "max_kl": max_kl}
+    record_path = folder / BUDGET_JSON
+    try:
+        stored = json.loads(record_path.read_text()) if record_path.exists() else {}
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SplicerError(f"{record_path} cannot be read ({e.__class__.__name__}); it holds the predictions earlier "
+                           "verifications were made against: restore it, or move it away to start afresh") from None
+    listed = stored.get("verified") if isinstance(stored, dict) else None
+    earlier = [e for e in listed if _valid_entry(e)] if isinstance(listed, list) else []
+    dropped = (len(listed) if isinstance(listed, list) else int(listed is not None)) - len(earlier)
+    job = results.get("job") or {}
+    finished = {v.get("name") for v in results.get("variants", []) if isinstance(v, dict) and v.get("status") == "ok"}
+    # A verification an earlier --verify started and did not finish is resumed as it was chosen, not chosen again.
+    unfinished = [e for e in earlier if e["row"] in (job.get("rows") or {}) and e["row"] not in finished]
+    chosen = pick_verify(best, verify) if verify and not unfinished else []
+    if verify and not chosen and not unfinished:
+        if not best:
+            raise SplicerError("no combination fits the limits, so there is nothing to verify; widen them")
+        raise SplicerError("every point of the front within the limits was measured already; nothing to verify "
+                           "(widen the limits, or run without --verify)")
+    if verify and not unfinished:
+        _check_inputs(folder, job)  # before anything is written
+    pending = [_prediction_json(p, model) for p in chosen]
+    record = {"corpus": corpus, "cost": cost, "limits": limits, "model": model.to_json(),
+              "front": [_prediction_json(p, model) for p in best],
+              "verified": [e for e in earlier if e.get("row") not in {p["row"] for p in pending}] + pending}
+    from .ablate.common import _atomic_json
+
+    if verify:
+        from .outputs import exclusive
+
+        # One verification per folder at a time: its plan file and predictions are written before ablate takes DIR's lock.
+        with exclusive(folder / ".budget-lock", f"another splicer budget --verify is running on {folder}; wait for it "
+                                                "to finish"):
+            results, model, best, cost, to_run = _run_verification(
+                folder, results, model, record, record_path, unfinished, chosen, job, corpus, progress,
+                max_decode_ms, max_gb, max_kl)
+        scores = PositionScores(folder, list(results.get("corpora") or {}))
+    failed = []
+    if verify:
+        by_name = {v.get("name"): v for v in results.get("variants", []) if isinstance(v, dict)}
+        failed = [(n, (by_name.get(n) or {}).get("error") or "not run") for n in to_run
+                  if (by_name.get(n) or {}).get("status") != "ok"]
+    models = {corpus: model}  # each prediction is compared on the corpus it was made on
+    verified = []
+    for e in record["verified"]:
+        c = e.get("corpus") if e.get("corpus") in known else None
+        if c not in models:
+            models[c] = fit(results, c)
+        verified.append(_verification(models[c], e, results, scores))
+    record["verified"] = verified
+    _atomic_json(record_path, record)
+
+    lines = [f"KL {'on ' + corpus if corpus else 'pooled over corpora'}; build {model.build_kl:.4f}, "
+             f"{model.build_size / 1e9:.3f} GB" + (f", {model.build_decode:.3f} ms/token" if model.build_decode is not None else "")
+             + f"; {len(model.atoms)} single-entry rows: {', '.join(a.entry for a in model.atoms)}."]
+    if model.checks:
+        add = model.additivity
+        within = ", ".join(f"within {c} {r:.2f}" for c, r in add.within.items())
+        across = (f"across classes {add.across:.2f}" if add.across is not None
+                  else "across classes assumed 1.00 (no row restores atoms of several classes)")
+        lines.append(f"Additivity of KL reductions (least-squares slopes over the {len(model.checks)} rows restoring several "
+                     f"single-entry rows' modules; 1.00 = additive): {', '.join(x for x in (within, across) if x)}.")
+        errs = [c for c in model.checks if c["predicted_kl"] is not None]
+        if errs:
+            worst = max(errs, key=lambda c: abs(c["predicted_kl"] - c["measured_kl"]))
+            lines.append("The model's own error, each such row predicted from the others: " + ", ".join(
+                f"{c['row']} {c['predicted_kl']:.4f} predicted, {c['measured_kl']:.4f} measured" for c in errs)
+                + f"; largest |error| {abs(worst['predicted_kl'] - worst['measured_kl']):.4f} ({worst['row']}).")
+        else:
+            lines.append("The model's own error: one row restores several atoms, so none can be predicted from the others.")
+    else:
+        lines.append("No row restores several of these together: additivity is assumed (1.00), not measured, and the "
+                     "prediction error cannot be stated; add an all row or leave-one-out rows.")
+    if model.decode_checks:
+        lines.append("Decode adds without a correction; rows restoring several of them, measured against their atoms' sum: "
+                     + ", ".join(f"{c['row']} {c['predicted_ms']:.3f} predicted, {c['measured_ms']:.3f} measured"
+                                 + ("" if not c.get("error_ci_ms") else
+                                    f" (error {c['measured_ms'] - c['predicted_ms']:+.3f} [{c['error_ci_ms'][0]:+.3f}, {c['error_ci_ms'][1]:+.3f}])")
+                                 for c in model.decode_checks) + " ms/token.")
+    if model.decode_ratio is not None and model.engine_sd_ms is None:
+        lines.append("Decode intervals: none (the build was timed on one engine, so the engine-to-engine spread is unknown).")
+
+    if model.additivity.unmeasurable:
+        lines.append("Not fitted, taken as 1.00: the additivity " + ", ".join(
+            "across classes" if c == "across" else f"within {c}" for c in model.additivity.unmeasurable)
+            + " (every row that would measure it restores atoms whose KL changes are within noise; a slope from them "
+            "would be a ratio of two noises).")
+    if best and any(p.atoms for p in best) and not any(p.kl_ci for p in best if p.atoms):
+        lines.append(f"KL intervals: none ({folder / 'scores'} lacks the rows' per-position scores).")
+    if verify and chosen and len(chosen) < verify:
+        lines.append(f"--verify {verify}: the front had {len(chosen)} point(s) no row measured; verified those.")
+    if unfinished and verify:
+        lines.append("Resumed the verification an earlier --verify began (" + ", ".join(e["row"] for e in unfinished)
+                     + "); the limits and N given now apply once it has finished.")
+    if dropped:
+        lines.append(f"{record_path}: {dropped} verified entries could not be read and were left out.")
+
+    def ci(x):
+        return "" if not x else f" [{x[0]:.4f}, {x[1]:.4f}]"
+
+    rows = [[p.label, f"{p.kl:.4f}{ci(p.kl_ci)}", f"{p.size_gb:.3f}",
+             "" if p.decode is None else f"{p.decode:.3f}" + ("" if not p.decode_ci else f" [{p.decode_ci[0]:.3f}, {p.decode_ci[1]:.3f}]"),
+             "" if p.measured is None else f"{p.measured['row']}: KL {p.measured['kl']:.4f}"] for p in best]
+    text_limits = ", ".join(x for x in ((f"size <= {max_gb:g} GB" if max_gb is not None else ""),
+                                        (f"decode <= {max_decode_ms:g} ms/token" if max_decode_ms is not None else ""),
+                                        (f"KL <= {max_kl:g}" if max_kl is not None else "")) if x) or "no limit"
+    lines.append(f"Pareto front of predicted KL against {'decode ms/token' if cost == 'decode' else 'size on disk'} "
+                 f"({text_limits}; {len(feasible)} of {len(preds)} combinations within it; 95 % intervals, the "
+                 "additivity held fixed):")
+    if not rows:
+        lines.append("no combination fits the limits.")
+    else:
+        lines.append(tabulate(rows, headers=["restore", "KL predicted", "size GB", "decode ms/tok predicted", "measured row"],
+                              tablefmt="github"))
+    done = [v for v in record["verified"] if v.get("measured")]
+    if done:
+        other = {v.get("corpus") for v in done} - {corpus}
+        lines.append("Verified (spliced and measured; predicted before measuring; error = measured - predicted, 95 % "
+                     "intervals, KL paired position by position"
+                     + ("; KL on the corpus each was predicted on: " + ", ".join(
+                         f"{v['row']} {v.get('corpus') or 'pooled'}" for v in done) if other else "") + "):")
+        vrows = []
+        for v in done:
+            ek, ed = v.get("error_kl") or {}, v.get("error_decode") or {}
+            vrows.append([v["restore"], v["row"], f"{v['kl']:.4f}", f"{v['measured']['kl']:.4f}",
+                          "" if not ek else f"{ek['diff']:+.4f}{ci(ek['ci'])}",
+                          "" if not ed else f"{100 * ed['predicted_rel']:+.2f} % / {100 * ed['measured_rel']:+.2f} %",
+                          "" if not ed else f"{ed['diff_ms']:+.3f}" + ("" if not ed.get("ci_ms") else
+                                                                      f" [{ed['ci_ms'][0]:+.3f}, {ed['ci_ms'][1]:+.3f}]")])
+        lines.append(tabulate(vrows, headers=["restore", "row", "KL predicted", "KL measured", "KL error",
+                                              "decode vs build predicted / measured", "decode error ms"], tablefmt="github"))
+    elif not verify:
+        lines.append("Splice and measure the chosen points with --verify N (rows added to this folder's job), or splice "
+                     "one with `splicer splice --restore ENTRIES BUILD BASE -o OUT`.")
+    gone = [v for v in record["verified"] if v.get("missing")]
+    if gone:
+        lines.append("Verified earlier, but " + gone[0]["missing"] + ": " + ", ".join(v["row"] for v in gone)
+                     + "; rerun DIR with DIR/budget-plan.toml to keep them, or --verify measures them again.")
+    for name, why in failed:
+        lines.append(f"Not measured: row {name} ({str(why).splitlines()[0][:200]}); see {folder / 'ablate.log'}, "
+                     "and run the same --verify again to resume it.")
+    lines.append(f"Written: {record_path}.")
+    return "\n".join(lines), not failed
