@@ -142,7 +142,14 @@ def test_verify_runs_the_chosen_point_keeps_the_rest_and_records_prediction_agai
     diff, (lo, hi) = entry["error_kl"]["diff"], entry["error_kl"]["ci"]
     assert diff == pytest.approx(measured_kl - entry["kl"], abs=1e-9) and abs(diff) > 1e-6
     assert lo < diff < hi
-    assert entry["error_decode"]["diff_ms"] is not None and "ci_ms" in entry["error_decode"]
+    # Decode is compared when the build, the point and each of its atoms have a decode figure; on a loaded CPU the
+    # wall-clock estimate of 3 tokens can come out unusable for a row, and then there is nothing to compare.
+    single = {tuple(x["restored"]): x for x in new.values() if x["status"] == "ok" and not x.get("repeat_of")}
+    timed = [new["build"], new[row], *(single[(a,)] for a in entry["atoms"])]
+    if all(x.get("decode_ms_per_token") is not None for x in timed):
+        assert entry["error_decode"]["diff_ms"] is not None and "ci_ms" in entry["error_decode"]
+    else:
+        assert "error_decode" not in entry
     assert "Verified" in out and row in out and f"{measured_kl:.4f}" in out and f"{diff:+.4f}" in out
 
 
