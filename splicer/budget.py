@@ -81,9 +81,9 @@ class Additivity:
     def from_json(cls, d) -> "Additivity":
         """A stored additivity (budget.json); anything that is not a number is dropped (taken as additive)."""
         d = d if isinstance(d, dict) else {}
-        num = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)  # noqa: E731
         within = d.get("within") if isinstance(d.get("within"), dict) else {}
-        return cls({c: float(r) for c, r in within.items() if num(r)}, float(d["across"]) if num(d.get("across")) else None)
+        return cls({c: float(r) for c, r in within.items() if finite_number(r)},
+                   float(d["across"]) if finite_number(d.get("across")) else None)
 
     @classmethod
     def fit(cls, multi: list, measure) -> "Additivity":
@@ -151,7 +151,7 @@ class Model:
     build_decode: float | None
     atoms: list[Atom]
     additivity: Additivity
-    decode_ratio: float | None
+    timed: bool  # the build and every atom have a decode time; decode then adds, atom by atom
     checks: list[dict] = field(default_factory=list)  # multi-atom rows: measured against predicted from the others
     measured: dict = field(default_factory=dict)  # frozenset of atom entries -> the row that restored exactly those
     corpus: str | None = None
@@ -167,10 +167,24 @@ class Model:
     def to_json(self) -> dict:
         return {"corpus": self.corpus, "build_kl": self.build_kl, "build_size_bytes": self.build_size,
                 "build_decode_ms": self.build_decode, "build_engines": self.build_engines, "additivity": self.additivity.to_json(),
-                "decode_ratio": self.decode_ratio, "engine_sd_ms": self.engine_sd_ms, "engine_df": self.engine_df,
+                "decode_ratio": 1.0 if self.timed else None, "engine_sd_ms": self.engine_sd_ms, "engine_df": self.engine_df,
                 "atoms": [{"entry": a.entry, "row": a.row, "d_kl": a.d_kl, "d_size_bytes": a.d_size, "d_decode_ms": a.d_decode,
                            "engines": a.engines} for a in self.atoms],
                 "checks": self.checks, "decode_checks": self.decode_checks}
+
+
+def finite_number(x) -> bool:
+    """A real number (not a bool, NaN or infinity): what a budget.json field or a limit must be to be used."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def engine_half_width(sd_ms: float, df: int, terms) -> float:
+    """95 % half-width of a linear combination of variants' mean decode times, each the mean over its engines:
+    terms = (coefficient, engines) pairs; every engine mean varies by the run's engine spread sd_ms (Student's t with
+    the spread's df, as the decode verdicts)."""
+    from .metrics import _t975
+
+    return _t975(df) * sd_ms * math.sqrt(sum(c * c / n for c, n in terms))
 
 
 def _kl(variant: dict, corpus: str | None) -> float | None:
@@ -297,18 +311,16 @@ def fit(results: dict, corpus: str | None = None) -> Model:
     kl_measure = lambda v: b_kl - _kl(v, corpus)  # noqa: E731
     additivity = Additivity.fit(multi, kl_measure)
     timed = b_dec is not None and all(a.d_decode is not None for a in atoms.values())
-    dec_rows = [(v, p) for v, p in multi if _decode(results, v)[0] is not None] if timed else []
     sd, df = _engine_spread(results)
     decode_checks = []
-    for v, parts in dec_rows:
+    for v, parts in multi if timed else []:
         m, n = _decode(results, v)
+        if m is None:
+            continue
         pred = b_dec + sum(a.d_decode for a in parts)
         check = {"row": v["name"], "predicted_ms": pred, "measured_ms": m}
         if sd is not None and df:
-            from .metrics import _t975
-
-            k = len(parts)
-            half = _t975(df) * sd * math.sqrt(1 / n + sum(1 / a.engines for a in parts) + (k - 1) ** 2 / b_engines)
+            half = engine_half_width(sd, df, [(1, n), *((1, a.engines) for a in parts), (len(parts) - 1, b_engines)])
             check["error_ci_ms"] = [m - pred - half, m - pred + half]
         decode_checks.append(check)
     checks = []
@@ -321,7 +333,7 @@ def fit(results: dict, corpus: str | None = None) -> Model:
         measured.setdefault(frozenset(a.entry for a in parts), v)
     corpora = list(results.get("corpora") or {}) or sorted({c for v in ok for c in (v.get("metrics") or {})})
     return Model(b_kl, b_size, b_dec, list(atoms.values()), additivity,
-                 1.0 if timed else None, checks, measured, corpus,
+                 timed, checks, measured, corpus,
                  build["name"], b_engines, sd, df,
                  {c: _kl(build, c) for c in corpora if _kl(build, c) is not None},
                  {e: {c: _kl(singles[e], c) for c in corpora if _kl(singles[e], c) is not None} for e in atoms}, decode_checks,
@@ -333,7 +345,7 @@ def _combine(model: Model, combo, build_value: float, atom_value) -> float:
     return build_value - model.additivity.reduce(combo, lambda a: build_value - atom_value(a))
 
 
-def predictions(model: Model, results: dict | None = None, corpus: str | None = None) -> list[Prediction]:
+def predictions(model: Model) -> list[Prediction]:
     """Every combination of non-overlapping atoms (the build included), predicted; the measured row attached where one
     restored exactly that set."""
     out = []
@@ -344,10 +356,7 @@ def predictions(model: Model, results: dict | None = None, corpus: str | None = 
                 continue
             kl = _combine(model, combo, model.build_kl, lambda a: model.build_kl - a.d_kl)
             size = (model.build_size + sum(a.d_size for a in combo)) / 1e9
-            dec = None
-            if model.decode_ratio is not None:
-                add = sum(a.d_decode for a in combo)
-                dec = model.build_decode + (model.decode_ratio * add if len(combo) > 1 else add)
+            dec = model.build_decode + sum(a.d_decode for a in combo) if model.timed else None
             m = model.measured.get(frozenset(a.entry for a in combo))
             out.append(Prediction(combo, kl, size, dec, None if m is None else
                                   {"row": m["name"], "kl": _kl(m, model.corpus), "decode": m.get("decode_ms_per_token")},
@@ -405,7 +414,7 @@ def _pooled_or(comparison: dict, corpus: str | None) -> dict:
 def intervals(model: Model, preds: list[Prediction], scores: PositionScores | None, reps: int = 2000) -> None:
     """Fill each prediction's KL interval (from the rows' per-position scores) and decode interval (from the run's
     engine spread), and its KL per corpus."""
-    from .metrics import _t975, paired_comparison
+    from .metrics import paired_comparison
 
     for p in preds:
         p.kl_by_corpus = {c: _combine(model, p.atoms, b, lambda a, c=c: model.atom_kl_by_corpus[a.entry][c])
@@ -417,10 +426,9 @@ def intervals(model: Model, preds: list[Prediction], scores: PositionScores | No
             p.kl_ci = _pooled_or(comparison, model.corpus)["diff_ci"]
             p.kl_ci_by_corpus = {c: r["diff_ci"] for c, r in comparison["per_stratum"].items()}
         if p.decode is not None and p.atoms and model.engine_sd_ms is not None and model.engine_df:
-            k = len(p.atoms)
-            r = model.decode_ratio if k > 1 else 1.0
-            var = model.engine_sd_ms ** 2 * r * r * (sum(1 / a.engines for a in p.atoms) + k * k / model.build_engines)
-            half = _t975(model.engine_df) * math.sqrt(var)
+            # Of the change from the build: the atoms' engine means, less the build's once per atom.
+            half = engine_half_width(model.engine_sd_ms, model.engine_df,
+                                     [*((1, a.engines) for a in p.atoms), (len(p.atoms), model.build_engines)])
             p.decode_ci = [p.decode - half, p.decode + half]
 
 

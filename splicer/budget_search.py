@@ -11,11 +11,10 @@ predictions and the verification; `splicer plot DIR` draws the predicted front h
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-from .budget import (Additivity, Model, PositionScores, Prediction, _decode, _kl, _pooled_or, fit, front, intervals,
-                     pick_verify, predictions)
+from .budget import (Additivity, Model, PositionScores, Prediction, _decode, _kl, _pooled_or, engine_half_width,
+                     finite_number, fit, front, intervals, pick_verify, predictions)
 from .errors import SplicerError
 
 BUDGET_JSON = "budget.json"
@@ -40,10 +39,8 @@ def verify_plan(folder: Path, results: dict, chosen: list[Prediction]) -> tuple[
     """DIR/budget-plan.toml: DIR's plan settings and every row of its job, plus a row per chosen point (and one more
     engine of the build when the run is timed), checked by reading it back as any plan is read; and the rows to run
     (the chosen points and that engine: other unfinished rows of DIR's plan stay as they are)."""
-    import tomli_w
-
     from .arch import all_classes
-    from .plan import load_plan
+    from .plan import load_plan, write_plan
 
     job = results.get("job") or {}
     source = (results.get("plan") or {}).get("source")
@@ -70,26 +67,13 @@ def verify_plan(folder: Path, results: dict, chosen: list[Prediction]) -> tuple[
         run += [n for n in job["rows"] if n.startswith("build-verify-")][-1:]
     data = {"name": plan.name, "description": plan.description, "top_k": plan.top_k, "corpus": plan.corpora,
             **({"timing": plan.timing} if plan.timing else {}), "row": rows + new}
-    out = folder / VERIFY_PLAN
-    tmp = folder / f".{VERIFY_PLAN}.partial"
-    tmp.write_text("# Written by `splicer budget --verify`: the plan of " + str(source) + " with the rows of this "
-                   "folder's job and the budget's points to verify\n" + tomli_w.dumps(data), encoding="utf-8")
-    try:
-        load_plan(str(tmp), all_classes())
-    except SplicerError:
-        tmp.unlink()
-        raise
-    tmp.replace(out)
-    return out, run
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return write_plan(folder / VERIFY_PLAN, data, f"Written by `splicer budget --verify`: the plan of {source} with the "
+                      "rows of this folder's job and the budget's points to verify"), run
 
 
 def _valid_entry(e) -> bool:
     """A verified entry of budget.json that can be compared (written by budget; a hand edit may break one)."""
-    return (isinstance(e, dict) and isinstance(e.get("row"), str) and _number(e.get("kl"))
+    return (isinstance(e, dict) and isinstance(e.get("row"), str) and finite_number(e.get("kl"))
             and isinstance(e.get("atoms"), list) and all(isinstance(a, str) for a in e["atoms"]))
 
 
@@ -103,7 +87,7 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
     change from the build, with the engine spread of the run (the point's engines, its atoms' and the build's).
     The model must be fitted on the corpus the prediction was made on. A row no longer in the results (a rerun of
     another plan dropped it) leaves the prediction alone, marked so."""
-    from .metrics import _t975, paired_comparison
+    from .metrics import paired_comparison
 
     out = {k: v for k, v in stored.items() if k not in STRIPPED and k != "missing"}
     row = next((v for v in results.get("variants", []) if v.get("name") == stored["row"] and v.get("status") == "ok"), None)
@@ -130,8 +114,8 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
         out["error_kl"] = {"diff": measured_kl - stored["kl"], "ci": None}
     m_v, n_v = _decode(results, row)
     if m_v is not None and model.build_decode is not None and all(a.d_decode is not None for a in atoms):
-        rd = stored.get("decode_ratio") if _number(stored.get("decode_ratio")) else 1.0
-        if _number(stored.get("decode")) and _number(stored.get("build_decode")) and stored["build_decode"] > 0:
+        rd = stored.get("decode_ratio") if finite_number(stored.get("decode_ratio")) else 1.0
+        if finite_number(stored.get("decode")) and finite_number(stored.get("build_decode")) and stored["build_decode"] > 0:
             # The change from the build it predicted, against the change measured from the build's engines now (a
             # verification adds one): both relative to their own build, so that the added engine moves neither.
             predicted_rel = stored["decode"] / stored["build_decode"] - 1
@@ -143,10 +127,8 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
         err = {"diff_ms": (measured_rel - predicted_rel) * model.build_decode, "measured_rel": measured_rel,
                "predicted_rel": predicted_rel, "predicted_basis": basis}
         if model.engine_sd_ms is not None and model.engine_df:
-            k = len(atoms)
-            var = model.engine_sd_ms ** 2 * (1 / n_v + rd * rd * sum(1 / a.engines for a in atoms)
-                                             + (rd * k - 1) ** 2 / model.build_engines)
-            half = _t975(model.engine_df) * math.sqrt(var)
+            half = engine_half_width(model.engine_sd_ms, model.engine_df,
+                                     [(1, n_v), *((rd, a.engines) for a in atoms), (rd * len(atoms) - 1, model.build_engines)])
             err["ci_ms"] = [err["diff_ms"] - half, err["diff_ms"] + half]
         out["error_decode"] = err
     return out
@@ -157,18 +139,18 @@ def _prediction_json(p: Prediction, model: Model) -> dict:
             "corpus": model.corpus, "kl": p.kl, "kl_ci": p.kl_ci, "kl_by_corpus": p.kl_by_corpus,
             "kl_ci_by_corpus": p.kl_ci_by_corpus, "size_gb": p.size_gb, "decode": p.decode,
             "decode_ci": p.decode_ci, "build_decode": model.build_decode, "measured_row": (p.measured or {}).get("row"),
-            "additivity": model.additivity.to_json(), "decode_ratio": model.decode_ratio}
+            "additivity": model.additivity.to_json(), "decode_ratio": 1.0 if model.timed else None}
 
 
-def _search(model: Model, folder: Path, results: dict, max_decode_ms, max_gb, max_kl):
+def _search(model: Model, scores: PositionScores, max_decode_ms, max_gb, max_kl):
     """Every combination predicted, those within the limits, their Pareto front (with intervals) and its cost axis."""
-    preds = predictions(model, results, model.corpus)
-    cost = "decode" if model.decode_ratio is not None and (max_decode_ms is not None or max_gb is None) else "size_gb"
+    preds = predictions(model)
+    cost = "decode" if model.timed and (max_decode_ms is not None or max_gb is None) else "size_gb"
     feasible = [p for p in preds if (max_gb is None or p.size_gb <= max_gb)
                 and (max_decode_ms is None or (p.decode is not None and p.decode <= max_decode_ms))
                 and (max_kl is None or p.kl <= max_kl)]
     best = front(feasible, cost)
-    intervals(model, best, PositionScores(folder, list(results.get("corpora") or {})))
+    intervals(model, best, scores)
     return preds, feasible, best, cost
 
 
@@ -196,9 +178,10 @@ def _run_verification(folder: Path, results: dict, model: Model, record: dict, r
                str(plan_path), _settings_from_job(job, results, progress))
     results = load_results(folder)
     model = fit(results, corpus)  # the verified rows now measure the additivity too
-    _, _, best, cost = _search(model, folder, results, max_decode_ms, max_gb, max_kl)
+    scores = PositionScores(folder, list(results.get("corpora") or {}))
+    _, _, best, cost = _search(model, scores, max_decode_ms, max_gb, max_kl)
     record.update(cost=cost, model=model.to_json(), front=[_prediction_json(p, model) for p in best])
-    return results, model, best, cost, to_run
+    return results, model, scores, best, cost, to_run
 
 
 def _check_inputs(folder: Path, job: dict) -> None:
@@ -229,18 +212,18 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     if verify < 0:
         raise SplicerError(f"--verify {verify}: give how many points of the front to splice and measure (1 or more)")
     for flag, value in (("--max-decode-ms", max_decode_ms), ("--max-gb", max_gb), ("--max-kl", max_kl)):
-        if value is not None and not (math.isfinite(value) and value >= 0):
+        if value is not None and not (finite_number(value) and value >= 0):
             raise SplicerError(f"{flag} {value}: give a finite number, 0 or more")
     known = list(results.get("corpora") or {})
     if corpus is not None and known and corpus not in known:
         raise SplicerError(f"--corpus {corpus[:40]!r}: this folder scored {', '.join(known)}; name one of them, or drop "
                            "--corpus for KL pooled over them")
     model = fit(results, corpus)
-    if max_decode_ms is not None and model.decode_ratio is None:
+    if max_decode_ms is not None and not model.timed:
         raise SplicerError("--max-decode-ms needs timed rows, and this run did not time every single-entry row and the build "
                            "(was it run with --no-time?); use --max-gb or --max-kl, or run the plan with timing")
-    preds, feasible, best, cost = _search(model, folder, results, max_decode_ms, max_gb, max_kl)
-    scores = PositionScores(folder, list(results.get("corpora") or {}))
+    scores = PositionScores(folder, known)
+    preds, feasible, best, cost = _search(model, scores, max_decode_ms, max_gb, max_kl)
     limits = {"max_gb": max_gb, "max_decode_ms": max_decode_ms, "max_kl": max_kl}
     record_path = folder / BUDGET_JSON
     try:
@@ -275,10 +258,9 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
         # One verification per folder at a time: its plan file and predictions are written before ablate takes DIR's lock.
         with exclusive(folder / ".budget-lock", f"another splicer budget --verify is running on {folder}; wait for it "
                                                 "to finish"):
-            results, model, best, cost, to_run = _run_verification(
+            results, model, scores, best, cost, to_run = _run_verification(
                 folder, results, model, record, record_path, unfinished, chosen, job, corpus, progress,
                 max_decode_ms, max_gb, max_kl)
-        scores = PositionScores(folder, list(results.get("corpora") or {}))
     failed = []
     if verify:
         by_name = {v.get("name"): v for v in results.get("variants", []) if isinstance(v, dict)}
@@ -321,7 +303,7 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
                                  + ("" if not c.get("error_ci_ms") else
                                     f" (error {c['measured_ms'] - c['predicted_ms']:+.3f} [{c['error_ci_ms'][0]:+.3f}, {c['error_ci_ms'][1]:+.3f}])")
                                  for c in model.decode_checks) + " ms/token.")
-    if model.decode_ratio is not None and model.engine_sd_ms is None:
+    if model.timed and model.engine_sd_ms is None:
         lines.append("Decode intervals: none (the build was timed on one engine, so the engine-to-engine spread is unknown).")
 
     if model.additivity.unmeasurable:

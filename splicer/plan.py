@@ -185,6 +185,24 @@ def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
                 str(path), digest)
 
 
+def write_plan(out: Path, data: dict, header: str) -> Path:
+    """Write plan data to `out` as TOML with a comment line on top, checked by reading it back as any plan is read
+    (a plan that would not load is never put in place); written beside it first, then renamed over it."""
+    import tomli_w
+
+    from .arch import all_classes
+
+    tmp = out.with_name(f".{out.name}.partial")
+    tmp.write_text(f"# {header}\n" + tomli_w.dumps(data), encoding="utf-8")
+    try:
+        load_plan(str(tmp), all_classes())
+    except SplicerError:
+        tmp.unlink()
+        raise
+    tmp.replace(out)
+    return out
+
+
 def add_checkpoints(plan: Plan, specs: list[str]) -> list[str]:
     """`--add NAME=DIR` rows appended to the plan (its digest covers them); returns their names."""
     names = []

@@ -11,9 +11,9 @@ decode intervals, drawn dashed; a point it verified is joined by a thin line to 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
+from .budget import finite_number
 from .errors import SplicerError
 from .table import load_results
 
@@ -53,22 +53,18 @@ def _list(x) -> list:
     return x if isinstance(x, list) else []
 
 
-def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _pair(x) -> bool:
-    return isinstance(x, list) and len(x) == 2 and all(_num(v) for v in x)
+    return isinstance(x, list) and len(x) == 2 and all(finite_number(v) for v in x)
 
 
 def _drawable(e) -> bool:
     """A budget.json point the plot can draw (budget writes them so; a hand edit may not): KL per corpus as numbers,
     intervals as number pairs, costs as numbers or absent."""
-    if not isinstance(e, dict) or not isinstance(e.get("kl_by_corpus"), dict) or not all(_num(v) for v in e["kl_by_corpus"].values()):
+    if not isinstance(e, dict) or not isinstance(e.get("kl_by_corpus"), dict) or not all(finite_number(v) for v in e["kl_by_corpus"].values()):
         return False
     cis = e.get("kl_ci_by_corpus") or {}
     return (isinstance(cis, dict) and all(_pair(v) for v in cis.values() if v is not None)
-            and all(e.get(k) is None or _num(e[k]) for k in ("decode", "size_gb"))
+            and all(e.get(k) is None or finite_number(e[k]) for k in ("decode", "size_gb"))
             and (e.get("decode_ci") is None or _pair(e["decode_ci"])))
 
 

@@ -15,7 +15,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .errors import SplicerError
 from .modules import list_modules
 from .outputs import protected_paths
-from .plan import _plan_path, load_plan, tomllib
+from .plan import _plan_path, load_plan, tomllib, write_plan
 from .selection import format_layers
 from .validate import quantized_layers
 
@@ -73,10 +73,6 @@ def sweep_plan(build: Checkpoint, cls: str, groups: int, template: str = "where-
 
 def write_sweep(build_src: str, cls: str, groups: int, out: str | Path, template: str = "where-error-comes-from") -> Path:
     """Write the sweep plan to `out` (a new .toml file), checked by reading it back as any plan is read."""
-    import tomli_w
-
-    from .arch import all_classes
-
     out = Path(out)
     if out.suffix != ".toml":
         raise SplicerError(f"-o {str(out)[:80]}: a plan file ends in .toml; name it e.g. sweep-gdn.toml")
@@ -91,13 +87,4 @@ def write_sweep(build_src: str, cls: str, groups: int, out: str | Path, template
             raise SplicerError(f"-o {str(out)[:80]} is inside the build folder ({p}), an input, which splicer never "
                                "changes; write the plan elsewhere")
     plan = sweep_plan(build, cls, groups, template)
-    text = ("# Written by `splicer plan sweep`: " + plan["description"] + "\n" + tomli_w.dumps(plan))
-    tmp = out.with_name(f".{out.name}.partial")
-    tmp.write_text(text, encoding="utf-8")
-    try:
-        load_plan(str(tmp), all_classes())
-    except SplicerError:
-        tmp.unlink()
-        raise
-    tmp.rename(out)
-    return out
+    return write_plan(out, plan, "Written by `splicer plan sweep`: " + plan["description"])

@@ -33,11 +33,11 @@ def test_atoms_ratio_and_leave_one_out_error():
     assert m.additivity.within == {"gdn": pytest.approx(0.9)} and m.additivity.across == pytest.approx(0.9)
     assert [(c["row"], round(c["predicted_kl"], 6), round(c["measured_kl"], 6)) for c in m.checks] == [
         ("g01", 0.7, 0.73), ("g0a", 0.5, 0.55)]
-    preds = {p.label: p for p in predictions(m, r)}
+    preds = {p.label: p for p in predictions(m)}
     assert preds["gdn@0-1,attention"].kl == pytest.approx(1.0 - 0.9 * (0.9 * 0.3 + 0.3))
     assert preds["gdn@0-1,attention"].size_gb == pytest.approx(14.0)  # sizes add exactly
     assert preds["gdn@0-1"].measured["row"] == "g01"
-    best = front([p for p in predictions(m, r) if p.size_gb <= 12.0], "size_gb")
+    best = front([p for p in predictions(m) if p.size_gb <= 12.0], "size_gb")
     assert [p.label for p in best] == ["none (the build)", "gdn@0", "attention"]
 
 
