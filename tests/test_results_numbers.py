@@ -1,7 +1,17 @@
-"""No hand-typed figures in results READMEs: every number in results/*/README.md appears in that folder's raw files.
+"""Every figure a reader sees in a results README, README.md or docs/*.md is tied to raw data a test can read.
 
-Raw files are every *.json, *.csv, *.txt, *.log and *.md file under the README's folder (recursively), README.md
-itself excepted: results.json, table.md and the logs a tool or script wrote, and derived files a committed script wrote.
+1. Generated blocks (`splicer.readme_blocks`): `<!-- splicer:begin report . -->` ... `<!-- splicer:end -->` holds exactly
+   what that splicer command prints on the folder's committed data; the test regenerates every block and compares byte
+   for byte. `splicer readme-blocks --update FILE...` rewrites them after a change to report or table.
+2. A number outside blocks must match a raw value in a source cited in its own unit (a list item, table row or
+   paragraph) or in the paragraph that leads its list or table (the nearest plain paragraph above it in the section):
+   a backticked file of the folder, `results.json`, optionally narrowed to a JSON key path (`results.json:runs.*.elapsed_s`,
+   `*` any key or entry, a name selects the entry of a list with that "name"), or a Markdown link to a file or
+   results folder (a folder: its raw files). A number with no source in scope fails, whatever the folder holds.
+   README.md and docs/*.md: units that cite a results folder or file are checked so; other numbers there are the
+   tool's own settings (95 % intervals, top-20), not measurements.
+   LEGACY folders (run histories written before this check) are still checked only against every raw file of their
+   folder (the old rule); they are listed by name below.
 
 A README number with d decimals matches a raw value v when v rounds to it at d decimals (|v - x| <= half a unit of its
 last digit): "4.34" matches 4.3449, "241" matches 241.0 but not 246. For a percentage (a "%" follows the number or the
@@ -16,12 +26,13 @@ Not checked (the only exemptions):
     name (vLLM 0.26, transformers 5.17, Python 3.11, ...);
   * labels, a number right after one of: run(s), Run(s), issue(s), seed(s), call(s), Call(s), # ("run 1", "runs 1–3",
     "Run 3", "seed 000", "call 2", "build #1");
-  * digits that are part of a name (adjacent to a letter or "_": H200, INT4, g128, Qwen3.6, x86_64, 6th).
-Small integers are checked like any number (they nearly always match something, so exempting them gains nothing).
+  * digits that are part of a name (adjacent to a letter or "_": H200, INT4, g128, Qwen3.6, x86_64, 6th; joined by a
+    hyphen to a word: gdn-1, top-1, build-verify-1), layer lists after "@" (gdn@0-2,4-6), bracketed labels ([1]),
+    labels after point(s), group(s), layer(s), and the null in "includes 0" / "excludes 0".
 
-What this catches: a figure that appears in none of the folder's raw files (typed by hand, misremembered, derived and not
-written down). What it cannot catch: a figure that matches some other raw value by chance, or a sentence whose numbers are
-all in the data but whose verdict is not; those still need reading.
+What the citation rule buys is measured by test_mutations_are_caught: every number's last digit changed, and made-up
+sentences inserted, in the checked READMEs. What it cannot catch: a sentence whose numbers are all in the cited data
+but whose verdict is not; those still need reading.
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ RESULTS = Path(__file__).resolve().parent.parent / "results"
 RAW_SUFFIXES = {".json", ".csv", ".txt", ".log", ".md"}
 
 SOFTWARE = r"(?:vLLM|vllm|torch|Python|python|transformers|compressed-tensors|safetensors|driver|pip)"
-LABELS = r"(?:\b(?:[Rr]uns?|issues?|seeds?|[Cc]alls?)|#)"
+LABELS = r"(?:\b(?:[Rr]uns?|issues?|seeds?|[Cc]alls?|[Pp]oints?|[Gg]roups?|[Ll]ayers?)|#)"
 _NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 # a README number: optional sign, digits (thousands separators allowed), not part of a name or a longer token
 README_NUM = re.compile(r"(?<![\w.,/])([+−±]|(?<![\w)])-(?=\d))?(" + _NUM + r")(?![\w]|\.\d|,\d{3})")
@@ -60,6 +71,9 @@ def _strip(text: str) -> str:
     text = re.sub(r"\b\d+\.\d+\.\d+[\w.+-]*", blank, text)
     text = re.sub(r"\b" + SOFTWARE + r" \d+(?:\.\d+)*", blank, text)
     text = re.sub(LABELS + r"[ ]?\d+(?:[ ]?(?:–|-|and|,)[ ]?\d+)*\b", blank, text)
+    text = re.sub(r"@[\w,.-]+|\[\d+\]|\b[A-Za-z_]+(?:-[A-Za-z_]+)*-\d+\b", blank, text)  # gdn@0-9, [1], gdn-1, top-1
+    text = re.sub(r"\b(?:include|exclude)s? 0\b", blank, text)  # "the interval includes 0": the null, not a figure
+    text = re.sub(r"(?m)^[ \t]*\d+\.(?=\s)", blank, text)  # ordered-list item numbers
     return text
 
 
@@ -118,22 +132,151 @@ def raw_texts(folder: Path) -> list[str]:
 
 
 def missing_numbers(readme_text: str, raw: list[str]) -> list[dict]:
+    """The old rule, kept for LEGACY folders: numbers in none of the folder's raw files."""
     values = RawValues(raw)
     return [n for n in readme_numbers(readme_text) if not values.has(n)]
 
 
+ROOT = RESULTS.parent
 READMES = sorted(RESULTS.glob("*/README.md"))
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Run histories written before the citation rule: still checked against every raw file of their folder.
+LEGACY = {"h200-fulldims", "gpu-fixture"}
+
+BLOCK = re.compile(r"<!-- splicer:begin .*?<!-- splicer:end -->", re.S)
+CITE = re.compile(r"`([\w./*-]+\.(?:json|csv|txt|log|md))(?::([\w.*-]+))?`|\]\(([^)\s#]+)(?:#[^)\s]*)?\)")
+LIST_OR_ROW = re.compile(r"(?:[-*+]|\d+\.)\s|\|")
+
+
+def blank_blocks(text: str) -> str:
+    """TEXT with every generated block's content replaced by spaces (line numbers kept)."""
+    return BLOCK.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+
+
+def units(text: str) -> list[list[int]]:
+    """[first line, last line] of each unit: a list item, table row, heading or paragraph, with its continuation lines."""
+    out, cur = [], None
+    for i, line in enumerate(text.split("\n"), 1):
+        s = line.strip()
+        if not s:
+            cur = None
+        elif cur is None or LIST_OR_ROW.match(s) or s.startswith("#"):
+            cur = [i, i]
+            out.append(cur)
+        else:
+            cur[1] = i
+    return out
+
+
+def _json_under(data, path: str):
+    nodes = [data]
+    for key in path.split("."):
+        nxt = []
+        for n in nodes:
+            if key == "*":
+                nxt += list(n.values()) if isinstance(n, dict) else list(n) if isinstance(n, list) else []
+            elif isinstance(n, dict) and key in n:
+                nxt.append(n[key])
+            elif isinstance(n, list):
+                nxt += [n[int(key)]] if key.isdigit() and int(key) < len(n) else \
+                    [e for e in n if isinstance(e, dict) and e.get("name") == key]
+        nodes = nxt
+    return nodes
+
+
+def cited_text(md: Path, target: str, key: str | None) -> str | None:
+    """The raw text a citation names (a key path: the values under it), None when it names nothing readable."""
+    if "*" in target:
+        texts = [cited_text(md, str(p.relative_to(md.parent)), key) for p in sorted(md.parent.glob(target))]
+        return "\n".join(t for t in texts if t is not None) or None
+    for base in (md.parent, ROOT):
+        p = (base / target).resolve()
+        if p.exists():
+            break
+    else:
+        return None
+    if p.is_dir():
+        return "\n".join(raw_texts(p))
+    if p.suffix not in RAW_SUFFIXES or p == md.resolve():
+        return None
+    text = p.read_text(errors="replace")
+    if key:
+        try:
+            found = _json_under(__import__("json").loads(text), key)
+        except ValueError:
+            return None
+        return __import__("json").dumps(found) if found else None
+    return text
+
+
+def _scope(lines: list[str], us: list[list[int]], line: int) -> str:
+    """The text whose citations a number on LINE may use: its unit and the paragraph leading its list or table."""
+    i = next(k for k, u in enumerate(us) if u[0] <= line <= u[1])
+    parts = ["\n".join(lines[us[i][0] - 1:us[i][1]])]
+    for u in reversed(us[:i]):
+        first = lines[u[0] - 1].strip()
+        if first.startswith("#"):
+            break
+        if not LIST_OR_ROW.match(first):
+            parts.append("\n".join(lines[u[0] - 1:u[1]]))
+            break
+    return "\n".join(parts)
+
+
+def uncited_numbers(md: Path, text: str, docs: bool = False) -> list[dict]:
+    """Numbers outside generated blocks that match no raw value of a source cited in their scope (docs: only numbers
+    in a unit that cites something under results/)."""
+    lines, us, cache, out = text.split("\n"), units(text), {}, []
+    for n in readme_numbers(blank_blocks(text)):
+        scope = _scope(lines, us, n["line"])
+        cites = [(m.group(1) or m.group(3), m.group(2)) for m in CITE.finditer(scope)]
+        if docs:
+            cites = [c for c in cites if "results/" in c[0]]
+            if not cites:
+                continue
+        key = tuple(cites)
+        if key not in cache:
+            texts = [t for t in (cited_text(md, *c) for c in cites) if t is not None]
+            cache[key] = RawValues(texts) if texts else None
+        if cache[key] is None or not cache[key].has(n):
+            out.append({**n, "cited": [c[0] + (f":{c[1]}" if c[1] else "") for c in cites]})
+    return out
+
+
+def _listing(found: list[dict]) -> str:
+    return "\n".join(f"  line {n['line']}: {n['text']}  cited: {', '.join(n['cited']) or 'nothing'}  ({n['context']})"
+                     for n in found)
+
+
+@pytest.mark.parametrize("md", READMES + DOCS, ids=[str(p.relative_to(ROOT)) for p in READMES + DOCS])
+def test_every_generated_block_is_what_its_command_prints(md):
+    from splicer.readme_blocks import stale_blocks
+
+    stale = stale_blocks(md)
+    assert not stale, "\n".join(stale) + "\n(run: splicer readme-blocks --update FILE)"
 
 
 @pytest.mark.parametrize("readme", READMES, ids=[p.parent.name for p in READMES])
-def test_every_readme_number_is_in_the_folders_raw_files(readme):
-    missing = missing_numbers(readme.read_text(), raw_texts(readme.parent))
-    assert not missing, f"{len(missing)} numbers of {readme.relative_to(RESULTS.parent)} are in none of its raw files:\n" + \
-        "\n".join(f"  line {n['line']}: {n['text']}  ({n['context']})" for n in missing)
+def test_every_readme_number_is_in_a_cited_raw_file(readme):
+    text = readme.read_text()
+    if readme.parent.name in LEGACY:
+        missing = missing_numbers(text, raw_texts(readme.parent))
+        assert not missing, f"{len(missing)} numbers of {readme.relative_to(ROOT)} are in none of its raw files:\n" + \
+            "\n".join(f"  line {n['line']}: {n['text']}  ({n['context']})" for n in missing)
+        return
+    found = uncited_numbers(readme, text)
+    assert not found, (f"{len(found)} numbers of {readme.relative_to(ROOT)} outside generated blocks match no raw value "
+                       f"of a source cited beside them (cite the file, or move the figure into a block):\n" + _listing(found))
+
+
+@pytest.mark.parametrize("md", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
+def test_docs_figures_match_the_results_they_cite(md):
+    found = uncited_numbers(md, md.read_text(), docs=True)
+    assert not found, f"{len(found)} numbers of {md.relative_to(ROOT)} match nothing in the results they cite:\n" + _listing(found)
 
 
 def test_there_are_results_readmes():
-    assert len(READMES) >= 4
+    assert len(READMES) >= 4 and len(set(p.parent.name for p in READMES) - LEGACY) >= 4
 
 
 # the checker itself
