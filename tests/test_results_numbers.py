@@ -28,7 +28,7 @@ Not checked (the only exemptions):
     "Run 3", "seed 000", "call 2", "build #1");
   * digits that are part of a name (adjacent to a letter or "_": H200, INT4, g128, Qwen3.6, x86_64, 6th; joined by a
     hyphen to a word: gdn-1, top-1, build-verify-1), layer lists after "@" (gdn@0-2,4-6), bracketed labels ([1]),
-    labels after point(s), group(s), layer(s), and the null in "includes 0" / "excludes 0".
+    labels after point(s), group(s), layer(s), session(s), "4-bit", and the null in "includes 0" / "excludes 0".
 
 What the citation rule buys is measured by test_mutations_are_caught: every number's last digit changed, and made-up
 sentences inserted, in the checked READMEs. What it cannot catch: a sentence whose numbers are all in the cited data
@@ -48,7 +48,7 @@ RESULTS = Path(__file__).resolve().parent.parent / "results"
 RAW_SUFFIXES = {".json", ".csv", ".txt", ".log", ".md"}
 
 SOFTWARE = r"(?:vLLM|vllm|torch|Python|python|transformers|compressed-tensors|safetensors|driver|pip)"
-LABELS = r"(?:\b(?:[Rr]uns?|issues?|seeds?|[Cc]alls?|[Pp]oints?|[Gg]roups?|[Ll]ayers?)|#)"
+LABELS = r"(?:\b(?:[Rr]uns?|issues?|seeds?|[Cc]alls?|[Pp]oints?|[Gg]roups?|[Ll]ayers?|[Ss]essions?)|#)"
 _NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 # a README number: optional sign, digits (thousands separators allowed), not part of a name or a longer token
 README_NUM = re.compile(r"(?<![\w.,/])([+−±]|(?<![\w)])-(?=\d))?(" + _NUM + r")(?![\w]|\.\d|,\d{3})")
@@ -72,6 +72,7 @@ def _strip(text: str) -> str:
     text = re.sub(r"\b" + SOFTWARE + r" \d+(?:\.\d+)*", blank, text)
     text = re.sub(LABELS + r"[ ]?\d+(?:[ ]?(?:–|-|and|,)[ ]?\d+)*\b", blank, text)
     text = re.sub(r"@[\w,.-]+|\[\d+\]|\b[A-Za-z_]+(?:-[A-Za-z_]+)*-\d+\b", blank, text)  # gdn@0-9, [1], gdn-1, top-1
+    text = re.sub(r"\b\d+-bit\b", blank, text)  # 4-bit, 8-bit: a format's name
     text = re.sub(r"\b(?:include|exclude)s? 0\b", blank, text)  # "the interval includes 0": the null, not a figure
     text = re.sub(r"(?m)^[ \t]*\d+\.(?=\s)", blank, text)  # ordered-list item numbers
     return text
@@ -163,6 +164,8 @@ def units(text: str) -> list[list[int]]:
         elif cur is None or LIST_OR_ROW.match(s) or s.startswith("#"):
             cur = [i, i]
             out.append(cur)
+            if s.startswith("#"):
+                cur = None  # a heading is one line
         else:
             cur[1] = i
     return out
