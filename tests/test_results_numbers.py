@@ -95,7 +95,7 @@ def readme_numbers(text: str) -> list[dict]:
         line = stripped.count("\n", 0, m.start()) + 1
         ctx = text.splitlines()[line - 1].strip()
         out.append({"text": sign + digits, "value": value, "decimals": decimals, "signed": sign in ("+", "−", "-"),
-                    "scales": scales, "line": line, "context": ctx[:160]})
+                    "scales": scales, "line": line, "context": ctx[:160], "end": m.end(2)})
     return out
 
 
@@ -216,6 +216,8 @@ def _scope(lines: list[str], us: list[list[int]], line: int) -> str:
     """The text whose citations a number on LINE may use: its unit and the paragraph leading its list or table."""
     i = next(k for k, u in enumerate(us) if u[0] <= line <= u[1])
     parts = ["\n".join(lines[us[i][0] - 1:us[i][1]])]
+    if not LIST_OR_ROW.match(lines[us[i][0] - 1].strip()):
+        return parts[0]  # a paragraph stands on its own citations
     for u in reversed(us[:i]):
         first = lines[u[0] - 1].strip()
         if first.startswith("#"):
@@ -226,22 +228,32 @@ def _scope(lines: list[str], us: list[list[int]], line: int) -> str:
     return "\n".join(parts)
 
 
+_CITED: dict = {}  # (file, citations) -> RawValues: the committed files do not change during a test session
+
+
+def _tied(md: Path, lines: list[str], us: list[list[int]], n: dict, docs: bool) -> tuple[bool, list]:
+    """Whether number N matches a raw value of a source cited in its scope, and those citations (docs: a unit citing
+    nothing under results/ is not checked, and counts as tied)."""
+    scope = _scope(lines, us, n["line"])
+    cites = [(m.group(1) or m.group(3), m.group(2)) for m in CITE.finditer(scope)]
+    if docs:
+        cites = [c for c in cites if "results/" in c[0]]
+        if not cites:
+            return True, cites
+    key = (md, tuple(cites))
+    if key not in _CITED:
+        texts = [t for t in (cited_text(md, *c) for c in cites) if t is not None]
+        _CITED[key] = RawValues(texts) if texts else None
+    return _CITED[key] is not None and _CITED[key].has(n), cites
+
+
 def uncited_numbers(md: Path, text: str, docs: bool = False) -> list[dict]:
     """Numbers outside generated blocks that match no raw value of a source cited in their scope (docs: only numbers
     in a unit that cites something under results/)."""
-    lines, us, cache, out = text.split("\n"), units(text), {}, []
+    lines, us, out = text.split("\n"), units(text), []
     for n in readme_numbers(blank_blocks(text)):
-        scope = _scope(lines, us, n["line"])
-        cites = [(m.group(1) or m.group(3), m.group(2)) for m in CITE.finditer(scope)]
-        if docs:
-            cites = [c for c in cites if "results/" in c[0]]
-            if not cites:
-                continue
-        key = tuple(cites)
-        if key not in cache:
-            texts = [t for t in (cited_text(md, *c) for c in cites) if t is not None]
-            cache[key] = RawValues(texts) if texts else None
-        if cache[key] is None or not cache[key].has(n):
+        ok, cites = _tied(md, lines, us, n, docs)
+        if not ok:
             out.append({**n, "cited": [c[0] + (f":{c[1]}" if c[1] else "") for c in cites]})
     return out
 
@@ -276,6 +288,70 @@ def test_every_readme_number_is_in_a_cited_raw_file(readme):
 def test_docs_figures_match_the_results_they_cite(md):
     found = uncited_numbers(md, md.read_text(), docs=True)
     assert not found, f"{len(found)} numbers of {md.relative_to(ROOT)} match nothing in the results they cite:\n" + _listing(found)
+
+
+# What the rules catch: every number of the checked READMEs with its last digit changed, and made-up sentences.
+
+def _made_up(folder: Path) -> list[str]:
+    """Made-up sentences in the README's own style, each citing the folder's largest raw file: five with invented
+    figures, and two whose figures are real raw values of the folder that the cited file does not hold (a number that
+    "matches some unrelated raw value", which the old rule let pass)."""
+    raws = sorted((p for p in folder.rglob("*") if p.is_file() and p.suffix in RAW_SUFFIXES and p.name != "README.md"),
+                  key=lambda p: (p.stat().st_size, str(p)))
+    f = raws[-1].relative_to(folder).as_posix()
+    cited = RawValues([raws[-1].read_text(errors="replace")])
+    elsewhere = [v for v in RawValues([p.read_text(errors="replace") for p in raws[:-1]]).unsigned
+                 if 1 < v < 1e4 and not cited.has({"value": round(v, 2), "decimals": 2, "signed": False, "scales": [1.0]})]
+    a, b = (elsewhere[len(elsewhere) // 3], elsewhere[2 * len(elsewhere) // 3]) if len(elsewhere) > 2 else (7.31, 8.42)
+    return ["The build decoded at 4.217 ms/token on its second engine, 0.61 % slower than on its first.",
+            f"Restoring attention lowered KL by 3.4 % of the build's [−4.1, −2.7] (`{f}`).",
+            f"- The rows took 612 s in all, the base pass 187.3 s of it (`{f}`).",
+            f"From `{f}`:\n\n| row | KL | top-1 |\n|---|---|---|\n| extra | 0.2231 | 51.2 % |",
+            f"Each engine started in 47 to 83 s and loaded its weights in 21.6 s (`{f}`).",
+            f"The slowest row decoded at {a:.2f} ms/token (`{f}`).",
+            f"- Its engine took {b:.2f} s to start (`{f}`)."]
+
+
+def mutation_rates(readmes: list[Path]) -> dict:
+    """Share of last-digit changes and of made-up sentences each rule lets pass: the citation rule with generated
+    blocks (new) and the old rule (a number anywhere in the folder's raw files)."""
+    from splicer.readme_blocks import blocks
+
+    digits = {"new": 0, "old": 0, "n": 0}
+    sentences = {"new": 0, "old": 0, "n": 0}
+    for md in readmes:
+        text = md.read_text()
+        spans = [(b["start"], b["end"]) for b in blocks(text, str(md))]  # the blocks are current (tested above)
+        old_raw = RawValues(raw_texts(md.parent))
+        lines, us = text.split("\n"), units(text)
+        for n in readme_numbers(text):
+            d = n["end"] - 1
+            token = n["text"][:-1] + str((int(n["text"][-1]) + 1) % 10)
+            value = float(token.lstrip("+−±-").replace(",", ""))
+            m = dict(n, text=token, value=-value if n["value"] < 0 else value)  # the number with its last digit changed
+            inside = any(a <= d < b for a, b in spans)
+            digits["n"] += 1
+            # a change inside a block differs from the command's output byte for byte; outside, the citation rule
+            digits["new"] += (not inside) and _tied(md, lines, us, m, False)[0]
+            digits["old"] += old_raw.has(m)
+        for sentence in _made_up(md.parent):
+            added = text.rstrip("\n") + "\n\n" + sentence + "\n"
+            sentences["n"] += 1
+            sentences["new"] += not uncited_numbers(md, added)
+            sentences["old"] += all(old_raw.has(x) for x in readme_numbers(sentence))
+    return {"digits": digits, "sentences": sentences}
+
+
+def test_mutations_are_caught():
+    checked = [p for p in READMES if p.parent.name not in LEGACY]
+    r = mutation_rates(checked)
+    d, s = r["digits"], r["sentences"]
+    report = (f"last-digit changes passing: new {d['new']}/{d['n']}, old {d['old']}/{d['n']}; "
+              f"made-up sentences passing: new {s['new']}/{s['n']}, old {s['old']}/{s['n']}")
+    assert d["n"] > 200 and s["n"] == 7 * len(checked), report
+    assert d["new"] <= 0.1 * d["n"], report
+    assert s["new"] <= 0.05 * s["n"], report
+    print(report)
 
 
 def test_there_are_results_readmes():
