@@ -142,7 +142,7 @@ ROOT = RESULTS.parent
 READMES = sorted(RESULTS.glob("*/README.md"))
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Run histories written before the citation rule: still checked against every raw file of their folder.
-LEGACY = {"h200-fulldims", "gpu-fixture"}
+LEGACY = {"h200-fulldims"}
 
 BLOCK = re.compile(r"<!-- splicer:begin .*?<!-- splicer:end -->", re.S)
 CITE = re.compile(r"`([\w./*-]+\.(?:json|csv|txt|log|md))(?::([\w.*-]+))?`|\]\(([^)\s#]+)(?:#[^)\s]*)?\)")
