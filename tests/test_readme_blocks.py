@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from splicer.cli import main
+
+from .test_reliability import small_fs  # noqa: F401  (a fixture)
 
 DEMO = Path(__file__).resolve().parent.parent / "results" / "demo"
 
@@ -64,3 +67,23 @@ def test_a_bad_block_is_one_line_and_the_file_is_left_as_it_was(folder, capsys, 
 def test_a_missing_file_is_named(tmp_path, capsys):
     assert main(["readme-blocks", str(tmp_path / "nope.md")]) == 2
     assert "nope.md: no such Markdown file" in capsys.readouterr().err
+
+
+def test_a_full_disk_is_one_line_and_leaves_the_file_as_it_was(folder, small_fs, capsys):
+    mnt = small_fs("size=256k")
+    shutil.copytree(folder / "run", mnt / "run")
+    md = mnt / "README.md"
+    md.write_text((folder / "README.md").read_text())
+    before = md.read_bytes()
+    fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)  # fill the disk: no room for the rewritten README
+    try:
+        while os.write(fd, b"\0" * 1024):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    assert main(["readme-blocks", "--update", str(md)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no space left" in err and "\n" not in err and "Traceback" not in err
+    assert md.read_bytes() == before and sorted(p.name for p in mnt.iterdir()) == ["README.md", "filler", "run"]
