@@ -7,7 +7,8 @@
    paragraph) or in the paragraph that leads its list or table (the nearest plain paragraph above it in the section):
    a backticked file of the folder, `results.json`, optionally narrowed to a JSON key path (`results.json:runs.*.elapsed_s`,
    `*` any key or entry, a name selects the entry of a list with that "name"), or a Markdown link to a file or
-   results folder (a folder: its raw files). A number with no source in scope fails, whatever the folder holds.
+   results folder (a folder: its raw files, and only where no file is cited beside it). A number with no source in
+   scope fails, whatever the folder holds.
    README.md and docs/*.md: units that cite a results folder or file are checked so; other numbers there are the
    tool's own settings (95 % intervals, top-20), not measurements.
    LEGACY folders (run histories written before this check) are still checked only against every raw file of their
@@ -41,6 +42,7 @@ a sentence whose numbers are all in the cited data but whose verdict is not; tho
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import re
 from pathlib import Path
@@ -190,16 +192,21 @@ def _json_under(data, path: str):
     return nodes
 
 
+def _resolve(md: Path, target: str) -> Path | None:
+    for base in (md.parent, ROOT):
+        p = (base / target).resolve()
+        if p.exists():
+            return p
+    return None
+
+
 def cited_text(md: Path, target: str, key: str | None) -> str | None:
     """The raw text a citation names (a key path: the values under it), None when it names nothing readable."""
     if "*" in target:
         texts = [cited_text(md, str(p.relative_to(md.parent)), key) for p in sorted(md.parent.glob(target))]
         return "\n".join(t for t in texts if t is not None) or None
-    for base in (md.parent, ROOT):
-        p = (base / target).resolve()
-        if p.exists():
-            break
-    else:
+    p = _resolve(md, target)
+    if p is None:
         return None
     if p.is_dir():
         return "\n".join(raw_texts(p))
@@ -208,10 +215,10 @@ def cited_text(md: Path, target: str, key: str | None) -> str | None:
     text = p.read_text(errors="replace")
     if key:
         try:
-            found = _json_under(__import__("json").loads(text), key)
+            found = _json_under(json.loads(text), key)
         except ValueError:
             return None
-        return __import__("json").dumps(found) if found else None
+        return json.dumps(found) if found else None
     return text
 
 
@@ -243,6 +250,9 @@ def _tied(md: Path, lines: list[str], us: list[list[int]], n: dict, docs: bool) 
         cites = [c for c in cites if "results/" in c[0]]
         if not cites:
             return True, cites
+    # A folder (all its raw files) is a source only where nothing more precise is cited beside it.
+    files = [c for c in cites if "*" in c[0] or (_resolve(md, c[0]) or md.parent).is_file()]
+    cites = files or cites
     key = (md, tuple(cites))
     if key not in _CITED:
         texts = [t for t in (cited_text(md, *c) for c in cites) if t is not None]
