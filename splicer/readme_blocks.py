@@ -60,7 +60,11 @@ def command_output(args: list[str], folder: Path) -> str:
     argv = [args[0], str(folder / args[1]), *args[2:]]
     buf, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
-        rc = main(argv)
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # --help or --version: argparse prints and exits
+            rc = e.code if isinstance(e.code, int) and e.code else 2
+            err.write("a block's command must print results, not help or a version")
     if rc != 0:
         raise SplicerError(f"splicer {shlex.join(args)} (in {folder}) failed: {err.getvalue().strip() or f'exit {rc}'}")
     return buf.getvalue()
@@ -105,7 +109,7 @@ def update(path: Path) -> bool:
 
 
 def run(paths: list[str], write: bool) -> tuple[str, int]:
-    """The text `splicer readme-blocks` prints, and its exit status (1 when --check finds a stale block)."""
+    """The text `splicer readme-blocks` prints, and its exit status (1 when a block differs and --update was not given)."""
     lines, stale = [], 0
     for p in map(Path, paths):
         if not p.is_file():

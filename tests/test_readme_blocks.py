@@ -53,6 +53,7 @@ def test_update_writes_each_block_as_the_command_prints_it_and_check_then_passes
     ("<!-- splicer:begin report -->\n<!-- splicer:end -->\n", "a block runs one of"),
     ("<!-- splicer:begin report 'run -->\n<!-- splicer:end -->\n", "cannot be read"),
     ("<!-- splicer:begin report missing -->\n<!-- splicer:end -->\n", "splicer report missing (in"),
+    ("<!-- splicer:begin report run --help -->\n<!-- splicer:end -->\n", "must print results, not help"),
 ])
 def test_a_bad_block_is_one_line_and_the_file_is_left_as_it_was(folder, capsys, block, says):
     md = folder / "README.md"
