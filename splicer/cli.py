@@ -239,6 +239,14 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_readme_blocks(args) -> int:
+    from .readme_blocks import run
+
+    text, rc = run(args.files, args.update)
+    print(text)
+    return rc
+
+
 def _cmd_compare(args) -> int:
     from .table import compare
 
@@ -416,6 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("a", metavar="VARIANT_A")
     s.add_argument("b", metavar="VARIANT_B")
     s.set_defaults(func=_cmd_compare)
+
+    s = sub.add_parser("readme-blocks", help="check (or --update) the <!-- splicer:begin COMMAND DIR --> blocks of Markdown "
+                                             "files against what the command prints now")
+    s.add_argument("files", metavar="FILE", nargs="+")
+    s.add_argument("--update", action="store_true", help="rewrite stale blocks (each file written beside and renamed)")
+    s.set_defaults(func=_cmd_readme_blocks)
 
     s = sub.add_parser("fixture", help="write a tiny synthetic base and quantized builds (qwen3_5_moe, or --family; tests, demo, GPU checks)")
     s.add_argument("out", metavar="DIR")

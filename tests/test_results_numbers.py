@@ -1,7 +1,18 @@
-"""No hand-typed figures in results READMEs: every number in results/*/README.md appears in that folder's raw files.
+"""Every figure a reader sees in a results README, README.md or docs/*.md is tied to raw data a test can read.
 
-Raw files are every *.json, *.csv, *.txt, *.log and *.md file under the README's folder (recursively), README.md
-itself excepted: results.json, table.md and the logs a tool or script wrote, and derived files a committed script wrote.
+1. Generated blocks (`splicer.readme_blocks`): `<!-- splicer:begin report . -->` ... `<!-- splicer:end -->` holds exactly
+   what that splicer command prints on the folder's committed data; the test regenerates every block and compares byte
+   for byte. `splicer readme-blocks --update FILE...` rewrites them after a change to report or table.
+2. A number outside blocks must match a raw value in a source cited in its own unit (a list item, table row or
+   paragraph) or in the paragraph that leads its list or table (the nearest plain paragraph above it in the section):
+   a backticked file of the folder, `results.json`, optionally narrowed to a JSON key path (`results.json:runs.*.elapsed_s`,
+   `*` any key or entry, a name selects the entry of a list with that "name"), or a Markdown link to a file or
+   results folder (a folder: its raw files, and only where no file is cited beside it). A number with no source in
+   scope fails, whatever the folder holds.
+   README.md and docs/*.md: units that cite a results folder or file are checked so; other numbers there are the
+   tool's own settings (95 % intervals, top-20), not measurements.
+   LEGACY folders (run histories written before this check) are still checked only against every raw file of their
+   folder (the old rule); they are listed by name below.
 
 A README number with d decimals matches a raw value v when v rounds to it at d decimals (|v - x| <= half a unit of its
 last digit): "4.34" matches 4.3449, "241" matches 241.0 but not 246. For a percentage (a "%" follows the number or the
@@ -16,17 +27,22 @@ Not checked (the only exemptions):
     name (vLLM 0.26, transformers 5.17, Python 3.11, ...);
   * labels, a number right after one of: run(s), Run(s), issue(s), seed(s), call(s), Call(s), # ("run 1", "runs 1–3",
     "Run 3", "seed 000", "call 2", "build #1");
-  * digits that are part of a name (adjacent to a letter or "_": H200, INT4, g128, Qwen3.6, x86_64, 6th).
-Small integers are checked like any number (they nearly always match something, so exempting them gains nothing).
+  * digits that are part of a name (adjacent to a letter or "_": H200, INT4, g128, Qwen3.6, x86_64, 6th; joined by a
+    hyphen to a word: gdn-1, top-1, build-verify-1), layer lists after "@" (gdn@0-2,4-6), bracketed labels ([1]),
+    labels after point(s), group(s), layer(s), session(s), "4-bit", and the null in "includes 0" / "excludes 0".
 
-What this catches: a figure that appears in none of the folder's raw files (typed by hand, misremembered, derived and not
-written down). What it cannot catch: a figure that matches some other raw value by chance, or a sentence whose numbers are
-all in the data but whose verdict is not; those still need reading.
+What the citation rule buys is measured by test_mutations_are_caught: every number's last digit changed, and seven
+made-up sentences inserted, in each checked README. On the READMEs of this commit the new rules let 90 of 767 digit
+changes and 2 of 42 made-up sentences pass, the old rule (a number anywhere in the folder's raw files) 362 of 767 and
+15 of 42; on the READMEs before this change the old rule let 1,219 of 1,659 digit changes pass. What still passes: a
+changed number that equals another value of the cited file (small whole numbers, neighbouring values in one table), and
+a sentence whose numbers are all in the cited data but whose verdict is not; those still need reading, or a key path.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import re
 from pathlib import Path
@@ -37,7 +53,7 @@ RESULTS = Path(__file__).resolve().parent.parent / "results"
 RAW_SUFFIXES = {".json", ".csv", ".txt", ".log", ".md"}
 
 SOFTWARE = r"(?:vLLM|vllm|torch|Python|python|transformers|compressed-tensors|safetensors|driver|pip)"
-LABELS = r"(?:\b(?:[Rr]uns?|issues?|seeds?|[Cc]alls?)|#)"
+LABELS = r"(?:\b(?:[Rr]uns?|issues?|seeds?|[Cc]alls?|[Pp]oints?|[Gg]roups?|[Ll]ayers?|[Ss]essions?)|#)"
 _NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 # a README number: optional sign, digits (thousands separators allowed), not part of a name or a longer token
 README_NUM = re.compile(r"(?<![\w.,/])([+−±]|(?<![\w)])-(?=\d))?(" + _NUM + r")(?![\w]|\.\d|,\d{3})")
@@ -60,6 +76,10 @@ def _strip(text: str) -> str:
     text = re.sub(r"\b\d+\.\d+\.\d+[\w.+-]*", blank, text)
     text = re.sub(r"\b" + SOFTWARE + r" \d+(?:\.\d+)*", blank, text)
     text = re.sub(LABELS + r"[ ]?\d+(?:[ ]?(?:–|-|and|,)[ ]?\d+)*\b", blank, text)
+    text = re.sub(r"@[\w,.-]+|\[\d+\]|\b[A-Za-z_]+(?:-[A-Za-z_]+)*-\d+\b", blank, text)  # gdn@0-9, [1], gdn-1, top-1
+    text = re.sub(r"\b\d+-bit\b", blank, text)  # 4-bit, 8-bit: a format's name
+    text = re.sub(r"\b(?:include|exclude)s? 0\b", blank, text)  # "the interval includes 0": the null, not a figure
+    text = re.sub(r"(?m)^[ \t]*\d+\.(?=\s)", blank, text)  # ordered-list item numbers
     return text
 
 
@@ -80,7 +100,7 @@ def readme_numbers(text: str) -> list[dict]:
         line = stripped.count("\n", 0, m.start()) + 1
         ctx = text.splitlines()[line - 1].strip()
         out.append({"text": sign + digits, "value": value, "decimals": decimals, "signed": sign in ("+", "−", "-"),
-                    "scales": scales, "line": line, "context": ctx[:160]})
+                    "scales": scales, "line": line, "context": ctx[:160], "end": m.end(2)})
     return out
 
 
@@ -118,22 +138,237 @@ def raw_texts(folder: Path) -> list[str]:
 
 
 def missing_numbers(readme_text: str, raw: list[str]) -> list[dict]:
+    """The old rule, kept for LEGACY folders: numbers in none of the folder's raw files."""
     values = RawValues(raw)
     return [n for n in readme_numbers(readme_text) if not values.has(n)]
 
 
+ROOT = RESULTS.parent
 READMES = sorted(RESULTS.glob("*/README.md"))
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Run histories written before the citation rule: still checked against every raw file of their folder.
+LEGACY = {"h200-fulldims"}
+
+BLOCK = re.compile(r"<!-- splicer:begin .*?<!-- splicer:end -->", re.S)
+CITE = re.compile(r"`([\w./*-]+\.(?:json|csv|txt|log|md))(?::([\w.*-]+))?`|\]\(([^)\s#]+)(?:#[^)\s]*)?\)")
+LIST_OR_ROW = re.compile(r"(?:[-*+]|\d+\.)\s|\|")
+
+
+def blank_blocks(text: str) -> str:
+    """TEXT with every generated block's content replaced by spaces (line numbers kept)."""
+    return BLOCK.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+
+
+def units(text: str) -> list[list[int]]:
+    """[first line, last line] of each unit: a list item, table row, heading or paragraph, with its continuation lines."""
+    out, cur = [], None
+    for i, line in enumerate(text.split("\n"), 1):
+        s = line.strip()
+        if not s:
+            cur = None
+        elif cur is None or LIST_OR_ROW.match(s) or s.startswith("#"):
+            cur = [i, i]
+            out.append(cur)
+            if s.startswith("#"):
+                cur = None  # a heading is one line
+        else:
+            cur[1] = i
+    return out
+
+
+def _json_under(data, path: str):
+    nodes = [data]
+    for key in path.split("."):
+        nxt = []
+        for n in nodes:
+            if key == "*":
+                nxt += list(n.values()) if isinstance(n, dict) else list(n) if isinstance(n, list) else []
+            elif isinstance(n, dict) and key in n:
+                nxt.append(n[key])
+            elif isinstance(n, list):
+                nxt += [n[int(key)]] if key.isdigit() and int(key) < len(n) else \
+                    [e for e in n if isinstance(e, dict) and e.get("name") == key]
+        nodes = nxt
+    return nodes
+
+
+def _resolve(md: Path, target: str) -> Path | None:
+    for base in (md.parent, ROOT):
+        p = (base / target).resolve()
+        if p.exists():
+            return p
+    return None
+
+
+def cited_text(md: Path, target: str, key: str | None) -> str | None:
+    """The raw text a citation names (a key path: the values under it), None when it names nothing readable."""
+    if "*" in target:
+        texts = [cited_text(md, str(p.relative_to(md.parent)), key) for p in sorted(md.parent.glob(target))]
+        return "\n".join(t for t in texts if t is not None) or None
+    p = _resolve(md, target)
+    if p is None:
+        return None
+    if p.is_dir():
+        return "\n".join(raw_texts(p))
+    if p.suffix not in RAW_SUFFIXES or p == md.resolve():
+        return None
+    text = p.read_text(errors="replace")
+    if key:
+        try:
+            found = _json_under(json.loads(text), key)
+        except ValueError:
+            return None
+        return json.dumps(found) if found else None
+    return text
+
+
+def _scope(lines: list[str], us: list[list[int]], line: int) -> str:
+    """The text whose citations a number on LINE may use: its unit and the paragraph leading its list or table."""
+    i = next(k for k, u in enumerate(us) if u[0] <= line <= u[1])
+    parts = ["\n".join(lines[us[i][0] - 1:us[i][1]])]
+    if not LIST_OR_ROW.match(lines[us[i][0] - 1].strip()):
+        return parts[0]  # a paragraph stands on its own citations
+    for u in reversed(us[:i]):
+        first = lines[u[0] - 1].strip()
+        if first.startswith("#"):
+            break
+        if not LIST_OR_ROW.match(first):
+            parts.append("\n".join(lines[u[0] - 1:u[1]]))
+            break
+    return "\n".join(parts)
+
+
+_CITED: dict = {}  # (file, citations) -> RawValues: the committed files do not change during a test session
+
+
+def _tied(md: Path, lines: list[str], us: list[list[int]], n: dict, docs: bool) -> tuple[bool, list]:
+    """Whether number N matches a raw value of a source cited in its scope, and those citations (docs: a unit citing
+    nothing under results/ is not checked, and counts as tied)."""
+    scope = _scope(lines, us, n["line"])
+    cites = [(m.group(1) or m.group(3), m.group(2)) for m in CITE.finditer(scope)]
+    if docs:
+        cites = [c for c in cites if "results/" in c[0]]
+        if not cites:
+            return True, cites
+    # A folder (all its raw files) is a source only where nothing more precise is cited beside it.
+    files = [c for c in cites if "*" in c[0] or (_resolve(md, c[0]) or md.parent).is_file()]
+    cites = files or cites
+    key = (md, tuple(cites))
+    if key not in _CITED:
+        texts = [t for t in (cited_text(md, *c) for c in cites) if t is not None]
+        _CITED[key] = RawValues(texts) if texts else None
+    return _CITED[key] is not None and _CITED[key].has(n), cites
+
+
+def uncited_numbers(md: Path, text: str, docs: bool = False) -> list[dict]:
+    """Numbers outside generated blocks that match no raw value of a source cited in their scope (docs: only numbers
+    in a unit that cites something under results/)."""
+    lines, us, out = text.split("\n"), units(text), []
+    for n in readme_numbers(blank_blocks(text)):
+        ok, cites = _tied(md, lines, us, n, docs)
+        if not ok:
+            out.append({**n, "cited": [c[0] + (f":{c[1]}" if c[1] else "") for c in cites]})
+    return out
+
+
+def _listing(found: list[dict]) -> str:
+    return "\n".join(f"  line {n['line']}: {n['text']}  cited: {', '.join(n['cited']) or 'nothing'}  ({n['context']})"
+                     for n in found)
+
+
+@pytest.mark.parametrize("md", READMES + DOCS, ids=[str(p.relative_to(ROOT)) for p in READMES + DOCS])
+def test_every_generated_block_is_what_its_command_prints(md):
+    from splicer.readme_blocks import stale_blocks
+
+    stale = stale_blocks(md)
+    assert not stale, "\n".join(stale) + "\n(run: splicer readme-blocks --update FILE)"
 
 
 @pytest.mark.parametrize("readme", READMES, ids=[p.parent.name for p in READMES])
-def test_every_readme_number_is_in_the_folders_raw_files(readme):
-    missing = missing_numbers(readme.read_text(), raw_texts(readme.parent))
-    assert not missing, f"{len(missing)} numbers of {readme.relative_to(RESULTS.parent)} are in none of its raw files:\n" + \
-        "\n".join(f"  line {n['line']}: {n['text']}  ({n['context']})" for n in missing)
+def test_every_readme_number_is_in_a_cited_raw_file(readme):
+    text = readme.read_text()
+    if readme.parent.name in LEGACY:
+        missing = missing_numbers(text, raw_texts(readme.parent))
+        assert not missing, f"{len(missing)} numbers of {readme.relative_to(ROOT)} are in none of its raw files:\n" + \
+            "\n".join(f"  line {n['line']}: {n['text']}  ({n['context']})" for n in missing)
+        return
+    found = uncited_numbers(readme, text)
+    assert not found, (f"{len(found)} numbers of {readme.relative_to(ROOT)} outside generated blocks match no raw value "
+                       f"of a source cited beside them (cite the file, or move the figure into a block):\n" + _listing(found))
+
+
+@pytest.mark.parametrize("md", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
+def test_docs_figures_match_the_results_they_cite(md):
+    found = uncited_numbers(md, md.read_text(), docs=True)
+    assert not found, f"{len(found)} numbers of {md.relative_to(ROOT)} match nothing in the results they cite:\n" + _listing(found)
+
+
+# What the rules catch: every number of the checked READMEs with its last digit changed, and made-up sentences.
+
+def _made_up(folder: Path) -> list[str]:
+    """Made-up sentences in the README's own style, each citing the folder's largest raw file: five with invented
+    figures, and two whose figures are real raw values of the folder that the cited file does not hold (a number that
+    "matches some unrelated raw value", which the old rule let pass)."""
+    raws = sorted((p for p in folder.rglob("*") if p.is_file() and p.suffix in RAW_SUFFIXES and p.name != "README.md"),
+                  key=lambda p: (p.stat().st_size, str(p)))
+    f = raws[-1].relative_to(folder).as_posix()
+    cited = RawValues([raws[-1].read_text(errors="replace")])
+    elsewhere = [v for v in RawValues([p.read_text(errors="replace") for p in raws[:-1]]).unsigned
+                 if 1 < v < 1e4 and not cited.has({"value": round(v, 2), "decimals": 2, "signed": False, "scales": [1.0]})]
+    a, b = (elsewhere[len(elsewhere) // 3], elsewhere[2 * len(elsewhere) // 3]) if len(elsewhere) > 2 else (7.31, 8.42)
+    return ["The build decoded at 4.217 ms/token on its second engine, 0.61 % slower than on its first.",
+            f"Restoring attention lowered KL by 3.4 % of the build's [−4.1, −2.7] (`{f}`).",
+            f"- The rows took 612 s in all, the base pass 187.3 s of it (`{f}`).",
+            f"From `{f}`:\n\n| row | KL | top-1 |\n|---|---|---|\n| extra | 0.2231 | 51.2 % |",
+            f"Each engine started in 47 to 83 s and loaded its weights in 21.6 s (`{f}`).",
+            f"The slowest row decoded at {a:.2f} ms/token (`{f}`).",
+            f"- Its engine took {b:.2f} s to start (`{f}`)."]
+
+
+def mutation_rates(readmes: list[Path]) -> dict:
+    """Share of last-digit changes and of made-up sentences each rule lets pass: the citation rule with generated
+    blocks (new) and the old rule (a number anywhere in the folder's raw files)."""
+    from splicer.readme_blocks import blocks
+
+    digits = {"new": 0, "old": 0, "n": 0}
+    sentences = {"new": 0, "old": 0, "n": 0}
+    for md in readmes:
+        text = md.read_text()
+        spans = [(b["start"], b["end"]) for b in blocks(text, str(md))]  # the blocks are current (tested above)
+        old_raw = RawValues(raw_texts(md.parent))
+        lines, us = text.split("\n"), units(text)
+        for n in readme_numbers(text):
+            d = n["end"] - 1
+            token = n["text"][:-1] + str((int(n["text"][-1]) + 1) % 10)
+            value = float(token.lstrip("+−±-").replace(",", ""))
+            m = dict(n, text=token, value=-value if n["value"] < 0 else value)  # the number with its last digit changed
+            inside = any(a <= d < b for a, b in spans)
+            digits["n"] += 1
+            # a change inside a block differs from the command's output byte for byte; outside, the citation rule
+            digits["new"] += (not inside) and _tied(md, lines, us, m, False)[0]
+            digits["old"] += old_raw.has(m)
+        for sentence in _made_up(md.parent):
+            added = text.rstrip("\n") + "\n\n" + sentence + "\n"
+            sentences["n"] += 1
+            sentences["new"] += not uncited_numbers(md, added)
+            sentences["old"] += all(old_raw.has(x) for x in readme_numbers(sentence))
+    return {"digits": digits, "sentences": sentences}
+
+
+def test_mutations_are_caught():
+    checked = [p for p in READMES if p.parent.name not in LEGACY]
+    r = mutation_rates(checked)
+    d, s = r["digits"], r["sentences"]
+    report = (f"last-digit changes passing: new {d['new']}/{d['n']}, old {d['old']}/{d['n']}; "
+              f"made-up sentences passing: new {s['new']}/{s['n']}, old {s['old']}/{s['n']}")
+    assert d["n"] > 200 and s["n"] == 7 * len(checked), report
+    assert d["new"] <= 0.12 * d["n"] and d["old"] >= 3 * d["new"], report
+    assert s["new"] <= 0.05 * s["n"], report
+    print(report)
 
 
 def test_there_are_results_readmes():
-    assert len(READMES) >= 4
+    assert len(READMES) >= 4 and len(set(p.parent.name for p in READMES) - LEGACY) >= 4
 
 
 # the checker itself

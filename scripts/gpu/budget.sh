@@ -63,4 +63,6 @@ cp "$DIR/results.json" "$DIR/table.md" "$DIR/budget.json" "$DIR/plot-kl.png" "$D
 # One archive for the rest: a device call brings back at most 8 files.
 ( cd "$WORK" && tar czf "$OUT/logs.tgz" standin.log sweep-full.toml sweep.toml ablate-*.log budget-verify-all.txt run-*.txt \
     budget/job.json budget/report.md budget/ablate.log budget/budget-plan.toml budget/logs budget/cache/base-*/done.json 2>/dev/null )
+# The eighth file: per-position scores, so that the rows' and the verification's intervals can be recomputed.
+pack_scores "$OUT/scores.tar.xz" "$(dirname "$DIR")" "$(basename "$DIR")"
 tail -3 "$WORK"/ablate-*.log 2>/dev/null | tail -4; cat "$OUT/budget.txt" 2>/dev/null | tail -25

@@ -6,3 +6,20 @@ export TRITON_CACHE_DIR=/tmp/triton-cache        # one cache for every engine pr
 # Fast starts for the tiny fixture: no torch.compile, CUDA graphs for decode only (timings say so in results.json).
 export SPLICER_GPU_ENGINE_ARGS='{"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}, "gpu_memory_utilization": 0.3, "language_model_only": true}'
 [ -d /tmp/vllm_site/vllm ] || { echo "no vLLM bundle in /tmp/vllm_site: run the two install calls first (scripts/gpu/README.md)"; exit 3; }
+
+# pack_scores ARCHIVE ROOT DIR...: every DIR/scores/ (per-position scores, DIR/scores/ROW/CORPUS.safetensors; paths
+# relative to ROOT) in one xz archive, so that a results folder's intervals can be recomputed (splicer compare, budget)
+# from what comes back. A device call brings back files of at most 16 MiB: a larger archive is removed, and the call's
+# output says so (the results README must then say its intervals cannot be recomputed).
+pack_scores() {
+  local archive root=$2; archive=$(realpath -m "$1"); shift 2
+  local dirs=(); for d in "$@"; do [ -d "$root/$d/scores" ] && dirs+=("$d/scores"); done
+  [ ${#dirs[@]} -gt 0 ] || { echo "pack_scores: no scores/ in $*"; return 0; }
+  ( cd "$root" && XZ_OPT=-6 tar cJf "$archive" "${dirs[@]}" )
+  local size; size=$(stat -c %s "$archive" 2>/dev/null || echo 0)
+  if [ "$size" -gt $((16 * 1024 * 1024 - 4096)) ]; then
+    echo "pack_scores: $(basename "$archive") is $size bytes, over the 16 MiB a call brings back: not returned"; rm -f "$archive"
+  else
+    echo "pack_scores: $(basename "$archive") $size bytes (${dirs[*]})"
+  fi
+}

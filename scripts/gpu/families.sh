@@ -33,5 +33,6 @@ done
 # One archive (a call brings back at most 8 files): each family's results, table, ablate log and engine logs.
 ( cd "$WORK" && tar czf "$OUT/families.tgz" families.txt *-fixture.log *-ablate.log run-*/results.json run-*/table.md \
     run-*/report.md run-*/logs 2>/dev/null )
+( cd "$WORK" && pack_scores "$OUT/scores.tar.xz" "$WORK" run-* )
 cat "$OUT/run.txt"
 for fam in $FAMILIES; do echo "== $fam"; head -12 "$WORK/run-$fam/table.md" 2>/dev/null | cut -c1-220; tail -3 "$WORK/$fam-ablate.log"; done

@@ -53,6 +53,7 @@ esac
 } > "$OUT/run-$STEP.txt" 2>&1
 ( cd "$WORK" && tar czf "$OUT/formats-$STEP.tgz" formats.txt fixture.log *.log score/results.json score/table.md score/report.md \
     score/logs run-*/results.json run-*/table.md run-*/report.md run-*/logs split-out 2>/dev/null )
+( cd "$WORK" && pack_scores "$OUT/scores-$STEP.tar.xz" "$WORK" score run-* )
 cat "$OUT/run-$STEP.txt"
 [ -f "$WORK/score/table.md" ] && head -14 "$WORK/score/table.md" | cut -c1-260
 for f in $FORMATS; do [ -f "$WORK/run-$f/table.md" ] && { echo "== $f"; head -12 "$WORK/run-$f/table.md" | cut -c1-200; }; done

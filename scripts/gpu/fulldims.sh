@@ -16,9 +16,10 @@ ROWS=${ROWS:-all}  # or a comma list of the plan's rows (the build and its repea
 t0=$(date +%s)
 mkdir -p "$WORK"
 if [ ! -f "$WORK/pair/reference/config.json" ]; then
-  python3 -m splicer fixture "$WORK/pair" --full-dims 2>&1 | tail -4 | tee "$OUT/standin.log"
+  python3 -m splicer fixture "$WORK/pair" --full-dims 2>&1 | tail -4 | tee "$WORK/$RUN-standin.log"
 fi
-du -sh --apparent-size "$WORK/pair/build" "$WORK/pair/reference" > "$OUT/disk.txt" 2>&1; du -sh "$WORK" >> "$OUT/disk.txt"; df -h "$WORK" >> "$OUT/disk.txt"
+mkdir -p "$WORK/$RUN"; D="$WORK/$RUN/disk.txt"
+du -sh --apparent-size "$WORK/pair/build" "$WORK/pair/reference" > "$D" 2>&1; du -sh "$WORK" >> "$D"; df -h "$WORK" >> "$D"
 CMD=(python3 -m splicer ablate "$ROWS" "$WORK/pair/build" "$WORK/pair/reference" -o "$WORK/$RUN" --plan h200-fulldims
      --backend vllm --allow-quantized-base --language-model-only --bandwidth-gbs 4800 -q
      --engine-arg 'compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}')
@@ -55,8 +56,10 @@ sleep 2; pkill -9 -f "multiprocessing.spawn" 2>/dev/null  # a worker left behind
   python3 -c "import vllm, torch, transformers, compressed_tensors as ct; print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| compressed-tensors', ct.__version__)"
   nproc; lscpu | grep -E 'Model name|Socket|Core|Thread|MHz' ; free -g | head -2
 } > "$OUT/run.txt" 2>&1
-cp "$WORK/$RUN/results.json" "$WORK/$RUN/table.md" "$WORK/$RUN/report.md" "$WORK/$RUN/job.json" "$OUT/" 2>/dev/null
-# One archive: a device call brings back at most 8 files.
-cp "$WORK/gpu-$RUN.csv" "$WORK/$RUN/logs/gpu.csv" 2>/dev/null
-( cd "$WORK/$RUN" && tar czf "$OUT/logs.tgz" logs ablate.log cache/base-*/done.json 2>/dev/null )
+cp "$WORK/$RUN/results.json" "$WORK/$RUN/table.md" "$WORK/$RUN/report.md" "$OUT/" 2>/dev/null
+# A device call brings back at most 8 files: logs.tgz (engine logs, the job, disk use, the stand-in's log) and
+# scores.tar.xz (per-position scores, for recomputing intervals) beside the five above.
+cp "$WORK/gpu-$RUN.csv" "$WORK/$RUN/logs/gpu.csv" 2>/dev/null; cp "$WORK/$RUN-standin.log" "$WORK/$RUN/standin.log" 2>/dev/null
+( cd "$WORK/$RUN" && tar czf "$OUT/logs.tgz" logs ablate.log job.json disk.txt standin.log cache/base-*/done.json 2>/dev/null )
+pack_scores "$OUT/scores.tar.xz" "$WORK" "$RUN"
 tail -5 "$OUT/ablate.log"; cat "$OUT/run.txt"; cat "$OUT/table.md" 2>/dev/null | head -30

@@ -20,4 +20,5 @@ rc=${PIPESTATUS[0]}
 } > "$OUT/run.txt" 2>&1
 cp "$WORK/run/results.json" "$WORK/run/table.md" "$OUT/" 2>/dev/null
 grep -h "Using\|GDN prefill" "$WORK"/run/logs/*.log 2>/dev/null | sed 's/^.*\] //' | sort | uniq -c > "$OUT/kernel-lines.txt"
+pack_scores "$OUT/scores.tar.xz" "$WORK" run
 cat "$OUT/run.txt"
