@@ -254,3 +254,60 @@ def test_a_run_record_starts_when_the_invocation_began_not_when_its_base_pass_en
                      AblateSettings(device="cpu", progress=False, bootstrap=20, time_decode=False))
     started = datetime.strptime(res["runs"][-1]["started"] + "+0000", "%Y-%m-%dT%H:%M:%SZ%z").timestamp()
     assert started <= t0 + 1.5  # at the start (whole seconds), not 3 s later after the base pass
+
+
+SMALL_PLAN = """
+name = "small"
+top_k = 5
+[[corpus]]
+name = "en"
+kind = "builtin"
+text = "wiki-en"
+chunk_tokens = 32
+max_chunks = 2
+[[row]]
+name = "build"
+restore = []
+[[row]]
+name = "gdn"
+restore = ["gdn"]
+"""
+
+
+def test_resume_does_not_depend_on_how_the_inputs_are_spelled(pairs, tmp_path, monkeypatch, capsys):
+    """The same build, base and plan named relatively, then absolutely from another folder (and through a link): no
+    row runs again. Another setting: the rows run again and one line names the field, old -> new."""
+    from splicer.cli import main
+
+    from .conftest import tree_digest
+
+    work = tmp_path / "work"
+    shutil.copytree(pairs["fused"]["lowlatency"], work / "build")
+    shutil.copytree(pairs["fused"]["base"], work / "base")
+    (work / "small.toml").write_text(SMALL_PLAN)
+    before = tree_digest(work)
+    out = tmp_path / "run"
+    monkeypatch.chdir(work)
+    assert main(["ablate", "all", "build", "base", "-o", str(out), "--plan", "small.toml", "--no-time", "-q", "--device", "cpu"]) == 0
+    first = json.loads((out / "results.json").read_text())
+    assert first["job"]["build"]["source"] == str((work / "build").resolve())  # recorded by what it is
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "link").symlink_to(work)
+    monkeypatch.chdir(elsewhere)
+    loads = _count_loads(monkeypatch)
+    capsys.readouterr()
+    for build, base in ((work / "build", work / "base"), (Path("link/build"), Path("link/base"))):
+        assert main(["ablate", "all", str(build), str(base), "-o", str(out), "--plan", str(work / "small.toml"), "--no-time",
+                     "-q", "--device", "cpu"]) == 0
+    assert loads == []  # neither the base pass nor a finished row again
+    assert "differs" not in capsys.readouterr().err
+    again = json.loads((out / "results.json").read_text())
+    assert [v["metrics"] for v in again["variants"]] == [v["metrics"] for v in first["variants"]]
+    # one setting changed: every row again, and the line says which field and how
+    assert main(["ablate", "all", str(work / "build"), str(work / "base"), "-o", str(out), "--plan", str(work / "small.toml"),
+                 "--no-time", "-q", "--device", "cpu", "--batch-size", "2"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "differs" in line]
+    assert len(err) == 1 and "settings.batch_size: null -> 2" in err[0] and "build" not in err[0].split("(")[1], err
+    assert loads == ["base", "build", "gdn"]
+    assert tree_digest(work) == before  # inputs untouched
