@@ -311,3 +311,36 @@ def test_resume_does_not_depend_on_how_the_inputs_are_spelled(pairs, tmp_path, m
     assert len(err) == 1 and "settings.batch_size: null -> 2" in err[0] and "build" not in err[0].split("(")[1], err
     assert loads == ["base", "build", "gdn"]
     assert tree_digest(work) == before  # inputs untouched
+
+
+def test_a_run_with_failed_rows_exits_non_zero_and_says_so_last(pairs, tmp_path, monkeypatch, capsys):
+    """The disk fills up while splicing: every spliced row fails with the one-line reason, the rows that need no
+    splice are written, and the run ends with exit 1 and, last, how many rows failed and where to read why."""
+    import errno
+
+    import splicer.splice as sp
+    from splicer.cli import main
+
+    from .conftest import tree_digest
+
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(sp, "write_shard", full)
+    p = pairs["fused"]
+    plan = tmp_path / "small.toml"
+    plan.write_text(SMALL_PLAN + '[[row]]\nname = "lm_head"\nrestore = ["lm_head"]\n[[row]]\nname = "base"\nbase = true\n')
+    before = {k: tree_digest(p[k]) for k in ("lowlatency", "base")}
+    out = tmp_path / "run"
+    code = main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(out), "--plan", str(plan), "--no-time",
+                 "-q", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith("splicer: error: 2 of 4 rows failed: gdn, lm_head; see each row's error in "), err[-1]
+    rows = {v["name"]: v for v in json.loads((out / "results.json").read_text())["variants"]}
+    assert rows["build"]["status"] == rows["base"]["status"] == "ok" and rows["build"]["metrics"]["en"]["kl"] > 0
+    assert all(rows[n]["status"] == "error" and rows[n]["error"].startswith("no space left on the device holding")
+               for n in ("gdn", "lm_head"))
+    assert "failed" in (out / "table.md").read_text() and not list(out.rglob("*.tmp"))
+    assert not list((out / "variants").glob(".*partial*"))  # no half-written splice left behind
+    assert {k: tree_digest(p[k]) for k in ("lowlatency", "base")} == before
