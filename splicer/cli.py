@@ -441,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .console import printable_everywhere
+
+    printable_everywhere()
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
