@@ -71,7 +71,7 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
     with stages.stage("base pass: engine start"):
         try:
             backend.load(base_root)
-        except SplicerError:
+        except (SplicerError, MemoryError):  # already one line (the CLI says what to do about memory)
             shutil.rmtree(cache, ignore_errors=True)
             raise
         except Exception as e:  # the engine refuses the base (an unsupported layout, out of memory): nothing can be scored
@@ -118,7 +118,9 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
 def _base_refused(e: Exception, backend: str) -> str:
     """The one line for a base the backend cannot load: the engine's own reason (the first line of its error; the
     engine's log tail follows it there) and what to do, since every row is scored against the base."""
-    reason = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+    reason = (str(e).strip().splitlines() or [""])[0]
+    if not isinstance(e, RuntimeError) or not reason:  # the engines' RuntimeErrors say what failed; others need their kind
+        reason = f"{e.__class__.__name__}: {reason}".rstrip(": ")
     reason = reason if len(reason) <= 400 else reason[:397] + "..."
     other = "torch" if backend == "vllm" else "vllm"
     return (f"the base pass could not start: {reason}; every row is scored against the base, so nothing was run: make "
