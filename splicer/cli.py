@@ -171,9 +171,13 @@ def _cmd_ablate(args) -> int:
     from .table import render_markdown
 
     print(render_markdown(results))
+    print(f"\nwrote {args.out / 'results.json'}, {args.out / 'table.md'} and {args.out / 'report.md'} in {results.get('elapsed_s', 0):.0f} s")
     failed = [v["name"] for v in results["variants"] if v.get("status") != "ok"]
-    print(f"\nwrote {args.out / 'results.json'}, {args.out / 'table.md'} and {args.out / 'report.md'} in {results.get('elapsed_s', 0):.0f} s"
-          + (f"; failed rows: {', '.join(failed)}" if failed else ""))
+    if failed:  # the finished rows are written; the run is not a success, and says so last
+        sys.stdout.flush()
+        print(f"splicer: error: {len(failed)} of {len(results['variants'])} rows failed: {', '.join(failed)}; see each "
+              f"row's error in {args.out / 'table.md'} (and results.json); rerun the same command to retry them", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -451,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .console import printable_everywhere
+
+    printable_everywhere()
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)

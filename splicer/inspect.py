@@ -4,18 +4,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from .arch import family_mismatch
 from .checkpoint import Checkpoint
 from .errors import SplicerError
 from .formats import READ_METHODS, checkpoint_format, group_format, group_scheme, unreadable
 from .modules import list_modules
 from .rules import check, is_skip_list, validate_regexes
-
-
-def tensor_class(ckpt: Checkpoint, tensor: str) -> str:
-    arch = ckpt.arch
-    fused = arch.fused_expert_parts(tensor)
-    module = f"{fused[0]}.0.{dict(arch.fused_expert_shards)[fused[1]][0]}" if fused else tensor.rpartition(".")[0]
-    return arch.module_class(module)
 
 
 def decode_fraction(ckpt: Checkpoint, tensor: str, shape) -> float:
@@ -62,10 +56,12 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
             row["schemes"].add(m.weight_dtype.lower())
     for hdr in ckpt.headers.values():
         for name, info in hdr.tensors.items():
-            row = per_class[tensor_class(ckpt, name)]
+            row = per_class[arch.tensor_class(name)]
             row["bytes_on_disk"] += info.nbytes
             row["bytes_per_decode_step"] += info.nbytes * decode_fraction(ckpt, name, info.shape)
     report = check(modules, qc, arch, {n: info.dtype for hdr in ckpt.headers.values() for n, info in hdr.tensors.items()})
+    if why := family_mismatch(ckpt.config.get("model_type"), ckpt.weight_map):
+        report.issues.insert(0, {"check": "model-type", "naming": "hf", "detail": why})
     if is_skip_list(qc):
         # What vLLM's loader requires of the config itself (splice refuses these before writing anything).
         from .validate import validate_build
@@ -73,7 +69,8 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         try:
             validate_build(ckpt)
         except SplicerError as e:
-            report.issues.append({"check": "config-invalid", "naming": "vllm", "detail": str(e)})
+            if not (why and why in str(e)):  # the model type's mismatch is reported above, once
+                report.issues.append({"check": "config-invalid", "naming": "vllm", "detail": str(e)})
     if not ckpt.config.get("architectures"):
         # vLLM picks the model class (and the runner) from this list; without it vLLM 0.26 resolved the qwen3 family
         # fixtures to their bare Qwen3Model and served them as embedding models (results/gpu-families).

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from .arch import DRAFTER_CLASS, Architecture
+from .arch import DRAFTER_CLASS, Architecture, family_mismatch
 from .checkpoint import Checkpoint, is_packed_tensor
 from .errors import SplicerError
 from .formats import CT_FORMATS, group_format, group_scheme
@@ -17,7 +17,16 @@ from .selection import LAYER_PART, format_layers, layers_read, split_restore
 from .rules import HfReader, is_gptq, is_skip_list, skip_list_mismatch, skip_list_scheme, validate_regexes
 
 
+def validate_family(ckpt: Checkpoint, role: str) -> None:
+    """The checkpoint's tensors must be its model_type's: a family's table names its modules, and tensors of another
+    family (qwen3_moe tensors labelled llama) would leave them unclassed, so nothing of them could be restored."""
+    why = family_mismatch(ckpt.config.get("model_type"), ckpt.weight_map)
+    if why:
+        raise SplicerError(f"{role} {ckpt.label}: {why}")
+
+
 def validate_build(build: Checkpoint) -> None:
+    validate_family(build, "build")
     qc = build.quantization_config
     if not qc:
         raise SplicerError(f"build {build.label} has no quantization_config in config.json; it is not a quantized build (did you swap BUILD and BASE?)")
@@ -139,6 +148,7 @@ def validate_base(base: Checkpoint, build: Checkpoint, allow_quantized: bool = F
     experts do not fit the disk. Its quantized modules must be stored exactly as in the build (same packed
     tensors), so that the reference and every variant share them; those classes cannot be restored.
     """
+    validate_family(base, "base")
     packed = next((t for t in base.weight_map if is_packed_tensor(t)), None)
     if (base.quantization_config or packed) and not allow_quantized:
         what = f"is itself quantized ({base.quantization_config.get('quant_method')})" if base.quantization_config else f"holds packed tensors ({packed})"

@@ -332,3 +332,36 @@ def test_spread_lanes_a_gpu_that_cannot_serve_the_build_takes_no_rows_and_no_tim
     assert [n for g, n in ran if g == "0"] == ["build", "gdn", "attention", "lm_head", "build-end-gpu0"]
     untimed = gpu_build_rows([build, *rows, again], ("0", "1"), timed=False)
     assert untimed == ([build, None], [None, None], [*rows, again], [])
+
+
+def test_output_survives_a_stdout_that_is_not_utf8(finished, capsys):
+    """PYTHONIOENCODING=ascii (a latin-1 console, a C locale): table, report and compare print the same text with
+    ASCII spellings (Δ as d, − as -, ± as +/-) instead of ending in a UnicodeEncodeError; DIR is left as it was. The
+    three commands run through the CLI's main in one process (one interpreter start, not three), each exit code kept."""
+    import os
+    import subprocess
+    import sys
+
+    from splicer.console import HANDLER
+
+    from .conftest import tree_digest
+
+    out, _ = finished
+    commands = [["table", str(out)], ["report", str(out)], ["compare", str(out), "gdn", "lm_head"]]
+    before = tree_digest(out)
+    utf8 = []
+    for argv in commands:
+        assert main(argv) == 0
+        utf8.append(capsys.readouterr().out)
+        assert not utf8[-1].isascii(), argv  # each output has symbols an ASCII stdout cannot hold
+    marker = "----- next command -----"
+    code = ("import sys\nfrom splicer.cli import main\ncodes = []\n"
+            f"for argv in {commands!r}:\n"
+            f"    codes.append(main(argv)); print({marker!r}, flush=True)\n"
+            "sys.exit(max(codes))\n")
+    env = dict(os.environ, PYTHONIOENCODING="ascii", PYTHONPATH=str(Path(__file__).parents[1]), HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode(errors="replace")
+    got = r.stdout.decode("ascii").split(marker + "\n")
+    assert got[:3] == [text.encode("ascii", errors=HANDLER).decode("ascii") for text in utf8] and got[3] == ""
+    assert tree_digest(out) == before

@@ -335,3 +335,36 @@ def test_inspect_flags_a_config_that_names_no_architectures(family_pairs, tmp_pa
     checks = [i["check"] for i in inspect_checkpoint(bare)["lint"]["issues"]]
     assert checks == ["no-architectures"]
     assert not inspect_checkpoint(src)["lint"]["issues"]
+
+
+def test_tensors_of_another_family_are_named_by_inspect_and_refused_by_splice_and_ablate(family_pairs, tmp_path, capsys):
+    """qwen3_moe tensors under a config that says llama: inspect says the tensors fit qwen3_moe (instead of listing the
+    routed experts under "other" with no lint problem), and splice and ablate refuse in that one line, writing nothing;
+    every family's own fixture stays clean (test_the_fixture_has_the_families_real_names_and_a_clean_lint)."""
+    import shutil
+
+    from .conftest import tree_digest
+
+    pair = {}
+    for kind in ("int4", "base"):
+        pair[kind] = tmp_path / kind
+        shutil.copytree(family_pairs["qwen3_moe"][kind], pair[kind])
+        config = json.loads((pair[kind] / "config.json").read_text())
+        (pair[kind] / "config.json").write_text(json.dumps(dict(config, model_type="llama")))
+    before = {k: tree_digest(p) for k, p in pair.items()}
+    assert main(["inspect", str(pair["int4"])]) == 0
+    report = capsys.readouterr().out
+    assert "lint: no problems" not in report
+    assert re.search(r"model-type .*model_type 'llama', but \d+ of its tensors fit no class .*mlp\.experts\..* the tensors "
+                     r"fit qwen3_moe: set model_type to the checkpoint's own \(qwen3_moe\)", report), report
+    plan = tmp_path / "p.toml"
+    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 32\n'
+                    'max_chunks = 1\n[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "attention"\nrestore = ["attention"]\n')
+    for argv, out in ((["splice", "-q", "--restore", "attention", str(pair["int4"]), str(pair["base"]), "-o", str(tmp_path / "o")], tmp_path / "o"),
+                      (["ablate", "all", str(pair["int4"]), str(pair["base"]), "-o", str(tmp_path / "a"), "--plan", str(plan),
+                        "-q", "--no-time", "--device", "cpu"], tmp_path / "a")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "fit qwen3_moe" in err[0] and "model_type 'llama'" in err[0], (argv[0], err)
+        assert not out.exists()
+    assert {k: tree_digest(p) for k, p in pair.items()} == before

@@ -254,3 +254,93 @@ def test_a_run_record_starts_when_the_invocation_began_not_when_its_base_pass_en
                      AblateSettings(device="cpu", progress=False, bootstrap=20, time_decode=False))
     started = datetime.strptime(res["runs"][-1]["started"] + "+0000", "%Y-%m-%dT%H:%M:%SZ%z").timestamp()
     assert started <= t0 + 1.5  # at the start (whole seconds), not 3 s later after the base pass
+
+
+SMALL_PLAN = """
+name = "small"
+top_k = 5
+[[corpus]]
+name = "en"
+kind = "builtin"
+text = "wiki-en"
+chunk_tokens = 32
+max_chunks = 2
+[[row]]
+name = "build"
+restore = []
+[[row]]
+name = "gdn"
+restore = ["gdn"]
+"""
+
+
+def test_resume_does_not_depend_on_how_the_inputs_are_spelled(pairs, tmp_path, monkeypatch, capsys):
+    """The same build, base and plan named relatively, then absolutely from another folder (and through a link): no
+    row runs again. Another setting: the rows run again and one line names the field, old -> new."""
+    from splicer.cli import main
+
+    from .conftest import tree_digest
+
+    work = tmp_path / "work"
+    shutil.copytree(pairs["fused"]["lowlatency"], work / "build")
+    shutil.copytree(pairs["fused"]["base"], work / "base")
+    (work / "small.toml").write_text(SMALL_PLAN)
+    before = tree_digest(work)
+    out = tmp_path / "run"
+    monkeypatch.chdir(work)
+    assert main(["ablate", "all", "build", "base", "-o", str(out), "--plan", "small.toml", "--no-time", "-q", "--device", "cpu"]) == 0
+    first = json.loads((out / "results.json").read_text())
+    assert first["job"]["build"]["source"] == str((work / "build").resolve())  # recorded by what it is
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "link").symlink_to(work)
+    monkeypatch.chdir(elsewhere)
+    loads = _count_loads(monkeypatch)
+    capsys.readouterr()
+    for build, base in ((work / "build", work / "base"), (Path("link/build"), Path("link/base"))):
+        assert main(["ablate", "all", str(build), str(base), "-o", str(out), "--plan", str(work / "small.toml"), "--no-time",
+                     "-q", "--device", "cpu"]) == 0
+    assert loads == []  # neither the base pass nor a finished row again
+    assert "differs" not in capsys.readouterr().err
+    again = json.loads((out / "results.json").read_text())
+    assert [v["metrics"] for v in again["variants"]] == [v["metrics"] for v in first["variants"]]
+    # one setting changed: every row again, and the line says which field and how
+    assert main(["ablate", "all", str(work / "build"), str(work / "base"), "-o", str(out), "--plan", str(work / "small.toml"),
+                 "--no-time", "-q", "--device", "cpu", "--batch-size", "2"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "differs" in line]
+    assert len(err) == 1 and "settings.batch_size: null -> 2" in err[0] and "build" not in err[0].split("(")[1], err
+    assert loads == ["base", "build", "gdn"]
+    assert tree_digest(work) == before  # inputs untouched
+
+
+def test_a_run_with_failed_rows_exits_non_zero_and_says_so_last(pairs, tmp_path, monkeypatch, capsys):
+    """The disk fills up while splicing: every spliced row fails with the one-line reason, the rows that need no
+    splice are written, and the run ends with exit 1 and, last, how many rows failed and where to read why."""
+    import errno
+
+    import splicer.splice as sp
+    from splicer.cli import main
+
+    from .conftest import tree_digest
+
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(sp, "write_shard", full)
+    p = pairs["fused"]
+    plan = tmp_path / "small.toml"
+    plan.write_text(SMALL_PLAN + '[[row]]\nname = "lm_head"\nrestore = ["lm_head"]\n[[row]]\nname = "base"\nbase = true\n')
+    before = {k: tree_digest(p[k]) for k in ("lowlatency", "base")}
+    out = tmp_path / "run"
+    code = main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(out), "--plan", str(plan), "--no-time",
+                 "-q", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith("splicer: error: 2 of 4 rows failed: gdn, lm_head; see each row's error in "), err[-1]
+    rows = {v["name"]: v for v in json.loads((out / "results.json").read_text())["variants"]}
+    assert rows["build"]["status"] == rows["base"]["status"] == "ok" and rows["build"]["metrics"]["en"]["kl"] > 0
+    assert all(rows[n]["status"] == "error" and rows[n]["error"].startswith("no space left on the device holding")
+               for n in ("gdn", "lm_head"))
+    assert "failed" in (out / "table.md").read_text() and not list(out.rglob("*.tmp"))
+    assert not list((out / "variants").glob(".*partial*"))  # no half-written splice left behind
+    assert {k: tree_digest(p[k]) for k in ("lowlatency", "base")} == before

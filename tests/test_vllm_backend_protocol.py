@@ -613,3 +613,33 @@ def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_ro
     assert compiled and set(compiled) <= {"attention", "gdn", "lm_head", "lowlatency"} and len(set(compiled)) == len(compiled)
     assert "each row compared with the build on its own GPU" in (tmp_path / "two" / "report.md").read_text()
 
+
+
+def test_a_base_the_engine_refuses_ends_ablate_in_one_line(pairs, fake_vllm, tmp_path, monkeypatch, capsys):
+    """vLLM refuses the base (as an H200 refused a DeepSeek-V3-layout base whose MLA head size no prefill backend
+    supports): `ablate` ends in the base pass with one line giving the engine's reason and the way out, exit 2, no
+    traceback (the engine's own output stays in its log), no results and no folder it created; inputs unchanged."""
+    from splicer.cli import main
+
+    from .conftest import tree_digest
+
+    orig = fake_vllm.VllmBackend.__init__
+    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, **dict(k, require_cuda=False)))
+    p = pairs["fused"]
+    plan = tmp_path / "p.toml"
+    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 32\nmax_chunks = 2\n'
+                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n')
+    before = {k: tree_digest(p[k]) for k in ("lowlatency", "base")}
+    why = "No valid attention backend found for cuda with head_size: 192 (fake)"
+    monkeypatch.setenv("FAKE_VLLM_FAIL_ON", str(p["base"]))
+    monkeypatch.setenv("FAKE_VLLM_FAIL_MESSAGE", why)
+    out = tmp_path / "out"
+    assert main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(out), "--plan", str(plan),
+                 "--backend", "vllm", "--no-time", "-q"]) == 2
+    got = capsys.readouterr()
+    assert "Traceback" not in got.err + got.out and got.out == ""
+    lines = got.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("splicer: error: the base pass could not start: vLLM could not load "), lines
+    assert f"ValueError: {why}" in lines[0] and "--backend torch" in lines[0]
+    assert not out.exists()  # the folder this run created is gone again, with no half-made base pass in it
+    assert {k: tree_digest(p[k]) for k in ("lowlatency", "base")} == before

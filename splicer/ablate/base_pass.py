@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..corpora import Corpus
+from ..errors import SplicerError
 from ..plan import Plan
 from .common import AblateSettings, _atomic_json, _batch_size, _digest, _pbar
 
@@ -68,7 +69,14 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
     cache.mkdir(parents=True)
     t0 = time.perf_counter()
     with stages.stage("base pass: engine start"):
-        backend.load(base_root)
+        try:
+            backend.load(base_root)
+        except (SplicerError, MemoryError):  # already one line (the CLI says what to do about memory)
+            shutil.rmtree(cache, ignore_errors=True)
+            raise
+        except Exception as e:  # the engine refuses the base (an unsupported layout, out of memory): nothing can be scored
+            shutil.rmtree(cache, ignore_errors=True)
+            raise SplicerError(_base_refused(e, backend.name)) from None
     load_s = time.perf_counter() - t0
     engine_info = backend.load_info() or None
     unk = tok.unk_token_id
@@ -105,6 +113,18 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
     (cache / "corpora.json").write_text(json.dumps([c.to_json() for c in corpora]))
     _atomic_json(done, {"timings": timings, "backend": backend.describe(), "engine": engine_info})
     return corpora
+
+
+def _base_refused(e: Exception, backend: str) -> str:
+    """The one line for a base the backend cannot load: the engine's own reason (the first line of its error; the
+    engine's log tail follows it there) and what to do, since every row is scored against the base."""
+    reason = (str(e).strip().splitlines() or [""])[0]
+    if not isinstance(e, RuntimeError) or not reason:  # the engines' RuntimeErrors say what failed; others need their kind
+        reason = f"{e.__class__.__name__}: {reason}".rstrip(": ")
+    reason = reason if len(reason) <= 400 else reason[:397] + "..."
+    other = "torch" if backend == "vllm" else "vllm"
+    return (f"the base pass could not start: {reason}; every row is scored against the base, so nothing was run: make "
+            f"{backend} able to load it (another version or engine settings) or use --backend {other}")
 
 
 def _vocab_size(folder: Path) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,9 +40,22 @@ class AblateSettings:
 
 
 def _atomic_json(path: Path, data) -> None:
+    _atomic_text(path, json.dumps(data, indent=2, default=_jsonable) + "\n")
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    """Write path whole or not at all (beside it, then renamed; UTF-8 whatever the locale); a full disk or a read-only
+    folder is one line (outputs.write_error), with no partial file left."""
+    from ..outputs import write_error
+
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise (write_error(e, path.parent) or e) from None
 
 
 def _jsonable(o):

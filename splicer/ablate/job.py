@@ -57,6 +57,19 @@ def prepare_corpora(base_root: Path, plan: Plan, settings: AblateSettings):
     return tok, [build_corpus(s, tok, context, Path.cwd()) for s in specs]
 
 
+def input_source(source) -> str:
+    """An input as the job records it: a local folder by its real path, so that the same folder named from another
+    folder, absolutely or through a link is the same input (and `budget --verify` finds it from anywhere); a Hub id as
+    given."""
+    p = Path(str(source)).expanduser()
+    return str(p.resolve()) if p.exists() else str(source)
+
+
+def _row_definition(definition: dict) -> dict:
+    """A row's definition with the checkpoint a `checkpoint` row scores named as input_source names it."""
+    return dict(definition, checkpoint=input_source(definition["checkpoint"])) if definition.get("checkpoint") else definition
+
+
 def make_job(plan: Plan, corpora: list[Corpus], build_src: str, build, base_src: str, base_digest: str,
              settings: AblateSettings) -> dict:
     """What a results folder was made from (DIR/job.json): finished rows are kept on a rerun only under the same job.
@@ -64,15 +77,16 @@ def make_job(plan: Plan, corpora: list[Corpus], build_src: str, build, base_src:
     The tokenized corpora belong to it: rows scored on other positions (a corpus file edited, a new chat set) would
     otherwise be paired with the new ones."""
     return {"tool": f"splicer {__version__}", "plan": plan.name, "plan_digest": plan.digest,
-            "plan_settings_digest": plan.settings_digest, "rows": {r.name: r.definition() for r in plan.rows},
+            "plan_settings_digest": plan.settings_digest, "rows": {r.name: _row_definition(r.definition()) for r in plan.rows},
             "corpora_digest": _digest([c.digest() for c in corpora]),
-            "build": {"source": str(build_src), "header_digest": build.header_digest()},
-            "base": {"source": str(base_src), "digest": base_digest},
+            "build": {"source": input_source(build_src), "header_digest": build.header_digest()},
+            "base": {"source": input_source(base_src), "digest": base_digest},
             "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
                          "engine_args": settings.engine_args, **({"engine_env": settings.engine_env} if settings.engine_env else {}),
                          "allow_quantized_base": settings.allow_quantized_base,
                          "overlap_starts": settings.overlap_starts, "rewake_before_timing": settings.rewake_before_timing,
-                         "time_decode": settings.time_decode, "corpus_overrides": settings.corpus_overrides,
+                         "time_decode": settings.time_decode,
+                         "corpus_overrides": {k: input_source(v) for k, v in settings.corpus_overrides.items()},
                          # Rows spread over GPUs are named and compared per GPU: another spread is another job.
                          **({"gpus": list(settings.gpus)} if settings.gpus else {})}}
 
@@ -117,22 +131,62 @@ def host_info() -> dict:
 ROW_KEYS_OF_JOB = ("plan", "plan_digest", "rows")  # what may differ between two runs of one job: the plan's rows
 
 
+def _canonical(job: dict) -> dict:
+    """The job with its inputs named as input_source names them, so that a job.json written before sources were
+    recorded by their real paths (or from the same folder with another spelling) compares by what the inputs are."""
+    out = dict(job)
+    for role in ("build", "base"):
+        if isinstance(out.get(role), dict) and out[role].get("source") is not None:
+            out[role] = dict(out[role], source=input_source(out[role]["source"]))
+    settings = out.get("settings")
+    if isinstance(settings, dict) and isinstance(settings.get("corpus_overrides"), dict):
+        out["settings"] = dict(settings, corpus_overrides={k: input_source(v) for k, v in settings["corpus_overrides"].items()})
+    return out
+
+
 def same_measurements(a: dict | None, b: dict | None) -> bool:
     """Whether two jobs measure alike (inputs, corpora, plan settings, backend settings, splicer's version), so that
     a row finished under one is a result of the other when the row itself is unchanged; a job written before rows
     were recorded one by one never is."""
     if not isinstance(a, dict) or not isinstance(b, dict) or "rows" not in a or "rows" not in b:
         return False
+    a, b = _canonical(a), _canonical(b)
     return ({k: v for k, v in a.items() if k not in ROW_KEYS_OF_JOB} == {k: v for k, v in b.items() if k not in ROW_KEYS_OF_JOB})
 
 
+def _shown(value) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def job_differences(a: dict, b: dict) -> list[str]:
-    """The top-level fields (and settings) in which two jobs differ, for a message."""
-    keys = sorted((set(a) | set(b)) - set(ROW_KEYS_OF_JOB))
-    out = [k for k in keys if k != "settings" and a.get(k) != b.get(k)]
-    sa, sb = a.get("settings") or {}, b.get("settings") or {}
-    out += [f"settings.{k}" for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k)]
+    """How two jobs differ, field by field ("settings.batch_size: null -> 2"), for a message: nested objects (the
+    inputs, the settings) are compared one level down, so the line names the field that changed."""
+    a, b = _canonical(a), _canonical(b)
+    out = []
+    for k in sorted((set(a) | set(b)) - set(ROW_KEYS_OF_JOB)):
+        old, new = a.get(k), b.get(k)
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += [f"{k}.{f}: {_shown(old.get(f))} -> {_shown(new.get(f))}" for f in sorted(set(old) | set(new))
+                    if old.get(f) != new.get(f)]
+        else:
+            out.append(f"{k}: {_shown(old)} -> {_shown(new)}")
     return out
+
+
+def _same_inputs(a: dict | None, b: dict) -> bool:
+    """Whether two jobs splice the same build from the same base (splices made for one serve the other)."""
+    a, b = _canonical(a or {}), _canonical(b)
+    return (a.get("build"), a.get("base")) == (b.get("build"), b.get("base"))
+
+
+def _notice(stages, text: str) -> None:
+    """A line the user must see whatever the output (work about to be redone): stderr, even on a terminal where stage
+    lines are left to the progress bars, and the run's log."""
+    stages.line(text, log_only=True)
+    print(f"splicer: {text}", file=sys.stderr, flush=True)
 
 
 def write_job(out: Path, job: dict, stages, extend_only: bool = False) -> tuple[dict[str, dict], list[dict]]:
@@ -145,20 +199,22 @@ def write_job(out: Path, job: dict, stages, extend_only: bool = False) -> tuple[
     before = (previous or {}).get("job")
     alike = same_measurements(before, job)
     if extend_only and not alike:
-        what = ", ".join(job_differences(before, job)) if isinstance(before, dict) else "no earlier job"
+        what = "; ".join(job_differences(before, job)) if isinstance(before, dict) else "no earlier job"
         raise SplicerError(f"{out} was measured under another job ({what or 'written by an older splicer'}); rows added "
                            "to it would not be comparable: run the plan again into a new folder")
-    if previous and ((before or {}).get("build"), (before or {}).get("base")) != (job["build"], job["base"]):
+    if previous and not _same_inputs(before if isinstance(before, dict) else None, job):
         shutil.rmtree(out / "variants", ignore_errors=True)  # another build or base: every splice is stale
     _atomic_json(out / "job.json", job)
     if not alike:
         if previous and previous.get("variants"):
-            stages.line("the job differs from the one in DIR (inputs, corpora, the plan's settings or run settings such as "
-                        "--gpus): its finished rows are run again")
+            what = "; ".join(job_differences(before, job)) if isinstance(before, dict) else "no job recorded"
+            _notice(stages, f"the job differs from the one in {out} ({what or 'written by an older splicer'}): its "
+                            "finished rows are run again")
         return {}, []
+    was = {name: _row_definition(d) if isinstance(d, dict) else d for name, d in (before.get("rows") or {}).items()}
     kept = {v["name"]: v for v in previous.get("variants", []) if v.get("status") == "ok"
-            and v["name"] in job["rows"] and before["rows"].get(v["name"]) == job["rows"][v["name"]]}
+            and v["name"] in job["rows"] and was.get(v["name"]) == job["rows"][v["name"]]}
     changed = [v["name"] for v in previous.get("variants", []) if v.get("status") == "ok" and v["name"] not in kept]
     if changed:
-        stages.line(f"rows changed or no longer in the plan, not kept: {', '.join(changed)}")
+        _notice(stages, f"rows changed or no longer in the plan, not kept: {', '.join(changed)}")
     return kept, previous.get("runs", [])

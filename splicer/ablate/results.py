@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..corpora import Corpus
 from ..plan import Plan
-from .common import RESULTS, AblateSettings, _atomic_json
+from .common import RESULTS, AblateSettings, _atomic_json, _atomic_text
 from .job import _from_cli, host_info
 from .scores import noise_floor
 
@@ -56,9 +56,9 @@ def _finish(results: dict, out: Path, backends, reps: int = 2000) -> None:
     results["time_breakdown"] = time_breakdown(results)
     attach(results, out, reps)
     _atomic_json(out / RESULTS, results)
-    (out / "table.md").write_text(render_markdown(results) + "\n")
+    _atomic_text(out / "table.md", render_markdown(results) + "\n")
     if (out / "plot-kl.png").exists():  # `splicer plot DIR` made one: keep the table's link to it
         from ..plot import link
 
         link(out)
-    (out / "report.md").write_text(render_report(results))
+    _atomic_text(out / "report.md", render_report(results))

@@ -114,7 +114,9 @@ class LLM:
             # vLLM 0.26's DummyModelLoader.__init__ refuses any extra loader config (dummy_loader.py)
             raise ValueError("Model loader extra config is not supported for load format dummy (fake)")
         if os.environ.get("FAKE_VLLM_FAIL_ON") and os.environ["FAKE_VLLM_FAIL_ON"] in model:
-            raise ValueError("Found a different quantization schemes for ['in_proj_qkv', 'in_proj_z'] (fake)")
+            # FAKE_VLLM_FAIL_MESSAGE: another refusal (e.g. an attention layout no prefill backend supports)
+            raise ValueError(os.environ.get("FAKE_VLLM_FAIL_MESSAGE")
+                             or "Found a different quantization schemes for ['in_proj_qkv', 'in_proj_z'] (fake)")
         if os.environ.get("FAKE_VLLM_ECHO"):  # lets a test see which environment an engine process was given
             print(f"fake vllm engine for {os.path.basename(model)}: FAKE_VLLM_ECHO={os.environ['FAKE_VLLM_ECHO']}", flush=True)
         global _SLEEP_MODE_ENGINES
