@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .budget import finite_number
 from .errors import SplicerError
+from .outputs import write_file
 from .table import load_results
 
 PLOT_STEM = "plot-kl"
@@ -58,13 +59,14 @@ def _pair(x) -> bool:
 
 
 def _drawable(e) -> bool:
-    """A budget.json point the plot can draw (budget writes them so; a hand edit may not): KL per corpus as numbers,
-    intervals as number pairs, costs as numbers or absent."""
+    """A budget.json point the plot can draw (budget writes them so; a hand edit or an older splicer may not): KL per
+    corpus as numbers 0 or more, intervals as number pairs, costs as numbers 0 or more or absent."""
     if not isinstance(e, dict) or not isinstance(e.get("kl_by_corpus"), dict) or not all(finite_number(v) for v in e["kl_by_corpus"].values()):
         return False
     cis = e.get("kl_ci_by_corpus") or {}
     return (isinstance(cis, dict) and all(_pair(v) for v in cis.values() if v is not None)
-            and all(e.get(k) is None or finite_number(e[k]) for k in ("decode", "size_gb"))
+            and all(e.get(k) is None or (finite_number(e[k]) and e[k] >= 0) for k in ("decode", "size_gb"))
+            and all(v >= 0 for v in e["kl_by_corpus"].values())
             and (e.get("decode_ci") is None or _pair(e["decode_ci"])))
 
 
@@ -115,7 +117,8 @@ def write_plot(folder: str | Path) -> list[Path]:
             for p in pts:
                 m = p["metrics"][corpus]
                 x, y = p[key], m["kl"]
-                lo, hi = m.get("kl_ci") or (y, y)
+                lo, hi = m.get("kl_ci") or (y, y)  # bars from the point: an interval that misses it draws no negative bar
+                lo, hi = min(lo, y), max(hi, y)
                 xerr = None
                 if key == "decode" and p["decode_iqr"]:
                     xerr = [[x - p["decode_iqr"][0]], [p["decode_iqr"][1] - x]]
@@ -142,14 +145,11 @@ def write_plot(folder: str | Path) -> list[Path]:
                  family="monospace")
     bottom = 0.18 * (len(numbered) + 1) / (4.4 * len(axes_x) + 0.18 * len(numbered)) if numbered else 0
     fig.tight_layout(rect=(0, bottom, 1, 1))
-    written = []
-    for ext in ("png", "svg"):
-        out = folder / f"{PLOT_STEM}.{ext}"
-        tmp = folder / f".{PLOT_STEM}.partial.{ext}"
-        fig.savefig(tmp, dpi=120, format=ext)
-        tmp.replace(out)
-        written.append(out)
-    plt.close(fig)
+    try:
+        written = [write_file(folder / f"{PLOT_STEM}.{ext}", lambda tmp, ext=ext: fig.savefig(tmp, dpi=120, format=ext))
+                   for ext in ("png", "svg")]
+    finally:
+        plt.close(fig)
     if link(folder):
         written.append(folder / "table.md")
     return written
@@ -189,5 +189,6 @@ def link(folder: Path) -> bool:
     png, results = folder / f"{PLOT_STEM}.png", folder / "results.json"
     stale = png.exists() and results.exists() and png.stat().st_mtime_ns < results.stat().st_mtime_ns
     note = " It was drawn before the last rows finished: run `splicer plot DIR` again." if stale else ""
-    table.write_text(f"{text}\n\n{LINK_LINE}: [{PLOT_STEM}.png]({PLOT_STEM}.png) ([SVG]({PLOT_STEM}.svg)).{note}\n")
+    line = f"{text}\n\n{LINK_LINE}: [{PLOT_STEM}.png]({PLOT_STEM}.png) ([SVG]({PLOT_STEM}.svg)).{note}\n"
+    write_file(table, lambda tmp: tmp.write_text(line, encoding="utf-8"))
     return True
