@@ -16,7 +16,7 @@ from pathlib import Path
 from .budget import finite_number
 from .errors import SplicerError
 from .outputs import write_file
-from .table import load_results
+from .table import UNUSABLE, load_results
 
 PLOT_STEM = "plot-kl"
 LABEL_CHARS = 24  # longer names are numbered on the plot and spelled out in a key
@@ -27,6 +27,8 @@ def _points(results: dict) -> list[dict]:
     out = []
     for v in results.get("variants", []):
         if not isinstance(v, dict) or v.get("status") != "ok" or not isinstance(v.get("metrics"), dict) or v.get("repeat_of"):
+            continue
+        if v.get(UNUSABLE):  # a NaN measurement: no point to draw (write_plot names it)
             continue  # a repeat is the same variant measured again: its spread is in the table, not a point of its own
         metrics = {c: m for c, m in v["metrics"].items() if isinstance(m, dict) and isinstance(m.get("kl"), (int, float))}
         if not metrics:
@@ -82,8 +84,9 @@ def pareto(items: list, x=lambda p: p[0], y=lambda p: p[1]) -> list:
     return front
 
 
-def write_plot(folder: str | Path) -> list[Path]:
-    """Write DIR/plot-kl.png and .svg and link them from DIR/table.md; returns the files written."""
+def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
+    """Write DIR/plot-kl.png and .svg and link them from DIR/table.md; returns the files written, and the rows left
+    out because a measurement is not a number (`row (why)`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,7 +155,8 @@ def write_plot(folder: str | Path) -> list[Path]:
         plt.close(fig)
     if link(folder):
         written.append(folder / "table.md")
-    return written
+    left_out = [f"{v['name']} ({v[UNUSABLE]})" for v in results["variants"] if v.get("status") == "ok" and v.get(UNUSABLE)]
+    return written, left_out
 
 
 def _draw_predicted(ax, key: str, corpus: str, front: list[dict], verified: list[dict], by_row: dict,

@@ -49,7 +49,7 @@ def _one_line(capsys) -> str:
 ROWS = [_v("build", [], 1.0, 10e9), _v("g0", ["gdn@0"], 0.8, 11e9), _v("a", ["attention"], 0.7, 12e9)]
 
 
-def test_a_nan_kl_row_is_left_out_said_and_budget_json_stays_json(tmp_path, capsys):
+def test_a_nan_kl_row_is_left_out_said_by_budget_and_plot_and_budget_json_stays_json(tmp_path, capsys):
     folder = _folder(tmp_path, *ROWS, _v("g1", ["gdn@1"], float("nan"), 11e9))
     digest = tree_digest(folder)
     assert main(["budget", str(folder)]) == 0
@@ -57,7 +57,9 @@ def test_a_nan_kl_row_is_left_out_said_and_budget_json_stays_json(tmp_path, caps
     assert "Left out (a measurement is not a number): row g1 (KL on wiki-en is nan)" in out
     record = _strict(folder / "budget.json")
     assert [a["entry"] for a in record["model"]["atoms"]] == ["gdn@0", "attention"]
-    assert (folder / "results.json").read_bytes() and tree_digest(folder)["results.json"] == digest["results.json"]
+    assert main(["plot", str(folder)]) == 0
+    assert "left out, a measurement not a number: g1 (KL on wiki-en is nan)" in capsys.readouterr().out
+    assert tree_digest(folder)["results.json"] == digest["results.json"]
 
 
 def _results_dir_is_a_folder(tmp_path):

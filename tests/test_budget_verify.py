@@ -386,3 +386,22 @@ def test_verify_on_a_full_disk_or_read_only_folder_is_one_line_and_writes_nothin
     assert ("no space left" in err) if code == errno.ENOSPC else ("copy the folder somewhere writable" in err)
     assert tree_digest(folder) == digest and sorted(p.name for p in folder.iterdir()) == sorted(
         p.name for p in measured["dir"].iterdir())
+
+
+def test_a_verify_that_ablate_refuses_leaves_dir_as_it_was(measured, tmp_path, capsys):
+    """Item 2's second half: a refusal met only once ablate compares DIR's job (here DIR was measured by another
+    splicer version) puts back the plan and the predictions --verify had written, so nothing is left pending."""
+    folder = _copy(measured, tmp_path)
+    for name in ("results.json", "job.json"):
+        data = json.loads((folder / name).read_text())
+        (data["job"] if name == "results.json" else data)["tool"] = "splicer 0.0.1"
+        (folder / name).write_text(json.dumps(data, indent=1))
+    digest = tree_digest(folder)
+    capsys.readouterr()
+    assert main(["budget", str(folder), "--verify", "1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "was measured under another job (tool)" in err and len(err.strip().splitlines()) == 1, err
+    after = tree_digest(folder)
+    # ablate's log records the attempt (a log, appended to by every run); everything else is as it was
+    assert {k: v for k, v in after.items() if k != "ablate.log"} == {k: v for k, v in digest.items() if k != "ablate.log"}
+    assert not (folder / "budget-plan.toml").exists() and not (folder / "budget.json").exists()
