@@ -100,6 +100,7 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
     if not points or not corpora:
         raise SplicerError(f"{folder}/results.json has no scored variant yet; run the rows first")
     timed = [p for p in points if p["decode"] is not None]
+    cut = []  # bars whose lower end was below 0 and is drawn at 0
     predicted, verified, cost = _predicted(folder)
     by_row = {p["name"]: p for p in points}
     axes_x = ([("decode", "decode ms/token (batch 1)")] if timed else []) + [("size_gb", "size on disk, GB")]
@@ -120,15 +121,11 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
             for p in pts:
                 m = p["metrics"][corpus]
                 x, y = p[key], m["kl"]
-                lo, hi = m.get("kl_ci") or (y, y)  # bars from the point: an interval that misses it draws no negative bar
-                lo, hi = min(lo, y), max(hi, y)
-                xerr = None
-                if key == "decode" and p["decode_iqr"]:
-                    xerr = [[x - p["decode_iqr"][0]], [p["decode_iqr"][1] - x]]
-                ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], xerr=xerr, fmt="o", ms=6, capsize=2, lw=0.8,
+                xerr = _bar(x, p["decode_iqr"], cut) if key == "decode" else None
+                ax.errorbar([x], [y], yerr=_bar(y, m.get("kl_ci"), cut), xerr=xerr, fmt="o", ms=6, capsize=2, lw=0.8,
                             color="C0")
                 ax.annotate(labels[p["name"]], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-            _draw_predicted(ax, key, corpus, predicted, verified, by_row, front_line=key == cost)
+            _draw_predicted(ax, key, corpus, predicted, verified, by_row, key == cost, cut)
             front = pareto([(p[key], p["metrics"][corpus]["kl"], p["name"]) for p in pts])
             if len(front) > 1:
                 ax.step([f[0] for f in front], [f[1] for f in front], where="post", color="C3", lw=1, label="Pareto front (measured)")
@@ -142,7 +139,9 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
             ax.grid(alpha=0.3)
     build = ((results.get("inputs") or {}).get("build") or {}).get("source", "")
     fig.suptitle(f"{Path(str(build)).name or folder.name}: every variant against the base\n(bars: KL 95 % interval"
-                 + ("; decode: IQR of timing runs)" if timed else "; decode not timed in this run)"), fontsize=9)
+                 + ("; decode: IQR of timing runs" if timed else "; decode not timed in this run")
+                 + ("; bars cut at 0: a timing run's estimate or an interval reached below 0, as on a loaded machine)"
+                    if cut else ")"), fontsize=9)
     if numbered:
         fig.text(0.01, 0.005, "\n".join(f"[{i}] {name}" for i, name in enumerate(numbered, 1)), fontsize=7, va="bottom",
                  family="monospace")
@@ -159,8 +158,20 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
     return written, left_out
 
 
+def _bar(x: float, span, cut: list) -> list | None:
+    """Matplotlib's error bar of a point x from an interval or IQR `span` (None: no bar): drawn from the point, never
+    below 0 (neither KL nor a time is negative: a bar reaching below 0 is cut there and noted in `cut`), and an
+    interval that misses its point draws no negative length."""
+    if not _pair(span):
+        return None
+    if span[0] < 0:
+        cut.append(span)
+    lo, hi = min(max(span[0], 0.0), x), max(span[1], x)
+    return [[x - lo], [hi - x]]
+
+
 def _draw_predicted(ax, key: str, corpus: str, front: list[dict], verified: list[dict], by_row: dict,
-                    front_line: bool) -> None:
+                    front_line: bool, cut: list) -> None:
     """The budget's predicted front (hollow squares with their KL and decode intervals, joined by a dashed line on the
     panels of the cost it was searched against) and a line from each verified prediction to its measured row."""
     pts = [(e[key], e["kl_by_corpus"][corpus], e) for e in front if e.get(key) is not None and corpus in e["kl_by_corpus"]]
@@ -170,9 +181,8 @@ def _draw_predicted(ax, key: str, corpus: str, front: list[dict], verified: list
                 marker="s", ms=5, mfc="none",
                 label="predicted front (budget)" if front_line else "predicted front points (budget)")
         for x, y, e in pts:
-            xerr = [[x - e["decode_ci"][0]], [e["decode_ci"][1] - x]] if key == "decode" and e.get("decode_ci") else None
-            ci = (e.get("kl_ci_by_corpus") or {}).get(corpus)
-            yerr = [[y - ci[0]], [ci[1] - y]] if ci else None
+            xerr = _bar(x, e.get("decode_ci"), cut) if key == "decode" else None
+            yerr = _bar(y, (e.get("kl_ci_by_corpus") or {}).get(corpus), cut)
             ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="s", ms=5, mfc="none", color="C1", capsize=2, lw=0.6)
     for e in verified:
         row = by_row.get(e.get("row"))

@@ -276,3 +276,24 @@ def test_verify_runs_on_the_demo_folder_whose_inputs_live_inside_it(tmp_path, ca
     row = {v["name"]: v for v in json.loads((folder / "results.json").read_text())["variants"]}[entry["row"]]
     assert row["status"] == "ok" and math.isclose(entry["measured"]["kl"], row["metrics"]["wiki-en"]["kl"])
     assert "Verified" in out and tree_digest(folder / "demo-pair") == pair
+
+
+def test_plot_cuts_bars_below_zero_ms_and_says_so(tmp_path, capsys, monkeypatch):
+    """Item 6: on a loaded machine a row's timing runs (their IQR) reach -30,000 ms/token; the decode axis no longer
+    runs there without a word: the bar stops at 0 and the title says why."""
+    from matplotlib.figure import Figure
+
+    timed = _v("g0", ["gdn@0"], 0.8, 11e9, 12.0)
+    timed["timing"] = {"decode_ms_per_token": 12.0, "decode_iqr": [-30000.0, 20.0], "per_run_ms": [12.0, 12.0]}
+    folder = _folder(tmp_path, _v("build", [], 1.0, 10e9, 10.0), timed)
+    seen = []
+    real_savefig = Figure.savefig
+
+    def recording_savefig(self, *args, **kwargs):
+        seen.append(([ax.get_xlim() for ax in self.axes], self._suptitle.get_text()))
+        return real_savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    assert main(["plot", str(folder)]) == 0
+    limits, title = seen[0]
+    assert limits[0][0] > -5 and "bars cut at 0" in title  # the first panel is decode against KL
