@@ -307,7 +307,9 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     pending = [_prediction_json(p, model) for p in chosen]
     record = {"corpus": corpus, "cost": cost, "limits": limits, "model": model.to_json(),
               "front": [_prediction_json(p, model) for p in best],
-              "verified": [e for e in earlier if e.get("row") not in {p["row"] for p in pending}] + pending}
+              # a new prediction replaces an earlier one of its row, and one of its restore whose row went missing
+              "verified": [e for e in earlier if e["row"] not in {p["row"] for p in pending}
+                           and not (e.get("missing") and _entries(e) in [p["entries"] for p in pending])] + pending}
     from .outputs import write_json
 
     if verify:

@@ -323,6 +323,17 @@ def test_a_same_named_row_defined_otherwise_is_not_taken_as_the_measurement(meas
     assert measured_kl > 0.01 and entry["measured"]["kl"] == pytest.approx(measured_kl, abs=1e-12)
     assert json.loads((folder / "job.json").read_text())["rows"][f"{row}-2"] == {"restore": want["entries"]}
     assert f"{row}-2" in out and "KL measured" in out
+    # A budget.json that took the base row as this point's measurement (as splicer 466b7d5 did) is read as no
+    # measurement: the entry is listed as measured by a row that restores something else.
+    record = _budget(folder)
+    record["verified"].append(dict(entry, row=row))
+    (folder / "budget.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(["budget", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert f"the row {row} in this folder's results restores something else (base)" in out
+    stale = [e for e in _budget(folder)["verified"] if e["row"] == row]
+    assert stale and "measured" not in stale[0] and "error_kl" not in stale[0]
 
 
 def test_a_verification_stopped_before_its_row_finished_is_resumed_under_other_limits(measured, tmp_path, capsys,
