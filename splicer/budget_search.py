@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .budget import (Additivity, Model, PositionScores, Prediction, _decode, _kl, _pooled_or, engine_half_width,
+from .budget import (Additivity, Model, PositionScores, Prediction, _decode, _kl, _parse, _pooled_or, engine_half_width,
                      finite_number, fit, front, intervals, pick_verify, predictions)
 from .errors import SplicerError
 
@@ -82,17 +82,42 @@ STRIPPED = ("measured", "error_kl", "error_decode")  # what a verification adds 
 
 
 def _entries(e: dict) -> list[str]:
-    """The restore a stored prediction's row was added with (its atoms, for an entry written without them)."""
+    """The restore a stored prediction's row was added with (for an entry written before they were stored: its atoms
+    in one spelling, as Prediction.entries writes them)."""
+    from .selection import canonical_entries
+
     entries = e.get("entries")
-    return entries if isinstance(entries, list) and entries and all(isinstance(x, str) for x in entries) else e["atoms"]
+    if isinstance(entries, list) and entries and all(isinstance(x, str) for x in entries):
+        return entries
+    try:
+        return canonical_entries(e["atoms"], "budget.json")
+    except SplicerError:
+        return e["atoms"]
+
+
+def _restore_key(results: dict, entries) -> frozenset | None:
+    """What a restore restores, spelling aside (`gdn` and `gdn@0-39`, or two groups and their union, are one restore):
+    its (class, layer) pairs, (class, None) for a class without layers; None when it is not a list of entries (the
+    base, a checkpoint row)."""
+    if not isinstance(entries, list) or not all(isinstance(x, str) for x in entries):
+        return None
+    class_layers = results.get("class_layers") or {}
+    out = set()
+    try:
+        for entry in entries:
+            cls, layers = _parse(entry)
+            layers = layers if layers is not None else class_layers.get(cls)
+            out |= {(cls, None)} if layers is None else {(cls, n) for n in layers}
+    except SplicerError:
+        return None
+    return frozenset(out)
 
 
 def _restores(results: dict, row: dict, e: dict) -> bool:
     """Whether the results' row of a stored prediction's name restores that prediction's entries: a row of that name
     defined otherwise (the base, another restore) is not its measurement."""
-    defined = ((results.get("job") or {}).get("rows") or {}).get(row["name"])
-    restored = row.get("restored")
-    return defined == {"restore": _entries(e)} or (isinstance(restored, list) and set(restored) == set(_entries(e)))
+    key = _restore_key(results, row.get("restored"))
+    return key is not None and key == _restore_key(results, _entries(e))
 
 
 def _name_rows(chosen: list[Prediction], results: dict, earlier: list[dict]) -> None:
@@ -102,10 +127,12 @@ def _name_rows(chosen: list[Prediction], results: dict, earlier: list[dict]) -> 
     rows = (results.get("job") or {}).get("rows") or {}
     taken = set(rows) | {v.get("name") for v in results.get("variants", [])}
     for p in chosen:
-        others = taken | {e["row"] for e in earlier if _entries(e) != p.entries}
+        mine = _restore_key(results, p.entries)
+        others = taken | {e["row"] for e in earlier if _restore_key(results, _entries(e)) != mine}
         stem = name = p.row_name
         k = 2
-        while name in others and rows.get(name) != {"restore": p.entries}:
+        while name in others and not (isinstance(rows.get(name), dict) and set(rows[name]) == {"restore"}
+                                       and _restore_key(results, rows[name]["restore"]) == mine):
             name, k = f"{stem}-{k}", k + 1
         p.name = name
         taken.add(name)
@@ -309,7 +336,8 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
               "front": [_prediction_json(p, model) for p in best],
               # a new prediction replaces an earlier one of its row, and one of its restore whose row went missing
               "verified": [e for e in earlier if e["row"] not in {p["row"] for p in pending}
-                           and not (e.get("missing") and _entries(e) in [p["entries"] for p in pending])] + pending}
+                           and not (e.get("missing") and _restore_key(results, _entries(e))
+                                    in [_restore_key(results, p["entries"]) for p in pending])] + pending}
     from .outputs import write_json
 
     if verify:

@@ -297,3 +297,25 @@ def test_plot_cuts_bars_below_zero_ms_and_says_so(tmp_path, capsys, monkeypatch)
     assert main(["plot", str(folder)]) == 0
     limits, title = seen[0]
     assert limits[0][0] > -5 and "bars cut at 0" in title  # the first panel is decode against KL
+
+
+def test_verified_rows_are_matched_by_what_they_restore_not_by_spelling(tmp_path, capsys):
+    """The definition check of item 1 on a real folder (results/budget-h200, written before budget.json stored each
+    point's entries): a prediction's atoms (three GDN groups) and its row's restore (their union, one entry) are one
+    restore, so the three verified rows still count as their measurements."""
+    import shutil
+
+    folder = tmp_path / "budget-h200"
+    shutil.copytree(Path(__file__).parent.parent / "results" / "budget-h200", folder,
+                    ignore=shutil.ignore_patterns("logs.tgz", "*.png", "*.svg", "reanalysis", "before-verify"))
+    results = json.loads((folder / "results.json").read_text())
+    assert not any("entries" in e for e in json.loads((folder / "budget.json").read_text())["verified"])
+    assert main(["budget", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "restores something else" not in out and "Verified (spliced and measured" in out
+    verified = json.loads((folder / "budget.json").read_text())["verified"]
+    kl = {v["name"]: v["metrics"] for v in results["variants"]}
+    assert len(verified) == 3 and all("measured" in e for e in verified)
+    assert all(e["measured"]["kl"] == pytest.approx(sum(m["kl"] * m["positions"] for m in kl[e["row"]].values())
+                                                    / sum(m["positions"] for m in kl[e["row"]].values()), rel=1e-9)
+               for e in verified)
