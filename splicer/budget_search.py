@@ -6,6 +6,12 @@ degree of freedom), runs them with DIR's own inputs and settings (`splicer ablat
 and prints each point's prediction (made before it ran) against its measurement, the difference with its interval:
 KL paired position by position, decode with both sides' engine spread. DIR/budget.json holds the search, the
 predictions and the verification; `splicer plot DIR` draws the predicted front hollow.
+
+A point's row is named after its restore unless DIR already has a row of that name defined otherwise (then `-2`, ...),
+and a row counts as a prediction's measurement only when it restores the prediction's entries. A prediction stored
+and not measured (its row failed, or the run was stopped, even before the row reached DIR's job) is finished by the
+next --verify before anything new is chosen. Every refusal comes before budget writes anything, or (ablate's, made
+once it compares DIR's job) puts back what it wrote; plain `budget DIR` answers on a folder it cannot write.
 """
 
 from __future__ import annotations
