@@ -182,7 +182,8 @@ class Model:
                 "decode_ratio": 1.0 if self.timed else None, "engine_sd_ms": self.engine_sd_ms, "engine_df": self.engine_df,
                 "atoms": [{"entry": a.entry, "row": a.row, "d_kl": a.d_kl, "d_size_bytes": a.d_size, "d_decode_ms": a.d_decode,
                            "engines": a.engines} for a in self.atoms],
-                "checks": self.checks, "decode_checks": self.decode_checks}
+                "checks": self.checks, "decode_checks": self.decode_checks,
+                "left_out": [{"row": n, "why": why} for n, why in self.left_out], "unphysical_decode": self.unphysical_decode}
 
 
 def finite_number(x) -> bool:
