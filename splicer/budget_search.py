@@ -85,6 +85,7 @@ def _valid_entry(e) -> bool:
 
 
 STRIPPED = ("measured", "error_kl", "error_decode")  # what a verification adds to a stored prediction
+DROPPED = "its row is no longer in this folder's results (a rerun of another plan dropped it)"
 
 
 def _entries(e: dict) -> list[str]:
@@ -161,7 +162,7 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
         return out
     if row is None:
         if stored.get("measured") or stored.get("missing"):
-            out["missing"] = "its row is no longer in this folder's results (a rerun of another plan dropped it)"
+            out["missing"] = DROPPED
         return out
     by_entry = {a.entry: a for a in model.atoms}
     atoms = [by_entry.get(e) for e in stored["atoms"]]
@@ -471,10 +472,13 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     elif not verify:
         lines.append("Splice and measure the chosen points with --verify N (rows added to this folder's job), or splice "
                      "one with `splicer splice --restore ENTRIES BUILD BASE -o OUT`.")
-    gone = [v for v in record["verified"] if v.get("missing")]
+    gone = [v for v in record["verified"] if v.get("missing") == DROPPED]
     if gone:
-        lines.append("Verified earlier, but " + gone[0]["missing"] + ": " + ", ".join(v["row"] for v in gone)
+        lines.append("Verified earlier, but " + DROPPED + ": " + ", ".join(v["row"] for v in gone)
                      + "; rerun DIR with DIR/budget-plan.toml to keep them, or --verify measures them again.")
+    for v in record["verified"]:
+        if v.get("missing") and v["missing"] != DROPPED:
+            lines.append(f"Not measured: {v['restore']} ({v['missing']}); --verify measures it under a free row name.")
     for name, why in failed:
         lines.append(f"Not measured: row {name} ({str(why).splitlines()[0][:200]}); see {folder / 'ablate.log'}, "
                      "and run the same --verify again to resume it.")
