@@ -416,3 +416,26 @@ def test_a_verify_that_ablate_refuses_leaves_dir_as_it_was(measured, tmp_path, c
     # ablate's log records the attempt (a log, appended to by every run); everything else is as it was
     assert {k: v for k, v in after.items() if k != "ablate.log"} == {k: v for k, v in digest.items() if k != "ablate.log"}
     assert not (folder / "budget-plan.toml").exists() and not (folder / "budget.json").exists()
+
+
+def test_verify_on_a_read_only_folder_names_the_folder_and_the_fix(measured, tmp_path, capsys, monkeypatch):
+    """On a truly read-only DIR the first write --verify makes is its lock beside the plan (simulated: root ignores
+    permission bits): one line naming it and the fix, not ablate's `-o` advice (no -o was given)."""
+    import os
+
+    folder = _copy(measured, tmp_path)
+    digest = tree_digest(folder)
+    real_open = os.open
+
+    def read_only_open(path, flags, *args, **kwargs):
+        if Path(path).parent == folder and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    capsys.readouterr()
+    assert main(["budget", str(folder), "--verify", "1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"cannot write {folder / '.budget-lock'} (Read-only file system)" in err
+    assert "copy the folder somewhere writable" in err and "writable -o" not in err
+    assert tree_digest(folder) == digest
