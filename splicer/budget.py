@@ -19,8 +19,13 @@ The model, from DIR/results.json (and DIR/scores/ for the intervals):
   * the model's own error: each multi-atom row predicted from the others (leave one out) against what it measured.
   * intervals: a prediction's KL interval is the stratified bootstrap over sequences of the prediction made position
     by position (the same positions for every row), the additivity held fixed; its decode interval comes from the
-    engine-to-engine spread of the run (Student's t, as the decode verdicts), the build's engines counted once per
-    atom. Neither carries the model's own error, which is stated beside them.
+    engine-to-engine spread of the run (Student's t, as the decode verdicts): a combination of k atoms is predicted as
+    build + sum(atom - build) = sum(atom) - (k-1) build, so the build's mean enters with coefficient k-1. Neither
+    carries the model's own error, which is stated beside them. KL and decode time are never negative: an interval's
+    lower end below 0 is raised to 0 (the true value lies in [0, inf), so this cannot lower coverage), and a predicted
+    KL below 0 (slopes that over-predict the reductions) is shown as 0, both said; when some combination's predicted
+    decode is at or below 0 ms/token, the atoms' decode changes are timing noise larger than the build's time (a
+    loaded machine) and the model predicts no decode at all, said, rather than a time no engine can reach.
 KL is pooled over corpora (position-weighted) unless --corpus names one. MTP entries are left out of the KL model:
 the drafter never runs in a scoring pass (as the table's additivity note does).
 
@@ -118,6 +123,8 @@ class Prediction:
     kl_by_corpus: dict = field(default_factory=dict)
     kl_ci_by_corpus: dict = field(default_factory=dict)
     class_layers: dict = field(default_factory=dict)  # to write a class restored in all its layers as the bare class
+    name: str | None = None  # the plan row --verify measures it with, when row_name clashes with another row of DIR
+    kl_floored: bool = False  # the model predicted a KL below 0, shown as 0
 
     @property
     def label(self) -> str:
@@ -137,9 +144,12 @@ class Prediction:
 
     @property
     def row_name(self) -> str:
-        """A plan row's name for this restore: `gdn.0-7+attention` (row names are plain: no @ or commas)."""
+        """A plan row's name for this restore: `gdn.0-7+attention` (row names are plain: no @ or commas), unless
+        --verify gave it another (`name`) because DIR already has a row of that name defined otherwise."""
         import hashlib
 
+        if self.name:
+            return self.name
         name = "+".join(e.replace("@", ".").replace(",", "_") for e in self.entries)
         return name if len(name) <= 100 else name[:90] + "-" + hashlib.sha256(name.encode()).hexdigest()[:8]
 
@@ -163,6 +173,8 @@ class Model:
     atom_kl_by_corpus: dict = field(default_factory=dict)  # atom entry -> corpus -> its KL
     decode_checks: list = field(default_factory=list)  # multi-atom rows: decode measured against its atoms' sum
     class_layers: dict = field(default_factory=dict)  # class -> the build's layers holding it quantized
+    left_out: list = field(default_factory=list)  # (row, why): rows whose measurements are not finite numbers
+    unphysical_decode: str | None = None  # why decode is not predicted although the rows were timed
 
     def to_json(self) -> dict:
         return {"corpus": self.corpus, "build_kl": self.build_kl, "build_size_bytes": self.build_size,
@@ -170,7 +182,8 @@ class Model:
                 "decode_ratio": 1.0 if self.timed else None, "engine_sd_ms": self.engine_sd_ms, "engine_df": self.engine_df,
                 "atoms": [{"entry": a.entry, "row": a.row, "d_kl": a.d_kl, "d_size_bytes": a.d_size, "d_decode_ms": a.d_decode,
                            "engines": a.engines} for a in self.atoms],
-                "checks": self.checks, "decode_checks": self.decode_checks}
+                "checks": self.checks, "decode_checks": self.decode_checks,
+                "left_out": [{"row": n, "why": why} for n, why in self.left_out], "unphysical_decode": self.unphysical_decode}
 
 
 def finite_number(x) -> bool:
@@ -237,15 +250,24 @@ def _engine_spread(results: dict) -> tuple[float | None, int]:
     decode verdicts estimated them (the same for every row of a run)."""
     for v in results.get("variants", []):
         d = v.get("decode_vs_build") if isinstance(v, dict) else None
-        if isinstance(d, dict) and d.get("engine_sd_ms") is not None and d.get("df"):
+        if isinstance(d, dict) and finite_number(d.get("engine_sd_ms")) and d["engine_sd_ms"] >= 0 \
+                and isinstance(d.get("df"), int) and not isinstance(d["df"], bool) and d["df"] >= 1:
             return d["engine_sd_ms"], d["df"]
     return None, 0
 
 
 def fit(results: dict, corpus: str | None = None) -> Model:
-    """The additive model of a results folder (see the module docstring)."""
+    """The additive model of a results folder (see the module docstring). Rows load_results marked unusable (a NaN
+    or infinite measurement) are left out, and listed in Model.left_out."""
+    from .table import UNUSABLE
+
     ok = [v for v in results.get("variants", []) if isinstance(v, dict) and v.get("status") == "ok"
           and isinstance(v.get("restored"), list) and not v.get("repeat_of")]
+    left_out = [(v["name"], v[UNUSABLE]) for v in ok if v.get(UNUSABLE)]
+    if any(v["restored"] == [] for v in ok if v.get(UNUSABLE)):
+        raise SplicerError(f"the build row {left_out[0][0]!r} has a measurement that is not a number ({left_out[0][1]}); "
+                           "every prediction is made from it: rerun the build row (splicer ablate on this folder)")
+    ok = [v for v in ok if not v.get(UNUSABLE)]
     build = next((v for v in ok if v["restored"] == []), None)
     if build is None or _kl(build, corpus) is None:
         known = sorted({c for v in ok for c in (v.get("metrics") or {})})
@@ -332,12 +354,20 @@ def fit(results: dict, corpus: str | None = None) -> Model:
     for v, parts in multi:
         measured.setdefault(frozenset(a.entry for a in parts), v)
     corpora = list(results.get("corpora") or {}) or sorted({c for v in ok for c in (v.get("metrics") or {})})
-    return Model(b_kl, b_size, b_dec, list(atoms.values()), additivity,
-                 timed, checks, measured, corpus,
-                 build["name"], b_engines, sd, df,
-                 {c: _kl(build, c) for c in corpora if _kl(build, c) is not None},
-                 {e: {c: _kl(singles[e], c) for c in corpora if _kl(singles[e], c) is not None} for e in atoms}, decode_checks,
-                 class_layers)
+    model = Model(b_kl, b_size, b_dec, list(atoms.values()), additivity,
+                  timed, checks, measured, corpus,
+                  build["name"], b_engines, sd, df,
+                  {c: _kl(build, c) for c in corpora if _kl(build, c) is not None},
+                  {e: {c: _kl(singles[e], c) for c in corpora if _kl(singles[e], c) is not None} for e in atoms}, decode_checks,
+                  class_layers, left_out)
+    if timed:
+        worst = min(predictions(model), key=lambda p: p.decode)
+        if worst.decode <= 0:  # no engine decodes in 0 ms: the atoms' decode changes are noise larger than the build's time
+            model.timed, model.decode_checks = False, []
+            model.unphysical_decode = (f"{worst.label} is predicted at {worst.decode:.1f} ms/token from a build at "
+                                       f"{b_dec:.1f}: the single-entry rows' decode changes are timing noise larger than "
+                                       "the build's time (a loaded machine?); time the rows again on an idle machine")
+    return model
 
 
 def _combine(model: Model, combo, build_value: float, atom_value) -> float:
@@ -355,12 +385,13 @@ def predictions(model: Model) -> list[Prediction]:
             if not all(_disjoint(a, b) for a, b in itertools.combinations(combo, 2)):
                 continue
             kl = _combine(model, combo, model.build_kl, lambda a: model.build_kl - a.d_kl)
+            floored = kl < 0  # KL is never negative: slopes that over-predict the reductions
             size = (model.build_size + sum(a.d_size for a in combo)) / 1e9
             dec = model.build_decode + sum(a.d_decode for a in combo) if model.timed else None
             m = model.measured.get(frozenset(a.entry for a in combo))
-            out.append(Prediction(combo, kl, size, dec, None if m is None else
+            out.append(Prediction(combo, max(kl, 0.0), size, dec, None if m is None else
                                   {"row": m["name"], "kl": _kl(m, model.corpus), "decode": m.get("decode_ms_per_token")},
-                                  class_layers=model.class_layers))
+                                  class_layers=model.class_layers, kl_floored=floored))
     return out
 
 
@@ -417,19 +448,29 @@ def intervals(model: Model, preds: list[Prediction], scores: PositionScores | No
     from .metrics import paired_comparison
 
     for p in preds:
-        p.kl_by_corpus = {c: _combine(model, p.atoms, b, lambda a, c=c: model.atom_kl_by_corpus[a.entry][c])
+        p.kl_by_corpus = {c: max(0.0, _combine(model, p.atoms, b, lambda a, c=c: model.atom_kl_by_corpus[a.entry][c]))
                           for c, b in model.build_by_corpus.items()
                           if all(c in model.atom_kl_by_corpus.get(a.entry, {}) for a in p.atoms)}
         strata = scores.strata(model, p.atoms, model.corpus) if scores is not None else None
         if strata:
             comparison = paired_comparison(strata, reps)
-            p.kl_ci = _pooled_or(comparison, model.corpus)["diff_ci"]
-            p.kl_ci_by_corpus = {c: r["diff_ci"] for c, r in comparison["per_stratum"].items()}
+            p.kl_ci = nonnegative(_pooled_or(comparison, model.corpus)["diff_ci"])
+            p.kl_ci_by_corpus = {c: nonnegative(r["diff_ci"]) for c, r in comparison["per_stratum"].items()}
         if p.decode is not None and p.atoms and model.engine_sd_ms is not None and model.engine_df:
-            # Of the change from the build: the atoms' engine means, less the build's once per atom.
-            half = engine_half_width(model.engine_sd_ms, model.engine_df,
-                                     [*((1, a.engines) for a in p.atoms), (len(p.atoms), model.build_engines)])
-            p.decode_ci = [p.decode - half, p.decode + half]
+            half = engine_half_width(model.engine_sd_ms, model.engine_df, decode_terms(p.atoms, model.build_engines))
+            p.decode_ci = nonnegative([p.decode - half, p.decode + half])
+
+
+def decode_terms(atoms, build_engines: int) -> list[tuple[float, int]]:
+    """engine_half_width's terms of an absolute decode prediction build + sum(atom - build) = sum(atom) - (k-1) build:
+    each atom's engine mean once, the build's k-1 times (one atom is its own measurement)."""
+    return [*((1, a.engines) for a in atoms), (len(atoms) - 1, build_engines)]
+
+
+def nonnegative(ci) -> list | None:
+    """An interval of a quantity that is never negative (KL, a decode time) with its lower end raised to 0: the true
+    value lies in [0, inf), so intersecting with it keeps the coverage."""
+    return None if ci is None else [max(0.0, ci[0]), max(0.0, ci[1])]
 
 
 def pick_verify(best: list[Prediction], n: int) -> list[Prediction]:

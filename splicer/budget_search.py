@@ -6,6 +6,12 @@ degree of freedom), runs them with DIR's own inputs and settings (`splicer ablat
 and prints each point's prediction (made before it ran) against its measurement, the difference with its interval:
 KL paired position by position, decode with both sides' engine spread. DIR/budget.json holds the search, the
 predictions and the verification; `splicer plot DIR` draws the predicted front hollow.
+
+A point's row is named after its restore unless DIR already has a row of that name defined otherwise (then `-2`, ...),
+and a row counts as a prediction's measurement only when it restores the prediction's entries. A prediction stored
+and not measured (its row failed, or the run was stopped, even before the row reached DIR's job) is finished by the
+next --verify before anything new is chosen. Every refusal comes before budget writes anything, or (ablate's, made
+once it compares DIR's job) puts back what it wrote; plain `budget DIR` answers on a folder it cannot write.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .budget import (Additivity, Model, PositionScores, Prediction, _decode, _kl, _pooled_or, engine_half_width,
+from .budget import (Additivity, Model, PositionScores, Prediction, _decode, _kl, _parse, _pooled_or, engine_half_width,
                      finite_number, fit, front, intervals, pick_verify, predictions)
 from .errors import SplicerError
 
@@ -21,7 +27,7 @@ BUDGET_JSON = "budget.json"
 VERIFY_PLAN = "budget-plan.toml"
 
 
-def _settings_from_job(job: dict, results: dict, progress: bool):
+def _settings_from_job(job: dict, results: dict, progress: bool, own_inputs: tuple = ()):
     """DIR's own run settings, so that the verified rows are measured exactly as the rest."""
     from .ablate import AblateSettings
 
@@ -32,13 +38,14 @@ def _settings_from_job(job: dict, results: dict, progress: bool):
                           engine_args=st.get("engine_args") or {}, engine_env=st.get("engine_env") or {},
                           allow_quantized_base=bool(st.get("allow_quantized_base")), overlap_starts=st.get("overlap_starts") or 0,
                           rewake_before_timing=bool(st.get("rewake_before_timing")), gpus=tuple(st.get("gpus") or ()),
-                          bandwidth_gbs=bw / 1e9 if bw else None, progress=progress, extend_only=True)
+                          bandwidth_gbs=bw / 1e9 if bw else None, progress=progress, extend_only=True, own_inputs=own_inputs)
 
 
-def verify_plan(folder: Path, results: dict, chosen: list[Prediction]) -> tuple[Path, list[str]]:
-    """DIR/budget-plan.toml: DIR's plan settings and every row of its job, plus a row per chosen point (and one more
-    engine of the build when the run is timed), checked by reading it back as any plan is read; and the rows to run
-    (the chosen points and that engine: other unfinished rows of DIR's plan stay as they are)."""
+def verify_plan(folder: Path, results: dict, points: list[tuple[str, list[str]]]) -> tuple[Path, list[str]]:
+    """DIR/budget-plan.toml: DIR's plan settings and every row of its job, plus a row per point to verify ((row name,
+    restore entries): chosen now, or an interrupted verification's again) and one more engine of the build when the
+    run is timed, checked by reading it back as any plan is read; and the rows to run (those points and that engine:
+    other unfinished rows of DIR's plan stay as they are)."""
     from .arch import all_classes
     from .plan import load_plan, write_plan
 
@@ -57,9 +64,9 @@ def verify_plan(folder: Path, results: dict, chosen: list[Prediction]) -> tuple[
         raise SplicerError(f"the plan {source} has other corpora, top_k or timing than when {folder} was run; put them "
                            "back, or run the plan into a new folder")
     rows = [{"name": n, **d} for n, d in job["rows"].items()]
-    new = [{"name": p.row_name, "restore": p.entries} for p in chosen if p.row_name not in job["rows"]]
+    new = [{"name": name, "restore": entries} for name, entries in points if name not in job["rows"]]
     timed = bool((job.get("settings") or {}).get("time_decode", True) and plan.timing)
-    run = [p.row_name for p in chosen]
+    run = [name for name, _ in points]
     if new and timed:  # one more engine of the build, timed after the new rows: the decode spread gains a degree of freedom
         k = 1 + sum(1 for n in job["rows"] if n.startswith("build-verify-"))
         new.append({"name": f"build-verify-{k}", "restore": [], "repeat": True})
@@ -78,6 +85,64 @@ def _valid_entry(e) -> bool:
 
 
 STRIPPED = ("measured", "error_kl", "error_decode")  # what a verification adds to a stored prediction
+DROPPED = "its row is no longer in this folder's results (a rerun of another plan dropped it)"
+
+
+def _entries(e: dict) -> list[str]:
+    """The restore a stored prediction's row was added with (for an entry written before they were stored: its atoms
+    in one spelling, as Prediction.entries writes them)."""
+    from .selection import canonical_entries
+
+    entries = e.get("entries")
+    if isinstance(entries, list) and entries and all(isinstance(x, str) for x in entries):
+        return entries
+    try:
+        return canonical_entries(e["atoms"], "budget.json")
+    except SplicerError:
+        return e["atoms"]
+
+
+def _restore_key(results: dict, entries) -> frozenset | None:
+    """What a restore restores, spelling aside (`gdn` and `gdn@0-39`, or two groups and their union, are one restore):
+    its (class, layer) pairs, (class, None) for a class without layers; None when it is not a list of entries (the
+    base, a checkpoint row)."""
+    if not isinstance(entries, list) or not all(isinstance(x, str) for x in entries):
+        return None
+    class_layers = results.get("class_layers") or {}
+    out = set()
+    try:
+        for entry in entries:
+            cls, layers = _parse(entry)
+            layers = layers if layers is not None else class_layers.get(cls)
+            out |= {(cls, None)} if layers is None else {(cls, n) for n in layers}
+    except SplicerError:
+        return None
+    return frozenset(out)
+
+
+def _restores(results: dict, row: dict, e: dict) -> bool:
+    """Whether the results' row of a stored prediction's name restores that prediction's entries: a row of that name
+    defined otherwise (the base, another restore) is not its measurement."""
+    key = _restore_key(results, row.get("restored"))
+    return key is not None and key == _restore_key(results, _entries(e))
+
+
+def _name_rows(chosen: list[Prediction], results: dict, earlier: list[dict]) -> None:
+    """Give each chosen point a plan row name no other row of DIR (its job, its results, an earlier prediction of
+    budget.json) holds with another definition: `gdn.0+attention`, else `gdn.0+attention-2`, ... A row of that name
+    restoring exactly these entries (one that failed) is the point's own row."""
+    rows = (results.get("job") or {}).get("rows") or {}
+    taken = set(rows) | {v.get("name") for v in results.get("variants", [])}
+    for p in chosen:
+        mine = _restore_key(results, p.entries)
+        others = taken | {e["row"] for e in earlier if _restore_key(results, _entries(e)) != mine}
+        stem = name = p.row_name
+        k = 2
+        while name in others and not (isinstance(rows.get(name), dict) and set(rows[name]) == {"restore"}
+                                       and _restore_key(results, rows[name]["restore"]) == mine):
+            name, k = f"{stem}-{k}", k + 1
+        p.name = name
+        taken.add(name)
 
 
 def _verification(model: Model, stored: dict, results: dict, scores: PositionScores, reps: int = 2000) -> dict:
@@ -91,9 +156,13 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
 
     out = {k: v for k, v in stored.items() if k not in STRIPPED and k != "missing"}
     row = next((v for v in results.get("variants", []) if v.get("name") == stored["row"] and v.get("status") == "ok"), None)
+    if row is not None and not _restores(results, row, stored):
+        out["missing"] = (f"the row {stored['row']} in this folder's results restores something else "
+                          f"({str(row.get('restored'))[:60]}), so it is not this prediction's measurement")
+        return out
     if row is None:
-        if stored.get("measured"):
-            out["missing"] = "its row is no longer in this folder's results (a rerun of another plan dropped it)"
+        if stored.get("measured") or stored.get("missing"):
+            out["missing"] = DROPPED
         return out
     by_entry = {a.entry: a for a in model.atoms}
     atoms = [by_entry.get(e) for e in stored["atoms"]]
@@ -127,6 +196,8 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
         err = {"diff_ms": (measured_rel - predicted_rel) * model.build_decode, "measured_rel": measured_rel,
                "predicted_rel": predicted_rel, "predicted_basis": basis}
         if model.engine_sd_ms is not None and model.engine_df:
+            # measured - (build + rd * sum(atom - build)): the point's engines once, each atom's rd times, the build's
+            # rd * k - 1 times
             half = engine_half_width(model.engine_sd_ms, model.engine_df,
                                      [(1, n_v), *((rd, a.engines) for a in atoms), (rd * len(atoms) - 1, model.build_engines)])
             err["ci_ms"] = [err["diff_ms"] - half, err["diff_ms"] + half]
@@ -154,28 +225,36 @@ def _search(model: Model, scores: PositionScores, max_decode_ms, max_gb, max_kl)
     return preds, feasible, best, cost
 
 
-def _run_verification(folder: Path, results: dict, model: Model, record: dict, record_path: Path, unfinished: list,
-                      chosen: list, job: dict, corpus, progress: bool, max_decode_ms, max_gb, max_kl):
-    """--verify's run: the rows added to DIR's job (or an interrupted verification's rows again), measured by ablate
-    with DIR's own inputs and settings; returns the results after it, the model refitted on them, its front and cost,
-    and the rows it ran."""
+def _run_verification(folder: Path, results: dict, record: dict, record_path: Path, points: list, resumed: bool,
+                      job: dict, corpus, progress: bool, max_decode_ms, max_gb, max_kl, own: tuple):
+    """--verify's run: the points' rows (chosen now, or an interrupted verification's again) added to DIR's job and
+    measured by ablate with DIR's own inputs and settings; returns the results after it, the model refitted on them,
+    its front and cost, and the rows it ran. The plan and the predictions are written before anything is measured;
+    when ablate refuses before changing DIR (results.json untouched), both are put back as they were."""
     import sys
 
     from .ablate import run_ablate
-    from .ablate.common import _atomic_json
+    from .outputs import write_file, write_json
     from .table import load_results
 
-    if unfinished:
-        plan_path = folder / VERIFY_PLAN
-        to_run = [e["row"] for e in unfinished] + [n for n in job["rows"] if n.startswith("build-verify-")][-1:]
-        if progress:
-            print(f"resuming the verification an earlier --verify began: {', '.join(e['row'] for e in unfinished)}",
-                  file=sys.stderr)
-    else:
-        plan_path, to_run = verify_plan(folder, results, chosen)
-    _atomic_json(record_path, record)  # the predictions, written before anything is measured
-    run_ablate(",".join(to_run), str((job.get("build") or {}).get("source")), str((job.get("base") or {}).get("source")), folder,
-               str(plan_path), _settings_from_job(job, results, progress))
+    if resumed and progress:
+        print(f"resuming the verification an earlier --verify began: {', '.join(n for n, _ in points)}", file=sys.stderr)
+    plan_path, results_path = folder / VERIFY_PLAN, folder / "results.json"
+    kept = {p: p.read_bytes() if p.exists() else None for p in (plan_path, record_path, results_path)}
+    plan_path, to_run = verify_plan(folder, results, points)
+    try:
+        write_json(record_path, record)  # the predictions, written before anything is measured
+        run_ablate(",".join(to_run), str((job.get("build") or {}).get("source")), str((job.get("base") or {}).get("source")),
+                   folder, str(plan_path), _settings_from_job(job, results, progress, own))
+    except SplicerError:
+        if (results_path.read_bytes() if results_path.exists() else None) == kept[results_path]:
+            for path in (plan_path, record_path):  # refused before DIR changed: leave no trace of this --verify
+                old = kept[path]
+                if old is None:
+                    path.unlink(missing_ok=True)
+                else:
+                    write_file(path, lambda tmp, old=old: tmp.write_bytes(old))
+        raise
     results = load_results(folder)
     model = fit(results, corpus)  # the verified rows now measure the additivity too
     scores = PositionScores(folder, list(results.get("corpora") or {}))
@@ -184,19 +263,29 @@ def _run_verification(folder: Path, results: dict, model: Model, record: dict, r
     return results, model, scores, best, cost, to_run
 
 
-def _check_inputs(folder: Path, job: dict) -> None:
+def _check_inputs(folder: Path, job: dict) -> tuple:
     """The build and base DIR's job names must still be there (as ablate was given them: a relative path is relative to
-    the folder ablate ran in), checked before --verify writes anything."""
+    the folder ablate ran in), and DIR must be an output ablate may write to with them as inputs; checked before
+    --verify writes anything. Returns the inputs DIR itself holds because splicer wrote them there (the demo's pair),
+    which ablate is then told are its own."""
     from .checkpoint import open_checkpoint
+    from .outputs import ABLATE, check_output, own_inputs_inside
 
+    roots = []
     for role in ("build", "base"):
         source = str((job.get(role) or {}).get("source"))
         try:
-            open_checkpoint(source, role)
+            roots.append(open_checkpoint(source, role).root)
         except SplicerError as e:
             raise SplicerError(f"{folder}'s job names its {role} as {source[:120]!r}, as splicer ablate was given it "
                                f"({str(e)[:160]}); run budget --verify from the folder ablate ran in, with the {role} "
                                "in place") from None
+    own = own_inputs_inside(folder, roots)
+    try:
+        check_output(folder, roots, ABLATE, own=own)
+    except SplicerError as e:
+        raise SplicerError(f"budget --verify runs ablate into {folder}, and it refuses: {e}") from None
+    return own
 
 
 def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb: float | None = None,
@@ -219,6 +308,8 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
         raise SplicerError(f"--corpus {corpus[:40]!r}: this folder scored {', '.join(known)}; name one of them, or drop "
                            "--corpus for KL pooled over them")
     model = fit(results, corpus)
+    if max_decode_ms is not None and model.unphysical_decode:
+        raise SplicerError(f"--max-decode-ms: decode is not predicted, as {model.unphysical_decode}; or use --max-gb or --max-kl")
     if max_decode_ms is not None and not model.timed:
         raise SplicerError("--max-decode-ms needs timed rows, and this run did not time every single-entry row and the build "
                            "(was it run with --no-time?); use --max-gb or --max-kl, or run the plan with timing")
@@ -236,31 +327,36 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     dropped = (len(listed) if isinstance(listed, list) else int(listed is not None)) - len(earlier)
     job = results.get("job") or {}
     finished = {v.get("name") for v in results.get("variants", []) if isinstance(v, dict) and v.get("status") == "ok"}
-    # A verification an earlier --verify started and did not finish is resumed as it was chosen, not chosen again.
-    unfinished = [e for e in earlier if e["row"] in (job.get("rows") or {}) and e["row"] not in finished]
+    # A verification an earlier --verify started and did not finish (its row failed, or the run was stopped before
+    # the row was even added to DIR's job) is resumed as it was chosen, not chosen again.
+    unfinished = [e for e in earlier if not e.get("measured") and not e.get("missing") and e["row"] not in finished]
     chosen = pick_verify(best, verify) if verify and not unfinished else []
     if verify and not chosen and not unfinished:
         if not best:
             raise SplicerError("no combination fits the limits, so there is nothing to verify; widen them")
         raise SplicerError("every point of the front within the limits was measured already; nothing to verify "
                            "(widen the limits, or run without --verify)")
-    if verify and not unfinished:
-        _check_inputs(folder, job)  # before anything is written
+    own = _check_inputs(folder, job) if verify else ()  # before anything is written
+    _name_rows(chosen, results, earlier)
     pending = [_prediction_json(p, model) for p in chosen]
     record = {"corpus": corpus, "cost": cost, "limits": limits, "model": model.to_json(),
               "front": [_prediction_json(p, model) for p in best],
-              "verified": [e for e in earlier if e.get("row") not in {p["row"] for p in pending}] + pending}
-    from .ablate.common import _atomic_json
+              # a new prediction replaces an earlier one of its row, and one of its restore whose row went missing
+              "verified": [e for e in earlier if e["row"] not in {p["row"] for p in pending}
+                           and not (e.get("missing") and _restore_key(results, _entries(e))
+                                    in [_restore_key(results, p["entries"]) for p in pending])] + pending}
+    from .outputs import write_json
 
     if verify:
         from .outputs import exclusive
 
+        points = [(e["row"], _entries(e)) for e in unfinished] or [(p.row_name, p.entries) for p in chosen]
         # One verification per folder at a time: its plan file and predictions are written before ablate takes DIR's lock.
         with exclusive(folder / ".budget-lock", f"another splicer budget --verify is running on {folder}; wait for it "
-                                                "to finish"):
+                                                "to finish", in_place=True):
             results, model, scores, best, cost, to_run = _run_verification(
-                folder, results, model, record, record_path, unfinished, chosen, job, corpus, progress,
-                max_decode_ms, max_gb, max_kl)
+                folder, results, record, record_path, points, bool(unfinished), job, corpus, progress,
+                max_decode_ms, max_gb, max_kl, own)
     failed = []
     if verify:
         by_name = {v.get("name"): v for v in results.get("variants", []) if isinstance(v, dict)}
@@ -274,7 +370,14 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
             models[c] = fit(results, c)
         verified.append(_verification(models[c], e, results, scores))
     record["verified"] = verified
-    _atomic_json(record_path, record)
+    try:
+        write_json(record_path, record)
+        written = f"Written: {record_path}."
+    except SplicerError as e:
+        if verify:
+            raise
+        # Plain budget only reads DIR: a colleague's read-only results are answered all the same.
+        written = f"Not written: {e}; the answer above is complete (budget --verify needs a writable folder)."
 
     lines = [f"KL {'on ' + corpus if corpus else 'pooled over corpora'}; build {model.build_kl:.4f}, "
              f"{model.build_size / 1e9:.3f} GB" + (f", {model.build_decode:.3f} ms/token" if model.build_decode is not None else "")
@@ -303,6 +406,11 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
                                  + ("" if not c.get("error_ci_ms") else
                                     f" (error {c['measured_ms'] - c['predicted_ms']:+.3f} [{c['error_ci_ms'][0]:+.3f}, {c['error_ci_ms'][1]:+.3f}])")
                                  for c in model.decode_checks) + " ms/token.")
+    if model.left_out:
+        lines.append("Left out (a measurement is not a number): " + ", ".join(f"row {n} ({why})" for n, why in model.left_out)
+                     + "; rerun those rows.")
+    if model.unphysical_decode:
+        lines.append(f"Decode not predicted (no decode column or --max-decode-ms): {model.unphysical_decode}.")
     if model.timed and model.engine_sd_ms is None:
         lines.append("Decode intervals: none (the build was timed on one engine, so the engine-to-engine spread is unknown).")
 
@@ -311,6 +419,12 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
             "across classes" if c == "across" else f"within {c}" for c in model.additivity.unmeasurable)
             + " (every row that would measure it restores atoms whose KL changes are within noise; a slope from them "
             "would be a ratio of two noises).")
+    floored = [p.label for p in best if p.kl_floored]
+    if floored:
+        lines.append("Predicted KL below 0, shown as 0 (KL is never negative; the additivity slopes over-predict the "
+                     "reductions there): " + ", ".join(floored) + ".")
+    if any(ci and ci[0] == 0 for p in best for ci in (p.kl_ci, p.decode_ci)):
+        lines.append("An interval's lower end at 0 was below 0 and is raised to 0: KL and decode time are never negative.")
     if best and any(p.atoms for p in best) and not any(p.kl_ci for p in best if p.atoms):
         lines.append(f"KL intervals: none ({folder / 'scores'} lacks the rows' per-position scores).")
     if verify and chosen and len(chosen) < verify:
@@ -358,12 +472,15 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     elif not verify:
         lines.append("Splice and measure the chosen points with --verify N (rows added to this folder's job), or splice "
                      "one with `splicer splice --restore ENTRIES BUILD BASE -o OUT`.")
-    gone = [v for v in record["verified"] if v.get("missing")]
+    gone = [v for v in record["verified"] if v.get("missing") == DROPPED]
     if gone:
-        lines.append("Verified earlier, but " + gone[0]["missing"] + ": " + ", ".join(v["row"] for v in gone)
+        lines.append("Verified earlier, but " + DROPPED + ": " + ", ".join(v["row"] for v in gone)
                      + "; rerun DIR with DIR/budget-plan.toml to keep them, or --verify measures them again.")
+    for v in record["verified"]:
+        if v.get("missing") and v["missing"] != DROPPED:
+            lines.append(f"Not measured: {v['restore']} ({v['missing']}); --verify measures it under a free row name.")
     for name, why in failed:
         lines.append(f"Not measured: row {name} ({str(why).splitlines()[0][:200]}); see {folder / 'ablate.log'}, "
                      "and run the same --verify again to resume it.")
-    lines.append(f"Written: {record_path}.")
+    lines.append(written)
     return "\n".join(lines), not failed

@@ -211,10 +211,11 @@ def _cmd_plan_sweep(args) -> int:
 def _cmd_plot(args) -> int:
     from .plot import write_plot
 
-    written = write_plot(args.dir)
+    written, left_out = write_plot(args.dir)
     plots = [str(p) for p in written if p.suffix != ".md"]
     linked = any(p.suffix == ".md" for p in written)
-    print(f"wrote {', '.join(plots)}" + (f"; linked from {Path(args.dir) / 'table.md'}" if linked else " (no table.md to link from)"))
+    print(f"wrote {', '.join(plots)}" + (f"; linked from {Path(args.dir) / 'table.md'}" if linked else " (no table.md to link from)")
+          + (f"; left out, a measurement not a number: {', '.join(left_out)}" if left_out else ""))
     return 0
 
 

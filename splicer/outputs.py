@@ -134,18 +134,19 @@ def write_error(e: OSError, parent: Path) -> SplicerError | None:
 
 
 @contextmanager
-def exclusive(lock_path: Path, busy: str):
+def exclusive(lock_path: Path, busy: str, in_place: bool = False):
     """Hold an exclusive lock on lock_path for the block, and remove the file afterwards.
 
     The file is removed while still locked; a process that opened it just before checks, once it holds the lock,
     that the path still names the file it locked, and starts over if not, so two holders can never coexist.
     A SIGKILLed holder leaves the file behind, unlocked: the next run takes it and removes it.
+    in_place: the lock sits in a folder the command writes into (not a new -o): a read-only one is said so.
     """
     while True:
         try:
             fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
         except OSError as e:
-            raise (write_error(e, lock_path.parent) or e) from None
+            raise (cannot_write(e, lock_path) if in_place else write_error(e, lock_path.parent) or e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -203,3 +204,65 @@ def removed_on_refusal(out: Path):
         if not existed and out.is_dir() and not (out / "results.json").exists():
             shutil.rmtree(out, ignore_errors=True)
         raise
+
+
+def cannot_write(e: OSError, path: Path) -> SplicerError:
+    """The one-line message for an OSError met while writing the file `path` inside a results folder (or a plan
+    file): what went wrong and the fix, naming the path."""
+    if e.errno == errno.ENOSPC:
+        return SplicerError(f"cannot write {path}: no space left on its device; free space there and run again")
+    if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+        return SplicerError(f"cannot write {path} ({e.strerror}); copy the folder somewhere writable and run there, or "
+                            "ask its owner")
+    return SplicerError(f"cannot write {path} ({e.strerror or e.__class__.__name__}); check the folder and run again")
+
+
+def write_file(path: Path, fill) -> Path:
+    """Put the file `path` in place whole or not at all: fill(tmp) writes a hidden temporary beside it, which is then
+    renamed over path. On any failure the temporary is removed (no 0-byte or partial file is left, an existing path is
+    untouched); an OSError (read-only folder, full disk) becomes one line naming path and the fix."""
+    path = Path(path)
+    tmp = sibling(path, PARTIAL_SUFFIX)
+    try:
+        fill(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise cannot_write(e, path) from None
+        raise
+    return path
+
+
+def write_json(path: Path, data) -> Path:
+    """`path` as JSON, written by write_file. Strict JSON: a NaN or infinity anywhere is refused before anything is
+    written (Python would write a bare NaN, which no other JSON reader accepts)."""
+    try:
+        text = json.dumps(data, indent=2, allow_nan=False, default=_path_text) + "\n"
+    except ValueError:
+        raise SplicerError(f"{path} was not written: a value to store in it is not a finite number (a bug in splicer; "
+                           "please report it with the results.json it read)") from None
+    return write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def _path_text(o):
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"{type(o).__name__} is not JSON")
+
+
+def own_inputs_inside(out: Path, roots: list[Path]) -> tuple[Path, ...]:
+    """The folders directly inside OUT that hold some of `roots` and that splicer wrote as a fixture (the demo's
+    pair, `DIR/demo-pair`): a run that reads them again (budget --verify on the demo's folder) passes them to
+    check_output as `own`, as the run that wrote them did. Any other input inside OUT stays refused."""
+    real, out_folders = Path(out).resolve(), []
+    for root in roots:
+        r = Path(root).resolve()
+        if real in r.parents:
+            top = real / r.relative_to(real).parts[0]
+            if _written_by_splicer(top, FIXTURE) and top not in out_folders:
+                out_folders.append(top)
+    return tuple(out_folders)

@@ -187,20 +187,20 @@ def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
 
 def write_plan(out: Path, data: dict, header: str) -> Path:
     """Write plan data to `out` as TOML with a comment line on top, checked by reading it back as any plan is read
-    (a plan that would not load is never put in place); written beside it first, then renamed over it."""
+    (a plan that would not load is never put in place); written beside it first, then renamed over it
+    (outputs.write_file: a read-only folder or a full disk is one line, and leaves nothing)."""
     import tomli_w
 
     from .arch import all_classes
+    from .outputs import write_file
 
-    tmp = out.with_name(f".{out.name}.partial")
-    tmp.write_text(f"# {header}\n" + tomli_w.dumps(data), encoding="utf-8")
-    try:
+    text = f"# {header}\n" + tomli_w.dumps(data)
+
+    def fill(tmp: Path) -> None:
+        tmp.write_text(text, encoding="utf-8")
         load_plan(str(tmp), all_classes())
-    except SplicerError:
-        tmp.unlink()
-        raise
-    tmp.replace(out)
-    return out
+
+    return write_file(out, fill)
 
 
 def add_checkpoints(plan: Plan, specs: list[str]) -> list[str]:

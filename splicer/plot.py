@@ -15,7 +15,8 @@ from pathlib import Path
 
 from .budget import finite_number
 from .errors import SplicerError
-from .table import load_results
+from .outputs import write_file
+from .table import UNUSABLE, load_results
 
 PLOT_STEM = "plot-kl"
 LABEL_CHARS = 24  # longer names are numbered on the plot and spelled out in a key
@@ -26,6 +27,8 @@ def _points(results: dict) -> list[dict]:
     out = []
     for v in results.get("variants", []):
         if not isinstance(v, dict) or v.get("status") != "ok" or not isinstance(v.get("metrics"), dict) or v.get("repeat_of"):
+            continue
+        if v.get(UNUSABLE):  # a NaN measurement: no point to draw (write_plot names it)
             continue  # a repeat is the same variant measured again: its spread is in the table, not a point of its own
         metrics = {c: m for c, m in v["metrics"].items() if isinstance(m, dict) and isinstance(m.get("kl"), (int, float))}
         if not metrics:
@@ -58,13 +61,14 @@ def _pair(x) -> bool:
 
 
 def _drawable(e) -> bool:
-    """A budget.json point the plot can draw (budget writes them so; a hand edit may not): KL per corpus as numbers,
-    intervals as number pairs, costs as numbers or absent."""
+    """A budget.json point the plot can draw (budget writes them so; a hand edit or an older splicer may not): KL per
+    corpus as numbers 0 or more, intervals as number pairs, costs as numbers 0 or more or absent."""
     if not isinstance(e, dict) or not isinstance(e.get("kl_by_corpus"), dict) or not all(finite_number(v) for v in e["kl_by_corpus"].values()):
         return False
     cis = e.get("kl_ci_by_corpus") or {}
     return (isinstance(cis, dict) and all(_pair(v) for v in cis.values() if v is not None)
-            and all(e.get(k) is None or finite_number(e[k]) for k in ("decode", "size_gb"))
+            and all(e.get(k) is None or (finite_number(e[k]) and e[k] >= 0) for k in ("decode", "size_gb"))
+            and all(v >= 0 for v in e["kl_by_corpus"].values())
             and (e.get("decode_ci") is None or _pair(e["decode_ci"])))
 
 
@@ -80,8 +84,9 @@ def pareto(items: list, x=lambda p: p[0], y=lambda p: p[1]) -> list:
     return front
 
 
-def write_plot(folder: str | Path) -> list[Path]:
-    """Write DIR/plot-kl.png and .svg and link them from DIR/table.md; returns the files written."""
+def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
+    """Write DIR/plot-kl.png and .svg and link them from DIR/table.md; returns the files written, and the rows left
+    out because a measurement is not a number (`row (why)`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -95,6 +100,7 @@ def write_plot(folder: str | Path) -> list[Path]:
     if not points or not corpora:
         raise SplicerError(f"{folder}/results.json has no scored variant yet; run the rows first")
     timed = [p for p in points if p["decode"] is not None]
+    cut = []  # bars whose lower end was below 0 and is drawn at 0
     predicted, verified, cost = _predicted(folder)
     by_row = {p["name"]: p for p in points}
     axes_x = ([("decode", "decode ms/token (batch 1)")] if timed else []) + [("size_gb", "size on disk, GB")]
@@ -115,14 +121,11 @@ def write_plot(folder: str | Path) -> list[Path]:
             for p in pts:
                 m = p["metrics"][corpus]
                 x, y = p[key], m["kl"]
-                lo, hi = m.get("kl_ci") or (y, y)
-                xerr = None
-                if key == "decode" and p["decode_iqr"]:
-                    xerr = [[x - p["decode_iqr"][0]], [p["decode_iqr"][1] - x]]
-                ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], xerr=xerr, fmt="o", ms=6, capsize=2, lw=0.8,
+                xerr = _bar(x, p["decode_iqr"], cut) if key == "decode" else None
+                ax.errorbar([x], [y], yerr=_bar(y, m.get("kl_ci"), cut), xerr=xerr, fmt="o", ms=6, capsize=2, lw=0.8,
                             color="C0")
                 ax.annotate(labels[p["name"]], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-            _draw_predicted(ax, key, corpus, predicted, verified, by_row, front_line=key == cost)
+            _draw_predicted(ax, key, corpus, predicted, verified, by_row, key == cost, cut)
             front = pareto([(p[key], p["metrics"][corpus]["kl"], p["name"]) for p in pts])
             if len(front) > 1:
                 ax.step([f[0] for f in front], [f[1] for f in front], where="post", color="C3", lw=1, label="Pareto front (measured)")
@@ -136,27 +139,39 @@ def write_plot(folder: str | Path) -> list[Path]:
             ax.grid(alpha=0.3)
     build = ((results.get("inputs") or {}).get("build") or {}).get("source", "")
     fig.suptitle(f"{Path(str(build)).name or folder.name}: every variant against the base\n(bars: KL 95 % interval"
-                 + ("; decode: IQR of timing runs)" if timed else "; decode not timed in this run)"), fontsize=9)
+                 + ("; decode: IQR of timing runs" if timed else "; decode not timed in this run")
+                 + ("; bars cut at 0: a timing run's estimate or an interval reached below 0, as on a loaded machine)"
+                    if cut else ")"), fontsize=9)
     if numbered:
         fig.text(0.01, 0.005, "\n".join(f"[{i}] {name}" for i, name in enumerate(numbered, 1)), fontsize=7, va="bottom",
                  family="monospace")
     bottom = 0.18 * (len(numbered) + 1) / (4.4 * len(axes_x) + 0.18 * len(numbered)) if numbered else 0
     fig.tight_layout(rect=(0, bottom, 1, 1))
-    written = []
-    for ext in ("png", "svg"):
-        out = folder / f"{PLOT_STEM}.{ext}"
-        tmp = folder / f".{PLOT_STEM}.partial.{ext}"
-        fig.savefig(tmp, dpi=120, format=ext)
-        tmp.replace(out)
-        written.append(out)
-    plt.close(fig)
+    try:
+        written = [write_file(folder / f"{PLOT_STEM}.{ext}", lambda tmp, ext=ext: fig.savefig(tmp, dpi=120, format=ext))
+                   for ext in ("png", "svg")]
+    finally:
+        plt.close(fig)
     if link(folder):
         written.append(folder / "table.md")
-    return written
+    left_out = [f"{v['name']} ({v[UNUSABLE]})" for v in results["variants"] if v.get("status") == "ok" and v.get(UNUSABLE)]
+    return written, left_out
+
+
+def _bar(x: float, span, cut: list) -> list | None:
+    """Matplotlib's error bar of a point x from an interval or IQR `span` (None: no bar): drawn from the point, never
+    below 0 (neither KL nor a time is negative: a bar reaching below 0 is cut there and noted in `cut`), and an
+    interval that misses its point draws no negative length."""
+    if not _pair(span):
+        return None
+    if span[0] < 0:
+        cut.append(span)
+    lo, hi = min(max(span[0], 0.0), x), max(span[1], x)
+    return [[x - lo], [hi - x]]
 
 
 def _draw_predicted(ax, key: str, corpus: str, front: list[dict], verified: list[dict], by_row: dict,
-                    front_line: bool) -> None:
+                    front_line: bool, cut: list) -> None:
     """The budget's predicted front (hollow squares with their KL and decode intervals, joined by a dashed line on the
     panels of the cost it was searched against) and a line from each verified prediction to its measured row."""
     pts = [(e[key], e["kl_by_corpus"][corpus], e) for e in front if e.get(key) is not None and corpus in e["kl_by_corpus"]]
@@ -166,9 +181,8 @@ def _draw_predicted(ax, key: str, corpus: str, front: list[dict], verified: list
                 marker="s", ms=5, mfc="none",
                 label="predicted front (budget)" if front_line else "predicted front points (budget)")
         for x, y, e in pts:
-            xerr = [[x - e["decode_ci"][0]], [e["decode_ci"][1] - x]] if key == "decode" and e.get("decode_ci") else None
-            ci = (e.get("kl_ci_by_corpus") or {}).get(corpus)
-            yerr = [[y - ci[0]], [ci[1] - y]] if ci else None
+            xerr = _bar(x, e.get("decode_ci"), cut) if key == "decode" else None
+            yerr = _bar(y, (e.get("kl_ci_by_corpus") or {}).get(corpus), cut)
             ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="s", ms=5, mfc="none", color="C1", capsize=2, lw=0.6)
     for e in verified:
         row = by_row.get(e.get("row"))
@@ -189,5 +203,6 @@ def link(folder: Path) -> bool:
     png, results = folder / f"{PLOT_STEM}.png", folder / "results.json"
     stale = png.exists() and results.exists() and png.stat().st_mtime_ns < results.stat().st_mtime_ns
     note = " It was drawn before the last rows finished: run `splicer plot DIR` again." if stale else ""
-    table.write_text(f"{text}\n\n{LINK_LINE}: [{PLOT_STEM}.png]({PLOT_STEM}.png) ([SVG]({PLOT_STEM}.svg)).{note}\n")
+    line = f"{text}\n\n{LINK_LINE}: [{PLOT_STEM}.png]({PLOT_STEM}.png) ([SVG]({PLOT_STEM}.svg)).{note}\n"
+    write_file(table, lambda tmp: tmp.write_text(line, encoding="utf-8"))
     return True

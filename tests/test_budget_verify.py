@@ -7,6 +7,7 @@ The tiny plan is ablated once per module (cpu, torch backend); tests that change
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -290,3 +291,151 @@ def test_ablate_runs_only_new_and_changed_rows_of_an_extended_plan(measured, tmp
         if name != "gdn-1":
             assert json.dumps(final[name]["metrics"], sort_keys=True) == json.dumps(v["metrics"], sort_keys=True), name
     assert [r["rows_run"] for r in again["runs"]] == [[n for n, *_ in ROWS], ["gdn-1-attention"], ["gdn-1"]]
+
+
+def test_a_same_named_row_defined_otherwise_is_not_taken_as_the_measurement(measured, tmp_path, capsys):
+    """Issue 30, 1: DIR's job already has a row named like the chosen point (here a base row, as a user may name
+    one): --verify adds the point under another name and measures it; the base row is not its measurement."""
+    folder = _copy(measured, tmp_path)
+    assert main(["budget", str(folder)]) == 0
+    want = _lowest_unmeasured(_budget(folder)["front"])
+    row = want["row"]
+    results = _results(folder)
+    build = _variants(results)["build"]
+    clash = dict(build, name=row, restored="base", metrics={"wiki-en": dict(build["metrics"]["wiki-en"], kl=0.0, kl_ci=[0.0, 0.0])})
+    clash.pop("vs_build", None)
+    results["variants"].append(clash)
+    results["job"]["rows"][row] = {"base": True}
+    (folder / "results.json").write_text(json.dumps(results, indent=1))
+    job = json.loads((folder / "job.json").read_text())
+    job["rows"][row] = {"base": True}
+    (folder / "job.json").write_text(json.dumps(job, indent=1))
+    capsys.readouterr()
+
+    assert main(["budget", str(folder), "--verify", "1", "-q"]) == 0
+    out = capsys.readouterr().out
+    [entry] = _budget(folder)["verified"]
+    assert entry["atoms"] == want["atoms"] and entry["row"] == f"{row}-2"
+    after = _variants(_results(folder))
+    assert (after[row]["restored"], after[row]["metrics"]) == ("base", clash["metrics"])  # the base row, as it was
+    assert after[f"{row}-2"]["restored"] == want["entries"]
+    measured_kl = after[f"{row}-2"]["metrics"]["wiki-en"]["kl"]
+    assert measured_kl > 0.01 and entry["measured"]["kl"] == pytest.approx(measured_kl, abs=1e-12)
+    assert json.loads((folder / "job.json").read_text())["rows"][f"{row}-2"] == {"restore": want["entries"]}
+    assert f"{row}-2" in out and "KL measured" in out
+    # A budget.json that took the base row as this point's measurement (as splicer 466b7d5 did) is read as no
+    # measurement: the entry is listed as measured by a row that restores something else.
+    record = _budget(folder)
+    record["verified"].append(dict(entry, row=row))
+    (folder / "budget.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(["budget", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert f"the row {row} in this folder's results restores something else (base)" in out
+    stale = [e for e in _budget(folder)["verified"] if e["row"] == row]
+    assert stale and "measured" not in stale[0] and "error_kl" not in stale[0]
+
+
+def test_a_verification_stopped_before_its_row_finished_is_resumed_under_other_limits(measured, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """Issue 30, 3: --verify interrupted (Ctrl-C) while its first row loads, before the row is in results.json; the
+    rerun, with other limits, finishes that prediction first instead of choosing a new point."""
+    from splicer.backends.torch_ref import TorchBackend
+
+    folder = _copy(measured, tmp_path)
+    assert main(["budget", str(folder)]) == 0
+    want = _lowest_unmeasured(_budget(folder)["front"])
+    row = want["row"]
+    real_load = TorchBackend.load
+
+    def interrupted_load(self, path):
+        if Path(path).name == row:
+            raise KeyboardInterrupt
+        return real_load(self, path)
+
+    monkeypatch.setattr(TorchBackend, "load", interrupted_load)
+    assert main(["budget", str(folder), "--verify", "1", "-q"]) == 130
+    assert row not in _variants(_results(folder)) and row not in _results(folder)["job"]["rows"]
+    [pending] = _budget(folder)["verified"]
+    assert pending["row"] == row and "measured" not in pending
+    monkeypatch.setattr(TorchBackend, "load", real_load)
+    capsys.readouterr()
+
+    smaller = want["size_gb"] - 1e-6  # the pending point is outside these limits: a fresh --verify would pick another
+    assert main(["budget", str(folder), "--verify", "1", "--max-gb", f"{smaller!r}"]) == 0
+    captured = capsys.readouterr()
+    assert f"resuming the verification an earlier --verify began: {row}" in captured.err
+    assert "Resumed the verification an earlier --verify began" in captured.out
+    results = _results(folder)
+    assert _variants(results)[row]["status"] == "ok" and results["runs"][-1]["rows_run"][0] == row
+    [entry] = _budget(folder)["verified"]
+    assert entry["row"] == row and entry["kl"] == pending["kl"]
+    assert entry["measured"]["kl"] == pytest.approx(_variants(results)[row]["metrics"]["wiki-en"]["kl"], abs=1e-12)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_verify_on_a_full_disk_or_read_only_folder_is_one_line_and_writes_nothing(measured, tmp_path, capsys, monkeypatch,
+                                                                                   code):
+    """Issue 30, 5: a write that fails (simulated: the tests may run as root, which ignores permission bits) is one
+    line naming the file and the fix, and leaves DIR exactly as it was (no plan, no pending entry, no partial file)."""
+    import os
+
+    folder = _copy(measured, tmp_path)
+    digest = tree_digest(folder)
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if Path(dst).parent == folder:
+            raise OSError(code, os.strerror(code))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    capsys.readouterr()
+    assert main(["budget", str(folder), "--verify", "1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"cannot write {folder / 'budget-plan.toml'}" in err
+    assert ("no space left" in err) if code == errno.ENOSPC else ("copy the folder somewhere writable" in err)
+    assert tree_digest(folder) == digest and sorted(p.name for p in folder.iterdir()) == sorted(
+        p.name for p in measured["dir"].iterdir())
+
+
+def test_a_verify_that_ablate_refuses_leaves_dir_as_it_was(measured, tmp_path, capsys):
+    """Item 2's second half: a refusal met only once ablate compares DIR's job (here DIR was measured by another
+    splicer version) puts back the plan and the predictions --verify had written, so nothing is left pending."""
+    folder = _copy(measured, tmp_path)
+    for name in ("results.json", "job.json"):
+        data = json.loads((folder / name).read_text())
+        (data["job"] if name == "results.json" else data)["tool"] = "splicer 0.0.1"
+        (folder / name).write_text(json.dumps(data, indent=1))
+    digest = tree_digest(folder)
+    capsys.readouterr()
+    assert main(["budget", str(folder), "--verify", "1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "was measured under another job (tool)" in err and len(err.strip().splitlines()) == 1, err
+    after = tree_digest(folder)
+    # ablate's log records the attempt (a log, appended to by every run); everything else is as it was
+    assert {k: v for k, v in after.items() if k != "ablate.log"} == {k: v for k, v in digest.items() if k != "ablate.log"}
+    assert not (folder / "budget-plan.toml").exists() and not (folder / "budget.json").exists()
+
+
+def test_verify_on_a_read_only_folder_names_the_folder_and_the_fix(measured, tmp_path, capsys, monkeypatch):
+    """On a truly read-only DIR the first write --verify makes is its lock beside the plan (simulated: root ignores
+    permission bits): one line naming it and the fix, not ablate's `-o` advice (no -o was given)."""
+    import os
+
+    folder = _copy(measured, tmp_path)
+    digest = tree_digest(folder)
+    real_open = os.open
+
+    def read_only_open(path, flags, *args, **kwargs):
+        if Path(path).parent == folder and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+    capsys.readouterr()
+    assert main(["budget", str(folder), "--verify", "1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"cannot write {folder / '.budget-lock'} (Read-only file system)" in err
+    assert "copy the folder somewhere writable" in err and "writable -o" not in err
+    assert tree_digest(folder) == digest
