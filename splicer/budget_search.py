@@ -264,8 +264,8 @@ def _run_verification(folder: Path, results: dict, record: dict, record_path: Pa
 
 
 def _check_inputs(folder: Path, job: dict) -> tuple:
-    """The build and base DIR's job names must still be there (as ablate was given them: a relative path is relative to
-    the folder ablate ran in), and DIR must be an output ablate may write to with them as inputs; checked before
+    """The build and base DIR's job names must still be there (by their real paths; a job written before splicer recorded
+    real paths holds them as ablate was given them, a relative path relative to the folder ablate ran in), and DIR must be an output ablate may write to with them as inputs; checked before
     --verify writes anything. Returns the inputs DIR itself holds because splicer wrote them there (the demo's pair),
     which ablate is then told are its own."""
     from .checkpoint import open_checkpoint
@@ -277,9 +277,9 @@ def _check_inputs(folder: Path, job: dict) -> tuple:
         try:
             roots.append(open_checkpoint(source, role).root)
         except SplicerError as e:
-            raise SplicerError(f"{folder}'s job names its {role} as {source[:120]!r}, as splicer ablate was given it "
-                               f"({str(e)[:160]}); run budget --verify from the folder ablate ran in, with the {role} "
-                               "in place") from None
+            raise SplicerError(f"{folder}'s job names its {role} as {source[:120]!r} ({str(e)[:160]}); put the {role} "
+                               "back there (a relative path, as older splicers recorded it, is relative to the folder "
+                               "ablate ran in: run budget --verify from there)") from None
     own = own_inputs_inside(folder, roots)
     try:
         check_output(folder, roots, ABLATE, own=own)
