@@ -86,7 +86,8 @@ def engine_noise(results: dict, out: Path) -> dict | None:
     """The engine's run-to-run noise on the scores, measured from the build's engines scored on the same positions
     (the build and its `repeat = true` rows): per quantity, per corpus and pooled, the standard deviation of the
     difference of two engines' means (diff) and of their ratio (rel), with its degrees of freedom (engines - 1), for
-    metrics.fold_engine_noise. None when the build was scored on fewer than two engines."""
+    metrics.fold_engine_noise. None when the build was scored on fewer than two engines; {"why": ...} and no quantities
+    when their per-position scores are not at hand."""
     rows = [v["name"] for v in results.get("variants", []) if v.get("status") == "ok"
             and "build" in (v["name"], v.get("repeat_of"))]
     corpora = list(results.get("corpora", {}))
@@ -106,8 +107,10 @@ def engine_noise(results: dict, out: Path) -> dict | None:
                 per["dnll"][corpus] = (float((s["dlogp"].double() * m).sum()), float(m.sum()))
         else:
             sums[row] = per
-    if len(sums) < 2:
+    if len(rows) < 2:
         return None
+    if len(sums) < 2:
+        return {"rows": rows, "df": len(rows) - 1, "why": "the per-position scores of the build's engines are not in this folder"}
     first = next(iter(sums))
 
     def spread(parts):  # parts: per engine (sum, weight), the first the build's own row
@@ -162,6 +165,8 @@ def noise_text(results: dict) -> str:
     if not noise:
         return ("the engine's run-to-run noise is not in these intervals (the build was scored on one engine only; a "
                 "`repeat = true` row of the build measures it)")
+    if noise.get("why"):
+        return f"the engine's run-to-run noise is not in these intervals ({noise['why']})"
     kl = ((noise.get("kl") or {}).get("pooled") or {}).get("diff")
     size = "0: this engine is deterministic" if kl == 0 else f"KL sd {kl:.2g} between two engines" if kl is not None else "measured"
     return (f"the engine's run-to-run noise, measured from the build's engines scored on the same positions "

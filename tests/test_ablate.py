@@ -78,6 +78,7 @@ def test_results_file(finished):
     assert all(v["status"] == "ok" for v in on_disk["variants"])
     for key in ("noise_floor", "backend", "engine_version", "device", "inputs", "corpora"):
         assert on_disk[key], key
+    assert on_disk["top_k"] == 20 and on_disk["top1_ties"] == "symmetric"  # what the table's KL and top-1 notes name
     assert on_disk["inputs"]["build"]["header_digest"] and on_disk["inputs"]["base"]["digest"]
     v = on_disk["variants"][0]
     assert set(v) >= {"name", "restored", "size_bytes", "metrics", "decode_ms_per_token"}
