@@ -319,7 +319,7 @@ def test_compare_refuses_rows_scored_on_other_tokens(tmp_path, capsys):
     t["target"] = t["target"].roll(1)
     save_file(t, str(p))
     (tmp_path / "results.json").write_text(json.dumps(results))
-    assert main(["compare", str(tmp_path), "gdn", "build"]) != 0
+    assert main(["compare", str(tmp_path), "gdn", "build"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "different tokens of c" in err and "Traceback" not in err
     assert main(["compare", str(tmp_path), "build-again", "build"]) == 0
