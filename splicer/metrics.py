@@ -157,6 +157,7 @@ def summarize(pos: dict[str, torch.Tensor], reps: int = 1000) -> dict:
         "sequences": int(torch.unique(unit[counted]).numel()),
         "top1": mean(top1),
         "top1_ci": bootstrap_mean_ci(top1, unit, reps, weight=w, bounds=(0.0, 1.0)),
+        "top1_ties": "symmetric",  # top1_agreement's rule; summaries without it counted only the base's ties
         "kl": mean(kl),
         "kl_ci": bootstrap_mean_ci(kl, unit, reps, weight=w, bounds=(0.0, math.inf)),
         "kl_median": quantile(kl, 0.5),

@@ -216,7 +216,10 @@ def _kl_bound(results: dict) -> str:
 
 
 def _top1_rule(results: dict) -> str:
-    if results.get("top1_ties") == "symmetric":
+    """How top-1 read ties, from the rows' own summaries (a resumed run may keep rows scored by an older splicer)."""
+    summaries = [m for v in results.get("variants", []) if v.get("status") == "ok"
+                 for m in (v.get("metrics") or {}).values() if isinstance(m, dict)]
+    if summaries and all(m.get("top1_ties") == "symmetric" for m in summaries):
         return ("top-1 counts agreement when the base's tied maxima and the variant's share a token (ties read the same "
                 "way on both sides, so no sort order decides)")
     return "top-1 counts a variant's choice among tied maxima of the base as agreement (the variant's own ties not read)"

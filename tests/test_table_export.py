@@ -233,6 +233,7 @@ def test_the_kl_footnote_names_the_plans_top_k_or_says_it_was_not_recorded(tmp_p
     assert "top_k" not in results
     md = render(_write(tmp_path / "old", results))
     assert "top-20" not in md and "top-k (top-k not recorded in this results.json)" in md
+    assert "the variant's own ties not read" in md  # scored before top-1 read ties on both sides: said, not hidden
     results["top_k"] = 5
     md = render(_write(tmp_path / "k5", results))
     assert "over the base's top-5 with the rest lumped" in md and "own top-5 (an id missing there gets its 5th" in md

@@ -23,7 +23,6 @@ def new_results(job: dict, plan: Plan, corpora: list[Corpus], cache: Path, quant
         "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job,
         "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
         "top_k": plan.top_k,  # the KL columns are over the base's top-k: the table names k from here
-        "top1_ties": "symmetric",  # metrics.top1_agreement; files without it counted only the base's ties
         "backend": None, "engine_version": None, "device": None,
         "inputs": {"build": job["build"], "base": job["base"]},
         "corpora": {c.name: {"kind": c.kind, "sequences": len(c.sequences), "positions": c.positions(),
