@@ -252,16 +252,17 @@ def _comparison(point: torch.Tensor, draws: torch.Tensor, clusters: int, strata:
     ma, mb = draws[0] / draws[2], draws[1] / draws[2]
     half = small_sample_half_width(float((ma - mb).std()), clusters, strata)
     out["diff_ci"] = [diff - half, diff + half]
-    out["significant"] = _excludes_zero(out["diff_ci"])
+    out["significant"] = excludes_zero(out["diff_ci"])
     if rel is not None and bool((mb != 0).all()):
         rh = small_sample_half_width(float((ma / mb - 1).std()), clusters, strata)
         out["rel_ci"] = [rel - rh, rel + rh]
-        out["rel_significant"] = _excludes_zero(out["rel_ci"])
+        out["rel_significant"] = excludes_zero(out["rel_ci"])
     return out
 
 
-def _excludes_zero(ci: list[float]) -> bool:
-    return bool(ci[0] > 0 or ci[1] < 0)
+def excludes_zero(ci: list[float] | None) -> bool | None:
+    """The verdict of an interval: True when it excludes 0 (significant, resolved); None without one."""
+    return None if ci is None else bool(ci[0] > 0 or ci[1] < 0)
 
 
 def fold_engine_noise(cmp: dict, noise: dict | None) -> dict:
@@ -294,7 +295,7 @@ def fold_engine_noise(cmp: dict, noise: dict | None) -> dict:
             df = (v_boot + v_noise) ** 2 / (v_boot ** 2 / df_boot + v_noise ** 2 / df_noise)
             half = _t975(max(int(df), 1)) * math.sqrt(v_boot + v_noise)
             out[ci_key] = [x - half, x + half]
-        out[flag] = _excludes_zero(out[ci_key])
+        out[flag] = excludes_zero(out[ci_key])
     return out
 
 

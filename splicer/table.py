@@ -52,7 +52,7 @@ import math
 from pathlib import Path
 
 from .errors import SplicerError
-from .metrics import TOO_FEW
+from .metrics import TOO_FEW, excludes_zero
 
 
 def _dnll_corpora(results: dict) -> list[str]:
@@ -110,10 +110,10 @@ def records(results: dict) -> list[dict]:
         # each verdict from the interval shown beside it (ΔKL's is the ratio's, not the difference's)
         lo, hi = kl.get("rel_ci") or (None, None)
         rec.update({"kl_change_vs_build": kl.get("rel"), "kl_change_ci_low": lo, "kl_change_ci_high": hi,
-                    "kl_change_significant": None if lo is None else bool(lo > 0 or hi < 0)})
+                    "kl_change_significant": excludes_zero(kl.get("rel_ci"))})
         lo, hi = top1.get("diff_ci") or (None, None)
         rec.update({"top1_change_vs_build": top1.get("diff"), "top1_change_ci_low": lo, "top1_change_ci_high": hi,
-                    "top1_change_significant": None if lo is None else bool(lo > 0 or hi < 0)})
+                    "top1_change_significant": excludes_zero(top1.get("diff_ci"))})
         rec["change_note"] = "too few sequences" if TOO_FEW in (kl.get("why"), top1.get("why")) else None
         out.append(rec)
     return out
@@ -437,9 +437,8 @@ def compare(out_dir: Path, a: str, b: str) -> str:
         x, ci = (cmp["rel"], cmp["rel_ci"]) if rel else (cmp["diff"], cmp["diff_ci"])
         if x is None:
             return ""
-        verdict = None if ci is None else bool(ci[0] > 0 or ci[1] < 0)  # the verdict of the interval shown
         note = "too few sequences" if cmp.get("why") == TOO_FEW else None
-        return _change(x, *(ci or (None, None)), verdict, scale, "", "n.s.", digits, note=note)
+        return _change(x, *(ci or (None, None)), excludes_zero(ci), scale, "", "n.s.", digits, note=note)
 
     rows = []
     pooled = "pooled over corpora (position-weighted)"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .metrics import TOO_FEW, decode_difference, engine_level, fold_engine_noise, paired_comparison
+from .metrics import decode_difference, engine_level, fold_engine_noise, paired_comparison
 
 METHOD = ("paired on the same positions; 95 % intervals from a stratified bootstrap over sequences "
           "(a chat conversation is one sequence), Student's t on its standard error; pooled over corpora position-weighted, "
