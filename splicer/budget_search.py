@@ -178,7 +178,8 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
         model.additivity = saved
     if strata:
         r = _pooled_or(paired_comparison(strata, reps), model.corpus)
-        out["error_kl"] = {"diff": -r["diff"], "ci": [-r["diff_ci"][1], -r["diff_ci"][0]]}  # measured - predicted
+        ci = r["diff_ci"]  # None: too few sequences for an interval (metrics.MIN_SEQUENCES)
+        out["error_kl"] = {"diff": -r["diff"], "ci": None if ci is None else [-ci[1], -ci[0]]}  # measured - predicted
     elif measured_kl is not None:
         out["error_kl"] = {"diff": measured_kl - stored["kl"], "ci": None}
     m_v, n_v = _decode(results, row)

@@ -1,14 +1,16 @@
 """`splicer report DIR`: the findings of an ablate run as sentences, every figure computed from DIR/results.json.
 
 A results README quotes these sentences rather than typing figures by hand; `ablate` writes them to DIR/report.md
-beside table.md after every row. Verdicts follow verdicts.py: a score difference is "significant" when its 95 %
-interval excludes 0, a decode difference "resolved" when its interval excludes 0; otherwise the sentence says not.
+beside table.md after every row. Verdicts follow verdicts.py: a score difference is "significant" when the 95 %
+interval shown excludes 0 (a corpus of too few sequences gets neither interval nor verdict, and the sentence says so), a
+decode difference "resolved" when its interval excludes 0, within the run; otherwise the sentence says not.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from .metrics import TOO_FEW, excludes_zero
 from .table import fmt_change, load_results
 
 
@@ -19,7 +21,10 @@ def _score_clause(cmp: dict | None, label: str, scale: float, unit: str, rel: bo
     if x is None:
         return None
     lo, hi = ci if ci else (None, None)
-    verdict = {True: "", False: ", not significant", None: ""}[cmp.get("significant")]
+    # the verdict of the interval shown (a ratio's for ΔKL, the difference's otherwise)
+    verdict = ", not significant" if excludes_zero(ci) is False else ""
+    if ci is None and cmp.get("why") == TOO_FEW:
+        verdict = " (too few sequences for an interval)"
     return f"{label} {fmt_change(x, lo, hi, scale, unit, digits)}{verdict}"
 
 
@@ -29,13 +34,18 @@ def _decode_clause(d: dict | None) -> str | None:
     if d.get("rel") is None:
         return f"decode not compared ({d.get('why', 'too few engines timed')})"
     lo, hi = d["rel_ci"]
-    verdict = "" if d.get("resolved") else ", not resolved"
+    verdict = ", resolved within this run" if d.get("resolved") else ", not resolved"
     return f"decode {fmt_change(d['rel'], lo, hi)}{verdict} ({d['variant_ms']:.3f} vs {d['reference_ms']:.3f} ms/token)"
+
+
+def _level(engines: dict) -> str:
+    """How an engine's ms/token was summarized from its blocks (files written before the median: the mean)."""
+    return "median of each engine's blocks" if engines.get("level") else "mean of each engine's blocks"
 
 
 def findings(results: dict) -> list[str]:
     """One sentence per finding, in the table's row order."""
-    from .verdicts import engine_means_text, per_gpu_engines_text, pooled_kl
+    from .verdicts import engine_means_text, noise_text, per_gpu_engines_text, pooled_kl
 
     out = []
     variants = [v for v in results.get("variants", []) if v.get("status") == "ok"]
@@ -45,12 +55,14 @@ def findings(results: dict) -> list[str]:
         kl = pooled_kl(build)
         out.append(f"build: KL {kl:.4f} nats per position pooled over corpora (position-weighted; a chat prefix shared "
                    "with an earlier conversation counted once).")
+        if (results.get("verdicts") or {}).get("method"):
+            out.append(f"Score differences against the build: {noise_text(results)}.")
     if engines and engines.get("by_gpu"):
-        out.append(f"The build on {engines['engines']} engines (mean of each engine's blocks), each row compared with "
+        out.append(f"The build on {engines['engines']} engines ({_level(engines)}), each row compared with "
                    f"the build on its own GPU: {per_gpu_engines_text(engines)}.")
     elif engines:
         ms = engine_means_text(engines)
-        out.append(f"The build on {engines['engines']} engines: {ms} ms/token (mean of each engine's blocks); largest "
+        out.append(f"The build on {engines['engines']} engines: {ms} ms/token ({_level(engines)}); largest "
                    f"difference between two of them {100 * engines['spread']:.2f} %.")
     for v in variants:
         if v["name"] == "build" or v.get("repeat_of"):

@@ -15,9 +15,11 @@ corpus name of the run (results.json "corpora"), in order:
   repeat_of                      the row whose variant this row runs again (timing repeats)
   size_gb                        bytes on disk / 1e9
   top1_<corpus>                  top-1 agreement with the base, as a fraction (Markdown shows %)
-  top1_<corpus>_ci_low, _ci_high its 95 % interval (bootstrap over sequences)
-  kl_<corpus>                    KL(base || variant) over the base's top-20 with the rest lumped, nats per position
-  kl_<corpus>_ci_low, _ci_high   its 95 % interval (sequences resampled)
+  top1_<corpus>_ci_low, _ci_high its 95 % interval (bootstrap over sequences); every interval is missing for a corpus of
+                                 fewer than 5 sequences (metrics.MIN_SEQUENCES: too few for one)
+  kl_<corpus>                    KL(base || variant) over the base's top-k (the plan's top_k, results.json "top_k") with the
+                                 rest lumped, nats per position
+  kl_<corpus>_ci_low, _ci_high   its 95 % interval (sequences resampled; Student's t on the bootstrap's standard error)
   dnll_<corpus>                  extra nats per token on the base's greedy answers (corpora with answers: chat)
   dnll_<corpus>_ci_low, _ci_high its 95 % interval
   decode_ms_per_token            batch-1 decode ms per token; missing when not timed or not resolved
@@ -25,15 +27,18 @@ corpus name of the run (results.json "corpora"), in order:
   floor_ms_per_token             the time those bytes take at --bandwidth-gbs; missing without it
   decode_change_vs_build         the row's decode time relative to the build's, a fraction (Markdown: "Δ decode" in %),
                                  over every engine of each (the build is timed on 2+ engines: rows with repeat = true)
-  decode_change_ci_low, _high    its 95 % interval (Student's t on the engine-to-engine spread; verdicts.py)
-  decode_change_resolved         true when that interval excludes 0 (Markdown: "not resolved" when false)
+  decode_change_ci_low, _high    its 95 % interval (Student's t on the engine-to-engine spread of this run; verdicts.py)
+  decode_change_resolved         true when that interval excludes 0 (Markdown: "not resolved" when false); it holds within
+                                 the run: how far engines of another run land is not in the interval
   kl_change_vs_build             KL relative to the build's, a fraction, pooled over corpora position-weighted, paired on
                                  the same positions ("ΔKL vs build")
-  kl_change_ci_low, _ci_high     its 95 % interval (stratified bootstrap over sequences, both rows resampled together)
+  kl_change_ci_low, _ci_high     its 95 % interval (stratified bootstrap over sequences, both rows resampled together, the
+                                 engine's measured run-to-run noise folded in where the build was scored on 2+ engines)
   kl_change_significant          true when that interval excludes 0 (Markdown: "n.s." when false)
   top1_change_vs_build           top-1 minus the build's top-1, a fraction, pooled like ΔKL (Markdown: percentage points)
   top1_change_ci_low, _ci_high   its 95 % interval
   top1_change_significant        true when that interval excludes 0
+  change_note                    why the score changes have no interval and no verdict ("too few sequences"), else missing
 The build and rows that repeat another row (more engines of it, for timing) have no changes of their own.
 """
 
@@ -47,6 +52,7 @@ import math
 from pathlib import Path
 
 from .errors import SplicerError
+from .metrics import TOO_FEW, excludes_zero
 
 
 def _dnll_corpora(results: dict) -> list[str]:
@@ -101,12 +107,14 @@ def records(results: dict) -> list[dict]:
         rec.update({"decode_change_vs_build": d.get("rel"), "decode_change_ci_low": lo, "decode_change_ci_high": hi,
                     "decode_change_resolved": d.get("resolved")})
         kl, top1 = (_pooled(v, "kl"), _pooled(v, "top1")) if ok else ({}, {})
+        # each verdict from the interval shown beside it (ΔKL's is the ratio's, not the difference's)
         lo, hi = kl.get("rel_ci") or (None, None)
         rec.update({"kl_change_vs_build": kl.get("rel"), "kl_change_ci_low": lo, "kl_change_ci_high": hi,
-                    "kl_change_significant": kl.get("significant")})
+                    "kl_change_significant": excludes_zero(kl.get("rel_ci"))})
         lo, hi = top1.get("diff_ci") or (None, None)
         rec.update({"top1_change_vs_build": top1.get("diff"), "top1_change_ci_low": lo, "top1_change_ci_high": hi,
-                    "top1_change_significant": top1.get("significant")})
+                    "top1_change_significant": excludes_zero(top1.get("diff_ci"))})
+        rec["change_note"] = "too few sequences" if TOO_FEW in (kl.get("why"), top1.get("why")) else None
         out.append(rec)
     return out
 
@@ -124,11 +132,12 @@ def fmt_change(x: float, lo: float | None, hi: float | None, scale: float = 100,
     return text + (f" [{scale * lo:+.{d}f}, {scale * hi:+.{d}f}]" if lo is not None and hi is not None else "")
 
 
-def _change(x, lo, hi, verdict, scale: float, unit: str, quiet: str, digits: int | None = None) -> str:
-    """fmt_change, with `quiet` after it when the interval includes 0 (verdict False)."""
+def _change(x, lo, hi, verdict, scale: float, unit: str, quiet: str, digits: int | None = None, note: str | None = None) -> str:
+    """fmt_change, with `quiet` after it when the interval includes 0 (verdict False), or the note saying why there is
+    no interval (too few sequences)."""
     if x is None:
         return ""
-    return fmt_change(x, lo, hi, scale, unit, digits) + (f" {quiet}" if verdict is False else "")
+    return fmt_change(x, lo, hi, scale, unit, digits) + (f" {quiet}" if verdict is False else f" ({note})" if note and lo is None else "")
 
 
 def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
@@ -164,9 +173,9 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
         row.append(_change(r["decode_change_vs_build"], r["decode_change_ci_low"], r["decode_change_ci_high"],
                            r["decode_change_resolved"], 100, " %", "not resolved"))
         row.append(_change(r["kl_change_vs_build"], r["kl_change_ci_low"], r["kl_change_ci_high"],
-                           r["kl_change_significant"], 100, " %", "n.s."))
+                           r["kl_change_significant"], 100, " %", "n.s.", note=r["change_note"]))
         row.append(_change(r["top1_change_vs_build"], r["top1_change_ci_low"], r["top1_change_ci_high"],
-                           r["top1_change_significant"], 100, "", "n.s."))
+                           r["top1_change_significant"], 100, "", "n.s.", note=r["change_note"]))
         rows.append(row)
     return headers, rows, _footnotes(results)
 
@@ -193,37 +202,56 @@ def caption(results: dict) -> str:
 
 
 def _kl_bound(results: dict) -> str:
-    """What the KL columns are, which depends on what the backend can return."""
+    """What the KL columns are, which depends on what the backend can return and on the plan's top_k (recorded in
+    results.json; a file written before it was recorded says so rather than guess)."""
+    k = results.get("top_k")
+    top = f"top-{k}" if isinstance(k, int) else "top-k (top-k not recorded in this results.json)"
     if results.get("backend") == "vllm":
-        return ("KL = KL(base ‖ variant) over the base's top-20 with the rest lumped, the variant's log-probs taken from its "
-                "own top-20 (an id missing there gets its 20th log-prob): a lower bound on the full KL, looser than the torch "
-                "backend's, so KLs of the two backends are not comparable")
-    return ("KL = KL(base ‖ variant) over the base's top-20 with the rest lumped, the variant's exact log-probs at those ids: "
+        kth = f"its {k}th log-prob" if isinstance(k, int) else "its k-th log-prob"
+        return (f"KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's log-probs taken from its "
+                f"own top-{k if isinstance(k, int) else 'k'} (an id missing there gets {kth}): a lower bound on the full KL, "
+                "looser than the torch backend's, so KLs of the two backends are not comparable")
+    return (f"KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's exact log-probs at those ids: "
             "a lower bound on the full KL (data-processing inequality)")
 
 
+def _top1_rule(results: dict) -> str:
+    """How top-1 read ties, from the rows' own summaries (a resumed run may keep rows scored by an older splicer)."""
+    summaries = [m for v in results.get("variants", []) if v.get("status") == "ok"
+                 for m in (v.get("metrics") or {}).values() if isinstance(m, dict)]
+    if summaries and all(m.get("top1_ties") == "symmetric" for m in summaries):
+        return ("top-1 counts agreement when the base's tied maxima and the variant's share a token (ties read the same "
+                "way on both sides, so no sort order decides)")
+    return "top-1 counts a variant's choice among tied maxima of the base as agreement (the variant's own ties not read)"
+
+
 def _footnotes(results: dict) -> list[str]:
-    from .verdicts import engine_means_text, per_gpu_engines_text, pooled_kl
+    from .metrics import MIN_SEQUENCES
+    from .verdicts import engine_means_text, noise_text, per_gpu_engines_text, pooled_kl
 
     notes = []
     method = (results.get("verdicts") or {}).get("method")
     if method:
-        notes.append(f"ΔKL and Δtop-1 vs build: {method}; n.s. = not significant. ΔKL is relative to the build's KL "
-                     "(`splicer compare DIR ROW build` gives it per corpus).")
+        notes.append(f"ΔKL and Δtop-1 vs build: {method}; n.s. = not significant; {noise_text(results)}. ΔKL is relative to "
+                     "the build's KL (`splicer compare DIR ROW build` gives it per corpus). A corpus of fewer than "
+                     f"{MIN_SEQUENCES} sequences supports no interval: \"too few sequences\" then stands for both.")
     engines = (results.get("verdicts") or {}).get("build_engines")
     d = next((v["decode_vs_build"] for v in results["variants"] if (v.get("decode_vs_build") or {}).get("rel") is not None), None)
     timed = any(r.get("decode_ms_per_token") for r in results["variants"])
     if d and engines and engines.get("by_gpu"):
-        ref = "the mean of the build's engines on the row's own GPU"
+        ref = "the mean of the build's engines' levels on the row's own GPU"
         spread = f"the build's engines on each GPU ({per_gpu_engines_text(engines)})"
     elif d:
-        ref = f"the mean of the build's {d['engines'][1]} engines, {d['reference_ms']:.3f} ms/token"
+        ref = f"the mean of the build's {d['engines'][1]} engines' levels, {d['reference_ms']:.3f} ms/token"
         spread = (f"the build's engines ({engine_means_text(engines)}; "
                   f"largest difference {100 * engines['spread']:.2f} %)") if engines else "engines of the rows timed more than once"
     if d:
-        notes.append(f"Δ decode vs build: a row's mean over its engines' blocks against {ref} (the decode column shows each "
-                     f"row's own median); the interval is Student's t on the spread between {spread}, df {d['df']}; "
-                     "not resolved = the interval includes 0.")
+        level = ("the median of its timed blocks, which a stray block does not move" if d.get("engine_summary")
+                 else "the mean of its timed blocks, as splicer computed it when this results.json was written")
+        notes.append(f"Δ decode vs build: the mean of a row's engines' levels (an engine's level: {level}) against {ref}; the interval is Student's t on the spread "
+                     f"between {spread}, df {d['df']}, never narrower than the blocks' own scatter allows; not resolved = the "
+                     "interval includes 0. Resolved holds within this run: engines of another run can land further apart, "
+                     "and that is not in the interval.")
     elif timed:
         notes.append("Δ decode vs build: not computed: the build was timed on fewer than two engines, so the engine-to-engine "
                      "spread is unknown (run the plan's `repeat = true` row of the build too, e.g. build-again).")
@@ -271,7 +299,7 @@ def _footnotes(results: dict) -> list[str]:
         notes.append(f"Row {s['name']} skipped: {s['reason']}.")
     b = results.get("backend_info") or {}
     notes.append(f"Backend {results.get('backend')} ({results.get('engine_version')}, {results.get('device')}); "
-                 f"{_kl_bound(results)}; top-1 counts a variant's choice among tied maxima of the base as agreement; "
+                 f"{_kl_bound(results)}; {_top1_rule(results)}; "
                  "dNLL = extra nats per token on the base's greedy chat answers; "
                  f"decode = batch-1 ms/token{' on ' + b['device'] if b.get('device') else ''}.")
     env = b.get("engine_env") or {}
@@ -462,7 +490,7 @@ def compare(out_dir: Path, a: str, b: str) -> str:
     """Paired differences between any two finished variants on the same positions (verdicts.compare_scores)."""
     from tabulate import tabulate
 
-    from .verdicts import compare_scores
+    from .verdicts import compare_scores, fold_noise, noise_text
 
     out_dir = Path(out_dir)
     results = load_results(out_dir)
@@ -478,12 +506,16 @@ def compare(out_dir: Path, a: str, b: str) -> str:
         raise SplicerError(f"{e}; rerun splicer ablate on {out_dir}") from None
     if c is None:
         raise SplicerError(f"no score files of {a} and {b} under {out_dir / 'scores'}; rerun splicer ablate on {out_dir}")
+    c = fold_noise(c, (results.get("verdicts") or {}).get("engine_noise"))
 
     def cell(cmp, scale, digits, rel=False):
         if not cmp or cmp.get("diff") is None:
             return ""
         x, ci = (cmp["rel"], cmp["rel_ci"]) if rel else (cmp["diff"], cmp["diff_ci"])
-        return _change(x, *(ci or (None, None)), cmp.get("significant"), scale, "", "n.s.", digits)
+        if x is None:
+            return ""
+        note = "too few sequences" if cmp.get("why") == TOO_FEW else None
+        return _change(x, *(ci or (None, None)), excludes_zero(ci), scale, "", "n.s.", digits, note=note)
 
     rows = []
     pooled = "pooled over corpora (position-weighted)"
@@ -498,4 +530,4 @@ def compare(out_dir: Path, a: str, b: str) -> str:
                      tablefmt="github", disable_numparse=True)
     from .verdicts import METHOD
 
-    return table + f"\n\n{a} − {b}: {METHOD}; n.s. = not significant."
+    return table + f"\n\n{a} − {b}: {METHOD}; n.s. = not significant; {noise_text(results)}."

@@ -7,24 +7,33 @@ Scores. Two variants are scored on the same positions, so their difference is es
 with a 95 % interval from a stratified cluster bootstrap (metrics.paired_comparison): the independent unit is a
 sequence (a chat conversation is one sequence), resampled within its corpus, both variants together. Per corpus, and
 pooled over corpora weighing every counted position once (a chat position repeating an earlier conversation's shared
-prefix counts 0). A difference is significant when its interval excludes 0. The noise floor (the base scored again)
-is what the engine's own nondeterminism costs: a reference level, never a threshold.
+prefix counts 0). A difference is significant when its interval excludes 0; a corpus with fewer than
+metrics.MIN_SEQUENCES sequences gets no interval and no verdict ("too few sequences"). The engine's own run-to-run
+noise: where the build was scored on two or more engines (the plan's `repeat = true` rows of the build) their
+differences measure it and it is folded into every interval (engine_noise, metrics.fold_engine_noise); otherwise the
+intervals leave it out, and the table and report say so. The noise floor (the base scored again) is a reference
+level, never a threshold.
 
 Decode. Every engine of a variant times several blocks; engines of one variant differ more than blocks of one engine
 do, so the build is timed on two or more engines (plan rows with `repeat = true`) and the engine-to-engine spread
-sets the interval (metrics.decode_difference). A difference is resolved when its interval excludes 0. Rows spread over
-GPUs (--gpus) are compared with the build's engines on their own GPU, the spread pooled over GPUs.
+sets the interval (metrics.decode_difference; an engine's level is the median of its blocks). A difference is resolved
+when its interval excludes 0, which holds within the run: how far engines of another run land is not in the interval.
+Rows spread over GPUs (--gpus) are compared with the build's engines on their own GPU, the spread pooled over GPUs.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from .metrics import decode_difference, paired_comparison
+import torch
+
+from .metrics import decode_difference, engine_level, fold_engine_noise, paired_comparison
 
 METHOD = ("paired on the same positions; 95 % intervals from a stratified bootstrap over sequences "
-          "(a chat conversation is one sequence); pooled over corpora position-weighted, a shared chat prefix counted once; "
-          "significant when the interval excludes 0")
+          "(a chat conversation is one sequence), Student's t on its standard error; pooled over corpora position-weighted, "
+          "a shared chat prefix counted once; significant when the interval shown excludes 0")
+QUANTITIES = ("kl", "top1", "dnll")
 
 
 def _load_scores(out: Path, row: str, corpus: str):
@@ -34,27 +43,134 @@ def _load_scores(out: Path, row: str, corpus: str):
     return load_file(str(p)) if p.exists() else None
 
 
+def _same_positions(sa: dict, sb: dict, a: str, b: str, corpus: str) -> None:
+    """Two rows' score files of one corpus cover the same positions of the same tokens, or a ValueError naming where
+    they differ (files written before scores recorded their tokens: the same sequences, weights and answers)."""
+    keys = ["target"] if "target" in sa and "target" in sb else ["seq_index", "weight", "answer_mask"]
+    for key in keys:
+        x, y = sa.get(key), sb.get(key)
+        if x is None and y is None:
+            continue
+        if x is None or y is None or x.shape != y.shape:
+            raise ValueError(f"{a} and {b} were scored on different positions of {corpus} ({key} differs in length)")
+        if not torch.equal(x, y):
+            first = int((x != y).flatten().nonzero()[0])
+            what = "tokens" if key == "target" else "positions"
+            raise ValueError(f"{a} and {b} were scored on different {what} of {corpus} (first at position {first})")
+
+
 def compare_scores(out: Path, a: str, b: str, corpora: list[str], reps: int = 2000, seed: int = 0) -> dict | None:
     """Paired differences a - b of KL, top-1 and (corpora with answers) dNLL, per corpus and pooled; None when a
-    variant has no score files here. Each quantity is a metrics.paired_comparison result."""
+    variant has no score files here. Each quantity is a metrics.paired_comparison result; the unit resampled is a
+    sequence, or a group of them where the score files carry a `group` per position."""
     kl, top1, dnll = {}, {}, {}
     for corpus in corpora:
         sa, sb = _load_scores(out, a, corpus), _load_scores(out, b, corpus)
         if sa is None or sb is None:
             continue
-        if sa["seq_index"].shape != sb["seq_index"].shape:
-            raise ValueError(f"{a} and {b} were scored on different positions of {corpus}")
-        w = sa.get("weight")
-        kl[corpus] = {"a": sa["kl_top"], "b": sb["kl_top"], "cluster": sa["seq_index"], "weight": w}
-        top1[corpus] = {"a": sa["top1"].float(), "b": sb["top1"].float(), "cluster": sa["seq_index"], "weight": w}
+        _same_positions(sa, sb, a, b, corpus)
+        w, unit = sa.get("weight"), sa.get("group", sa["seq_index"])
+        kl[corpus] = {"a": sa["kl_top"], "b": sb["kl_top"], "cluster": unit, "weight": w}
+        top1[corpus] = {"a": sa["top1"].float(), "b": sb["top1"].float(), "cluster": unit, "weight": w}
         if "answer_mask" in sa and bool(sa["answer_mask"].any()):
             m = sa["answer_mask"].bool()
-            dnll[corpus] = {"a": sa["dlogp"][m], "b": sb["dlogp"][m], "cluster": sa["seq_index"][m],
+            dnll[corpus] = {"a": sa["dlogp"][m], "b": sb["dlogp"][m], "cluster": unit[m],
                             "weight": None if w is None else w[m]}
     if not kl:
         return None
     return {"kl": paired_comparison(kl, reps, seed), "top1": paired_comparison(top1, reps, seed),
             "dnll": paired_comparison(dnll, reps, seed) if dnll else None}
+
+
+def engine_noise(results: dict, out: Path) -> dict | None:
+    """The engine's run-to-run noise on the scores, measured from the build's engines scored on the same positions
+    (the build and its `repeat = true` rows): per quantity, per corpus and pooled, the standard deviation of the
+    difference of two engines' means (diff) and of their ratio (rel), with its degrees of freedom (engines - 1), for
+    metrics.fold_engine_noise. None when the build was scored on fewer than two engines; {"why": ...} and no quantities
+    when their per-position scores are not at hand."""
+    rows = [v["name"] for v in results.get("variants", []) if v.get("status") == "ok"
+            and "build" in (v["name"], v.get("repeat_of"))]
+    corpora = list(results.get("corpora", {}))
+    # per engine row: per quantity, per corpus (and pooled): (weighted sum, weight)
+    sums = {}
+    for row in rows:
+        per = {q: {} for q in QUANTITIES}
+        for corpus in corpora:
+            s = _load_scores(out, row, corpus)
+            if s is None:
+                break
+            w = s["weight"].double() if "weight" in s else torch.ones(s["kl_top"].numel(), dtype=torch.float64)
+            per["kl"][corpus] = (float((s["kl_top"].double() * w).sum()), float(w.sum()))
+            per["top1"][corpus] = (float((s["top1"].double() * w).sum()), float(w.sum()))
+            if "answer_mask" in s and bool(s["answer_mask"].any()):
+                m = s["answer_mask"].double() * w
+                per["dnll"][corpus] = (float((s["dlogp"].double() * m).sum()), float(m.sum()))
+        else:
+            sums[row] = per
+    if len(rows) < 2:
+        return None
+    if len(sums) < 2:
+        return {"rows": rows, "df": len(rows) - 1, "why": "the per-position scores of the build's engines are not in this folder"}
+    first = next(iter(sums))
+
+    def spread(parts):  # parts: per engine (sum, weight), the first the build's own row
+        means = [x / n for x, n in parts]
+        if any(n <= 0 for _, n in parts):
+            return None
+        rel = [m / means[0] for m in means] if means[0] else None
+        return {"diff": _pair_sd(means), "rel": _pair_sd(rel) if rel else None}
+
+    noise = {"rows": list(sums), "df": len(sums) - 1}
+    for q in QUANTITIES:
+        corp = [c for c in corpora if all(c in sums[r][q] for r in sums)]
+        if not corp:
+            noise[q] = None
+            continue
+        per_stratum = {c: spread([sums[r][q][c] for r in sums]) for c in corp}
+        pooled = spread([(sum(sums[r][q][c][0] for c in corp), sum(sums[r][q][c][1] for c in corp)) for r in sums])
+        noise[q] = {"per_stratum": per_stratum, "pooled": pooled}
+    noise["reference_row"] = first
+    return noise
+
+
+def _pair_sd(values: list[float]) -> float:
+    """Standard deviation of the difference of two of these (engines of one variant): sqrt(2 x their variance)."""
+    mu = sum(values) / len(values)
+    return math.sqrt(2 * sum((x - mu) ** 2 for x in values) / (len(values) - 1))
+
+
+def fold_noise(vs: dict, noise: dict | None) -> dict:
+    """A compare_scores result with the measured engine noise (engine_noise) folded into every interval."""
+    out = {}
+    for q, cmp in vs.items():
+        if not cmp:
+            out[q] = cmp
+            continue
+        nq = (noise or {}).get(q) or {}
+        scope = {"df": noise["df"], "rows": noise["rows"]} if noise else None
+        pick = lambda part: None if not part or not scope else dict(scope, **part)  # noqa: E731
+        out[q] = {"per_stratum": {c: fold_engine_noise(r, pick((nq.get("per_stratum") or {}).get(c)))
+                                  for c, r in cmp["per_stratum"].items()},
+                  **({"pooled": fold_engine_noise(cmp["pooled"], pick(nq.get("pooled")))} if "pooled" in cmp else {})}
+    return out
+
+
+def noise_text(results: dict) -> str:
+    """What the score intervals hold of the engine's own noise, for table, report and compare."""
+    verdicts = results.get("verdicts") or {}
+    noise = verdicts.get("engine_noise")
+    if "engine_noise" not in verdicts:
+        return ("the engine's run-to-run noise is not in these intervals (this results.json was written before splicer "
+                "measured it; rerun splicer ablate on the folder to fold it in)")
+    if not noise:
+        return ("the engine's run-to-run noise is not in these intervals (the build was scored on one engine only; a "
+                "`repeat = true` row of the build measures it)")
+    if noise.get("why"):
+        return f"the engine's run-to-run noise is not in these intervals ({noise['why']})"
+    kl = ((noise.get("kl") or {}).get("pooled") or {}).get("diff")
+    size = "0: this engine is deterministic" if kl == 0 else f"KL sd {kl:.2g} between two engines" if kl is not None else "measured"
+    return (f"the engine's run-to-run noise, measured from the build's engines scored on the same positions "
+            f"({', '.join(noise['rows'])}; {size}), is folded into these intervals")
 
 
 def _timed_rows(results: dict, name: str, gpu=...) -> list[tuple[str, list[float]]]:
@@ -116,6 +232,8 @@ def attach(results: dict, out: Path, reps: int = 2000) -> None:
         return
     corpora = list(results.get("corpora", {}))
     results["verdicts"]["build_engines"] = build_engine_agreement(results)
+    # Recomputed every time, like the decode verdicts: a later row may be another engine of the build.
+    noise = results["verdicts"]["engine_noise"] = engine_noise(results, out)
     for name, v in ok.items():
         v.pop("paired_vs_build", None)
         v.pop("within_noise", None)
@@ -123,9 +241,14 @@ def attach(results: dict, out: Path, reps: int = 2000) -> None:
             continue
         # A row's scores and the build's never change once written, so their comparison is made once (it resamples
         # every position: seconds per row at 100 k positions, and results.json is rewritten after every row).
-        scored = compare_scores(out, name, "build", corpora, reps) if not v.get("repeat_of") and "vs_build" not in v else None
+        # (A comparison written before intervals needed enough sequences, and verdicts followed the interval shown, is
+        # made again once.)
+        stale = "vs_build" not in v or "rel_significant" not in (((v["vs_build"] or {}).get("kl") or {}).get("pooled") or {})
+        scored = compare_scores(out, name, "build", corpora, reps) if not v.get("repeat_of") and stale else None
         if scored is not None:
             v["vs_build"] = scored
+        if v.get("vs_build"):
+            v["vs_build"] = fold_noise(v["vs_build"], noise)
         # Recomputed every time: a later row may be another engine of the build, which changes every interval.
         v.pop("decode_vs_build", None)
         d = decode_vs_build(results, name) if not v.get("repeat_of") else None
@@ -134,26 +257,26 @@ def attach(results: dict, out: Path, reps: int = 2000) -> None:
 
 
 def build_engine_agreement(results: dict) -> dict | None:
-    """The build's engines: each one's mean ms/token and the largest relative difference between two of them on one
+    """The build's engines: each one's level (metrics.engine_level, the median of its blocks) and the largest relative difference between two of them on one
     GPU (spread over GPUs: per GPU in by_gpu, and the largest of those as spread)."""
     per_gpu = {}
     for gpu in _gpus(results):
         engines = _timed_rows(results, "build", gpu)
         if len(engines) >= 2:
-            means = [sum(e) / len(e) for _, e in engines]
+            means = [engine_level(e) for _, e in engines]
             per_gpu[gpu] = {"engines": len(engines), "mean_ms": means, "spread": max(means) / min(means) - 1,
-                            "rows": [row for row, _ in engines]}
+                            "rows": [row for row, _ in engines], "level": "median of blocks"}
     if not per_gpu:
         return None
     if list(per_gpu) == [None]:
         return per_gpu[None]
     return {"engines": sum(g["engines"] for g in per_gpu.values()), "mean_ms": [m for g in per_gpu.values() for m in g["mean_ms"]],
             "spread": max(g["spread"] for g in per_gpu.values()), "rows": [r for g in per_gpu.values() for r in g["rows"]],
-            "by_gpu": {str(k): g for k, g in per_gpu.items()}}
+            "by_gpu": {str(k): g for k, g in per_gpu.items()}, "level": "median of blocks"}
 
 
 def engine_means_text(engines: dict) -> str:
-    """'build 4.356, build-again 4.379': each engine of the build (a row) and the mean of its blocks in ms/token."""
+    """'build 4.356, build-again 4.379': each engine of the build (a row) and the median of its blocks in ms/token."""
     return ", ".join(f"{n} {m:.3f}" for n, m in zip(engines["rows"], engines["mean_ms"]))
 
 

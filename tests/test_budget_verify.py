@@ -25,8 +25,8 @@ top_k = 20
 name = "wiki-en"
 kind = "builtin"
 text = "wiki-en"
-chunk_tokens = 32
-max_chunks = 2
+chunk_tokens = 16
+max_chunks = 5
 [timing]
 prompt_tokens = 8
 new_tokens = 3

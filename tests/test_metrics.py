@@ -125,3 +125,61 @@ def test_hub_corpus_through_the_datasets_api(monkeypatch, pairs):
     c = build_corpus(spec, tok, 4096, None)
     assert asked == {"name": "Salesforce/wikitext", "config": "wikitext-2-raw-v1", "split": "test", "streaming": True}
     assert len(c.sequences) == 5 and all(len(s) == 64 for s in c.sequences)
+
+
+def _tied_topk(logits: torch.Tensor, order: torch.Tensor, k: int = 8):
+    """Top-k of logits [N, V] as an engine that breaks ties by its own id order would return them: order[i] is id i's
+    place in that order (ids earlier in it come first among equal values)."""
+    lp = torch.log_softmax(logits.double(), -1).float()
+    key = lp.double() * 1e6 - order.double()[None, :] * 1e-3  # value first, then the engine's id order
+    idx = key.topk(k, -1).indices
+    return idx, lp.gather(1, idx)
+
+
+def test_top1_agreement_is_symmetric_and_the_vocabulary_order_changes_nothing():
+    """Ties on either side (BF16 logits tie often): another valid tie order, i.e. the vocabulary in another order, must
+    not change which positions agree, and swapping base and variant must not either. (Ties that run past the top-k an
+    engine returns are beyond any rule: the data here keep them inside it.)"""
+    g = torch.Generator().manual_seed(5)
+    n, vocab = 400, 12
+    base_logits = torch.round(torch.randn(n, vocab, generator=g) * 3)  # coarse values: ties at the top are common
+    var_logits = torch.round(base_logits + 0.8 * torch.randn(n, vocab, generator=g))
+    corpus = Corpus("c", "text", [list(range(n + 1))])
+    agree = []
+    for seed in (0, 1, 2):
+        order = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+        (bi, bl), (vi, vl) = _tied_topk(base_logits, order), _tied_topk(var_logits, order)
+        base = {"lengths": torch.tensor([n]), "topk_ids": bi, "topk_logprobs": bl, "target_logprobs": torch.zeros(n)}
+        var = {"topk_ids": vi, "topk_logprobs": vl, "target_logprobs": torch.zeros(n)}
+        agree.append(position_records(base, var, corpus, None)["top1"])
+    var_ties = (vl[:, 1] == vl[:, 0]).float().mean()
+    assert var_ties > 0.05  # the data do have ties among the variant's maxima
+    assert all(torch.equal(agree[0], a) for a in agree[1:])
+    from splicer.metrics import top1_agreement
+
+    assert torch.equal(top1_agreement(bi, bl, vi, vl), top1_agreement(vi, vl, bi, bl))  # symmetric
+    # without ties it is plain argmax equality
+    plain = top1_agreement(torch.tensor([[3, 1]]), torch.tensor([[-0.1, -2.0]]), torch.tensor([[1, 3]]), torch.tensor([[-0.2, -1.0]]))
+    assert plain.tolist() == [False]
+
+
+def test_a_corpus_of_too_few_sequences_has_no_interval_and_the_interval_is_t_based():
+    from splicer.metrics import MIN_SEQUENCES, small_sample_half_width
+
+    vals = torch.tensor([0.1, 0.3, 0.2, 0.5, 0.4, 0.9, 0.6, 0.2])
+    assert bootstrap_mean_ci(vals, torch.arange(8) // 2) is None  # 4 sequences
+    seq = torch.arange(8) * MIN_SEQUENCES // 8  # 5 sequences
+    lo, hi = bootstrap_mean_ci(vals, seq, reps=4000)
+    sums = torch.zeros(5, dtype=torch.float64).index_add_(0, seq, vals.double())
+    counts = torch.zeros(5, dtype=torch.float64).index_add_(0, seq, torch.ones(8, dtype=torch.float64))
+    # the bootstrap's standard error of a ratio estimator is close to the delta method's; t(4) x sqrt(5/4) widens it
+    mean = float(vals.mean())
+    resid = sums / counts.mean() - mean * counts / counts.mean()
+    se = float(resid.std(correction=0)) / math.sqrt(5)
+    half = small_sample_half_width(se, 5)
+    assert (hi - lo) / 2 == pytest.approx(half, rel=0.1) and lo < mean < hi
+    # a grouped unit: 8 sequences in 2 groups are 2 units, too few
+    rec = {"seq_index": torch.arange(8), "group": torch.arange(8) // 4, "top1": torch.ones(8, dtype=torch.bool),
+           "kl_top": vals, "tail": torch.zeros(8), "dlogp": torch.zeros(8)}
+    s = summarize(rec, reps=50)
+    assert s["sequences"] == 2 and s["kl_ci"] is None and s["top1_ci"] is None

@@ -224,3 +224,35 @@ def test_engine_environment_is_in_the_footnotes_the_cache_key_and_the_job(tmp_pa
     build = SimpleNamespace(header_digest=lambda: "h")
     jobs = [make_job(plan, [], "B", build, "R", "r", s)["settings"] for s in (plain, env)]
     assert "engine_env" not in jobs[0] and jobs[1]["engine_env"] == {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}
+
+
+def test_the_kl_footnote_names_the_plans_top_k_or_says_it_was_not_recorded(tmp_path):
+    """results.json records the plan's top_k; the KL note names it (top-5 here, not a hard-coded top-20), and a file
+    written before it was recorded says so rather than guess."""
+    results = json.loads((RESULTS / "h200-fulldims/run-10/results.json").read_text())
+    assert "top_k" not in results
+    md = render(_write(tmp_path / "old", results))
+    assert "top-20" not in md and "top-k (top-k not recorded in this results.json)" in md
+    assert "the variant's own ties not read" in md  # scored before top-1 read ties on both sides: said, not hidden
+    results["top_k"] = 5
+    md = render(_write(tmp_path / "k5", results))
+    assert "over the base's top-5 with the rest lumped" in md and "own top-5 (an id missing there gets its 5th" in md
+    assert "top-20" not in md
+
+
+def test_decode_verdicts_say_they_hold_within_the_run(tmp_path):
+    """Runs 10 and 11 of the same plan give non-overlapping experts-only intervals: the engines' spread across runs is
+    not in an interval, and table, report and the CSV's column description say "resolved" holds within the run."""
+    from splicer.report import render_report
+    from splicer.table import __doc__ as columns
+    from splicer.verdicts import attach
+
+    results = json.loads((RESULTS / "h200-fulldims/run-11/results.json").read_text())
+    attach(results, tmp_path)  # today's verdicts on the committed timings (its score files are not committed)
+    md = render(_write(tmp_path / "r", results))
+    assert "Resolved holds within this run" in md and "median of its timed blocks" in md
+    assert "per-position scores of the build's engines are not in this folder" in md
+    report = render_report(results)
+    gdn = next(x for x in report.splitlines() if x.startswith("- gdn "))
+    assert "decode -1.08 % [" in gdn and "resolved within this run" in gdn
+    assert "holds within" in columns and "the run" in columns

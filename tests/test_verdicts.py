@@ -193,3 +193,133 @@ def test_spread_over_gpus_each_row_is_compared_with_the_build_on_its_own_gpu():
     # The same rows with no GPU recorded (one GPU): the slow GPU's rows would look 5 % slower than the build.
     flat = {"variants": [{k: v for k, v in r.items() if k != "gpu"} for r in results["variants"]]}
     assert decode_vs_build(flat, "gdn")["rel"] > 0.04
+
+
+def test_two_sequences_support_no_interval_and_no_verdict():
+    """One sequence in each of two corpora: every resample draws the same sequences, so the bootstrap's interval has
+    zero width (it called Δtop-1 -3.23 [-3.23, -3.23] significant). Too few sequences: no interval, no verdict."""
+    from splicer.metrics import TOO_FEW
+
+    a, b = torch.tensor([0.0, 1.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 1.0, 1.0])
+    strata = {c: {"a": a, "b": b, "cluster": torch.zeros(4, dtype=torch.long), "weight": None} for c in ("x", "y")}
+    r = paired_comparison(strata, reps=200)
+    for part in (r["pooled"], *r["per_stratum"].values()):
+        assert part["diff"] == -0.5 and part["diff_ci"] is None and part["significant"] is None and part["why"] == TOO_FEW
+
+
+def test_a_kl_zero_row_gets_the_verdict_of_the_interval_shown(tmp_path):
+    """A variant with KL 0 everywhere (the base) is -100 % of the build's KL in every resample: that interval excludes 0,
+    so the ΔKL column, which shows it, must not say n.s. even where the difference's own interval includes 0."""
+    from splicer.table import records, render_markdown
+
+    cluster = torch.arange(12) // 2
+    b = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 30.0, 30.0])  # one sequence carries most of it
+    kl = paired_comparison({"c": {"a": torch.zeros(12), "b": b, "cluster": cluster, "weight": None}}, reps=500)
+    pooled = kl["pooled"]
+    assert pooled["diff_ci"][0] < 0 < pooled["diff_ci"][1] and pooled["significant"] is False
+    assert pooled["rel_ci"] == pytest.approx([-1.0, -1.0]) and pooled["rel_significant"] is True
+    results = {"corpora": {"c": {"positions": 12}}, "variants": [
+        {"name": "build", "restored": [], "status": "ok", "metrics": {}},
+        {"name": "base", "restored": "base", "status": "ok", "metrics": {}, "vs_build": {"kl": kl, "top1": kl}}]}
+    rec = {r["variant"]: r for r in records(results)}["base"]
+    assert rec["kl_change_significant"] is True and rec["top1_change_significant"] is False
+    line = next(x for x in render_markdown(results).splitlines() if x.startswith("| base"))
+    assert "-100.0 % [-100.0, -100.0] |" in line.replace("  ", " ") or "-100.0 % [-100.0, -100.0]" in line
+    assert line.count("n.s.") == 1  # Δtop-1's (the difference's interval) only
+
+
+def test_a_stray_block_does_not_move_a_decode_verdict():
+    """One block of 5.411 ms among six of 4.31-4.32 (gdn of the H200 stand-in's run 11) moved the mean by 3 % and
+    left the row unresolved at +2.4 % [-6.6, +11.3]; an engine's level is the median of its blocks: -1.1 %, resolved."""
+    import json
+    from pathlib import Path
+
+    from splicer.verdicts import decode_vs_build
+
+    results = json.loads((Path(__file__).parents[1] / "results/h200-fulldims/run-11/results.json").read_text())
+    gdn = decode_vs_build(results, "gdn")
+    assert gdn["rel"] == pytest.approx(-0.0108, abs=0.0005) and gdn["resolved"] and gdn["rel_ci"][1] < 0
+    assert gdn["engine_summary"] == "median of blocks"
+    # and synthetically: a planted +2 % row keeps its verdict when one of its blocks is 25 % off
+    rng = random.Random(8)
+    build = _engines(rng, 4.38, 3, 7, 0.0015, 0.001)
+    variant = _engines(rng, 4.38 * 1.02, 1, 7, 0.0015, 0.001)
+    clean = decode_difference(variant, build)
+    variant[0][3] *= 1.25
+    stray = decode_difference(variant, build)
+    assert stray["resolved"] and abs(stray["rel"] - clean["rel"]) < 0.002
+
+
+def _score_file(folder, row, corpus, kl, top1, target):
+    from safetensors.torch import save_file
+
+    (folder / "scores" / row).mkdir(parents=True, exist_ok=True)
+    n = kl.numel()
+    save_file({"seq_index": (torch.arange(n) // 10).int(), "kl_top": kl.float(), "top1": top1, "target": target,
+               "weight": torch.ones(n), "dlogp": torch.zeros(n), "tail": torch.zeros(n)},
+              str(folder / "scores" / row / f"{corpus}.safetensors"))
+
+
+def _noise_run(tmp_path, again_shift):
+    """A build, a build-again shifted by again_shift (the engine's own run-to-run noise), and gdn 2 % below the build."""
+    gen = torch.Generator().manual_seed(3)
+    kl, cluster = _scores(gen, 20, 10)
+    target = torch.randint(0, 100, (kl.numel(),), generator=gen).int()
+    top1 = torch.ones(kl.numel(), dtype=torch.bool)
+    _score_file(tmp_path, "build", "c", kl, top1, target)
+    _score_file(tmp_path, "build-again", "c", kl * (1 + again_shift), top1, target)
+    _score_file(tmp_path, "gdn", "c", kl * 0.98 * torch.exp(0.01 * torch.randn(kl.shape, generator=gen)), top1, target)
+    ok = {"status": "ok", "metrics": {}}
+    return {"corpora": {"c": {"positions": kl.numel()}}, "variants": [
+        dict(ok, name="build", restored=[]), dict(ok, name="gdn", restored=["gdn"]),
+        dict(ok, name="build-again", restored=[], repeat_of="build")]}
+
+
+def test_engine_noise_from_two_build_engines_is_folded_into_the_score_intervals(tmp_path):
+    """Two engines of the build scored on the same positions measure the engine's run-to-run noise: none (a deterministic
+    engine) leaves the bootstrap's interval as it is; 3 % between the engines makes a 2 % ΔKL not significant."""
+    from splicer.table import render_markdown
+    from splicer.verdicts import attach
+
+    quiet = _noise_run(tmp_path / "quiet", 0.0)
+    attach(quiet, tmp_path / "quiet", reps=400)
+    q = quiet["variants"][1]["vs_build"]["kl"]["pooled"]
+    assert quiet["verdicts"]["engine_noise"]["rows"] == ["build", "build-again"]
+    assert q["rel_ci"] == q["sampling_rel_ci"] and q["rel_significant"] and q["rel"] == pytest.approx(-0.02, abs=0.005)
+    assert "is folded into these intervals" in render_markdown(quiet)
+
+    noisy = _noise_run(tmp_path / "noisy", 0.03)
+    attach(noisy, tmp_path / "noisy", reps=400)
+    n = noisy["variants"][1]["vs_build"]["kl"]["pooled"]
+    assert n["sampling_rel_ci"] == pytest.approx(q["sampling_rel_ci"])  # the same sequences, resampled the same way
+    assert n["engine_noise"]["rel"] == pytest.approx(0.03, rel=1e-3) and n["engine_noise"]["df"] == 1
+    assert n["rel_ci"][0] < q["rel_ci"][0] and n["rel_significant"] is False
+    attach(noisy, tmp_path / "noisy", reps=400)  # results.json is rewritten after every row: folding again changes nothing
+    assert noisy["variants"][1]["vs_build"]["kl"]["pooled"]["rel_ci"] == n["rel_ci"]
+
+    alone = _noise_run(tmp_path / "alone", 0.0)
+    alone["variants"].pop()  # the build on one engine: the noise is unmeasured, and the table says so
+    attach(alone, tmp_path / "alone", reps=400)
+    assert alone["verdicts"]["engine_noise"] is None
+    assert "noise is not in these intervals (the build was scored on one engine only" in render_markdown(alone)
+
+
+def test_compare_refuses_rows_scored_on_other_tokens(tmp_path, capsys):
+    """Same shapes, other tokens (a score folder copied from another run): a one-line refusal, not a comparison."""
+    import json
+
+    from splicer.cli import main
+
+    from safetensors.torch import load_file, save_file
+
+    results = _noise_run(tmp_path, 0.0)
+
+    p = tmp_path / "scores" / "gdn" / "c.safetensors"
+    t = load_file(str(p))
+    t["target"] = t["target"].roll(1)
+    save_file(t, str(p))
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert main(["compare", str(tmp_path), "gdn", "build"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "different tokens of c" in err and "Traceback" not in err
+    assert main(["compare", str(tmp_path), "build-again", "build"]) == 0

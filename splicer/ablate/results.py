@@ -22,6 +22,7 @@ def new_results(job: dict, plan: Plan, corpora: list[Corpus], cache: Path, quant
     return {
         "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job,
         "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
+        "top_k": plan.top_k,  # the KL columns are over the base's top-k: the table names k from here
         "backend": None, "engine_version": None, "device": None,
         "inputs": {"build": job["build"], "base": job["base"]},
         "corpora": {c.name: {"kind": c.kind, "sequences": len(c.sequences), "positions": c.positions(),

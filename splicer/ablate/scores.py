@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..corpora import Corpus
-from ..metrics import fill_missing, kl_full, kl_top_lumped, summarize
+from ..metrics import fill_missing, kl_full, kl_top_lumped, summarize, top1_agreement
 from ..plan import Plan
 from .base_pass import _load_tensors
 from .common import AblateSettings, _batch_size, _pbar
@@ -48,12 +48,15 @@ def position_records(base: dict, var: dict, corpus: Corpus, gathered: torch.Tens
     seq_index = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     if gathered is None:
         gathered = fill_missing(base["topk_ids"], var["topk_ids"], var["topk_logprobs"])
-    # A tie among the base's largest log-probs (BF16 logits tie often: 3.7 % of the demo's positions) makes its top-1
-    # an accident of the sort order: the variant agrees when its choice is any of the base's tied maxima.
+    # BF16 logits tie often, on either side: top-1 agreement counts ties symmetrically (metrics.top1_agreement).
     tied = base["topk_logprobs"] == base["topk_logprobs"][:, :1]
+    # The token each position predicts, so that `compare` can check two rows were scored on the same tokens.
+    target = torch.cat([torch.as_tensor(seq[1:1 + n], dtype=torch.int32)
+                        for seq, n in zip(corpus.sequences, lengths.tolist())]) if len(lengths) else torch.zeros(0, dtype=torch.int32)
     rec = {
         "seq_index": seq_index.int(),
-        "top1": ((base["topk_ids"] == var["topk_ids"][:, :1]) & tied).any(-1),
+        "target": target,
+        "top1": top1_agreement(base["topk_ids"], base["topk_logprobs"], var["topk_ids"], var["topk_logprobs"]),
         "base_tie": tied[:, 1:].any(-1),
         "weight": first_occurrence_weights(corpus.sequences, lengths),
         "kl_top": kl_top_lumped(base["topk_logprobs"], gathered),
