@@ -218,12 +218,15 @@ def _disjoint(a: Atom, b: Atom) -> bool:
 
 
 def _decode(results: dict, v: dict) -> tuple[float | None, int]:
-    """A variant's decode ms/token: the mean of its engines' means (its row and its repeats, as the decode verdicts
-    take it), or the row's own figure when no per-block times were kept; and how many engines that is."""
+    """A variant's decode ms/token: the mean of its engines' levels (its row and its repeats, each engine's level as
+    the decode verdicts take it: metrics.engine_level), or the row's own figure when no per-block times were kept; and
+    how many engines that is."""
+    from .metrics import engine_level
+
     engines = timed_engines(results, v["name"])
     if engines:
-        means = [sum(e) / len(e) for e in engines]
-        return sum(means) / len(means), len(means)
+        levels = [engine_level(e) for e in engines]
+        return sum(levels) / len(levels), len(levels)
     return v.get("decode_ms_per_token"), 1
 
 
