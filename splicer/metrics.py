@@ -300,8 +300,8 @@ def fold_engine_noise(cmp: dict, noise: dict | None) -> dict:
 
 
 def engine_level(blocks: list[float]) -> float:
-    """One engine's decode ms/token from its blocks: their median. A stray block (a hiccup of the host: 5.41 ms
-    among six of 4.31-4.32 on the H200 stand-in) moves the mean by 3 % and the median not at all; with the 5-7 blocks a
+    """One engine's decode ms/token from its blocks: their median. A stray block (a hiccup of the host, 25 % slower
+    than the rest) moves the mean of seven by several percent and the median not at all; with the 5-7 blocks a
     plan times the median still stands when two or three blocks are off, at a cost of about 1/3 more variance than the
     mean's when blocks scatter normally, which matters little since engines differ by more than blocks do."""
     return statistics.median(blocks)

@@ -183,8 +183,8 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
 def caption(results: dict) -> str:
     """One line naming what the table measured: build, base, backend, corpora and positions (for a model card)."""
     inputs = results.get("inputs") or results.get("job") or {}
-    build = (inputs.get("build") or {}).get("source") or "unknown"
-    base = (inputs.get("base") or {}).get("source") or "unknown"
+    build = (inputs.get("build") or {}).get("given") or (inputs.get("build") or {}).get("source") or "unknown"
+    base = (inputs.get("base") or {}).get("given") or (inputs.get("base") or {}).get("source") or "unknown"
     backend = results.get("backend") or ((results.get("job") or {}).get("settings") or {}).get("backend") or "unknown"
     if backend == "vllm" and results.get("engine_version"):
         backend += f" ({results['engine_version']})"

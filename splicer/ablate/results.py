@@ -16,15 +16,21 @@ from .scores import noise_floor
 
 
 def new_results(job: dict, plan: Plan, corpora: list[Corpus], cache: Path, quantized: list[str], frozen: list[str],
-                skipped: list[dict], settings: AblateSettings, earlier_runs: list[dict], started: str) -> dict:
+                skipped: list[dict], settings: AblateSettings, earlier_runs: list[dict], started: str,
+                given: dict | None = None) -> dict:
     """results.json as a run starts: the base pass (read from its cache), the corpora, the rows skipped, and one entry
-    per invocation that worked on this job (a resumed job has several), the rows still to come."""
+    per invocation that worked on this job (a resumed job has several), the rows still to come.
+
+    given: the build and base as this invocation was given them. The job names inputs by their real paths (so that a
+    rerun compares what they are, not how they were spelled); the table's caption shows them as the user wrote them,
+    which keeps this machine's folders out of a table meant for a model card."""
+    given = given or {}
     return {
         "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job,
         "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
         "top_k": plan.top_k,  # the KL columns are over the base's top-k: the table names k from here
         "backend": None, "engine_version": None, "device": None,
-        "inputs": {"build": job["build"], "base": job["base"]},
+        "inputs": {role: dict(job[role], **({"given": given[role]} if given.get(role) else {})) for role in ("build", "base")},
         "corpora": {c.name: {"kind": c.kind, "sequences": len(c.sequences), "positions": c.positions(),
                              "answer_tokens": (sum(len(s) - p for s, p in zip(c.sequences, c.prompt_lens)) if c.prompt_lens else None)}
                     for c in corpora},

@@ -240,7 +240,8 @@ def _run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list,
     with settings.stages.stage("base pass"):
         corpora = base_pass(backend, base.root, plan, settings, cache, tok, corpora, base.arch.chat_stop_tokens)
     schedule.wait_prepared()
-    results = new_results(job, plan, corpora, cache, quantized, frozen, skipped, settings, earlier_runs, started)
+    results = new_results(job, plan, corpora, cache, quantized, frozen, skipped, settings, earlier_runs, started,
+                          given={"build": str(schedule.build_src), "base": str(schedule.base_src)})
     results["class_layers"] = class_layers or {}  # what a whole-class row restores, layer by layer (splicer budget)
 
     def finish_precompile(on_backend, gpu=None) -> None:
