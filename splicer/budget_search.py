@@ -388,8 +388,8 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
         within = ", ".join(f"within {c} {r:.2f}" for c, r in add.within.items())
         across = (f"across classes {add.across:.2f}" if add.across is not None
                   else "across classes assumed 1.00 (no row restores atoms of several classes)")
-        lines.append(f"Additivity of KL reductions (least-squares slopes over the {len(model.checks)} rows restoring several "
-                     f"single-entry rows' modules; 1.00 = additive): {', '.join(x for x in (within, across) if x)}.")
+        lines.append(f"Additivity of KL reductions (least-squares slopes over the {len(model.checks)} "
+                     f"row{'s' if len(model.checks) != 1 else ''} restoring several single-entry rows' modules; 1.00 = additive): {', '.join(x for x in (within, across) if x)}.")
         errs = [c for c in model.checks if c["predicted_kl"] is not None]
         if errs:
             worst = max(errs, key=lambda c: abs(c["predicted_kl"] - c["measured_kl"]))
