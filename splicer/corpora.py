@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .chat import HISTORY, user_turns
+from .chat import HISTORY_TURNS, user_turns
 from .config_schema import MISSING, check_value, describe, expect
 from .errors import SplicerError
 
@@ -69,7 +69,7 @@ CORPUS_FIELDS = {
     "chunk_tokens": expect("int", lo=2, hi=MAX_CHUNK_TOKENS),  # one token scores no position
     "max_chunks": expect("int", lo=1, hi=1 << 20),
     "conversations": expect("int", lo=1, hi=1 << 20),
-    "history_turns": expect("int", lo=0, hi=len(HISTORY)),
+    "history_turns": expect("int", lo=0, hi=HISTORY_TURNS),
     "answer_tokens": expect("int", lo=1, hi=1 << 16),
     "seed": expect("int", lo=0, hi=2**63 - 1),
 }
