@@ -15,8 +15,11 @@ Chat sequences are prompt + answer; only answer positions count for dNLL.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -160,6 +163,31 @@ def _is_unicode(text: str) -> bool:
         return True
     except UnicodeEncodeError:
         return False
+
+
+def hub_unreachable() -> str | None:
+    """Why this process cannot read a Hub dataset, or None when it may (whether the network answers shows only when
+    one is read). Said before a run starts: a plan's Hub corpus is otherwise read after the engine and the base load."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{var}={os.environ[var]} is set"
+    if "datasets" in sys.modules:  # imported already (or marked absent: None)
+        installed = sys.modules["datasets"] is not None
+    else:
+        installed = importlib.util.find_spec("datasets") is not None
+    if not installed:
+        return "the datasets package is not installed (pip install datasets)"
+    return None
+
+
+def check_hub_corpora(specs: list[dict], where: str, instead: str) -> None:
+    """Refuse, in one line, corpus specs of kind hub when hub_unreachable() says they cannot be read; instead: what to
+    pass in their place."""
+    hub = [s for s in specs if s.get("kind") == "hub"]
+    why = hub_unreachable() if hub else None
+    if why:
+        names = ", ".join(f"{s['name']} ({s['dataset']})" for s in hub)
+        raise SplicerError(f"{where} reads {'a corpus' if len(hub) == 1 else 'corpora'} from the Hub, {names}, but {why}; {instead}")
 
 
 def _hub_texts(spec: dict) -> list[str]:

@@ -63,7 +63,8 @@ def test_vllm_backend_without_gpu_is_a_clear_error(pairs, tmp_path, capsys):
     from splicer.cli import main
 
     p = pairs["fused"]
-    code = main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(tmp_path / "o"), "--backend", "vllm", "-q"])
+    code = main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(tmp_path / "o"), "--backend", "vllm", "-q",
+                 "--plan", "demo"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "vLLM backend needs" in err[0]
 

@@ -8,13 +8,14 @@ from pathlib import Path
 
 from .. import spread
 from ..checkpoint import open_checkpoint
+from ..corpora import check_hub_corpora
 from ..errors import SplicerError
 from ..outputs import ABLATE, check_output, exclusive, local_folder
 from ..plan import add_checkpoints, load_plan, resolve_rows
 from ..progress import Stages
 from .base_pass import base_cache
 from .common import AblateSettings, _closing
-from .job import make_job, prepare_corpora, select_rows, write_job
+from .job import _override_corpora, make_job, prepare_corpora, select_rows, write_job
 from .rows import RowSchedule, _run_rows
 
 
@@ -25,13 +26,16 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     keeps the finished rows."""
     from ..backends import make_backend
 
+    from ..arch import all_classes
+
+    plan = load_plan(plan_name, all_classes())  # a plan may name any family's classes; rows this one lacks are skipped
+    # Before a checkpoint is opened (or downloaded): a Hub corpus this process cannot read would fail after the base pass starts.
+    check_hub_corpora(_override_corpora(plan, settings.corpus_overrides), f"plan {plan.name}",
+                      "pass --corpus NAME=FILE (a local .txt or .jsonl) for each, or a plan of local corpora (e.g. --plan demo)")
     build = open_checkpoint(build_src, "build")
     from ..modules import list_modules
     from ..validate import validate_build
 
-    from ..arch import all_classes
-
-    plan = load_plan(plan_name, all_classes())  # a plan may name any family's classes; rows this one lacks are skipped
     added = add_checkpoints(plan, settings.add_checkpoints)
     # A build only scored (`splicer score`, or only checkpoint rows asked for) need not be one splicer can splice.
     asked = {w.strip() for w in rows_spec.split(",")}
