@@ -161,6 +161,9 @@ def _cmd_ablate(args) -> int:
     with removed_on_refusal(Path(out).absolute()):
         if args.demo:
             if not (pair_dir / FIXTURE.record).exists():
+                from .backends import set_torch_threads
+
+                set_torch_threads()  # the pair is drawn with torch too: as many threads as the backend will have
                 pair_dir.parent.mkdir(parents=True, exist_ok=True)
                 write_fixture_folder(pair_dir, lambda d: write_pair(d, FixtureSpec(), kinds=("lowlatency",)), force=True,
                                      what={"demo": True})

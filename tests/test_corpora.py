@@ -1,4 +1,5 @@
-"""The built-in chat set's independence and the early refusal of Hub corpora that cannot be read."""
+"""The built-in chat set's independence, the early refusal of Hub corpora that cannot be read, and the torch thread
+count chosen from the free cores."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from .conftest import tree_digest
 from splicer.ablate import first_occurrence_weights
+from splicer.backends import choose_threads, usable_cores
 from splicer.chat import BUSINESSES, MAX_CONVERSATIONS, NAMES, conversations
 from splicer.cli import main
 from splicer.corpora import build_corpus, check_hub_corpora, validate_spec
@@ -100,3 +102,21 @@ def test_score_and_plan_sweep_say_before_anything_runs_that_the_default_plan_nee
     assert len(err) == 1 and "--from where-error-comes-from reads corpora from the Hub" in err[0] and "--from demo" in err[0]
     assert not sweep.exists() and list(tmp_path.iterdir()) == []
     assert {k: tree_digest(p[k]) for k in ("base", "lowlatency")} == before
+
+
+def test_torch_threads_leave_the_busy_cores_to_others(tmp_path):
+    assert choose_threads(env={}, cores=2, others=2.1) == (1, "torch threads: 1 (2 cores, load 2.1; set SPLICER_THREADS to choose)")
+    assert choose_threads(env={}, cores=2, others=0.4)[0] == 2
+    assert choose_threads(env={}, cores=16, others=3.6)[0] == 12
+    assert choose_threads(env={}, cores=2, others=7.0)[0] == 1
+    # A count the user gave wins: the argument, then SPLICER_THREADS, then OMP_NUM_THREADS.
+    assert choose_threads(3, env={"SPLICER_THREADS": "2"}, cores=2, others=2)[0] == 3
+    assert choose_threads(env={"SPLICER_THREADS": "2", "OMP_NUM_THREADS": "1"}, cores=2, others=2)[0] == 2
+    assert choose_threads(env={"OMP_NUM_THREADS": "4,2"}, cores=2, others=2) == (4, "torch threads: 4 (from OMP_NUM_THREADS)")
+    with pytest.raises(SplicerError, match="SPLICER_THREADS='0' is not a positive whole number"):
+        choose_threads(env={"SPLICER_THREADS": "0"})
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("150000 100000\n")  # a container allowed 1.5 cores
+    assert usable_cores(cpu_max) == 1
+    cpu_max.write_text("max 100000\n")
+    assert usable_cores(cpu_max) == usable_cores(tmp_path / "none") >= 1

@@ -100,3 +100,24 @@ def test_cuda_kernel_advice_is_dropped_on_the_cpu_only():
     assert not logger.filter(record("`chunk_gated_delta_rule` is falling back to its reference PyTorch implementation "
                                     "because `flash-linear-attention` is not installed."))
     assert logger.filter(record("any other warning"))
+
+
+def test_torch_backend_takes_the_thread_count_chosen_or_given(monkeypatch):
+    import torch
+
+    from splicer.backends.torch_ref import TorchBackend
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("SPLICER_THREADS", "1")
+        backend = TorchBackend("cpu")
+        assert (torch.get_num_threads(), backend.threads_note) == (1, "torch threads: 1 (from SPLICER_THREADS)")
+        assert backend.describe()["threads"] == 1
+        monkeypatch.delenv("SPLICER_THREADS")
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        backend = TorchBackend("cpu")
+        assert backend.threads_note.startswith(f"torch threads: {torch.get_num_threads()} (") and " cores, load " in backend.threads_note
+        TorchBackend("cpu", threads=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
