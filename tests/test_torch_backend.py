@@ -121,3 +121,25 @@ def test_torch_backend_takes_the_thread_count_chosen_or_given(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_threads_option_reaches_the_torch_backend_and_is_refused_for_vllm(pairs, tmp_path, capsys, monkeypatch):
+    from splicer.backends.torch_ref import TorchBackend
+    from splicer.cli import main
+    from splicer.errors import SplicerError
+
+    p = pairs["fused"]
+    asked = []
+
+    def stop(self, device="auto", dtype="bfloat16", threads=None):
+        asked.append(threads)
+        raise SplicerError("stopped once the backend was asked for")
+
+    monkeypatch.setattr(TorchBackend, "__init__", stop)
+    argv = ["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(tmp_path / "o"), "-q", "--plan", "demo", "--threads"]
+    assert main([*argv, "3"]) == 2 and asked == [3]
+    assert "stopped once the backend was asked for" in capsys.readouterr().err
+    assert main([*argv, "1", "--backend", "vllm"]) == 2 and asked == [3]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--threads sets the torch backend's CPU threads" in err[0]
+    assert not (tmp_path / "o").exists()

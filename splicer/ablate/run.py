@@ -56,7 +56,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 "one_process": not settings.process_per_variant, "overlap_starts": settings.overlap_starts,
                 "rewake_before_timing": settings.rewake_before_timing, "precompile": settings.precompile,
                 "engine_env": settings.engine_env}
-               if settings.backend == "vllm" else {})
+               if settings.backend == "vllm" else {"threads": settings.threads})
     if settings.gpus and settings.backend != "vllm":
         raise SplicerError("--gpus spreads rows over GPUs with the vLLM backend; add --backend vllm or drop --gpus")
     if settings.gpus:
