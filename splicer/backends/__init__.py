@@ -155,11 +155,20 @@ def choose_threads(requested: int | None = None, env=None, cores: int | None = N
     return n, f"torch threads: {n} ({cores} cores, load {others:.1f}; set {THREADS_VARIABLE} to choose)"
 
 
+_threads_note: str | None = None  # set_torch_threads' last choice: torch's thread count is the process's, not a backend's
+
+
 def set_torch_threads(requested: int | None = None) -> str:
-    """Apply choose_threads to this process's torch; returns its line for the log."""
-    n, why = choose_threads(requested)
+    """Apply choose_threads to this process's torch; returns its line for the log (torch_threads_note gives it later)."""
+    global _threads_note
+    n, _threads_note = choose_threads(requested)
     torch.set_num_threads(n)
-    return why
+    return _threads_note
+
+
+def torch_threads_note() -> str | None:
+    """The line of set_torch_threads' last choice in this process; None when nothing chose yet."""
+    return _threads_note
 
 
 def make_backend(name: str, device: str = "auto", **options) -> Backend:
