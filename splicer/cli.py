@@ -128,6 +128,8 @@ def _cmd_ablate(args) -> int:
         check_gpus(gpus, args.overlap_starts)
     if gpus and args.device != "auto":
         raise SplicerError(f"--gpus {args.gpus} and --device {args.device}: --gpus names the GPUs; drop --device")
+    if args.threads and args.backend != "torch":
+        raise SplicerError("--threads sets the torch backend's CPU threads; vLLM's engine processes take their share of the cores themselves")
     if (engine_args or engine_env) and args.backend != "vllm":
         raise SplicerError("engine options (--engine-arg, --engine-env, --max-model-len, ...) apply to --backend vllm only")
     settings = AblateSettings(backend=args.backend, device=args.device, time_decode=not args.no_time,
@@ -135,7 +137,7 @@ def _cmd_ablate(args) -> int:
                               allow_quantized_base=args.allow_quantized_base, process_per_variant=args.process_per_variant,
                               overlap_starts=args.overlap_starts, precompile=args.precompile, engine_cache_dir=args.engine_cache_dir,
                               rewake_before_timing=args.rewake_before_timing, gpus=gpus,
-                              engine_args=engine_args, engine_env=engine_env, bandwidth_gbs=args.bandwidth_gbs,
+                              engine_args=engine_args, engine_env=engine_env, bandwidth_gbs=args.bandwidth_gbs, threads=args.threads,
                               add_checkpoints=tuple(args.add))
     from .outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
 
@@ -161,6 +163,9 @@ def _cmd_ablate(args) -> int:
     with removed_on_refusal(Path(out).absolute()):
         if args.demo:
             if not (pair_dir / FIXTURE.record).exists():
+                from .backends import set_torch_threads
+
+                set_torch_threads(args.threads)  # the pair is drawn with torch too: as many threads as the backend will have
                 pair_dir.parent.mkdir(parents=True, exist_ok=True)
                 write_fixture_folder(pair_dir, lambda d: write_pair(d, FixtureSpec(), kinds=("lowlatency",)), force=True,
                                      what={"demo": True})
@@ -301,6 +306,8 @@ def _run_options(s) -> None:
     s.add_argument("--backend", default="torch", choices=["torch", "vllm"])
     s.add_argument("--device", default="auto", help="torch backend: cpu, cuda, cuda:N or auto")
     s.add_argument("--corpus", action="append", metavar="NAME=FILE", help="replace a plan corpus with a local .txt/.jsonl file")
+    s.add_argument("--threads", type=_count(1), help="torch backend: CPU threads (default: SPLICER_THREADS, else "
+                   "OMP_NUM_THREADS, else the cores other processes leave free)")
     s.add_argument("--batch-size", type=_count(1), default=None, help="sequences per forward/engine call (torch 4, vllm 256)")
     s.add_argument("--tensor-parallel-size", type=_count(1), help="vllm: GPUs per engine")
     s.add_argument("--max-model-len", type=_count(2), help="vllm: context length")

@@ -15,13 +15,16 @@ Chat sequences are prompt + answer; only answer positions count for dNLL.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .chat import HISTORY, user_turns
+from .chat import HISTORY_TURNS, user_turns
 from .config_schema import MISSING, check_value, describe, expect
 from .errors import SplicerError
 
@@ -69,7 +72,7 @@ CORPUS_FIELDS = {
     "chunk_tokens": expect("int", lo=2, hi=MAX_CHUNK_TOKENS),  # one token scores no position
     "max_chunks": expect("int", lo=1, hi=1 << 20),
     "conversations": expect("int", lo=1, hi=1 << 20),
-    "history_turns": expect("int", lo=0, hi=len(HISTORY)),
+    "history_turns": expect("int", lo=0, hi=HISTORY_TURNS),
     "answer_tokens": expect("int", lo=1, hi=1 << 16),
     "seed": expect("int", lo=0, hi=2**63 - 1),
 }
@@ -160,6 +163,31 @@ def _is_unicode(text: str) -> bool:
         return True
     except UnicodeEncodeError:
         return False
+
+
+def hub_unreachable() -> str | None:
+    """Why this process cannot read a Hub dataset, or None when it may (whether the network answers shows only when
+    one is read). Said before a run starts: a plan's Hub corpus is otherwise read after the engine and the base load."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{var}={os.environ[var]} is set"
+    if "datasets" in sys.modules:  # imported already (or marked absent: None)
+        installed = sys.modules["datasets"] is not None
+    else:
+        installed = importlib.util.find_spec("datasets") is not None
+    if not installed:
+        return "the datasets package is not installed (pip install datasets)"
+    return None
+
+
+def check_hub_corpora(specs: list[dict], where: str, instead: str) -> None:
+    """Refuse, in one line, corpus specs of kind hub when hub_unreachable() says they cannot be read; instead: what to
+    pass in their place."""
+    hub = [s for s in specs if s.get("kind") == "hub"]
+    why = hub_unreachable() if hub else None
+    if why:
+        names = ", ".join(f"{s['name']} ({s['dataset']})" for s in hub)
+        raise SplicerError(f"{where} reads {'a corpus' if len(hub) == 1 else 'corpora'} from the Hub, {names}, but {why}; {instead}")
 
 
 def _hub_texts(spec: dict) -> list[str]:

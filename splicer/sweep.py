@@ -80,6 +80,12 @@ def write_sweep(build_src: str, cls: str, groups: int, out: str | Path, template
         raise SplicerError(f"-o {str(out)[:80]} exists; choose a new file name (a plan is never overwritten)")
     if not out.parent.is_dir():
         raise SplicerError(f"the folder of -o ({out.parent}) does not exist; create it first")
+    from .arch import all_classes
+    from .corpora import check_hub_corpora
+
+    # Before the build is opened (or downloaded): the plan is written to be run, and its Hub corpora could not be read.
+    check_hub_corpora(load_plan(template, all_classes()).corpora, f"--from {template}",
+                      "pass --from demo, or a plan whose corpora are local files (kind = \"text\")")
     build = open_checkpoint(build_src, "build")
     folder = out.parent.resolve()
     for p in protected_paths([build.root]):  # the build's folder, where its files really live, its Hub-cache repo

@@ -11,6 +11,27 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 
 
+
+def _set_threads() -> str:
+    """torch's threads for the whole session from the cores free now (or OMP_NUM_THREADS / SPLICER_THREADS), and the
+    same count for the subprocesses tests start: on a shared machine one thread too many made the suite crawl."""
+    import torch
+
+    from splicer.backends import choose_threads
+
+    n, why = choose_threads()
+    torch.set_num_threads(n)
+    os.environ.setdefault("OMP_NUM_THREADS", str(n))
+    return why
+
+
+THREADS = _set_threads()
+
+
+def pytest_report_header(config):
+    return THREADS
+
+
 @pytest.fixture(scope="session")
 def pairs(tmp_path_factory) -> dict[str, dict[str, Path]]:
     """{'fused': {...}, 'per_expert': {...}}: base + lowlatency build (+ experts-g32 for fused)."""

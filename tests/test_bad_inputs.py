@@ -145,7 +145,7 @@ CASES = [
     ("plan-name-is-a-path", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace('name = "gdn"', 'name = "../gdn"'))), "not a plain name"),
     ("plan-rows-not-tables", lambda p, t: _ablate(p, t, plan=_plan(t, 'row = "build"\n' + PLAN[:PLAN.index("[[row]]")])), "row (an array of [[row]] tables) is a string"),
     ("plan-is-a-folder", lambda p, t: _ablate(p, t, plan=_folder(t, "plan.toml")), "cannot read plan"),
-    ("plan-too-many-conversations", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace("conversations = 3", "conversations = 500"))), "user turns"),
+    ("plan-too-many-conversations", lambda p, t: _ablate(p, t, plan=_plan(t, PLAN.replace("conversations = 3", "conversations = 500"))), "the built-in chat set has 72 conversations"),
     ("module-packed-and-plain", lambda p, t: ["splice", "--restore", "gdn", str(_mut(p["lowlatency"], t, _plain_beside_packed)), str(p["base"]), "-o", str(t / "out")], "holds both packed tensors"),
     ("corpus-text-not-a-string", lambda p, t: _ablate(p, t, "--corpus", "wiki-en=" + str(_file(t, "c.jsonl", b'{"text": 12}'))), "line 1: 'text' is 12, not a string"),
 ]

@@ -225,7 +225,8 @@ def test_plan_sweep_into_a_full_disk_is_one_line_and_leaves_nothing(pairs, tmp_p
     out_dir = tmp_path / "plans"
     out_dir.mkdir()
     _failing_writes(monkeypatch, out_dir, errno.ENOSPC)
-    assert main(["plan", "sweep", str(build), "--class", "gdn", "--groups", "2", "-o", str(out_dir / "sweep.toml")]) == 2
+    assert main(["plan", "sweep", str(build), "--class", "gdn", "--groups", "2", "-o", str(out_dir / "sweep.toml"),
+                 "--from", "demo"]) == 2
     assert f"cannot write {out_dir / 'sweep.toml'}: no space left" in _one_line(capsys)
     assert list(out_dir.iterdir()) == [] and tree_digest(build) == before
 

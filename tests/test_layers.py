@@ -137,22 +137,25 @@ def test_plan_sweep_writes_group_leave_one_out_and_whole_rows(pairs, tmp_path, c
         ("gdn", ["gdn"], False), ("build-again", [], True)]
     assert plan.corpora == load_plan("demo", all_classes()).corpora
     two = tmp_path / "two.toml"
-    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(two)]) == 0
+    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(two),
+                 "--from", "demo"]) == 0
     assert [r.name for r in load_plan(str(two), all_classes()).rows] == ["build", "gdn-1", "gdn-2", "gdn", "build-again"]
     capsys.readouterr()
     for args, message in ((["--groups", "4"], "--groups 4: give 2 to 3"), (["--groups", "2", "--class", "lm_head"], "no quantized lm_head"),
                           (["--groups", "2", "--class", "nope"], "--class 'nope'")):
-        argv = ["plan", "sweep", str(pairs["fused"]["lowlatency"]), "-o", str(tmp_path / "x.toml"), *args]
+        argv = ["plan", "sweep", str(pairs["fused"]["lowlatency"]), "-o", str(tmp_path / "x.toml"), "--from", "demo", *args]
         if "--class" not in args:
             argv += ["--class", "gdn"]
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
         assert not (tmp_path / "x.toml").exists()
-    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(two)]) == 2
+    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(two),
+                 "--from", "demo"]) == 2
     assert "exists" in capsys.readouterr().err
     inside = pairs["fused"]["lowlatency"] / "sweep.toml"
-    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(inside)]) == 2
+    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(inside),
+                 "--from", "demo"]) == 2
     assert "inside the build folder" in capsys.readouterr().err and not inside.exists()
 
 
@@ -195,7 +198,7 @@ def test_sweep_refuses_a_bad_template_and_a_class_in_one_layer(pairs, tmp_path, 
     template = tmp_path / "t.toml"
     template.write_text('name = "t"\ndescription = "d"\ntop_k = 20\n[[row]]\nname = "b"\nrestore = []\n')
     for args, message in ((["--class", "gdn", "--from", str(template)], f"plan {template} declares no [[corpus]]"),
-                          (["--class", "attention"], "attention quantized in one decoder layer only")):
+                          (["--class", "attention", "--from", "demo"], "attention quantized in one decoder layer only")):
         assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--groups", "2", "-o", str(tmp_path / "s.toml"), *args]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "s.toml").exists()

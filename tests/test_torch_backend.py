@@ -63,7 +63,8 @@ def test_vllm_backend_without_gpu_is_a_clear_error(pairs, tmp_path, capsys):
     from splicer.cli import main
 
     p = pairs["fused"]
-    code = main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(tmp_path / "o"), "--backend", "vllm", "-q"])
+    code = main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(tmp_path / "o"), "--backend", "vllm", "-q",
+                 "--plan", "demo"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "vLLM backend needs" in err[0]
 
@@ -99,3 +100,49 @@ def test_cuda_kernel_advice_is_dropped_on_the_cpu_only():
     assert not logger.filter(record("`chunk_gated_delta_rule` is falling back to its reference PyTorch implementation "
                                     "because `flash-linear-attention` is not installed."))
     assert logger.filter(record("any other warning"))
+
+
+def test_torch_backend_takes_the_thread_count_chosen_or_given(monkeypatch):
+    import torch
+
+    from splicer.backends.torch_ref import TorchBackend
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("SPLICER_THREADS", "1")
+        backend = TorchBackend("cpu")
+        assert (torch.get_num_threads(), backend.threads_note) == (1, "torch threads: 1 (from SPLICER_THREADS)")
+        assert backend.describe()["threads"] == 1
+        from splicer.backends import torch_threads_note
+
+        assert torch_threads_note() == backend.threads_note  # the line run_ablate writes into DIR/ablate.log
+        monkeypatch.delenv("SPLICER_THREADS")
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        backend = TorchBackend("cpu")
+        assert backend.threads_note.startswith(f"torch threads: {torch.get_num_threads()} (") and " cores, load " in backend.threads_note
+        TorchBackend("cpu", threads=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_threads_option_reaches_the_torch_backend_and_is_refused_for_vllm(pairs, tmp_path, capsys, monkeypatch):
+    from splicer.backends.torch_ref import TorchBackend
+    from splicer.cli import main
+    from splicer.errors import SplicerError
+
+    p = pairs["fused"]
+    asked = []
+
+    def stop(self, device="auto", dtype="bfloat16", threads=None):
+        asked.append(threads)
+        raise SplicerError("stopped once the backend was asked for")
+
+    monkeypatch.setattr(TorchBackend, "__init__", stop)
+    argv = ["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(tmp_path / "o"), "-q", "--plan", "demo", "--threads"]
+    assert main([*argv, "3"]) == 2 and asked == [3]
+    assert "stopped once the backend was asked for" in capsys.readouterr().err
+    assert main([*argv, "1", "--backend", "vllm"]) == 2 and asked == [3]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--threads sets the torch backend's CPU threads" in err[0]
+    assert not (tmp_path / "o").exists()

@@ -24,6 +24,7 @@ class AblateSettings:
     engine_args: dict = field(default_factory=dict)
     engine_env: dict = field(default_factory=dict)  # vllm: environment variables for every engine process (--engine-env)
     bandwidth_gbs: float | None = None  # memory bandwidth for the decode floor column (H200: 4800)
+    threads: int | None = None  # torch: CPU threads (--threads); None: SPLICER_THREADS, OMP_NUM_THREADS or the free cores
     bootstrap: int = 1000
     progress: bool = True
     process_per_variant: bool = False  # vllm: a fresh worker process per variant instead of one for the run

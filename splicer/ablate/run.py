@@ -8,13 +8,14 @@ from pathlib import Path
 
 from .. import spread
 from ..checkpoint import open_checkpoint
+from ..corpora import check_hub_corpora
 from ..errors import SplicerError
 from ..outputs import ABLATE, check_output, exclusive, local_folder
 from ..plan import add_checkpoints, load_plan, resolve_rows
 from ..progress import Stages
 from .base_pass import base_cache
 from .common import AblateSettings, _closing
-from .job import make_job, prepare_corpora, select_rows, write_job
+from .job import _override_corpora, make_job, prepare_corpora, select_rows, write_job
 from .rows import RowSchedule, _run_rows
 
 
@@ -23,15 +24,18 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     the job record, the base pass (cached in DIR/cache), each row (run_row: its folder from RowSchedule, scores in
     DIR/scores/ROW, timing), results.json, table.md and report.md rewritten after every row. A rerun of the same job
     keeps the finished rows."""
-    from ..backends import make_backend
-
-    build = open_checkpoint(build_src, "build")
-    from ..modules import list_modules
-    from ..validate import validate_build
+    from ..backends import make_backend, torch_threads_note
 
     from ..arch import all_classes
 
     plan = load_plan(plan_name, all_classes())  # a plan may name any family's classes; rows this one lacks are skipped
+    # Before a checkpoint is opened (or downloaded): a Hub corpus this process cannot read would fail after the base pass starts.
+    check_hub_corpora(_override_corpora(plan, settings.corpus_overrides), f"plan {plan.name}",
+                      "pass --corpus NAME=FILE (a local .txt or .jsonl) for each, or a plan of local corpora (e.g. --plan demo)")
+    build = open_checkpoint(build_src, "build")
+    from ..modules import list_modules
+    from ..validate import validate_build
+
     added = add_checkpoints(plan, settings.add_checkpoints)
     # A build only scored (`splicer score`, or only checkpoint rows asked for) need not be one splicer can splice.
     asked = {w.strip() for w in rows_spec.split(",")}
@@ -52,7 +56,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
                 "one_process": not settings.process_per_variant, "overlap_starts": settings.overlap_starts,
                 "rewake_before_timing": settings.rewake_before_timing, "precompile": settings.precompile,
                 "engine_env": settings.engine_env}
-               if settings.backend == "vllm" else {})
+               if settings.backend == "vllm" else {"threads": settings.threads})
     if settings.gpus and settings.backend != "vllm":
         raise SplicerError("--gpus spreads rows over GPUs with the vLLM backend; add --backend vllm or drop --gpus")
     if settings.gpus:
@@ -91,6 +95,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         # Set per run: a settings object reused for another DIR must not keep logging into the first one's log.
         settings.stages = Stages(quiet=not settings.progress, log_path=out / "ablate.log")
         settings.stages.line(f"ablate {rows_spec} of plan {plan.name}: {build_src} against {base_src} into {out}")
+        if settings.backend == "torch" and (note := torch_threads_note()):
+            settings.stages.line(note)
         job = make_job(plan, corpora, build_src, build, base_src, base_digest, settings)
         done, earlier_runs = write_job(out, job, settings.stages, settings.extend_only)
         t_start = time.perf_counter()

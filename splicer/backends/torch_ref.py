@@ -20,7 +20,8 @@ import torch
 
 from ..checkpoint import open_checkpoint
 from ..errors import SplicerError
-from . import SequenceScores, decode_summary
+from . import SequenceScores, decode_summary, set_torch_threads
+
 
 def _pick_device(device: str) -> torch.device:
     if device == "auto":
@@ -55,8 +56,9 @@ class TorchBackend:
         if self.device.type == "cpu":
             logging.getLogger("transformers.integrations.hub_kernels").addFilter(_cuda_kernel_advice_on_cpu)
         self.dtype = getattr(torch, dtype)
-        if threads:
-            torch.set_num_threads(threads)
+        # Chosen from the cores free now unless the user set a count: a thread more than the free cores makes every
+        # step wait on it (backends.choose_threads). Said once in the run's log.
+        self.threads_note = set_torch_threads(threads)
         self.model = None
         self.folder: Path | None = None
 
