@@ -136,8 +136,8 @@ def choose_threads(requested: int | None = None, env=None, cores: int | None = N
 
     A count the user gave wins (requested, then SPLICER_THREADS, then OMP_NUM_THREADS). Otherwise the cores this
     process may use less the cores other processes keep busy, at least one: torch's threads wait for each other by
-    spinning, so with more threads than free cores each step waits for the slowest thread's next time slice (the demo
-    took over 240 s beside two busy processes on 2 cores with 2 threads, 77 s with one)."""
+    spinning, so with more threads than free cores each step waits for the slowest thread's next time slice: beside two
+    busy processes on 2 cores, 2 threads made the demo three times slower than 1."""
     env = os.environ if env is None else env
     if requested:
         return requested, f"torch threads: {requested} (asked for)"
