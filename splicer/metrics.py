@@ -77,8 +77,8 @@ def top1_agreement(base_ids: torch.Tensor, base_lp: torch.Tensor, var_ids: torch
     defined the same way on both sides (equal to the row's largest log-prob), so the rule is symmetric in base and
     variant and does not depend on the order of the vocabulary. Without ties it is plain argmax equality.
     """
-    tb = base_lp == base_lp[:, :1]
-    tv = var_lp == var_lp[:, :1]
+    tb = base_lp == base_lp.amax(-1, keepdim=True)  # the row's largest, whatever order the engine listed its top-k in
+    tv = var_lp == var_lp.amax(-1, keepdim=True)
     same = base_ids[:, :, None] == var_ids[:, None, :]
     return (same & tb[:, :, None] & tv[:, None, :]).flatten(1).any(-1)
 
