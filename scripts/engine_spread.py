@@ -1,8 +1,8 @@
 """How far the build's engines spread in serially timed runs, and what that spread leaves of the power to resolve a 2 %
 decode difference with three build engines.
 
-For each results.json: the mean of each of the build's engines (splicer.verdicts.timed_engines, as the verdicts use
-them) and their standard deviation as a percentage of their mean. Then, for each spread found and for 0.15 % (the
+For each results.json: the level of each of the build's engines (the median of its blocks, splicer.metrics.engine_level,
+as the verdicts take it) and their standard deviation as a percentage of their mean. Then, for each spread found and for 0.15 % (the
 spread tests/test_verdicts.py plants), the share of simulated runs in which splicer.verdicts.decode_difference resolves
 a planted +2 % difference: three build engines and one engine of the variant, five blocks each, blocks 0.1 % apart
 (the test's model of the engines).
@@ -18,6 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from splicer.metrics import engine_level
 from splicer.verdicts import decode_difference, timed_engines
 
 TRIALS, SEED, BLOCKS, BLOCK_SD, PLANTED, MS = 2000, 4, 5, 0.001, 0.02, 4.38
@@ -41,8 +42,8 @@ def main(folders: list[str]) -> int:
     runs = {}
     for folder in folders:
         results = json.loads((Path(folder) / "results.json").read_text())
-        means = [statistics.mean(blocks) for blocks in timed_engines(results, "build")]
-        runs[folder] = {"engine_means_ms": means, "sd_percent": 100 * statistics.stdev(means) / statistics.mean(means)}
+        means = [engine_level(blocks) for blocks in timed_engines(results, "build")]
+        runs[folder] = {"engine_levels_ms": means, "sd_percent": 100 * statistics.stdev(means) / statistics.mean(means)}
     spreads = sorted({0.15, *(round(r["sd_percent"], 2) for r in runs.values())})
     power = {f"{sd:.2f}": resolved_share(sd / 100) for sd in spreads}
     print(json.dumps({"runs": runs, "planted_difference": PLANTED, "trials": TRIALS, "build_engines": 3,

@@ -125,6 +125,7 @@ class Prediction:
     class_layers: dict = field(default_factory=dict)  # to write a class restored in all its layers as the bare class
     name: str | None = None  # the plan row --verify measures it with, when row_name clashes with another row of DIR
     kl_floored: bool = False  # the model predicted a KL below 0, shown as 0
+    kl_ci_why: str | None = None  # why kl_ci is None although the scores are at hand (metrics.TOO_FEW)
 
     @property
     def label(self) -> str:
@@ -458,6 +459,7 @@ def intervals(model: Model, preds: list[Prediction], scores: PositionScores | No
         if strata:
             comparison = paired_comparison(strata, reps)
             p.kl_ci = nonnegative(_pooled_or(comparison, model.corpus)["diff_ci"])
+            p.kl_ci_why = _pooled_or(comparison, model.corpus).get("why")
             p.kl_ci_by_corpus = {c: nonnegative(r["diff_ci"]) for c, r in comparison["per_stratum"].items()}
         if p.decode is not None and p.atoms and model.engine_sd_ms is not None and model.engine_df:
             half = engine_half_width(model.engine_sd_ms, model.engine_df, decode_terms(p.atoms, model.build_engines))

@@ -11,7 +11,9 @@ repeats) and its own last user turn. Conversations that shared a system prompt a
 variant that misreads that prefix misreads it in all of them), so a bootstrap over conversations took them for more
 independent evidence than they were; and a shared prefix is the same context again, which scores.first_occurrence_weights
 counts once. Beyond the chat template's own header (`<|im_start|>system` and a newline, the same for every
-conversation) no two conversations share a token.
+conversation) no two conversations share a token. They still share text: conversations of one business share its rules,
+and those of one history (i // 8) its turns, and their effects still cluster somewhat (docs/ablate.md says how much);
+conversations each with its own business and history would remove that.
 """
 
 from __future__ import annotations

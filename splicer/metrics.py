@@ -77,8 +77,8 @@ def top1_agreement(base_ids: torch.Tensor, base_lp: torch.Tensor, var_ids: torch
     defined the same way on both sides (equal to the row's largest log-prob), so the rule is symmetric in base and
     variant and does not depend on the order of the vocabulary. Without ties it is plain argmax equality.
     """
-    tb = base_lp == base_lp[:, :1]
-    tv = var_lp == var_lp[:, :1]
+    tb = base_lp == base_lp.amax(-1, keepdim=True)  # the row's largest, whatever order the engine listed its top-k in
+    tv = var_lp == var_lp.amax(-1, keepdim=True)
     same = base_ids[:, :, None] == var_ids[:, None, :]
     return (same & tb[:, :, None] & tv[:, None, :]).flatten(1).any(-1)
 
@@ -277,6 +277,8 @@ def fold_engine_noise(cmp: dict, noise: dict | None) -> dict:
     bootstrap's is (half / t(df))²) and the interval is Student's t with Welch-Satterthwaite's degrees of freedom: a
     noise measured small barely widens it, one measured large on one degree of freedom widens it a lot. d also carries
     the positions' own scatter, which the bootstrap already counts, so the folded interval errs on the wide side.
+    Welch-Satterthwaite is slightly liberal when the noise rests on one degree of freedom and dominates: simulated with
+    two build engines and a noise ten times the sampling error, the interval covered about 92 %; from 95 % with three.
     noise: {"diff": sd, "rel": sd of the ratio, "df": ..., "rows": [...]} (verdicts.engine_noise); None leaves the
     intervals as the bootstrap gave them (the noise is then not in them). The bootstrap-only intervals are kept as
     sampling_diff_ci / sampling_rel_ci, so folding again (results.json is rewritten after every row) starts from them.

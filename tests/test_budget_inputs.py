@@ -320,3 +320,25 @@ def test_verified_rows_are_matched_by_what_they_restore_not_by_spelling(tmp_path
     assert all(e["measured"]["kl"] == pytest.approx(sum(m["kl"] * m["positions"] for m in kl[e["row"]].values())
                                                     / sum(m["positions"] for m in kl[e["row"]].values()), rel=1e-9)
                for e in verified)
+
+
+def test_kl_intervals_missing_for_too_few_sequences_say_so_not_that_scores_are_missing(tmp_path, capsys):
+    """Score files of 4 sequences are at hand: the budget gives no KL interval (metrics.MIN_SEQUENCES, as the verdicts)
+    and says why, instead of claiming the per-position scores are missing."""
+    import torch
+    from safetensors.torch import save_file
+
+    from splicer.metrics import TOO_FEW
+
+    seq = torch.arange(4).repeat_interleave(5)
+    g = torch.Generator().manual_seed(2)
+    rows = {"build": torch.ones(20), "g0": 0.8 + 0.1 * torch.rand(20, generator=g), "a": 0.7 + 0.1 * torch.rand(20, generator=g)}
+    folder = _folder(tmp_path, _v("build", [], 1.0, 10e9), _v("g0", ["gdn@0"], float(rows["g0"].mean()), 11e9),
+                     _v("a", ["attention"], float(rows["a"].mean()), 12e9))
+    for name, kl in rows.items():
+        (folder / "scores" / name).mkdir(parents=True)
+        save_file({"kl_top": kl, "seq_index": seq}, str(folder / "scores" / name / "wiki-en.safetensors"))
+    assert main(["budget", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert f"KL intervals: none ({TOO_FEW})" in out and "lacks the rows' per-position scores" not in out
+    assert all(e["kl_ci"] is None for e in _strict(folder / "budget.json")["front"] if e["atoms"])

@@ -161,6 +161,9 @@ def test_top1_agreement_is_symmetric_and_the_vocabulary_order_changes_nothing():
     # without ties it is plain argmax equality
     plain = top1_agreement(torch.tensor([[3, 1]]), torch.tensor([[-0.1, -2.0]]), torch.tensor([[1, 3]]), torch.tensor([[-0.2, -1.0]]))
     assert plain.tolist() == [False]
+    # the rule reads the largest log-prob of each row, not the first column: a top-k listed in another order agrees alike
+    perm = torch.randperm(bi.shape[1], generator=g)
+    assert torch.equal(top1_agreement(bi[:, perm], bl[:, perm], vi.flip(1), vl.flip(1)), top1_agreement(bi, bl, vi, vl))
 
 
 def test_a_corpus_of_too_few_sequences_has_no_interval_and_the_interval_is_t_based():
