@@ -435,11 +435,14 @@ def check_results(results: dict, path: Path) -> None:
                                    "below 0 (KL is never negative)") + f"; {fix}")
 
         metrics = v.get("metrics")
-        if metrics is not None and not isinstance(metrics, dict):
-            raise SplicerError(f"{where}: metrics is not an object; {fix}")
+        finished = v.get("status") == "ok"  # a finished row was scored on every corpus: its KL is never missing
+        if (metrics is not None or finished) and not isinstance(metrics, dict):
+            raise SplicerError(f"{where}: metrics is {'missing' if metrics is None else 'not an object'}; {fix}")
         for corpus, m in (metrics or {}).items():
             if not isinstance(m, dict):
                 raise SplicerError(f"{where}: metrics of corpus {str(corpus)[:40]!r} is not an object; {fix}")
+            if finished and m.get("kl") is None:
+                raise SplicerError(f"{where}: KL on {corpus} is missing; {fix}")
             number(m.get("kl"), f"KL on {corpus}", -KL_TOLERANCE)
             for key in ("top1", "dnll"):
                 number(m.get(key), f"{key} on {corpus}")
