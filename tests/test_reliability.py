@@ -96,6 +96,25 @@ def test_read_only_parent(pairs, small_fs):
     assert r.returncode == 2 and "cannot write under" in r.stderr and r.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.parametrize("command", [["fixture"], ["ablate", "all", "--demo", "-q", "-o"]])
+def test_a_fixture_or_demo_pair_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys, command):
+    """safetensors reports a full disk as its own SafetensorError, not an OSError: the fixture (and the demo, which
+    writes its pair first) still end in one line naming the folder and the fix, with nothing left."""
+    from safetensors import SafetensorError
+
+    import splicer.fixtures
+    from splicer.cli import main
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(splicer.fixtures, "save_file", full)
+    assert main([*command, str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no space left on the device holding" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_out_on_another_filesystem_is_copied(pairs, reference):
     shm = Path("/dev/shm")
     if not shm.is_dir() or shm.stat().st_dev == pairs["fused"]["lowlatency"].stat().st_dev:
