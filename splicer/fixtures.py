@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -431,12 +429,6 @@ def write_pair(root: Path, spec: FixtureSpec | None = None, kinds=("lowlatency",
     return paths
 
 
-def _os_error(e: BaseException) -> OSError | None:
-    """safetensors reports a failed write (a full disk) as SafetensorError('... (os error 28)'): the OSError it is."""
-    found = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
-    return OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else None
-
-
 def write_fixture_folder(out: Path, writer, force: bool = False, what: dict | None = None):
     """Run writer(folder) into OUT's partial sibling and rename the result into place, under OUT's lock.
 
@@ -446,7 +438,7 @@ def write_fixture_folder(out: Path, writer, force: bool = False, what: dict | No
     Returns writer's result with its paths moved from the partial folder to OUT.
     """
     from . import __version__
-    from .outputs import FIXTURE, PARTIAL_SUFFIX, check_output, lock_output, replace_dir, sibling, write_error
+    from .outputs import FIXTURE, PARTIAL_SUFFIX, check_output, lock_output, replace_dir, sibling, write_error, os_error_of
 
     out = check_output(out, [], FIXTURE, force)
     with lock_output(out, FIXTURE):
@@ -460,7 +452,7 @@ def write_fixture_folder(out: Path, writer, force: bool = False, what: dict | No
             replace_dir(tmp, out)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            error = e if isinstance(e, OSError) else _os_error(e)
+            error = os_error_of(e)
             message = write_error(error, out.parent) if error is not None else None
             if message is not None:
                 raise message from None
