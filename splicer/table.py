@@ -414,12 +414,16 @@ def check_results(results: dict, path: Path) -> None:
     measurement is what a broken variant scores (its logits were NaN): that row is kept for the table but marked
     UNUSABLE with the reason, and budget and plot leave it out and say so."""
     fix = "restore results.json from the run, or rerun splicer ablate on it"
+    seen = set()
     for i, v in enumerate(results["variants"]):
         if not isinstance(v, dict):
             raise SplicerError(f"{path}: variants[{i}] is {type(v).__name__}, not a row (an object); {fix}")
         name = v.get("name")
         if not isinstance(name, str) or not name:
             raise SplicerError(f"{path}: variants[{i}] has no name; {fix}")
+        if name in seen:  # ablate writes one entry per row: readers would take either of the two
+            raise SplicerError(f"{path}: variants[{i}] is a second row named {name[:60]!r}; {fix}")
+        seen.add(name)
         where = f"{path}: row {name[:60]!r}"
         bad = []
 
