@@ -438,7 +438,7 @@ def write_fixture_folder(out: Path, writer, force: bool = False, what: dict | No
     Returns writer's result with its paths moved from the partial folder to OUT.
     """
     from . import __version__
-    from .outputs import FIXTURE, PARTIAL_SUFFIX, check_output, lock_output, replace_dir, sibling
+    from .outputs import FIXTURE, PARTIAL_SUFFIX, check_output, lock_output, replace_dir, sibling, write_error, os_error_of
 
     out = check_output(out, [], FIXTURE, force)
     with lock_output(out, FIXTURE):
@@ -450,8 +450,12 @@ def write_fixture_folder(out: Path, writer, force: bool = False, what: dict | No
             result = writer(tmp)
             (tmp / FIXTURE.record).write_text(json.dumps({"tool": f"splicer {__version__}", **(what or {})}, indent=2) + "\n")
             replace_dir(tmp, out)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            error = os_error_of(e)
+            message = write_error(error, out.parent) if error is not None else None
+            if message is not None:
+                raise message from None
             raise
 
     def moved(v):

@@ -16,6 +16,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -204,6 +205,15 @@ def removed_on_refusal(out: Path):
         if not existed and out.is_dir() and not (out / "results.json").exists():
             shutil.rmtree(out, ignore_errors=True)
         raise
+
+
+def os_error_of(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: e itself, or the one safetensors reports as its own SafetensorError
+    ('... I/O error: No space left on device (os error 28)'); None for any other failure."""
+    if isinstance(e, OSError):
+        return e
+    found = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else None
 
 
 def cannot_write(e: OSError, path: Path) -> SplicerError:

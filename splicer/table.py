@@ -414,12 +414,16 @@ def check_results(results: dict, path: Path) -> None:
     measurement is what a broken variant scores (its logits were NaN): that row is kept for the table but marked
     UNUSABLE with the reason, and budget and plot leave it out and say so."""
     fix = "restore results.json from the run, or rerun splicer ablate on it"
+    seen = set()
     for i, v in enumerate(results["variants"]):
         if not isinstance(v, dict):
             raise SplicerError(f"{path}: variants[{i}] is {type(v).__name__}, not a row (an object); {fix}")
         name = v.get("name")
         if not isinstance(name, str) or not name:
             raise SplicerError(f"{path}: variants[{i}] has no name; {fix}")
+        if name in seen:  # ablate writes one entry per row: readers would take either of the two
+            raise SplicerError(f"{path}: variants[{i}] is a second row named {name[:60]!r}; {fix}")
+        seen.add(name)
         where = f"{path}: row {name[:60]!r}"
         bad = []
 
@@ -435,11 +439,14 @@ def check_results(results: dict, path: Path) -> None:
                                    "below 0 (KL is never negative)") + f"; {fix}")
 
         metrics = v.get("metrics")
-        if metrics is not None and not isinstance(metrics, dict):
-            raise SplicerError(f"{where}: metrics is not an object; {fix}")
+        finished = v.get("status") == "ok"  # a finished row was scored on every corpus: its KL is never missing
+        if (metrics is not None or finished) and not isinstance(metrics, dict):
+            raise SplicerError(f"{where}: metrics is {'missing' if metrics is None else 'not an object'}; {fix}")
         for corpus, m in (metrics or {}).items():
             if not isinstance(m, dict):
                 raise SplicerError(f"{where}: metrics of corpus {str(corpus)[:40]!r} is not an object; {fix}")
+            if finished and m.get("kl") is None:
+                raise SplicerError(f"{where}: KL on {corpus} is missing; {fix}")
             number(m.get("kl"), f"KL on {corpus}", -KL_TOLERANCE)
             for key in ("top1", "dnll"):
                 number(m.get(key), f"{key} on {corpus}")

@@ -75,6 +75,9 @@ def _results_dir_is_a_folder(tmp_path):
     (lambda t: _folder(t, *ROWS, ["g1", 0.5]), "variants[3] is list, not a row (an object)"),
     (lambda t: _folder(t, *ROWS, _v("g1", ["gdn@1"], 0.5, 11e9, decode=-3.0)), "row 'g1': decode_ms_per_token is -3, at or below 0"),
     (_results_dir_is_a_folder, "results.json is a folder, not the results file"),
+    (lambda t: _folder(t, *ROWS, _v("g1", ["gdn@1"], None, 11e9)), "row 'g1': KL on wiki-en is missing"),
+    (lambda t: _folder(t, *ROWS, {**_v("g1", ["gdn@1"], 0.5, 11e9), "metrics": None}), "row 'g1': metrics is missing"),
+    (lambda t: _folder(t, *ROWS, _v("g0", ["gdn@1"], 0.5, 11e9)), "variants[3] is a second row named 'g0'"),
 ])
 def test_a_bad_results_json_is_one_line_naming_row_and_field(tmp_path, capsys, command, make, message):
     folder = make(tmp_path)

@@ -113,8 +113,17 @@ def test_torch_threads_leave_the_busy_cores_to_others(tmp_path):
     assert choose_threads(3, env={"SPLICER_THREADS": "2"}, cores=2, others=2)[0] == 3
     assert choose_threads(env={"SPLICER_THREADS": "2", "OMP_NUM_THREADS": "1"}, cores=2, others=2)[0] == 2
     assert choose_threads(env={"OMP_NUM_THREADS": "4,2"}, cores=2, others=2) == (4, "torch threads: 4 (from OMP_NUM_THREADS)")
-    with pytest.raises(SplicerError, match="SPLICER_THREADS='0' is not a positive whole number"):
+    with pytest.raises(SplicerError, match="SPLICER_THREADS='0' is not a whole number from 1 to 1024"):
         choose_threads(env={"SPLICER_THREADS": "0"})
+    # A digit int() cannot read, and counts that overflow torch's C int or make OpenMP abort the process: one line each.
+    for env, message in (({"SPLICER_THREADS": "\u00b2"}, "SPLICER_THREADS='\u00b2' is not a whole number from 1 to 1024"),
+                         ({"SPLICER_THREADS": "99999999999"}, "SPLICER_THREADS='99999999999' is not a whole number from 1"),
+                         ({"OMP_NUM_THREADS": "99999999999"}, "OMP_NUM_THREADS='99999999999' is more than 1024 threads")):
+        with pytest.raises(SplicerError, match=message):
+            choose_threads(env=env)
+    with pytest.raises(SplicerError, match="--threads 2147483647 is more than 1024 threads"):
+        choose_threads(2**31 - 1, env={})
+    assert choose_threads(env={"OMP_NUM_THREADS": "\u00b2"}, cores=2, others=0)[0] == 2  # ignored, as OpenMP ignores it
     cpu_max = tmp_path / "cpu.max"
     cpu_max.write_text("150000 100000\n")  # a container allowed 1.5 cores
     assert usable_cores(cpu_max) == 1

@@ -96,6 +96,25 @@ def test_read_only_parent(pairs, small_fs):
     assert r.returncode == 2 and "cannot write under" in r.stderr and r.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.parametrize("command", [["fixture"], ["ablate", "all", "--demo", "-q", "-o"]])
+def test_a_fixture_or_demo_pair_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys, command):
+    """safetensors reports a full disk as its own SafetensorError, not an OSError: the fixture (and the demo, which
+    writes its pair first) still end in one line naming the folder and the fix, with nothing left."""
+    from safetensors import SafetensorError
+
+    import splicer.fixtures
+    from splicer.cli import main
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(splicer.fixtures, "save_file", full)
+    assert main([*command, str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no space left on the device holding" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_out_on_another_filesystem_is_copied(pairs, reference):
     shm = Path("/dev/shm")
     if not shm.is_dir() or shm.stat().st_dev == pairs["fused"]["lowlatency"].stat().st_dev:
@@ -344,3 +363,29 @@ def test_a_run_with_failed_rows_exits_non_zero_and_says_so_last(pairs, tmp_path,
     assert "failed" in (out / "table.md").read_text() and not list(out.rglob("*.tmp"))
     assert not list((out / "variants").glob(".*partial*"))  # no half-written splice left behind
     assert {k: tree_digest(p[k]) for k in ("lowlatency", "base")} == before
+
+
+def test_a_base_pass_on_a_full_disk_is_one_line_and_leaves_no_dir(pairs, tmp_path, monkeypatch, capsys):
+    """The base pass's score cache is written with safetensors, whose full-disk error is its own SafetensorError: one
+    line naming the file and the fix, exit 2, the new DIR removed, the inputs as they were."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from splicer.cli import main
+
+    from .conftest import tree_digest
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    p = pairs["fused"]
+    plan = tmp_path / "small.toml"
+    plan.write_text(SMALL_PLAN)
+    before = {k: tree_digest(p[k]) for k in ("lowlatency", "base")}
+    out = tmp_path / "run"
+    assert main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(out), "--plan", str(plan), "--no-time",
+                 "-q", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no space left on its device; free space there and run again" in err[0], err
+    assert not out.exists() and {k: tree_digest(p[k]) for k in ("lowlatency", "base")} == before

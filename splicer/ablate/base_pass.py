@@ -14,6 +14,7 @@ import torch
 
 from ..corpora import Corpus
 from ..errors import SplicerError
+from ..outputs import cannot_write, os_error_of
 from ..plan import Plan
 from .common import AblateSettings, _atomic_json, _batch_size, _digest, _pbar
 
@@ -24,8 +25,6 @@ BASE_PASS_VERSION = 2  # part of the base pass's cache key: 2 = noise pass score
 
 
 def _save_scores(path: Path, scores: list, extra: dict | None = None) -> None:
-    from safetensors.torch import save_file
-
     tensors = {
         "topk_ids": torch.cat([s.topk_ids for s in scores]).contiguous(),
         "topk_logprobs": torch.cat([s.topk_logprobs for s in scores]).contiguous(),
@@ -35,9 +34,23 @@ def _save_scores(path: Path, scores: list, extra: dict | None = None) -> None:
     if scores and scores[0].full is not None:
         tensors["full"] = torch.cat([s.full for s in scores]).contiguous()
     tensors.update(extra or {})
+    write_tensors(path, tensors)
+
+
+def write_tensors(path: Path, tensors: dict) -> None:
+    """A safetensors file put in place whole (written beside, then renamed) or not at all."""
+    from safetensors.torch import save_file
+
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    try:
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+    except Exception as e:  # a full disk: one line naming the file, and no partial file left
+        tmp.unlink(missing_ok=True)
+        error = os_error_of(e)
+        if error is None:
+            raise
+        raise cannot_write(error, path) from None
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:

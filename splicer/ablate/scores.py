@@ -11,7 +11,7 @@ import torch
 from ..corpora import Corpus
 from ..metrics import fill_missing, kl_full, kl_top_lumped, summarize, top1_agreement
 from ..plan import Plan
-from .base_pass import _load_tensors
+from .base_pass import _load_tensors, write_tensors
 from .common import AblateSettings, _batch_size, _pbar
 
 
@@ -79,7 +79,6 @@ def position_records(base: dict, var: dict, corpus: Corpus, gathered: torch.Tens
 def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], plan: Plan, settings: AblateSettings,
                   score_dir: Path, before_scoring=None) -> tuple[dict, dict]:
     """Load folder's model and score it against the cached base pass; before_scoring runs once it is loaded."""
-    from safetensors.torch import save_file
 
     metrics, timings = {}, {}
     stages = settings.stages
@@ -110,7 +109,7 @@ def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], pla
             var["full"] = torch.cat([s.full for s in scores])
         gathered = torch.cat([s.gathered for s in scores]) if backend.exact_gather else None
         rec = position_records(base, var, c, gathered)
-        save_file({k: v.contiguous() for k, v in rec.items()}, str(score_dir / f"{c.name}.safetensors"))
+        write_tensors(score_dir / f"{c.name}.safetensors", {k: v.contiguous() for k, v in rec.items()})
         metrics[c.name] = summarize(rec, settings.bootstrap)
         timings[f"score_{c.name}_s"] = time.perf_counter() - t0
         timings[f"positions_per_s_{c.name}"] = c.positions() / max(timings[f"score_{c.name}_s"], 1e-9)

@@ -128,6 +128,7 @@ def _task_state(task: Path) -> str:
 
 
 THREADS_VARIABLE = "SPLICER_THREADS"
+MAX_THREADS = 1024  # torch takes a C int, and OpenMP allocates every thread's stack at once: a count far above any core count aborts the process
 
 
 def choose_threads(requested: int | None = None, env=None, cores: int | None = None,
@@ -140,14 +141,20 @@ def choose_threads(requested: int | None = None, env=None, cores: int | None = N
     busy processes on 2 cores, 2 threads made the demo three times slower than 1."""
     env = os.environ if env is None else env
     if requested:
+        if requested > MAX_THREADS:
+            raise SplicerError(f"--threads {requested} is more than {MAX_THREADS} threads; give a thread count")
         return requested, f"torch threads: {requested} (asked for)"
     if env.get(THREADS_VARIABLE, "").strip():
         text = env[THREADS_VARIABLE].strip()
-        if not text.isdigit() or int(text) < 1:
-            raise SplicerError(f"{THREADS_VARIABLE}={text[:20]!r} is not a positive whole number; set it to a thread count or unset it")
+        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_THREADS:
+            raise SplicerError(f"{THREADS_VARIABLE}={text[:20]!r} is not a whole number from 1 to {MAX_THREADS}; set it to "
+                               "a thread count or unset it")
         return int(text), f"torch threads: {int(text)} (from {THREADS_VARIABLE})"
     omp = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    if omp.isdigit() and int(omp) >= 1:  # OpenMP's own setting (a nested list's first level); anything else OpenMP ignores too
+    if omp.isascii() and omp.isdigit() and int(omp) >= 1:  # OpenMP's own setting (a nested list's first level); anything else OpenMP ignores too
+        if int(omp) > MAX_THREADS:
+            raise SplicerError(f"OMP_NUM_THREADS={omp[:20]!r} is more than {MAX_THREADS} threads; set it to a thread count, "
+                               f"or set {THREADS_VARIABLE} for splicer alone")
         return int(omp), f"torch threads: {int(omp)} (from OMP_NUM_THREADS)"
     cores = usable_cores() if cores is None else cores
     others = load_of_others(cores) if others is None else others
