@@ -235,6 +235,7 @@ def _run_verification(folder: Path, results: dict, record: dict, record_path: Pa
     import sys
 
     from .ablate import run_ablate
+    from .ablate.job import job_input
     from .outputs import write_file, write_json
     from .table import load_results
 
@@ -245,7 +246,7 @@ def _run_verification(folder: Path, results: dict, record: dict, record_path: Pa
     plan_path, to_run = verify_plan(folder, results, points)
     try:
         write_json(record_path, record)  # the predictions, written before anything is measured
-        run_ablate(",".join(to_run), str((job.get("build") or {}).get("source")), str((job.get("base") or {}).get("source")),
+        run_ablate(",".join(to_run), job_input(folder, job.get("build")), job_input(folder, job.get("base")),
                    folder, str(plan_path), _settings_from_job(job, results, progress, own))
     except SplicerError:
         if (results_path.read_bytes() if results_path.exists() else None) == kept[results_path]:
@@ -269,12 +270,13 @@ def _check_inputs(folder: Path, job: dict) -> tuple:
     real paths holds them as ablate was given them, a relative path relative to the folder ablate ran in), and DIR must be an output ablate may write to with them as inputs; checked before
     --verify writes anything. Returns the inputs DIR itself holds because splicer wrote them there (the demo's pair),
     which ablate is then told are its own."""
+    from .ablate.job import job_input
     from .checkpoint import open_checkpoint
     from .outputs import ABLATE, check_output, own_inputs_inside
 
     roots = []
     for role in ("build", "base"):
-        source = str((job.get(role) or {}).get("source"))
+        source = job_input(folder, job.get(role))
         try:
             roots.append(open_checkpoint(source, role).root)
         except SplicerError as e:
@@ -402,7 +404,9 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
         lines.append("No row restores several of these together: additivity is assumed (1.00), not measured, and the "
                      "prediction error cannot be stated; add an all row or leave-one-out rows.")
     if model.decode_checks:
-        lines.append("Decode adds without a correction; rows restoring several of them, measured against their atoms' sum: "
+        lines.append("Decode is predicted as the build's plus each atom's change, with no correction fitted; rows "
+                     "restoring several atoms, measured against that prediction (the model holds where an error's "
+                     "interval includes 0; a wide interval tests it little): "
                      + ", ".join(f"{c['row']} {c['predicted_ms']:.3f} predicted, {c['measured_ms']:.3f} measured"
                                  + ("" if not c.get("error_ci_ms") else
                                     f" (error {c['measured_ms'] - c['predicted_ms']:+.3f} [{c['error_ci_ms'][0]:+.3f}, {c['error_ci_ms'][1]:+.3f}])")

@@ -253,8 +253,9 @@ def write_json(path: Path, data) -> Path:
     try:
         text = json.dumps(data, indent=2, allow_nan=False, default=_path_text) + "\n"
     except ValueError:
-        raise SplicerError(f"{path} was not written: a value to store in it is not a finite number (a bug in splicer; "
-                           "please report it with the results.json it read)") from None
+        raise SplicerError(f"{path} was not written: a value to store in it is not a finite number (a value in the "
+                           "results.json it was computed from too large to compute with, such as 1e308, or else a bug in "
+                           "splicer: please report it with that results.json)") from None
     return write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 

@@ -266,11 +266,17 @@ repeat = true
 
 def test_verify_runs_on_the_demo_folder_whose_inputs_live_inside_it(tmp_path, capsys):
     """Item 2: `ablate all --demo -o DIR` writes its pair into DIR/demo-pair; `budget DIR --verify 1` runs ablate into DIR
-    with that pair again, as the demo did (here with a smaller plan than the demo's, for time)."""
+    with that pair again, as the demo did (here with a smaller plan than the demo's, for time). The folder is moved
+    first: its job names the pair relative to itself, so a rerun keeps every row and --verify finds the pair."""
     plan = tmp_path / "demo-small.toml"
     plan.write_text(DEMO_PLAN)
-    folder = tmp_path / "demo-out"
+    first = tmp_path / "demo-out"
+    assert main(["ablate", "all", "--demo", "--plan", str(plan), "-o", str(first), "-q"]) == 0
+    folder = tmp_path / "moved" / "demo-out"
+    folder.parent.mkdir()
+    first.rename(folder)
     assert main(["ablate", "all", "--demo", "--plan", str(plan), "-o", str(folder), "-q"]) == 0
+    assert json.loads((folder / "results.json").read_text())["runs"][-1]["rows_run"] == []
     pair = tree_digest(folder / "demo-pair")
     capsys.readouterr()
     assert main(["budget", str(folder), "--verify", "1", "-q"]) == 0

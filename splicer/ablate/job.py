@@ -65,13 +65,35 @@ def input_source(source) -> str:
     return str(p.resolve()) if p.exists() else str(source)
 
 
+def input_entry(source, out: Path | None, **fields) -> dict:
+    """A job's record of one input: its source (input_source), and, for a folder inside the results folder itself
+    (the demo's pair), its path relative to that folder (`in_dir`), so that a results folder moved or copied whole
+    still names the same input and keeps its rows."""
+    entry = {"source": input_source(source), **fields}
+    if out is not None:
+        real, p = Path(out).resolve(), Path(entry["source"])
+        if p.is_absolute() and real in p.parents:
+            entry["in_dir"] = p.relative_to(real).as_posix()
+    return entry
+
+
+def job_input(folder: Path, entry: dict | None) -> str:
+    """Where a job's input is now: inside FOLDER when it was recorded there (`in_dir`) and is still there, else its
+    recorded source."""
+    entry = entry or {}
+    inside = entry.get("in_dir")
+    if isinstance(inside, str) and (Path(folder) / inside).exists():
+        return str(Path(folder) / inside)
+    return str(entry.get("source"))
+
+
 def _row_definition(definition: dict) -> dict:
     """A row's definition with the checkpoint a `checkpoint` row scores named as input_source names it."""
     return dict(definition, checkpoint=input_source(definition["checkpoint"])) if definition.get("checkpoint") else definition
 
 
 def make_job(plan: Plan, corpora: list[Corpus], build_src: str, build, base_src: str, base_digest: str,
-             settings: AblateSettings) -> dict:
+             settings: AblateSettings, out: Path | None = None) -> dict:
     """What a results folder was made from (DIR/job.json): finished rows are kept on a rerun only under the same job.
 
     The tokenized corpora belong to it: rows scored on other positions (a corpus file edited, a new chat set) would
@@ -79,8 +101,8 @@ def make_job(plan: Plan, corpora: list[Corpus], build_src: str, build, base_src:
     return {"tool": f"splicer {__version__}", "plan": plan.name, "plan_digest": plan.digest,
             "plan_settings_digest": plan.settings_digest, "rows": {r.name: _row_definition(r.definition()) for r in plan.rows},
             "corpora_digest": _digest([c.digest() for c in corpora]),
-            "build": {"source": input_source(build_src), "header_digest": build.header_digest()},
-            "base": {"source": input_source(base_src), "digest": base_digest},
+            "build": input_entry(build_src, out, header_digest=build.header_digest()),
+            "base": input_entry(base_src, out, digest=base_digest),
             "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
                          "engine_args": settings.engine_args, **({"engine_env": settings.engine_env} if settings.engine_env else {}),
                          "allow_quantized_base": settings.allow_quantized_base,
@@ -136,7 +158,10 @@ def _canonical(job: dict) -> dict:
     recorded by their real paths (or from the same folder with another spelling) compares by what the inputs are."""
     out = dict(job)
     for role in ("build", "base"):
-        if isinstance(out.get(role), dict) and out[role].get("source") is not None:
+        if isinstance(out.get(role), dict) and isinstance(out[role].get("in_dir"), str):
+            # inside the results folder: the same input wherever the folder now is
+            out[role] = dict(out[role], source="DIR/" + out[role]["in_dir"])
+        elif isinstance(out.get(role), dict) and out[role].get("source") is not None:
             out[role] = dict(out[role], source=input_source(out[role]["source"]))
     settings = out.get("settings")
     if isinstance(settings, dict) and isinstance(settings.get("corpus_overrides"), dict):

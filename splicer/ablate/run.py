@@ -97,7 +97,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         settings.stages.line(f"ablate {rows_spec} of plan {plan.name}: {build_src} against {base_src} into {out}")
         if settings.backend == "torch" and (note := torch_threads_note()):
             settings.stages.line(note)
-        job = make_job(plan, corpora, build_src, build, base_src, base_digest, settings)
+        job = make_job(plan, corpora, build_src, build, base_src, base_digest, settings, out)
         done, earlier_runs = write_job(out, job, settings.stages, settings.extend_only)
         t_start = time.perf_counter()
         # When this invocation began (before its splices and base pass), as its elapsed_s counts from then.
