@@ -52,7 +52,7 @@ import math
 from pathlib import Path
 
 from .errors import SplicerError
-from .metrics import TOO_FEW, excludes_zero
+from .metrics import TOO_FEW_NOTE, excludes_zero
 
 
 def _dnll_corpora(results: dict) -> list[str]:
@@ -114,7 +114,7 @@ def records(results: dict) -> list[dict]:
         lo, hi = top1.get("diff_ci") or (None, None)
         rec.update({"top1_change_vs_build": top1.get("diff"), "top1_change_ci_low": lo, "top1_change_ci_high": hi,
                     "top1_change_significant": excludes_zero(top1.get("diff_ci"))})
-        rec["change_note"] = "too few sequences" if TOO_FEW in (kl.get("why"), top1.get("why")) else None
+        rec["change_note"] = TOO_FEW_NOTE.get(kl.get("why")) or TOO_FEW_NOTE.get(top1.get("why"))
         out.append(rec)
     return out
 
@@ -514,7 +514,7 @@ def compare(out_dir: Path, a: str, b: str) -> str:
         x, ci = (cmp["rel"], cmp["rel_ci"]) if rel else (cmp["diff"], cmp["diff_ci"])
         if x is None:
             return ""
-        note = "too few sequences" if cmp.get("why") == TOO_FEW else None
+        note = TOO_FEW_NOTE.get(cmp.get("why"))
         return _change(x, *(ci or (None, None)), excludes_zero(ci), scale, "", "n.s.", digits, note=note)
 
     rows = []
@@ -523,7 +523,7 @@ def compare(out_dir: Path, a: str, b: str) -> str:
     for corpus in names:
         pick = (lambda q: (c[q] or {}).get("pooled")) if corpus == pooled else (lambda q: ((c[q] or {}).get("per_stratum") or {}).get(corpus))
         kl = pick("kl")
-        rows.append([corpus, f"{kl['positions']:,.0f}", f"{kl['clusters']:,}", cell(kl, 1, 5), cell(kl, 100, 1, rel=True), cell(pick("top1"), 100, 2),
+        rows.append([corpus, f"{kl['positions']:,.0f}", f"{kl['clusters']:,}" + (" groups" if kl.get("unit") == "groups" else ""), cell(kl, 1, 5), cell(kl, 100, 1, rel=True), cell(pick("top1"), 100, 2),
                      cell(pick("dnll"), 1, 5)])
     table = tabulate(rows, headers=["corpus", "positions counted", "sequences", f"ΔKL {a} − {b}, nats [95 %]", f"ΔKL, % of {b}'s KL",
                               "Δtop-1, pp", "ΔdNLL, nats/token"],

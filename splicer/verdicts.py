@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .metrics import decode_difference, engine_level, fold_engine_noise, paired_comparison
+from .metrics import decode_difference, engine_level, fold_engine_noise, paired_comparison, units
 
 METHOD = ("paired on the same positions; 95 % intervals from a stratified bootstrap over sequences "
           "(a chat conversation is one sequence), Student's t on its standard error; pooled over corpora position-weighted, "
@@ -69,12 +69,12 @@ def compare_scores(out: Path, a: str, b: str, corpora: list[str], reps: int = 20
         if sa is None or sb is None:
             continue
         _same_positions(sa, sb, a, b, corpus)
-        w, unit = sa.get("weight"), sa.get("group", sa["seq_index"])
-        kl[corpus] = {"a": sa["kl_top"], "b": sb["kl_top"], "cluster": unit, "weight": w}
-        top1[corpus] = {"a": sa["top1"].float(), "b": sb["top1"].float(), "cluster": unit, "weight": w}
+        w, (unit, unit_name) = sa.get("weight"), units(sa)
+        kl[corpus] = {"a": sa["kl_top"], "b": sb["kl_top"], "cluster": unit, "unit": unit_name, "weight": w}
+        top1[corpus] = {"a": sa["top1"].float(), "b": sb["top1"].float(), "cluster": unit, "unit": unit_name, "weight": w}
         if "answer_mask" in sa and bool(sa["answer_mask"].any()):
             m = sa["answer_mask"].bool()
-            dnll[corpus] = {"a": sa["dlogp"][m], "b": sb["dlogp"][m], "cluster": unit[m],
+            dnll[corpus] = {"a": sa["dlogp"][m], "b": sb["dlogp"][m], "cluster": unit[m], "unit": unit_name,
                             "weight": None if w is None else w[m]}
     if not kl:
         return None

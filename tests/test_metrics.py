@@ -181,8 +181,8 @@ def test_a_corpus_of_too_few_sequences_has_no_interval_and_the_interval_is_t_bas
     se = float(resid.std(correction=0)) / math.sqrt(5)
     half = small_sample_half_width(se, 5)
     assert (hi - lo) / 2 == pytest.approx(half, rel=0.1) and lo < mean < hi
-    # a grouped unit: 8 sequences in 2 groups are 2 units, too few
+    # a grouped unit: 8 sequences in 2 groups are 2 units, too few (both counts reported)
     rec = {"seq_index": torch.arange(8), "group": torch.arange(8) // 4, "top1": torch.ones(8, dtype=torch.bool),
            "kl_top": vals, "tail": torch.zeros(8), "dlogp": torch.zeros(8)}
     s = summarize(rec, reps=50)
-    assert s["sequences"] == 2 and s["kl_ci"] is None and s["top1_ci"] is None
+    assert s["sequences"] == 8 and s["groups"] == 2 and s["kl_ci"] is None and s["top1_ci"] is None
