@@ -211,7 +211,8 @@ def _chat_scores(corpus, seed):
 
 def test_chat_score_records_carry_the_group_and_every_interval_resamples_groups(tmp_path):
     """24 conversations are 12 groups of 2 (chat.group): the score records carry each position's group, the summary
-    counts 24 sequences in 12 groups, and compare's paired intervals resample the 12 groups (not the 24 sequences);
+    counts 24 sequences in 12 groups, and compare's and budget's paired intervals resample the 12 groups (not the 24
+    sequences);
     score files without groups (written before them) still compare, a sequence per unit."""
     from safetensors.torch import save_file
 
@@ -234,6 +235,14 @@ def test_chat_score_records_carry_the_group_and_every_interval_resamples_groups(
     by = {unit: paired_comparison({"chat": {"a": a["kl_top"], "b": b["kl_top"], "cluster": a[unit], "weight": a["weight"]}},
                                   reps=400)["per_stratum"]["chat"]["diff_ci"] for unit in ("group", "seq_index")}
     assert c["kl"]["per_stratum"]["chat"]["diff_ci"] == pytest.approx(by["group"]) and by["group"] != pytest.approx(by["seq_index"])
+    # budget's strata (the prediction against a measured row) resample the same groups
+    from types import SimpleNamespace
+
+    from splicer.budget import PositionScores
+
+    stratum = PositionScores(tmp_path, ["chat"]).strata(SimpleNamespace(build_row="a"), (), "chat", other="b")["chat"]
+    assert stratum["unit"] == "groups" and torch.equal(stratum["cluster"], a["group"])
+    assert paired_comparison({"chat": stratum}, reps=400)["per_stratum"]["chat"]["clusters"] == 12
     for row, rec in (("a", a), ("b", b)):  # an old score file: no group
         save_file({k: v.contiguous() for k, v in rec.items() if k != "group"}, str(tmp_path / "scores" / row / "chat.safetensors"))
     old = compare_scores(tmp_path, "a", "b", ["chat"], reps=400)["kl"]["per_stratum"]["chat"]
