@@ -425,6 +425,8 @@ class PositionScores:
         measurement (b; zeros when None); None when a row's score files are missing or cover other positions."""
         import torch
 
+        from .metrics import units
+
         out = {}
         for c in ([corpus] if corpus else self.corpora):
             build = self.get(model.build_row, c)
@@ -437,8 +439,9 @@ class PositionScores:
             b = build["kl_top"].double()
             per_atom = {a.entry: b - p["kl_top"].double() for a, p in zip(combo, parts)}
             pred = b - model.additivity.reduce(combo, lambda a: per_atom[a.entry]) if combo else b
+            unit, unit_name = units(build)
             out[c] = {"a": pred, "b": meas["kl_top"].double() if meas else torch.zeros_like(pred),
-                      "cluster": build["seq_index"], "weight": build.get("weight")}
+                      "cluster": unit, "unit": unit_name, "weight": build.get("weight")}
         return out
 
 

@@ -9,7 +9,8 @@ Kinds:
              vocabulary: for stand-ins with random weights, where text means no more than noise and the
              built-in texts are too short for 100k positions
 Text corpora are cut into `chunk_tokens`-token chunks (at most `max_chunks`); every position is scored.
-Chat sequences are prompt + answer; only answer positions count for dNLL.
+Chat sequences are prompt + answer; only answer positions count for dNLL. Chat conversations come in groups that share
+a prompt (chat.py); the corpus records each one's group, and intervals resample whole groups.
 """
 
 from __future__ import annotations
@@ -40,20 +41,24 @@ class Corpus:
     sequences: list[list[int]]
     prompt_lens: list[int] | None = None  # chat: answer tokens start here
     spec: dict = field(default_factory=dict)
+    # chat: each sequence's group (sequences that share a prompt and so their effect; chat.py); intervals resample
+    # whole groups. None: every sequence is its own unit.
+    groups: list[int] | None = None
 
     def digest(self) -> str:
-        h = hashlib.sha256(json.dumps([self.name, self.sequences, self.prompt_lens]).encode())
+        h = hashlib.sha256(json.dumps([self.name, self.sequences, self.prompt_lens, *([self.groups] if self.groups else [])]).encode())
         return h.hexdigest()[:16]
 
     def positions(self) -> int:
         return sum(len(s) - 1 for s in self.sequences)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "sequences": self.sequences, "prompt_lens": self.prompt_lens, "spec": self.spec}
+        return {"name": self.name, "kind": self.kind, "sequences": self.sequences, "prompt_lens": self.prompt_lens, "spec": self.spec,
+                **({"groups": self.groups} if self.groups is not None else {})}
 
     @classmethod
     def from_json(cls, d: dict) -> "Corpus":
-        return cls(d["name"], d["kind"], d["sequences"], d.get("prompt_lens"), d.get("spec", {}))
+        return cls(d["name"], d["kind"], d["sequences"], d.get("prompt_lens"), d.get("spec", {}), d.get("groups"))
 
 
 CORPUS_FIX = "fix the plan file"
@@ -223,13 +228,13 @@ def build_corpus(spec: dict, tokenizer, max_positions: int | None, base_dir: Pat
     """Tokenize a corpus spec (chat: prompts only; answers come from the base pass)."""
     kind = spec["kind"]
     if kind == "chat":
-        from .chat import conversations
+        from .chat import conversations, group
 
         prompts = []
         for conv in conversations(int(spec.get("conversations", 8)), int(spec.get("history_turns", 4))):
             ids = tokenizer.apply_chat_template(conv, add_generation_prompt=True, enable_thinking=False, tokenize=True)
             prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-        corpus = Corpus(spec["name"], kind, prompts, [len(p) for p in prompts], spec)
+        corpus = Corpus(spec["name"], kind, prompts, [len(p) for p in prompts], spec, [group(i) for i in range(len(prompts))])
     elif kind == "random":
         import torch
 

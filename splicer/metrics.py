@@ -13,9 +13,9 @@ Per position (t predicts token t+1):
 Corpus summaries use intervals over sequences (positions within a sequence are not
 independent): a seeded bootstrap over sequences, top-1's included, read as the estimate ± Student's t
 x the bootstrap's standard error (small_sample_half_width). The independent unit is a sequence unless a
-score file carries a `group` per position (sequences that share an effect, e.g. conversations sharing a
-prefix): then whole groups are resampled. Fewer than MIN_SEQUENCES units give no interval ("too few
-sequences"). Differences between two variants on the same positions: paired_comparison; decode-time
+score file carries a `group` per position (sequences that share an effect: the chat corpus's conversations that
+share a business and history, chat.py): then whole groups are resampled and counted. Fewer than MIN_SEQUENCES units
+give no interval ("too few sequences", or "too few groups" where groups were counted). Differences between two variants on the same positions: paired_comparison; decode-time
 differences: decode_difference.
 """
 
@@ -36,6 +36,15 @@ Z95 = 1.959963984540054
 # (tests/test_calibration.py).
 MIN_SEQUENCES = 5
 TOO_FEW = f"too few sequences for an interval (fewer than {MIN_SEQUENCES} in a corpus)"
+TOO_FEW_GROUPS = f"too few groups for an interval (fewer than {MIN_SEQUENCES} groups of sequences that share a prompt in a corpus)"
+# The short note tables print for each reason.
+TOO_FEW_NOTE = {TOO_FEW: "too few sequences", TOO_FEW_GROUPS: "too few groups"}
+
+
+def units(pos: dict[str, torch.Tensor]) -> tuple[torch.Tensor, str]:
+    """The independent unit of every position of a score record and what the units are: its `group` where the record
+    carries one (score files written before groups existed do not), else its sequence."""
+    return (pos["group"], "groups") if "group" in pos else (pos["seq_index"], "sequences")
 
 
 def kl_top_lumped(base_lp: torch.Tensor, var_lp: torch.Tensor) -> torch.Tensor:
@@ -137,7 +146,7 @@ def summarize(pos: dict[str, torch.Tensor], reps: int = 1000) -> dict:
     the records carry a `group` per position). An interval is None with fewer than MIN_SEQUENCES units.
     """
     seq = pos["seq_index"]
-    unit = pos.get("group", seq)
+    unit, unit_name = units(pos)
     w = pos["weight"].double() if "weight" in pos else torch.ones(seq.numel(), dtype=torch.float64)
     counted = w > 0
     n = float(w.sum())
@@ -155,7 +164,9 @@ def summarize(pos: dict[str, torch.Tensor], reps: int = 1000) -> dict:
     out = {
         "positions": int(n) if n == int(n) else n,
         "positions_scored": int(seq.numel()),
-        "sequences": int(torch.unique(unit[counted]).numel()),
+        "sequences": int(torch.unique(seq[counted]).numel()),
+        # the units the intervals resampled, when they are groups of sequences (else the sequences above)
+        "groups": int(torch.unique(unit[counted]).numel()) if unit_name == "groups" else None,
         "top1": mean(top1),
         "top1_ci": bootstrap_mean_ci(top1, unit, reps, weight=w, bounds=(0.0, 1.0)),
         "top1_ties": "symmetric",  # top1_agreement's rule; summaries without it counted only the base's ties
@@ -206,8 +217,9 @@ def paired_comparison(strata: dict[str, dict], reps: int = 2000, seed: int = 0) 
     interval from a paired, stratified cluster bootstrap, per stratum and pooled.
 
     strata: name -> {"a": [N], "b": [N], "cluster": [N] int (the independent unit: a sequence, a conversation, or a
-    group of sequences that share an effect), "weight": [N] or None (0 drops a position counted elsewhere, e.g. a chat
-    prefix shared with an earlier conversation)}. The pooled estimate weighs every counted position equally across
+    group of sequences that share an effect), "unit": what the clusters are ("sequences" when left out, or "groups";
+    metrics.units), "weight": [N] or None (0 drops a position counted elsewhere, e.g. a chat prefix shared with an
+    earlier conversation)}. Each result says how many clusters it resampled ("clusters") and what they are ("unit"). The pooled estimate weighs every counted position equally across
     strata (position-weighted); its bootstrap resamples clusters within each stratum, a and b always together.
     Intervals are the estimate ± t(df) x the bootstrap's standard error x sqrt(n / df), with n clusters and df = n -
     strata (small_sample_half_width). The difference is significant when diff_ci excludes 0, the ratio when rel_ci
@@ -228,27 +240,33 @@ def paired_comparison(strata: dict[str, dict], reps: int = 2000, seed: int = 0) 
         sums = sums[:, sums[2] > 0]
         draw = torch.randint(0, max(n, 1), (reps, n), generator=g)
         draws = sums[:, draw].sum(-1)  # [3, reps]: resampled sums of a, b and weight
-        per[name] = _comparison(sums.sum(-1), draws, n, few=n < MIN_SEQUENCES)
+        unit = s.get("unit", "sequences")
+        per[name] = _comparison(sums.sum(-1), draws, n, unit, few=(TOO_FEW_GROUPS if unit == "groups" else TOO_FEW)
+                                if n < MIN_SEQUENCES else None)
         pooled_point += sums.sum(-1)
         pooled_draws.append(draws)
     out = {"per_stratum": per}
     if pooled_draws:
+        unit_names = {p["unit"] for p in per.values()}
         out["pooled"] = _comparison(pooled_point, torch.stack(pooled_draws).sum(0), sum(p["clusters"] for p in per.values()),
-                                    strata=len(per), few=any(p.get("why") == TOO_FEW for p in per.values()))
+                                    unit_names.pop() if len(unit_names) == 1 else "sequences or groups", strata=len(per),
+                                    few=next((p["why"] for p in per.values() if p.get("why") in TOO_FEW_NOTE), None))
     return out
 
 
-def _comparison(point: torch.Tensor, draws: torch.Tensor, clusters: int, strata: int = 1, few: bool = False) -> dict:
+def _comparison(point: torch.Tensor, draws: torch.Tensor, clusters: int, unit: str, strata: int = 1,
+                few: str | None = None) -> dict:
+    """few: why there is no interval (TOO_FEW or TOO_FEW_GROUPS), None when there is one."""
     sa, sb, sw = point.tolist()
     if sw <= 0:
         return {"a": None, "b": None, "diff": None, "diff_ci": None, "rel": None, "rel_ci": None, "significant": None,
-                "rel_significant": None, "positions": 0.0, "clusters": clusters}
+                "rel_significant": None, "positions": 0.0, "clusters": clusters, "unit": unit}
     diff = (sa - sb) / sw
     rel = (sa / sb - 1) if sb else None
     out = {"a": sa / sw, "b": sb / sw, "diff": diff, "diff_ci": None, "rel": rel, "rel_ci": None, "significant": None,
-           "rel_significant": None, "positions": sw, "clusters": clusters, "df": max(clusters - strata, 1)}
+           "rel_significant": None, "positions": sw, "clusters": clusters, "unit": unit, "df": max(clusters - strata, 1)}
     if few:
-        return dict(out, why=TOO_FEW)
+        return dict(out, why=few)
     ma, mb = draws[0] / draws[2], draws[1] / draws[2]
     half = small_sample_half_width(float((ma - mb).std()), clusters, strata)
     out["diff_ci"] = [diff - half, diff + half]

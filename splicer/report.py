@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .metrics import TOO_FEW, excludes_zero
+from .metrics import TOO_FEW_NOTE, excludes_zero
 from .table import fmt_change, load_results
 
 
@@ -23,8 +23,8 @@ def _score_clause(cmp: dict | None, label: str, scale: float, unit: str, rel: bo
     lo, hi = ci if ci else (None, None)
     # the verdict of the interval shown (a ratio's for ΔKL, the difference's otherwise)
     verdict = ", not significant" if excludes_zero(ci) is False else ""
-    if ci is None and cmp.get("why") == TOO_FEW:
-        verdict = " (too few sequences for an interval)"
+    if ci is None and cmp.get("why") in TOO_FEW_NOTE:
+        verdict = f" ({TOO_FEW_NOTE[cmp['why']]} for an interval)"
     return f"{label} {fmt_change(x, lo, hi, scale, unit, digits)}{verdict}"
 
 

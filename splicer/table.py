@@ -15,11 +15,12 @@ corpus name of the run (results.json "corpora"), in order:
   repeat_of                      the row whose variant this row runs again (timing repeats)
   size_gb                        bytes on disk / 1e9
   top1_<corpus>                  top-1 agreement with the base, as a fraction (Markdown shows %)
-  top1_<corpus>_ci_low, _ci_high its 95 % interval (bootstrap over sequences); every interval is missing for a corpus of
-                                 fewer than 5 sequences (metrics.MIN_SEQUENCES: too few for one)
+  top1_<corpus>_ci_low, _ci_high its 95 % interval (bootstrap over sequences; chat: over groups of conversations that share a
+                                 prompt); every interval is missing for a corpus of fewer than 5 such units
+                                 (metrics.MIN_SEQUENCES: too few for one)
   kl_<corpus>                    KL(base || variant) over the base's top-k (the plan's top_k, results.json "top_k") with the
                                  rest lumped, nats per position
-  kl_<corpus>_ci_low, _ci_high   its 95 % interval (sequences resampled; Student's t on the bootstrap's standard error)
+  kl_<corpus>_ci_low, _ci_high   its 95 % interval (sequences, or chat groups, resampled; Student's t on the bootstrap's standard error)
   dnll_<corpus>                  extra nats per token on the base's greedy answers (corpora with answers: chat)
   dnll_<corpus>_ci_low, _ci_high its 95 % interval
   decode_ms_per_token            batch-1 decode ms per token; missing when not timed or not resolved
@@ -32,13 +33,13 @@ corpus name of the run (results.json "corpora"), in order:
                                  the run: how far engines of another run land is not in the interval
   kl_change_vs_build             KL relative to the build's, a fraction, pooled over corpora position-weighted, paired on
                                  the same positions ("ΔKL vs build")
-  kl_change_ci_low, _ci_high     its 95 % interval (stratified bootstrap over sequences, both rows resampled together, the
+  kl_change_ci_low, _ci_high     its 95 % interval (stratified bootstrap over sequences or chat groups, both rows resampled together, the
                                  engine's measured run-to-run noise folded in where the build was scored on 2+ engines)
   kl_change_significant          true when that interval excludes 0 (Markdown: "n.s." when false)
   top1_change_vs_build           top-1 minus the build's top-1, a fraction, pooled like ΔKL (Markdown: percentage points)
   top1_change_ci_low, _ci_high   its 95 % interval
   top1_change_significant        true when that interval excludes 0
-  change_note                    why the score changes have no interval and no verdict ("too few sequences"), else missing
+  change_note                    why the score changes have no interval and no verdict ("too few sequences", "too few groups"), else missing
 The build and rows that repeat another row (more engines of it, for timing) have no changes of their own.
 """
 
@@ -52,7 +53,7 @@ import math
 from pathlib import Path
 
 from .errors import SplicerError
-from .metrics import TOO_FEW, excludes_zero
+from .metrics import TOO_FEW_NOTE, excludes_zero
 
 
 def _dnll_corpora(results: dict) -> list[str]:
@@ -114,7 +115,7 @@ def records(results: dict) -> list[dict]:
         lo, hi = top1.get("diff_ci") or (None, None)
         rec.update({"top1_change_vs_build": top1.get("diff"), "top1_change_ci_low": lo, "top1_change_ci_high": hi,
                     "top1_change_significant": excludes_zero(top1.get("diff_ci"))})
-        rec["change_note"] = "too few sequences" if TOO_FEW in (kl.get("why"), top1.get("why")) else None
+        rec["change_note"] = TOO_FEW_NOTE.get(kl.get("why")) or TOO_FEW_NOTE.get(top1.get("why"))
         out.append(rec)
     return out
 
@@ -134,7 +135,7 @@ def fmt_change(x: float, lo: float | None, hi: float | None, scale: float = 100,
 
 def _change(x, lo, hi, verdict, scale: float, unit: str, quiet: str, digits: int | None = None, note: str | None = None) -> str:
     """fmt_change, with `quiet` after it when the interval includes 0 (verdict False), or the note saying why there is
-    no interval (too few sequences)."""
+    no interval (too few sequences or groups)."""
     if x is None:
         return ""
     return fmt_change(x, lo, hi, scale, unit, digits) + (f" {quiet}" if verdict is False else f" ({note})" if note and lo is None else "")
@@ -234,7 +235,8 @@ def _footnotes(results: dict) -> list[str]:
     if method:
         notes.append(f"ΔKL and Δtop-1 vs build: {method}; n.s. = not significant; {noise_text(results)}. ΔKL is relative to "
                      "the build's KL (`splicer compare DIR ROW build` gives it per corpus). A corpus of fewer than "
-                     f"{MIN_SEQUENCES} sequences supports no interval: \"too few sequences\" then stands for both.")
+                     f"{MIN_SEQUENCES} sequences (chat: groups of conversations that share a prompt) supports no interval: "
+                     "\"too few sequences\" (\"too few groups\") then stands for both.")
     engines = (results.get("verdicts") or {}).get("build_engines")
     d = next((v["decode_vs_build"] for v in results["variants"] if (v.get("decode_vs_build") or {}).get("rel") is not None), None)
     timed = any(r.get("decode_ms_per_token") for r in results["variants"])
@@ -521,7 +523,7 @@ def compare(out_dir: Path, a: str, b: str) -> str:
         x, ci = (cmp["rel"], cmp["rel_ci"]) if rel else (cmp["diff"], cmp["diff_ci"])
         if x is None:
             return ""
-        note = "too few sequences" if cmp.get("why") == TOO_FEW else None
+        note = TOO_FEW_NOTE.get(cmp.get("why"))
         return _change(x, *(ci or (None, None)), excludes_zero(ci), scale, "", "n.s.", digits, note=note)
 
     rows = []
@@ -530,9 +532,9 @@ def compare(out_dir: Path, a: str, b: str) -> str:
     for corpus in names:
         pick = (lambda q: (c[q] or {}).get("pooled")) if corpus == pooled else (lambda q: ((c[q] or {}).get("per_stratum") or {}).get(corpus))
         kl = pick("kl")
-        rows.append([corpus, f"{kl['positions']:,.0f}", f"{kl['clusters']:,}", cell(kl, 1, 5), cell(kl, 100, 1, rel=True), cell(pick("top1"), 100, 2),
+        rows.append([corpus, f"{kl['positions']:,.0f}", f"{kl['clusters']:,} {kl.get('unit', 'sequences')}", cell(kl, 1, 5), cell(kl, 100, 1, rel=True), cell(pick("top1"), 100, 2),
                      cell(pick("dnll"), 1, 5)])
-    table = tabulate(rows, headers=["corpus", "positions counted", "sequences", f"ΔKL {a} − {b}, nats [95 %]", f"ΔKL, % of {b}'s KL",
+    table = tabulate(rows, headers=["corpus", "positions counted", "units resampled", f"ΔKL {a} − {b}, nats [95 %]", f"ΔKL, % of {b}'s KL",
                               "Δtop-1, pp", "ΔdNLL, nats/token"],
                      tablefmt="github", disable_numparse=True)
     from .verdicts import METHOD

@@ -5,10 +5,11 @@ the per-position score files under DIR/scores/.
 
 Scores. Two variants are scored on the same positions, so their difference is estimated paired, position by position,
 with a 95 % interval from a stratified cluster bootstrap (metrics.paired_comparison): the independent unit is a
-sequence (a chat conversation is one sequence), resampled within its corpus, both variants together. Per corpus, and
+sequence (chat: a group of conversations that share a prompt, where the score files carry groups; chat.py),
+resampled within its corpus, both variants together. Per corpus, and
 pooled over corpora weighing every counted position once (a chat position repeating an earlier conversation's shared
 prefix counts 0). A difference is significant when its interval excludes 0; a corpus with fewer than
-metrics.MIN_SEQUENCES sequences gets no interval and no verdict ("too few sequences"). The engine's own run-to-run
+metrics.MIN_SEQUENCES sequences (or groups) gets no interval and no verdict ("too few sequences", "too few groups"). The engine's own run-to-run
 noise: where the build was scored on two or more engines (the plan's `repeat = true` rows of the build) their
 differences measure it and it is folded into every interval (engine_noise, metrics.fold_engine_noise); otherwise the
 intervals leave it out, and the table and report say so. The noise floor (the base scored again) is a reference
@@ -28,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from .metrics import decode_difference, engine_level, fold_engine_noise, paired_comparison
+from .metrics import decode_difference, engine_level, fold_engine_noise, paired_comparison, units
 
 METHOD = ("paired on the same positions; 95 % intervals from a stratified bootstrap over sequences "
-          "(a chat conversation is one sequence), Student's t on its standard error; pooled over corpora position-weighted, "
+          "(chat: groups of conversations that share a prompt), Student's t on its standard error; pooled over corpora position-weighted, "
           "a shared chat prefix counted once; significant when the interval shown excludes 0")
 QUANTITIES = ("kl", "top1", "dnll")
 
@@ -69,12 +70,12 @@ def compare_scores(out: Path, a: str, b: str, corpora: list[str], reps: int = 20
         if sa is None or sb is None:
             continue
         _same_positions(sa, sb, a, b, corpus)
-        w, unit = sa.get("weight"), sa.get("group", sa["seq_index"])
-        kl[corpus] = {"a": sa["kl_top"], "b": sb["kl_top"], "cluster": unit, "weight": w}
-        top1[corpus] = {"a": sa["top1"].float(), "b": sb["top1"].float(), "cluster": unit, "weight": w}
+        w, (unit, unit_name) = sa.get("weight"), units(sa)
+        kl[corpus] = {"a": sa["kl_top"], "b": sb["kl_top"], "cluster": unit, "unit": unit_name, "weight": w}
+        top1[corpus] = {"a": sa["top1"].float(), "b": sb["top1"].float(), "cluster": unit, "unit": unit_name, "weight": w}
         if "answer_mask" in sa and bool(sa["answer_mask"].any()):
             m = sa["answer_mask"].bool()
-            dnll[corpus] = {"a": sa["dlogp"][m], "b": sb["dlogp"][m], "cluster": unit[m],
+            dnll[corpus] = {"a": sa["dlogp"][m], "b": sb["dlogp"][m], "cluster": unit[m], "unit": unit_name,
                             "weight": None if w is None else w[m]}
     if not kl:
         return None

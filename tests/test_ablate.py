@@ -86,6 +86,12 @@ def test_results_file(finished):
     assert set(v["metrics"]) == {"wiki-en", "chat"}
     assert v["metrics"]["wiki-en"]["dnll"] is None and v["metrics"]["chat"]["dnll"] is not None
     assert v["metrics"]["wiki-en"]["positions"] == 3 * 63
+    # the chat corpus's conversations are units by group (3 conversations: 3 groups of one), the text corpus's by sequence
+    assert v["metrics"]["chat"]["groups"] == 3 and v["metrics"]["wiki-en"]["groups"] is None
+    from splicer.verdicts import _load_scores
+
+    assert _load_scores(out, "build", "chat")["group"].unique().tolist() == [0, 1, 2]
+    assert "group" not in _load_scores(out, "build", "wiki-en")
     assert v["decode_ms_per_token"] > 0
     caption, table = (out / "table.md").read_text().split("\n\n", 2)[:2]
     assert caption.startswith("Build `") and table.startswith("| variant")
@@ -187,6 +193,7 @@ def test_demo_from_the_cli(tmp_path, capsys):
     rows = {v["name"]: v for v in results["variants"]}
     assert all(v["status"] == "ok" for v in rows.values())
     assert set(results["corpora"]) == {"wiki-zh", "wiki-en", "chat"}
+    assert rows["build"]["metrics"]["chat"]["groups"] == 12  # the demo's 12 conversations are 12 groups of one
     assert all(m["kl"] == pytest.approx(0, abs=1e-7) for m in rows["all"]["metrics"].values())
     assert "Additivity" in (tmp_path / "demo" / "table.md").read_text()
     assert "Speed per variant" not in (tmp_path / "demo" / "table.md").read_text()  # torch: no engine log to report

@@ -1,4 +1,4 @@
-"""The built-in chat set's independence, the early refusal of Hub corpora that cannot be read, and the torch thread
+"""The built-in chat set's groups, the early refusal of Hub corpora that cannot be read, and the torch thread
 count chosen from the free cores."""
 
 from __future__ import annotations
@@ -13,23 +13,36 @@ import torch
 from .conftest import tree_digest
 from splicer.ablate import first_occurrence_weights
 from splicer.backends import choose_threads, usable_cores
-from splicer.chat import BUSINESSES, MAX_CONVERSATIONS, NAMES, conversations
+from splicer.chat import GROUPS, MAX_CONVERSATIONS, N_GROUPS, NAMES, conversations, group
 from splicer.cli import main
-from splicer.corpora import build_corpus, check_hub_corpora, validate_spec
+from splicer.corpora import Corpus, build_corpus, check_hub_corpora, validate_spec
 from splicer.errors import SplicerError
 
 
-def test_no_two_chat_conversations_share_persona_and_history():
+def test_chat_groups_are_nested_and_share_nothing_across_groups():
+    """Conversations of one group share their business and history; no business, rules text or history turn appears in
+    two groups; conversation i is in group i % N_GROUPS, so 12 conversations are 12 groups of one."""
     convs = conversations(MAX_CONVERSATIONS)
-    assert len(convs) == 72  # the default plan asks for 72
+    assert len(convs) == 72 and N_GROUPS >= 12  # the default plan asks for 72
     systems = [c[0]["content"] for c in convs]
-    histories = [tuple(m["content"] for m in c[1:-1]) for c in convs]
-    # Business and history alone (the name taken off): no pair repeats, and each name opens one system prompt only.
-    pairs = [(s.removeprefix(NAMES[i]), h) for i, (s, h) in enumerate(zip(systems, histories))]
-    assert len(set(pairs)) == len(convs)
+    prompt = [(s.removeprefix(NAMES[i]), tuple(m["content"] for m in c[1:-1])) for i, (s, c) in enumerate(zip(systems, convs))]
+    assert [group(i) for i in range(len(convs))] == [i % N_GROUPS for i in range(len(convs))]
+    by_group = {}
+    for i, p in enumerate(prompt):
+        by_group.setdefault(group(i), set()).add(p)
+    assert all(len(ps) == 1 for ps in by_group.values())  # one business and one history per group
+    assert len(by_group) == N_GROUPS
+    shared = [(b, h) for (b, h), in by_group.values()]
+    assert len({b for b, _ in shared}) == N_GROUPS and all(h for _, h in shared)
+    # across groups: no rules text and no history turn in common
+    assert len({rules for _, rules, _ in GROUPS}) == N_GROUPS and len({role for role, _, _ in GROUPS}) == N_GROUPS
+    turns = [t for _, h in shared for t in h]
+    assert len(set(turns)) == len(turns)
+    assert {s.removeprefix(NAMES[i]).split(".")[0] for i, s in enumerate(systems)} == {f" here: you are {r}" for r, _, _ in GROUPS}
+    # every name distinct and opening its system prompt with its own character; every last user turn distinct
     assert len({s[0] for s in systems}) == len(convs)
     assert len({c[-1]["content"] for c in convs}) == len(convs)
-    assert {s.removeprefix(NAMES[i]).split(".")[0] for i, s in enumerate(systems)} == {f" here: you are {r}" for r, _ in BUSINESSES}
+    assert len({group(i) for i in range(12)}) == 12
     with pytest.raises(SplicerError, match="has 72 conversations"):
         validate_spec({"name": "chat", "kind": "chat", "conversations": 73}, "plan p")
 
@@ -48,6 +61,8 @@ def test_chat_prompts_share_only_the_template_header(pairs, history_turns):
     corpus = build_corpus({"name": "chat", "kind": "chat", "conversations": MAX_CONVERSATIONS, "history_turns": history_turns},
                           tok, None, None)
     seqs = corpus.sequences
+    assert corpus.groups == [i % N_GROUPS for i in range(len(seqs))]
+    assert Corpus.from_json(corpus.to_json()).groups == corpus.groups  # kept in the base pass's corpora.json
     empty = tok.apply_chat_template([{"role": "system", "content": ""}], tokenize=True)
     header = _common_prefix(list(empty["input_ids"] if hasattr(empty, "keys") else empty), seqs[0])
     assert 0 < header < corpus.prompt_lens[0]

@@ -181,8 +181,74 @@ def test_a_corpus_of_too_few_sequences_has_no_interval_and_the_interval_is_t_bas
     se = float(resid.std(correction=0)) / math.sqrt(5)
     half = small_sample_half_width(se, 5)
     assert (hi - lo) / 2 == pytest.approx(half, rel=0.1) and lo < mean < hi
-    # a grouped unit: 8 sequences in 2 groups are 2 units, too few
+    # a grouped unit: 8 sequences in 2 groups are 2 units, too few (both counts reported)
     rec = {"seq_index": torch.arange(8), "group": torch.arange(8) // 4, "top1": torch.ones(8, dtype=torch.bool),
            "kl_top": vals, "tail": torch.zeros(8), "dlogp": torch.zeros(8)}
     s = summarize(rec, reps=50)
-    assert s["sequences"] == 2 and s["kl_ci"] is None and s["top1_ci"] is None
+    assert s["sequences"] == 8 and s["groups"] == 2 and s["kl_ci"] is None and s["top1_ci"] is None
+
+
+def _chat_scores(corpus, seed):
+    """Random base and variant scores of every position of corpus, as the base pass and a row would store them."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([len(s) - 1 for s in corpus.sequences])
+    n = int(lengths.sum())
+    base_lp = torch.log_softmax(torch.randn(n, 50, generator=g), -1)
+    targets = torch.cat([torch.tensor(s[1:]) for s in corpus.sequences])
+    bt = base_lp.topk(20, -1)
+    base = {"topk_ids": bt.indices, "topk_logprobs": bt.values, "lengths": lengths,
+            "target_logprobs": base_lp.gather(1, targets[:, None])[:, 0]}
+    out = []
+    for k in range(2):
+        # variants shifted per group, so that conversations of one group share their effect
+        shift = torch.randn(max(corpus.groups) + 1, generator=g)[torch.tensor(corpus.groups)].repeat_interleave(lengths)
+        var_lp = torch.log_softmax(base_lp + torch.randn(n, 50, generator=g) * 0.3 + shift[:, None] * torch.randn(50, generator=g), -1)
+        vt = var_lp.topk(20, -1)
+        var = {"topk_ids": vt.indices, "topk_logprobs": vt.values, "target_logprobs": var_lp.gather(1, targets[:, None])[:, 0]}
+        out.append(position_records(base, var, corpus, var_lp.gather(1, bt.indices)))
+    return out
+
+
+def test_chat_score_records_carry_the_group_and_every_interval_resamples_groups(tmp_path):
+    """24 conversations are 12 groups of 2 (chat.group): the score records carry each position's group, the summary
+    counts 24 sequences in 12 groups, and compare's and budget's paired intervals resample the 12 groups (not the 24
+    sequences);
+    score files without groups (written before them) still compare, a sequence per unit."""
+    from safetensors.torch import save_file
+
+    from splicer.chat import group
+    from splicer.metrics import TOO_FEW_GROUPS, paired_comparison
+    from splicer.verdicts import compare_scores
+
+    seqs = [[1000 + i, *range(i, i + 7)] for i in range(24)]
+    corpus = Corpus("chat", "chat", seqs, prompt_lens=[4] * 24, groups=[group(i) for i in range(24)])
+    a, b = _chat_scores(corpus, 5)
+    assert a["group"].tolist() == [group(i) for i in range(24) for _ in range(7)]
+    s = summarize(a, reps=50)
+    assert s["sequences"] == 24 and s["groups"] == 12 and s["kl_ci"] is not None
+    for row, rec in (("a", a), ("b", b)):
+        (tmp_path / "scores" / row).mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in rec.items()}, str(tmp_path / "scores" / row / "chat.safetensors"))
+    c = compare_scores(tmp_path, "a", "b", ["chat"], reps=400)
+    for q in ("kl", "top1", "dnll"):
+        assert c[q]["per_stratum"]["chat"]["clusters"] == 12 and c[q]["per_stratum"]["chat"]["unit"] == "groups", q
+    by = {unit: paired_comparison({"chat": {"a": a["kl_top"], "b": b["kl_top"], "cluster": a[unit], "weight": a["weight"]}},
+                                  reps=400)["per_stratum"]["chat"]["diff_ci"] for unit in ("group", "seq_index")}
+    assert c["kl"]["per_stratum"]["chat"]["diff_ci"] == pytest.approx(by["group"]) and by["group"] != pytest.approx(by["seq_index"])
+    # budget's strata (the prediction against a measured row) resample the same groups
+    from types import SimpleNamespace
+
+    from splicer.budget import PositionScores
+
+    stratum = PositionScores(tmp_path, ["chat"]).strata(SimpleNamespace(build_row="a"), (), "chat", other="b")["chat"]
+    assert stratum["unit"] == "groups" and torch.equal(stratum["cluster"], a["group"])
+    assert paired_comparison({"chat": stratum}, reps=400)["per_stratum"]["chat"]["clusters"] == 12
+    for row, rec in (("a", a), ("b", b)):  # an old score file: no group
+        save_file({k: v.contiguous() for k, v in rec.items() if k != "group"}, str(tmp_path / "scores" / row / "chat.safetensors"))
+    old = compare_scores(tmp_path, "a", "b", ["chat"], reps=400)["kl"]["per_stratum"]["chat"]
+    assert old["clusters"] == 24 and old["unit"] == "sequences" and old["diff_ci"] == pytest.approx(by["seq_index"])
+    # fewer than MIN_SEQUENCES groups: no interval, and the reason names groups, not sequences
+    four = a["group"] % 4
+    few = paired_comparison({"chat": {"a": a["kl_top"], "b": b["kl_top"], "cluster": four, "unit": "groups"}}, reps=50)
+    assert few["per_stratum"]["chat"]["why"] == TOO_FEW_GROUPS and few["pooled"]["why"] == TOO_FEW_GROUPS
+    assert few["per_stratum"]["chat"]["diff_ci"] is None and few["per_stratum"]["chat"]["clusters"] == 4

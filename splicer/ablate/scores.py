@@ -63,6 +63,8 @@ def position_records(base: dict, var: dict, corpus: Corpus, gathered: torch.Tens
         "tail": (1 - base["topk_logprobs"].double().exp().sum(-1)).clamp_min(0).float(),
         "dlogp": base["target_logprobs"] - var["target_logprobs"],
     }
+    if corpus.groups is not None:  # sequences that share a prompt (chat): intervals resample whole groups
+        rec["group"] = torch.repeat_interleave(torch.as_tensor(corpus.groups, dtype=torch.int32), lengths)
     if "full" in base and "full" in var:
         rec["kl_full"] = kl_full(base["full"], var["full"])
     if corpus.prompt_lens is not None:
