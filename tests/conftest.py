@@ -13,15 +13,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 
 
 def _set_threads() -> str:
-    """torch's threads for the whole session from the cores free now (or OMP_NUM_THREADS / SPLICER_THREADS), and the
-    same count for the subprocesses tests start: on a shared machine one thread too many made the suite crawl."""
+    """torch's threads for the test process from the cores free now (or OMP_NUM_THREADS / SPLICER_THREADS), and one
+    thread for the subprocesses tests start (unless OMP_NUM_THREADS is set): several of them (fake GPU workers, engines
+    started ahead) run at once beside the test process, and with more threads than free cores torch's spinning
+    threads stall each other (a two-worker test took 25 to 111 s with two threads each, on 2 cores)."""
     import torch
 
     from splicer.backends import choose_threads
 
     n, why = choose_threads()
     torch.set_num_threads(n)
-    os.environ.setdefault("OMP_NUM_THREADS", str(n))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     return why
 
 
