@@ -227,12 +227,13 @@ def cannot_write(e: OSError, path: Path) -> SplicerError:
     return SplicerError(f"cannot write {path} ({e.strerror or e.__class__.__name__}); check the folder and run again")
 
 
-def write_file(path: Path, fill) -> Path:
-    """Put the file `path` in place whole or not at all: fill(tmp) writes a hidden temporary beside it, which is then
-    renamed over path. On any failure the temporary is removed (no 0-byte or partial file is left, an existing path is
-    untouched); an OSError (read-only folder, full disk) becomes one line naming path and the fix."""
+def write_file(path: Path, fill, tmp: Path | None = None, error=None) -> Path:
+    """Put the file `path` in place whole or not at all: fill(tmp) writes a temporary beside it (by default hidden),
+    which is then renamed over path. On any failure the temporary is removed (no 0-byte or partial file is left, an
+    existing path is untouched); a failed write (an OSError, or safetensors' own error for one: os_error_of) becomes
+    the one line error(e, path) gives, cannot_write's by default; an error that gives None is raised as it was."""
     path = Path(path)
-    tmp = sibling(path, PARTIAL_SUFFIX)
+    tmp = sibling(path, PARTIAL_SUFFIX) if tmp is None else tmp
     try:
         fill(tmp)
         os.replace(tmp, path)
@@ -241,9 +242,11 @@ def write_file(path: Path, fill) -> Path:
             tmp.unlink()
         except OSError:
             pass
-        if isinstance(e, OSError):
-            raise cannot_write(e, path) from None
-        raise
+        failed = os_error_of(e)
+        said = (error or cannot_write)(failed, path) if failed is not None else None
+        if said is None:
+            raise
+        raise said from None
     return path
 
 

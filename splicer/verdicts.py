@@ -25,6 +25,7 @@ Rows spread over GPUs (--gpus) are compared with the build's engines on their ow
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import torch
@@ -136,8 +137,7 @@ def engine_noise(results: dict, out: Path) -> dict | None:
 
 def _pair_sd(values: list[float]) -> float:
     """Standard deviation of the difference of two of these (engines of one variant): sqrt(2 x their variance)."""
-    mu = sum(values) / len(values)
-    return math.sqrt(2 * sum((x - mu) ** 2 for x in values) / (len(values) - 1))
+    return math.sqrt(2) * statistics.stdev(values)
 
 
 def fold_noise(vs: dict, noise: dict | None) -> dict:

@@ -5,7 +5,6 @@ corpora and the settings; done once, read by every row and every rerun."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 
 from ..corpora import Corpus
 from ..errors import SplicerError
-from ..outputs import cannot_write, os_error_of
+from ..outputs import write_file
 from ..plan import Plan
 from .common import AblateSettings, _atomic_json, _batch_size, _digest, _pbar
 
@@ -38,19 +37,11 @@ def _save_scores(path: Path, scores: list, extra: dict | None = None) -> None:
 
 
 def write_tensors(path: Path, tensors: dict) -> None:
-    """A safetensors file put in place whole (written beside, then renamed) or not at all."""
+    """A safetensors file put in place whole (written beside, then renamed) or not at all; a full disk is one line
+    naming the file (outputs.write_file)."""
     from safetensors.torch import save_file
 
-    tmp = path.with_suffix(".tmp")
-    try:
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
-    except Exception as e:  # a full disk: one line naming the file, and no partial file left
-        tmp.unlink(missing_ok=True)
-        error = os_error_of(e)
-        if error is None:
-            raise
-        raise cannot_write(error, path) from None
+    write_file(path, lambda tmp: save_file(tensors, str(tmp)), tmp=path.with_suffix(".tmp"))
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:

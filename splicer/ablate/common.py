@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,18 +44,13 @@ def _atomic_json(path: Path, data) -> None:
 
 
 def _atomic_text(path: Path, text: str) -> None:
-    """Write path whole or not at all (beside it, then renamed; UTF-8 whatever the locale); a full disk or a read-only
-    folder is one line (outputs.write_error), with no partial file left."""
-    from ..outputs import write_error
+    """Write path whole or not at all (outputs.write_file: beside it, then renamed; UTF-8 whatever the locale); a full
+    disk or a read-only folder is one line (outputs.write_error, which names DIR, the -o to change), with no partial
+    file left."""
+    from ..outputs import write_error, write_file
 
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:
-        with suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise (write_error(e, path.parent) or e) from None
+    write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"), tmp=path.with_suffix(path.suffix + ".tmp"),
+               error=lambda e, p: write_error(e, p.parent))
 
 
 def _jsonable(o):
