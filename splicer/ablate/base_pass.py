@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..backends import BACKENDS
 from ..corpora import Corpus
 from ..errors import SplicerError
 from ..outputs import write_file
@@ -126,9 +127,9 @@ def _base_refused(e: Exception, backend: str) -> str:
     if not isinstance(e, RuntimeError) or not reason:  # the engines' RuntimeErrors say what failed; others need their kind
         reason = f"{e.__class__.__name__}: {reason}".rstrip(": ")
     reason = reason if len(reason) <= 400 else reason[:397] + "..."
-    other = "torch" if backend == "vllm" else "vllm"
+    other = " or ".join(f"--backend {b}" for b in BACKENDS if b != backend)
     return (f"the base pass could not start: {reason}; every row is scored against the base, so nothing was run: make "
-            f"{backend} able to load it (another version or engine settings) or use --backend {other}")
+            f"{backend} able to load it (another version or engine settings) or use {other}")
 
 
 def _vocab_size(folder: Path) -> int:

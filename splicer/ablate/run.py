@@ -24,7 +24,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     the job record, the base pass (cached in DIR/cache), each row (run_row: its folder from RowSchedule, scores in
     DIR/scores/ROW, timing), results.json, table.md and report.md rewritten after every row. A rerun of the same job
     keeps the finished rows."""
-    from ..backends import make_backend, torch_threads_note
+    from ..backends import make_backend
 
     from ..arch import all_classes
 
@@ -95,7 +95,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         # Set per run: a settings object reused for another DIR must not keep logging into the first one's log.
         settings.stages = Stages(quiet=not settings.progress, log_path=out / "ablate.log")
         settings.stages.line(f"ablate {rows_spec} of plan {plan.name}: {build_src} against {base_src} into {out}")
-        if settings.backend == "torch" and (note := torch_threads_note()):
+        if note := getattr(backend, "threads_note", None):  # a backend that runs torch on the CPU says its thread count
             settings.stages.line(note)
         job = make_job(plan, corpora, build_src, build, base_src, base_digest, settings, out)
         done, earlier_runs = write_job(out, job, settings.stages, settings.extend_only)

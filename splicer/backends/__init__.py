@@ -178,6 +178,9 @@ def torch_threads_note() -> str | None:
     return _threads_note
 
 
+BACKENDS = ("torch", "vllm")  # make_backend's names
+
+
 def make_backend(name: str, device: str = "auto", **options) -> Backend:
     if name == "torch":
         from .torch_ref import TorchBackend
@@ -187,4 +190,4 @@ def make_backend(name: str, device: str = "auto", **options) -> Backend:
         from .vllm_backend import VllmBackend
 
         return VllmBackend(device=device, **options)
-    raise SplicerError(f"unknown backend {name!r}; choose torch or vllm")
+    raise SplicerError(f"unknown backend {name!r}; choose {' or '.join(BACKENDS)}")
