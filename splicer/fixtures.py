@@ -228,15 +228,33 @@ def base_config(cfg) -> dict:
     return config
 
 
-def write_base(out: Path, spec: FixtureSpec | None = None) -> Path:
+def _per_expert_values(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fused 3-D expert tensors split per expert (the release's layout); every other tensor as it is."""
+    out = {}
+    for name, t in tensors.items():
+        split = QWEN3_5_MOE.split_fused_experts(name, t)
+        out.update({n: v.contiguous() for n, v in split} if split is not None else {name: t})
+    return out
+
+
+def write_base(out: Path, spec: FixtureSpec | None = None, tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """The BF16 base. `tensors` (name -> BF16 tensor, experts fused or per expert) replaces the random values of the
+    tensors it names (a trained model's text and MTP weights); their shapes must match the spec's."""
     spec = spec or FixtureSpec()
     cfg = hf_config(spec)
     shapes = base_shapes(spec, cfg)
+    given = {}
+    if tensors is not None:
+        given = tensors if spec.experts_layout == "fused" else _per_expert_values(tensors)
+        unknown = sorted(n for n in given if n not in shapes or tuple(given[n].shape) != shapes[n])
+        if unknown:
+            raise ValueError(f"tensors not in the base or of another shape: {unknown[:5]}")
     gen = torch.Generator().manual_seed(spec.seed)
     n_layers = cfg.text_config.num_hidden_layers
     by_shard: dict[str, dict[str, torch.Tensor]] = {}
     for name, shape in shapes.items():
-        by_shard.setdefault(_shard_key(name, n_layers), {})[name] = _init(name, shape, gen, spec.residual_scale)
+        value = given[name] if name in given else _init(name, shape, gen, spec.residual_scale)
+        by_shard.setdefault(_shard_key(name, n_layers), {})[name] = value
     config = base_config(cfg)
     _write_sharded(Path(out), by_shard, config)
     _write_side_files(Path(out), cfg.text_config.vocab_size)
