@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# On the GPU machine: the trained qwen3_5_moe end to end (issue 31), as resumable stages with a marker file each.
+#   install -> data -> train (seeds 0 and 1 at once) -> builds (llm-compressor, its own site) -> MTP restored into the
+#   builds that dropped it -> ablate seed 0's GPTQ build (default rows + one row per GDN layer) -> seed 1's class rows ->
+#   every build scored against seed 0's base -> budget --verify 3 -> plot, report, pack.
+# Started in the background (setsid) by `trained_call.sh start`, so it outlives one device call; later calls
+# (`trained_call.sh wait`) watch it and bring back what is finished. Everything lives under W=/tmp/trained.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source scripts/gpu/env.sh
+W=${W:-/tmp/trained}; mkdir -p "$W"
+TRAIN_S=${TRAIN_S:-330}
+LOG="$W/pipeline.log"
+stage() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
+done_mark() { touch "$W/done.$1"; stage "done: $1"; }
+is_done() { [ -f "$W/done.$1" ]; }
+LC="env PYTHONPATH=/tmp/lcsite PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false python3"
+ENGINE=(--backend vllm --gpu-memory-utilization 0.3 --language-model-only
+        --engine-arg "compilation_config=$(python3 -c 'import json,os; print(json.dumps(json.loads(os.environ["SPLICER_GPU_ENGINE_ARGS"])["compilation_config"]))')")
+D="$W/trained-data"
+CORPORA=()
+for c in en-dict en-kernel en-python zh chat; do CORPORA+=(--corpus "$c=$D/heldout/$c.txt"); done
+
+if ! is_done data; then
+  stage "data: unpack"
+  tar -C "$W" -xJf /tmp/carry/trained-data.tar.xz || exit 1
+  # The held-out chat conversations as one text, so they chunk like the other corpora.
+  python3 -c "import json,sys; open(sys.argv[2],'w').write('\n'.join(json.loads(l)['text'] for l in open(sys.argv[1]) if l.strip()))" \
+    "$D/heldout/chat.jsonl" "$D/heldout/chat.txt" || exit 1
+  done_mark data
+fi
+
+if ! is_done train; then
+  stage "train: seeds 0 and 1 at once, ${TRAIN_S} s each"
+  for s in 0 1; do
+    rm -rf "$W/seed$s/base"; mkdir -p "$W/seed$s"
+    TOKENIZERS_PARALLELISM=true python3 -m splicer.trained.train "$D" "$W/seed$s/base" --seed $s --max-seconds "$TRAIN_S" > "$W/seed$s/train.log" 2>&1 &
+  done
+  wait
+  for s in 0 1; do tail -2 "$W/seed$s/train.log" | tee -a "$LOG"; done
+  [ -f "$W/seed0/base/config.json" ] && [ -f "$W/seed1/base/config.json" ] || { stage "train failed"; exit 1; }
+  done_mark train
+fi
+
+if ! is_done builds; then
+  stage "builds: llm-compressor (GPTQ both seeds; AWQ, RTN g32, FP8 block, NVFP4A16 seed 0)"
+  rm -rf "$W/seed0/raw" "$W/seed1/raw"
+  $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw" --builds gptq-w4a16-g128 --device cuda > "$W/seed0/builds-gptq.log" 2>&1 &
+  $LC scripts/gpu/trained_builds.py "$W/seed1/base" "$D/calib.jsonl" "$W/seed1/raw" --builds gptq-w4a16-g128 --device cuda > "$W/seed1/builds-gptq.log" 2>&1 &
+  $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw-other" --builds awq-experts,rtn-g32-experts,fp8-block,nvfp4a16 --device cuda > "$W/seed0/builds-other.log" 2>&1 &
+  wait
+  tail -3 "$W"/seed*/builds-*.log | tee -a "$LOG"
+  # The builds as a publisher ships them: a build that dropped the MTP head gets it back in BF16 from its base
+  # (seed 000's fix-up), by splice; one that kept it is used as written.
+  for s in 0 1; do
+    for b in "$W/seed$s"/raw*/*/; do
+      b=${b%/}; name=$(basename "$b"); [ -f "$b/config.json" ] || continue
+      if grep -q '"mtp\.' "$b/model.safetensors.index.json" 2>/dev/null || python3 -c "import sys,glob,json
+from safetensors import safe_open
+sys.exit(0 if any(k.startswith('mtp.') for f in glob.glob(sys.argv[1]+'/*.safetensors') for k in safe_open(f,'pt').keys()) else 1)" "$b"; then
+        cp -r "$b" "$W/seed$s/$name"
+      else
+        python3 -m splicer splice --restore mtp "$b" "$W/seed$s/base" -o "$W/seed$s/$name" -q >> "$LOG" 2>&1 || stage "splice --restore mtp failed for seed$s/$name"
+      fi
+    done
+  done
+  ls -d "$W"/seed*/*/ | tee -a "$LOG"
+  done_mark builds
+fi
+
+G=$W/seed0/gptq-w4a16-g128
+if ! is_done ablate0; then
+  stage "ablate: seed 0 GPTQ build, default rows + one row per GDN layer"
+  if [ ! -f "$W/plan0.toml" ]; then
+    python3 -m splicer plan sweep "$G" --class gdn --groups 6 --from ablations/trained-h200.toml -o "$W/sweep.toml" >> "$LOG" 2>&1
+    python3 - ablations/trained-h200.toml "$W/sweep.toml" "$W/plan0.toml" <<'PY'
+import sys, tomllib, tomli_w
+plan = tomllib.loads(open(sys.argv[1]).read())
+sweep = tomllib.loads(open(sys.argv[2]).read())
+layers = [r for r in sweep["row"] if r["name"].startswith("gdn.")]
+plan["row"] = plan["row"][:-1] + layers + plan["row"][-1:]  # the build's second engine stays last
+plan["name"] = "trained-h200-gdn-layers"
+plan["description"] += "; plus one row per Gated-DeltaNet layer (splicer plan sweep --class gdn --groups 6)"
+open(sys.argv[3], "w").write(tomli_w.dumps(plan))
+PY
+  fi
+  python3 -m splicer ablate all "$G" "$W/seed0/base" -o "$W/ablate0" --plan "$W/plan0.toml" "${CORPORA[@]}" "${ENGINE[@]}" \
+    --bandwidth-gbs 4800 -q > "$W/ablate0.log" 2>&1 && done_mark ablate0 || { stage "ablate0 exit $?"; tail -5 "$W/ablate0.log" | tee -a "$LOG"; }
+fi
+
+if is_done ablate0 && ! is_done ablate1; then
+  stage "ablate: seed 1 GPTQ build, class rows, no timing"
+  python3 - ablations/trained-h200.toml "$W/plan1.toml" <<'PY'
+import sys, tomllib, tomli_w
+plan = tomllib.loads(open(sys.argv[1]).read())
+keep = {"build", "lm_head", "gdn", "attention", "shared_expert", "experts-only", "all"}
+plan["row"] = [r for r in plan["row"] if r["name"] in keep]
+plan["name"] = "trained-h200-seed1"
+plan["description"] = "the single-class rows on the second training seed's GPTQ build (ranking check), scores only"
+open(sys.argv[2], "w").write(tomli_w.dumps(plan))
+PY
+  python3 -m splicer ablate all "$W/seed1/gptq-w4a16-g128" "$W/seed1/base" -o "$W/ablate1" --plan "$W/plan1.toml" \
+    "${CORPORA[@]}" "${ENGINE[@]}" --no-time -q > "$W/ablate1.log" 2>&1 && done_mark ablate1 || { stage "ablate1 exit $?"; tail -5 "$W/ablate1.log" | tee -a "$LOG"; }
+fi
+
+if is_done ablate1 && ! is_done score; then
+  stage "score: every seed-0 build against one base pass"
+  builds=(); for b in gptq-w4a16-g128 awq-experts rtn-g32-experts fp8-block nvfp4a16; do [ -d "$W/seed0/$b" ] && builds+=("$W/seed0/$b"); done
+  python3 -m splicer score "$W/seed0/base" "${builds[@]}" -o "$W/score0" --plan ablations/trained-h200.toml "${CORPORA[@]}" \
+    "${ENGINE[@]}" -q > "$W/score0.log" 2>&1 && done_mark score || { stage "score exit $?"; tail -5 "$W/score0.log" | tee -a "$LOG"; }
+fi
+
+if is_done score && ! is_done verify; then
+  stage "budget --verify 3 on seed 0's ablate folder"
+  python3 -m splicer budget "$W/ablate0" --verify 3 -q > "$W/verify.txt" 2>&1 && done_mark verify || { stage "verify exit $?"; tail -5 "$W/verify.txt" | tee -a "$LOG"; }
+fi
+stage "pipeline ended"
+touch "$W/done.pipeline"

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One device call of the trained-model run (scripts/gpu/README.md, "A trained model end to end"):
+#   trained_call.sh stage PATH...   copy carried files (bundle parts, data, wheels) into /tmp/carry
+#   trained_call.sh start SECONDS   install vLLM's bundle and llm-compressor's wheels, start trained.sh in its own
+#                                   session (it outlives the call), then as `wait`
+#   trained_call.sh wait SECONDS    watch the pipeline until it ends or SECONDS pass, then bring back what is finished
+# What comes back under $OUT: trained.tgz (results.json, tables, logs, train reports, builds.json, the run record) and
+# one scores archive per results folder (per-position scores, for recomputing intervals here).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+W=${W:-/tmp/trained}; OUT=${OUT:-/tmp/out}; mkdir -p /tmp/carry "$W" "$OUT"
+verb=${1:?stage, start or wait}; shift
+
+collect() {
+  source scripts/gpu/env.sh
+  local list=()
+  for f in pipeline.log nohup.log seed0/train.log seed1/train.log seed0/base/train_report.json seed1/base/train_report.json \
+           seed0/builds-gptq.log seed1/builds-gptq.log seed0/builds-other.log plan0.toml plan1.toml verify.txt \
+           ablate0.log ablate1.log score0.log; do
+    [ -f "$W/$f" ] && list+=("$f")
+  done
+  for d in ablate0 ablate1 score0; do
+    for f in results.json table.md job.json budget.json budget-plan.toml ablate.log; do [ -f "$W/$d/$f" ] && list+=("$d/$f"); done
+    [ -d "$W/$d/logs" ] && list+=("$d/logs")
+  done
+  for b in "$W"/seed*/raw*/builds.json; do [ -f "$b" ] && list+=("${b#$W/}"); done
+  for b in "$W"/seed*/*/config.json; do [ -f "$b" ] && list+=("${b#$W/}"); done
+  { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import vllm, torch, transformers, compressed_tensors as ct; print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| compressed-tensors', ct.__version__)"
+    PYTHONPATH=/tmp/lcsite python3 -c "import llmcompressor, compressed_tensors as ct; print('llm-compressor', llmcompressor.__version__, '| compressed-tensors (its site)', ct.__version__)"
+    nproc; free -g | head -2; ls "$W"/done.* 2>/dev/null
+  } > "$W/machine.txt" 2>&1
+  list+=(machine.txt)
+  tar -C "$W" -czf "$OUT/trained.tgz" "${list[@]}" 2>/dev/null
+  for d in ablate0 ablate1 score0; do [ -d "$W/$d/scores" ] && pack_scores "$OUT/scores-$d.tar.xz" "$W" "$d"; done
+  ls -la "$OUT"
+}
+
+watch() {
+  local until=$(( $(date +%s) + $1 )) last=""
+  while [ "$(date +%s)" -lt "$until" ] && [ ! -f "$W/done.pipeline" ]; do
+    sleep 10
+    cur=$(tail -1 "$W/pipeline.log" 2>/dev/null); [ "$cur" != "$last" ] && echo "$cur" && last=$cur
+  done
+  tail -25 "$W/pipeline.log" 2>/dev/null
+  for s in 0 1; do tail -2 "$W/seed$s/train.log" 2>/dev/null; done
+  collect
+}
+
+case "$verb" in
+  stage) for p in "$@"; do cp -r "$p" /tmp/carry/; done; ls -la /tmp/carry ;;
+  start)
+    if [ ! -d /tmp/vllm_site/vllm ]; then
+      mkdir -p /tmp/vb && cp /tmp/carry/bundle.part0* /tmp/vb/ && bash scripts/gpu/install_bundle.sh /tmp/vb .bundle/vb/SHA256SUMS || exit 1
+    fi
+    if [ ! -d /tmp/lcsite/llmcompressor ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/lcsite /tmp/carry/lcwhl/*.whl || exit 1
+    fi
+    if [ ! -f "$W/pipeline.pid" ] || ! kill -0 "$(cat "$W/pipeline.pid")" 2>/dev/null; then
+      setsid nohup bash scripts/gpu/trained.sh > "$W/nohup.log" 2>&1 < /dev/null & echo $! > "$W/pipeline.pid"
+    fi
+    watch "${1:-500}" ;;
+  wait) watch "${1:-540}" ;;
+  *) echo "usage: trained_call.sh stage PATH... | start SECONDS | wait SECONDS"; exit 2 ;;
+esac
