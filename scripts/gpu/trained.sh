@@ -7,23 +7,29 @@
 # (`trained_call.sh wait`) watch it and bring back what is finished. Everything lives under W=/tmp/trained.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-source scripts/gpu/env.sh
+# BACKEND=torch TRAIN_ARGS="--recipe tiny --device cpu" LC_PY=PYTHON: the same stages on a CPU box (a dry run of the script).
+BACKEND=${BACKEND:-vllm}
+if [ "$BACKEND" = vllm ]; then source scripts/gpu/env.sh; else export PYTHONPATH=$PWD PYTHONUNBUFFERED=1; fi
 W=${W:-/tmp/trained}; mkdir -p "$W"
 TRAIN_S=${TRAIN_S:-330}
 LOG="$W/pipeline.log"
 stage() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
 done_mark() { touch "$W/done.$1"; stage "done: $1"; }
 is_done() { [ -f "$W/done.$1" ]; }
-LC="env PYTHONPATH=/tmp/lcsite PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false python3"
-ENGINE=(--backend vllm --gpu-memory-utilization 0.3 --language-model-only
-        --engine-arg "compilation_config=$(python3 -c 'import json,os; print(json.dumps(json.loads(os.environ["SPLICER_GPU_ENGINE_ARGS"])["compilation_config"]))')")
+LC="env PYTHONPATH=${LC_SITE-/tmp/lcsite} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false ${LC_PY:-python3}"
+DEVICE=cuda; ENGINE=(--backend torch --device cpu)
+if [ "$BACKEND" = vllm ]; then
+  ENGINE=(--backend vllm --gpu-memory-utilization 0.3 --language-model-only
+          --engine-arg "compilation_config=$(python3 -c 'import json,os; print(json.dumps(json.loads(os.environ["SPLICER_GPU_ENGINE_ARGS"])["compilation_config"]))')")
+else DEVICE=cpu; fi
+DATA_TAR=${DATA_TAR:-/tmp/carry/trained-data.tar.xz}
 D="$W/trained-data"
 CORPORA=()
 for c in en-dict en-kernel en-python zh chat; do CORPORA+=(--corpus "$c=$D/heldout/$c.txt"); done
 
 if ! is_done data; then
   stage "data: unpack"
-  tar -C "$W" -xJf /tmp/carry/trained-data.tar.xz || exit 1
+  tar -C "$W" -xJf "$DATA_TAR" || exit 1
   # The held-out chat conversations as one text, so they chunk like the other corpora.
   python3 -c "import json,sys; open(sys.argv[2],'w').write('\n'.join(json.loads(l)['text'] for l in open(sys.argv[1]) if l.strip()))" \
     "$D/heldout/chat.jsonl" "$D/heldout/chat.txt" || exit 1
@@ -34,7 +40,7 @@ if ! is_done train; then
   stage "train: seeds 0 and 1 at once, ${TRAIN_S} s each"
   for s in 0 1; do
     rm -rf "$W/seed$s/base"; mkdir -p "$W/seed$s"
-    TOKENIZERS_PARALLELISM=true python3 -m splicer.trained.train "$D" "$W/seed$s/base" --seed $s --max-seconds "$TRAIN_S" > "$W/seed$s/train.log" 2>&1 &
+    TOKENIZERS_PARALLELISM=true python3 -m splicer.trained.train "$D" "$W/seed$s/base" --seed $s --max-seconds "$TRAIN_S" ${TRAIN_ARGS:-} > "$W/seed$s/train.log" 2>&1 &
   done
   wait
   for s in 0 1; do tail -2 "$W/seed$s/train.log" | tee -a "$LOG"; done
@@ -45,9 +51,9 @@ fi
 if ! is_done builds; then
   stage "builds: llm-compressor (GPTQ both seeds; AWQ, RTN g32, FP8 block, NVFP4A16 seed 0)"
   rm -rf "$W/seed0/raw" "$W/seed1/raw"
-  $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw" --builds gptq-w4a16-g128 --device cuda > "$W/seed0/builds-gptq.log" 2>&1 &
-  $LC scripts/gpu/trained_builds.py "$W/seed1/base" "$D/calib.jsonl" "$W/seed1/raw" --builds gptq-w4a16-g128 --device cuda > "$W/seed1/builds-gptq.log" 2>&1 &
-  $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw-other" --builds awq-experts,rtn-g32-experts,fp8-block,nvfp4a16 --device cuda > "$W/seed0/builds-other.log" 2>&1 &
+  $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw" --builds gptq-w4a16-g128 --device $DEVICE > "$W/seed0/builds-gptq.log" 2>&1 &
+  $LC scripts/gpu/trained_builds.py "$W/seed1/base" "$D/calib.jsonl" "$W/seed1/raw" --builds gptq-w4a16-g128 --device $DEVICE > "$W/seed1/builds-gptq.log" 2>&1 &
+  $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw-other" --builds awq-experts,rtn-g32-experts,fp8-block,nvfp4a16 --device $DEVICE > "$W/seed0/builds-other.log" 2>&1 &
   wait
   tail -3 "$W"/seed*/builds-*.log | tee -a "$LOG"
   # The builds as a publisher ships them: a build that dropped the MTP head gets it back in BF16 from its base
@@ -85,7 +91,7 @@ open(sys.argv[3], "w").write(tomli_w.dumps(plan))
 PY
   fi
   python3 -m splicer ablate all "$G" "$W/seed0/base" -o "$W/ablate0" --plan "$W/plan0.toml" "${CORPORA[@]}" "${ENGINE[@]}" \
-    --bandwidth-gbs 4800 -q > "$W/ablate0.log" 2>&1 && done_mark ablate0 || { stage "ablate0 exit $?"; tail -5 "$W/ablate0.log" | tee -a "$LOG"; }
+    --bandwidth-gbs 4800 ${ABLATE_ARGS:-} -q > "$W/ablate0.log" 2>&1 && done_mark ablate0 || { stage "ablate0 exit $?"; tail -5 "$W/ablate0.log" | tee -a "$LOG"; }
 fi
 
 if is_done ablate0 && ! is_done ablate1; then

@@ -28,7 +28,7 @@ from torch import nn
 from ..errors import SplicerError
 
 # Hyperparameters as data. `small` is the model the results come from: 450 steps of 64 x 512 tokens (14.7M tokens), about
-# 6 s per 1M tokens on one H200 alone (a 60-step trial: 76k tokens/s, 34.5 GiB peak); `tiny` is for tests.
+# 13 s per 1M tokens on one H200 alone (a 60-step trial: 76k tokens/s, 34.5 GiB peak); `tiny` is for tests.
 RECIPES = {
     "small": dict(
         text=dict(vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
