@@ -243,8 +243,9 @@ def summarize_missing(names: list[str]) -> dict:
 # compressed-tensors 0.19 -> 0.17 (vLLM 0.26's reader): QuantizationArgs / Scheme / Config have the same fields in
 # both, and every value these five builds write (observer "static_minmax"/"memoryless_minmax", scale_dtype
 # "torch.float8_e4m3fn", strategy "tensor_group", actorder "weight", format names) validates under 0.17; the extra
-# top-level keys 0.19 adds ("version", "transform_config": {}) are ignored by 0.17's QuantizationConfig (extra="ignore")
-# and an empty transform_config is skipped by vLLM. So config.json is left as llm-compressor wrote it.
+# top-level keys 0.19 adds ("version", "transform_config": {}, "sparsity_config": {}) are ignored by 0.17's
+# QuantizationConfig (extra="ignore"). So config.json is left as llm-compressor wrote it (checked with 0.17's
+# QuantizationConfig.model_validate on all five builds; loading in vLLM 0.26 itself is still to be run).
 
 
 def finish_build(base: Path, out: Path) -> None:
