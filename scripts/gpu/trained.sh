@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../.."
 BACKEND=${BACKEND:-vllm}
 if [ "$BACKEND" = vllm ]; then source scripts/gpu/env.sh; else export PYTHONPATH=$PWD PYTHONUNBUFFERED=1; fi
 W=${W:-/tmp/trained}; mkdir -p "$W"
-TRAIN_S=${TRAIN_S:-330}
+TRAIN_S=${TRAIN_S:-300}
 LOG="$W/pipeline.log"
 stage() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
 done_mark() { touch "$W/done.$1"; stage "done: $1"; }
@@ -23,6 +23,7 @@ if [ "$BACKEND" = vllm ]; then
           --engine-arg "compilation_config=$(python3 -c 'import json,os; print(json.dumps(json.loads(os.environ["SPLICER_GPU_ENGINE_ARGS"])["compilation_config"]))')")
 else DEVICE=cpu; fi
 DATA_TAR=${DATA_TAR:-/tmp/carry/trained-data.tar.xz}
+PLAN=${PLAN:-ablations/trained-h200.toml}; GDN_GROUPS=${GDN_GROUPS:-6}
 D="$W/trained-data"
 CORPORA=()
 for c in en-dict en-kernel en-python zh chat; do CORPORA+=(--corpus "$c=$D/heldout/$c.txt"); done
@@ -55,7 +56,7 @@ if ! is_done builds; then
   $LC scripts/gpu/trained_builds.py "$W/seed1/base" "$D/calib.jsonl" "$W/seed1/raw" --builds gptq-w4a16-g128 --device $DEVICE > "$W/seed1/builds-gptq.log" 2>&1 &
   $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw-other" --builds awq-experts,rtn-g32-experts,fp8-block,nvfp4a16 --device $DEVICE > "$W/seed0/builds-other.log" 2>&1 &
   wait
-  tail -3 "$W"/seed*/builds-*.log | tee -a "$LOG"
+  tail -n 3 "$W"/seed*/builds-*.log | tee -a "$LOG"
   # The builds as a publisher ships them: a build that dropped the MTP head gets it back in BF16 from its base
   # (seed 000's fix-up), by splice; one that kept it is used as written.
   for s in 0 1; do
@@ -78,8 +79,8 @@ G=$W/seed0/gptq-w4a16-g128
 if ! is_done ablate0; then
   stage "ablate: seed 0 GPTQ build, default rows + one row per GDN layer"
   if [ ! -f "$W/plan0.toml" ]; then
-    python3 -m splicer plan sweep "$G" --class gdn --groups 6 --from ablations/trained-h200.toml -o "$W/sweep.toml" >> "$LOG" 2>&1
-    python3 - ablations/trained-h200.toml "$W/sweep.toml" "$W/plan0.toml" <<'PY'
+    python3 -m splicer plan sweep "$G" --class gdn --groups "$GDN_GROUPS" --from "$PLAN" -o "$W/sweep.toml" >> "$LOG" 2>&1
+    python3 - "$PLAN" "$W/sweep.toml" "$W/plan0.toml" <<'PY'
 import sys, tomllib, tomli_w
 plan = tomllib.loads(open(sys.argv[1]).read())
 sweep = tomllib.loads(open(sys.argv[2]).read())
@@ -96,7 +97,7 @@ fi
 
 if is_done ablate0 && ! is_done ablate1; then
   stage "ablate: seed 1 GPTQ build, class rows, no timing"
-  python3 - ablations/trained-h200.toml "$W/plan1.toml" <<'PY'
+  python3 - "$PLAN" "$W/plan1.toml" <<'PY'
 import sys, tomllib, tomli_w
 plan = tomllib.loads(open(sys.argv[1]).read())
 keep = {"build", "lm_head", "gdn", "attention", "shared_expert", "experts-only", "all"}
@@ -112,8 +113,8 @@ fi
 if is_done ablate1 && ! is_done score; then
   stage "score: every seed-0 build against one base pass"
   builds=(); for b in gptq-w4a16-g128 awq-experts rtn-g32-experts fp8-block nvfp4a16; do [ -d "$W/seed0/$b" ] && builds+=("$W/seed0/$b"); done
-  python3 -m splicer score "$W/seed0/base" "${builds[@]}" -o "$W/score0" --plan ablations/trained-h200.toml "${CORPORA[@]}" \
-    "${ENGINE[@]}" -q > "$W/score0.log" 2>&1 && done_mark score || { stage "score exit $?"; tail -5 "$W/score0.log" | tee -a "$LOG"; }
+  python3 -m splicer score "$W/seed0/base" "${builds[@]}" -o "$W/score0" --plan "$PLAN" "${CORPORA[@]}" \
+    "${ENGINE[@]}" --no-time -q > "$W/score0.log" 2>&1 && done_mark score || { stage "score exit $?"; tail -5 "$W/score0.log" | tee -a "$LOG"; }
 fi
 
 if is_done score && ! is_done verify; then

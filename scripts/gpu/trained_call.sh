@@ -54,7 +54,7 @@ case "$verb" in
       mkdir -p /tmp/vb && cp /tmp/carry/bundle.part0* /tmp/vb/ && bash scripts/gpu/install_bundle.sh /tmp/vb .bundle/vb/SHA256SUMS || exit 1
     fi
     if [ ! -d /tmp/lcsite/llmcompressor ]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/lcsite /tmp/carry/lcwhl/*.whl || exit 1
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/lcsite /tmp/carry/.lcwhl/*.whl || exit 1
     fi
     if [ ! -f "$W/pipeline.pid" ] || ! kill -0 "$(cat "$W/pipeline.pid")" 2>/dev/null; then
       setsid nohup bash scripts/gpu/trained.sh > "$W/nohup.log" 2>&1 < /dev/null & echo $! > "$W/pipeline.pid"

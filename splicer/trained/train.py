@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import SplicerError
 
-# Hyperparameters as data. `small` is the model the results come from: 450 steps of 64 x 512 tokens (14.7M tokens), about
+# Hyperparameters as data. `small` is the model the results come from: 400 steps of 64 x 512 tokens (13.1M tokens), about
 # 13 s per 1M tokens on one H200 alone (a 60-step trial: 76k tokens/s, 34.5 GiB peak); `tiny` is for tests.
 RECIPES = {
     "small": dict(
@@ -35,7 +35,7 @@ RECIPES = {
                   head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2,
                   linear_num_value_heads=4, moe_intermediate_size=256, shared_expert_intermediate_size=512,
                   num_experts=32, num_experts_per_tok=4, max_position_embeddings=4096),
-        seq_len=512, batch_size=64, steps=450, lr=2e-3, min_lr_ratio=0.1, warmup=40, weight_decay=0.1,
+        seq_len=512, batch_size=64, steps=400, lr=2e-3, min_lr_ratio=0.1, warmup=40, weight_decay=0.1,
         grad_clip=1.0, mtp_weight=0.3, router_aux_weight=0.01, eval_windows=64, max_seconds=330,
     ),
     "tiny": dict(
