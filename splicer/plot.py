@@ -1,16 +1,26 @@
-"""`splicer plot DIR`: KL per corpus against decode time and against size on disk, every variant of a results folder a
-labelled point (a repeat row is not a variant of its own), the Pareto front drawn, written as PNG and SVG beside table.md and linked from it.
+"""`splicer plot DIR`: KL per corpus against decode time and against size on disk, every variant of a results
+folder a labelled point, the Pareto front drawn, written as PNG and SVG beside table.md and linked from it.
 
 Read from DIR/results.json only. Vertical bars: the variant's KL 95 % interval on that corpus (bootstrap over
 sequences, as the table's). Horizontal bars on the decode panels: the interquartile range of the variant's timing runs
-(their spread, not an interval of the median). Checkpoint rows and repeats are drawn like the rest; a row with no
-timing (a --no-time run) is left out of the decode panels, which are then not drawn at all. Predicted points are
-hollow, measured ones filled: the Pareto front `splicer budget DIR` last predicted (DIR/budget.json), with its KL and
-decode intervals, drawn dashed; a point it verified is joined by a thin line to its measured row.
+(their spread, not an interval of the median). A variant timed on several engines (its rows with `repeat = true`,
+results.json `repeat_of`, e.g. build and build-again) is one point: at the mean of its engines' decode figures, a tick
+at each engine's figure, its bar from the lowest to the highest end of their IQRs; KL and size are its own row's.
+Checkpoint rows are drawn like the rest; a row with no timing (a --no-time run) is left out of the decode panels,
+which are then not drawn at all. Predicted points are hollow, measured ones filled: the Pareto front `splicer budget
+DIR` last predicted (DIR/budget.json), with its KL and decode intervals, drawn dashed; a point it verified is joined by
+a thin line to its measured row.
+
+Labels: a row's name, or for a name generated from what the row restores (`gdn.0-2_4-6+attention`, as `budget
+--verify` names rows) that restore spelled out (`gdn layers 0-2,4-6 + attention`); one longer than SHORT_LABEL_CHARS is drawn as
+P1, P2... and spelled out, with its row name, in a key under the panels. Labels are placed by `_place_labels`, a
+deterministic search in display space (no label on another label, a marker or a legend; a thin line to its point
+when moved away): adjustText 1.4 was tried and left 7 pairs of 17 crowded labels overlapping.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .budget import finite_number
@@ -19,22 +29,58 @@ from .outputs import write_file
 from .table import UNUSABLE, load_results
 
 PLOT_STEM = "plot-kl"
-LABEL_CHARS = 24  # longer names are numbered on the plot and spelled out in a key
+SHORT_LABEL_CHARS = 28  # longer labels are drawn as P1, P2... and spelled out in a key under the panels
 LINK_LINE = "Plot: KL per corpus against decode ms/token and against size on disk"
+DPI = 120  # the PNG's; labels are placed at it, so that the saved figure is the one checked
+MEASURED_MS, PREDICTED_MS, TICK_MS = 6, 6, 7  # marker sizes, points: labels keep off them
+
+
+def readable_name(name: str, restored) -> tuple[str, bool]:
+    """A row's label: for a name generated from its restore (`gdn.0-2_4-6+attention`, as `budget --verify` names its
+    rows) that restore spelled out, `gdn layers 0-2,4-6 + attention`; any other name as it is. Second: whether the
+    name holds more than that spelling (a -2 that --verify adds against a clash, a long name cut and hashed), so that
+    the key must give the name too."""
+    entries = restored if isinstance(restored, list) and all(isinstance(e, str) for e in restored) else []
+    if not any("@" in e for e in entries):
+        return name, False  # the build, a whole class, a sweep's gdn-1: already readable
+    generated = "+".join(e.replace("@", ".").replace(",", "_") for e in entries)
+    stem = re.escape(generated) if len(generated) <= 100 else re.escape(generated[:90]) + "-[0-9a-f]{8}"  # budget.row_name
+    if not re.fullmatch(stem + r"(-\d+)?", name):
+        return name, False  # named by hand: the name is what the reader knows it by
+
+    def spell(entry: str) -> str:
+        cls, at, layers = entry.partition("@")
+        return f"{cls} layer{'s' if ',' in layers or '-' in layers else ''} {layers}" if at else cls
+
+    return " + ".join(spell(e) for e in entries), name != generated
 
 
 def _points(results: dict) -> list[dict]:
-    out = []
+    """One point per variant: its own row's KL and size; its decode over every engine it was timed on (the row and
+    its repeats)."""
+    rows: dict[str, list[dict]] = {}
     for v in results.get("variants", []):
-        if not isinstance(v, dict) or v.get("status") != "ok" or not isinstance(v.get("metrics"), dict) or v.get("repeat_of"):
+        if not isinstance(v, dict) or v.get("status") != "ok" or not isinstance(v.get("metrics"), dict):
             continue
         if v.get(UNUSABLE):  # a NaN measurement: no point to draw (write_plot names it)
-            continue  # a repeat is the same variant measured again: its spread is in the table, not a point of its own
-        metrics = {c: m for c, m in v["metrics"].items() if isinstance(m, dict) and isinstance(m.get("kl"), (int, float))}
+            continue
+        rows.setdefault(v["repeat_of"] if isinstance(v.get("repeat_of"), str) else v["name"], []).append(v)
+    out = []
+    for name, group in rows.items():
+        own = next((v for v in group if v["name"] == name), group[0])  # a repeat stands in for a failed row
+        metrics = {c: m for c, m in own["metrics"].items() if isinstance(m, dict) and isinstance(m.get("kl"), (int, float))}
         if not metrics:
             continue
-        out.append({"name": v["name"], "size_gb": (v.get("size_bytes") or 0) / 1e9, "decode": v.get("decode_ms_per_token"),
-                    "decode_iqr": (v.get("timing") or {}).get("decode_iqr"), "metrics": metrics})
+        timed = [v for v in [own] + [v for v in group if v is not own] if isinstance(v.get("decode_ms_per_token"), (int, float))]
+        engines = [v["decode_ms_per_token"] for v in timed]
+        iqrs = [(v.get("timing") or {}).get("decode_iqr") for v in timed]
+        if len(timed) > 1:  # the mean of the engines, the bar over all their runs' IQRs
+            ends = [e for d, q in zip(engines, iqrs) for e in (q if _pair(q) else [d, d])]
+            decode, iqr = sum(engines) / len(engines), [min(ends), max(ends)]
+        else:
+            decode, iqr = (engines[0], iqrs[0]) if timed else (None, None)
+        out.append({"name": own["name"], "restored": own.get("restored"), "size_gb": (own.get("size_bytes") or 0) / 1e9,
+                    "decode": decode, "decode_iqr": iqr, "engines": engines, "metrics": metrics})
     return out
 
 
@@ -104,28 +150,38 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
     predicted, verified, cost = _predicted(folder)
     by_row = {p["name"]: p for p in points}
     axes_x = ([("decode", "decode ms/token (batch 1)")] if timed else []) + [("size_gb", "size on disk, GB")]
-    # Long row names (a budget's verified points: gdn.0-2_4-6_8-10+attention+...) are drawn as [n], with a key below.
-    labels, numbered = {}, []
+    labels, keyed = {}, []  # keyed: (P1, spelled out, row name) for labels too long to draw
     for p in points:
-        if len(p["name"]) <= LABEL_CHARS:
-            labels[p["name"]] = p["name"]
+        text, name_too = readable_name(p["name"], p["restored"])
+        if len(text) <= SHORT_LABEL_CHARS and not name_too:
+            labels[p["name"]] = text
         else:
-            numbered.append(p["name"])
-            labels[p["name"]] = f"[{len(numbered)}]"
-    fig, axes = plt.subplots(len(axes_x), len(corpora), figsize=(5.2 * len(corpora), 4.4 * len(axes_x) + 0.18 * len(numbered)),
-                             squeeze=False)
+            keyed.append((f"P{len(keyed) + 1}", text, p["name"]))
+            labels[p["name"]] = keyed[-1][0]
+    width = 5.2 * len(corpora)
+    key_lines = _key_lines(keyed, width)
+    key_height = 0.14 * (len(key_lines) + 1) if key_lines else 0.0  # inches: 7 pt monospace lines and a margin
+    fig, axes = plt.subplots(len(axes_x), len(corpora), figsize=(width, 4.4 * len(axes_x) + key_height), squeeze=False,
+                             dpi=DPI)
+    panels = []  # (axes, [(x, y, label)], [(x, y, marker size)]) for the labels, placed once the layout is final
     for r, (key, label) in enumerate(axes_x):
         for c, corpus in enumerate(corpora):
             ax = axes[r][c]
             pts = [p for p in (timed if key == "decode" else points) if corpus in p["metrics"]]
+            anchors, marks = [], []
             for p in pts:
                 m = p["metrics"][corpus]
                 x, y = p[key], m["kl"]
                 xerr = _bar(x, p["decode_iqr"], cut) if key == "decode" else None
-                ax.errorbar([x], [y], yerr=_bar(y, m.get("kl_ci"), cut), xerr=xerr, fmt="o", ms=6, capsize=2, lw=0.8,
-                            color="C0")
-                ax.annotate(labels[p["name"]], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-            _draw_predicted(ax, key, corpus, predicted, verified, by_row, key == cost, cut)
+                ax.errorbar([x], [y], yerr=_bar(y, m.get("kl_ci"), cut), xerr=xerr, fmt="o", ms=MEASURED_MS, capsize=2,
+                            lw=0.8, color="C0")
+                marks.append((x, y, MEASURED_MS))
+                engines = len(p["engines"]) if key == "decode" else 1
+                if engines > 1:  # each engine's own figure
+                    ax.plot(p["engines"], [y] * engines, "|", ms=TICK_MS, mew=0.8, color="C0")
+                    marks += [(e, y, TICK_MS) for e in p["engines"]]
+                anchors.append((x, y, labels[p["name"]] + (f" ({engines} engines)" if engines > 1 else "")))
+            marks += _draw_predicted(ax, key, corpus, predicted, verified, by_row, key == cost, cut)
             front = pareto([(p[key], p["metrics"][corpus]["kl"], p["name"]) for p in pts])
             if len(front) > 1:
                 ax.step([f[0] for f in front], [f[1] for f in front], where="post", color="C3", lw=1, label="Pareto front (measured)")
@@ -137,18 +193,24 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
             if kls and max(kls) / min(kls) > 10:  # a restore that removes most of the error: both ends readable
                 ax.set_yscale("log")
             ax.grid(alpha=0.3)
+            panels.append((ax, anchors, marks))
     build = ((results.get("inputs") or {}).get("build") or {}).get("source", "")
-    fig.suptitle(f"{Path(str(build)).name or folder.name}: every variant against the base\n(bars: KL 95 % interval"
-                 + ("; decode: IQR of timing runs" if timed else "; decode not timed in this run")
-                 + ("; bars cut at 0: a timing run's estimate or an interval reached below 0, as on a loaded machine)"
-                    if cut else ")"), fontsize=9)
-    if numbered:
-        fig.text(0.01, 0.005, "\n".join(f"[{i}] {name}" for i, name in enumerate(numbered, 1)), fontsize=7, va="bottom",
-                 family="monospace")
-    bottom = 0.18 * (len(numbered) + 1) / (4.4 * len(axes_x) + 0.18 * len(numbered)) if numbered else 0
-    fig.tight_layout(rect=(0, bottom, 1, 1))
+    repeated = any(len(p["engines"]) > 1 for p in timed)
+    notes = ["bars: KL 95 % interval" + ("; decode: IQR of timing runs" if timed else "; decode not timed in this run")]
+    if repeated:
+        notes.append("a variant timed on several engines: at their mean, a tick at each, its bar over all their runs")
+    if cut:
+        notes.append("bars cut at 0: a timing run's estimate or an interval reached below 0, as on a loaded machine")
+    if keyed:
+        notes.append(f"{', '.join(k[0] for k in keyed[:2])}{', ...' if len(keyed) > 2 else ''}: see the key below the plots")
+    fig.suptitle(f"{Path(str(build)).name or folder.name}: every variant against the base\n" + "\n".join(f"({n})" for n in notes),
+                 fontsize=9)
+    if key_lines:
+        fig.text(0.01, 0.07 / fig.get_figheight(), "\n".join(key_lines), fontsize=7, va="bottom", family="monospace")
+    fig.tight_layout(rect=(0, key_height / fig.get_figheight(), 1, 1))
     try:
-        written = [write_file(folder / f"{PLOT_STEM}.{ext}", lambda tmp, ext=ext: fig.savefig(tmp, dpi=120, format=ext))
+        _place_labels(fig, panels)
+        written = [write_file(folder / f"{PLOT_STEM}.{ext}", lambda tmp, ext=ext: fig.savefig(tmp, dpi=DPI, format=ext))
                    for ext in ("png", "svg")]
     finally:
         plt.close(fig)
@@ -156,6 +218,170 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
         written.append(folder / "table.md")
     left_out = [f"{v['name']} ({v[UNUSABLE]})" for v in results["variants"] if v.get("status") == "ok" and v.get(UNUSABLE)]
     return written, left_out
+
+
+def _key_lines(keyed: list[tuple[str, str, str]], width_in: float) -> list[str]:
+    """The key under the panels: each short label, what the row restores and (when that is not all of it) the row's
+    name as results.json and the table spell it, wrapped after a +, comma or _ to the figure's width."""
+    chars = max(40, int(width_in * 72 / (0.6 * 7)) - 2)  # monospace 7 pt: 0.6 em a character
+    lines = []
+    for short, text, name in keyed:
+        for head, body in ((f"{short:<4}", text), ("    row ", name)) if text != name else ((f"{short:<4}", name),):
+            line = head
+            for piece in re.split(r"(?<=[+,_ ])", body):
+                if len(line) + len(piece) > chars and line.strip():
+                    lines.append(line.rstrip())
+                    line = " " * 8
+                line += piece
+            lines.append(line.rstrip())
+    return lines
+
+
+def _place_labels(fig, panels: list) -> None:
+    """Put each point's label next to it where it covers no other label (of any panel), no marker and no legend,
+    inside its panel: the nearest free place on rings around the point (right and up first), a thin line to the
+    point when that is not right beside it; among near places, one that no drawn line (bars, fronts, other labels'
+    lines) crosses and whose own line crosses no label. Deterministic: the same figure gets the same places. Works in
+    display pixels of the final layout (call it after tight_layout, save at the figure's dpi)."""
+    import numpy as np
+    from matplotlib.text import Text
+
+    fig.canvas.draw()  # the layout, the axis limits and each legend's "best" corner are settled by a draw
+    renderer = fig.canvas.get_renderer()
+    pt = fig.dpi / 72  # pixels a point
+    pad = 2.0  # pixels kept clear around a label (its light background reaches 1.2 of them)
+    placed = []  # label boxes so far, every panel: x0, y0, x1, y1 in pixels
+    # Directions from the point, in order of preference; a label's near edge or corner faces the point.
+    sides = [(1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1)]
+    sides += [(u, v) for t in (0.5, -0.5) for u, v in ((t, 1), (t, -1), (1, t), (-1, t))]
+    for ax, anchors, marks in panels:
+        ax.set_xlim(ax.get_xlim())  # the labels added below must not move the limits the layout was drawn with
+        ax.set_ylim(ax.get_ylim())
+        blocked = [(cx - r, cy - r, cx + r, cy + r) for (cx, cy), (_, _, ms) in
+                   zip(ax.transData.transform([(x, y) for x, y, _ in marks]).reshape(-1, 2), marks)
+                   for r in [ms * pt / 2 + pad]]
+        legend = ax.get_legend()
+        if legend is not None:  # pinned where "best" put it, so that a redraw does not move it onto a label
+            box = legend.get_window_extent(renderer)
+            corner = ax.transAxes.inverted().transform((box.x0, box.y0))
+            ax.legend(*ax.get_legend_handles_labels(), fontsize=7, loc=tuple(corner))
+            blocked.append(tuple(box.extents))
+        frame = ax.get_window_extent(renderer).extents + np.array([pad, pad, -pad, -pad])
+        ink = _LineInk(fig, ax)
+        centres = ax.transData.transform([(x, y) for x, y, _ in anchors]).reshape(-1, 2)
+        # Points with fewer neighbours first: they keep the place beside them, the crowd then fills around.
+        crowd = [int((np.hypot(*(centres - c).T) < 40 * pt).sum()) for c in centres]
+        for i in sorted(range(len(anchors)), key=lambda i: (crowd[i], i)):
+            x, y, text = anchors[i]
+            cx, cy = centres[i]
+            probe = ax.annotate(text, (x, y), textcoords="offset points", xytext=(0, 0), ha="center", va="center", fontsize=7)
+            probe.update_positions(renderer)  # else its text is not yet placed at the point
+            ext = Text.get_window_extent(probe, renderer).extents - np.array([cx, cy, cx, cy]) + np.array([-pad, -pad, pad, pad])
+            probe.remove()
+            taken = np.array(blocked + placed).reshape(-1, 4)
+            around = (taken[:, 0] <= cx) & (cx <= taken[:, 2]) & (taken[:, 1] <= cy) & (cy <= taken[:, 3])
+            spot, ring = _free_spot((cx, cy), ext, sides, taken, frame, MEASURED_MS * pt / 2 + 2 * pt, ink,
+                                    taken[~around])  # its leader line may start under its own marker, no other
+            arrow = dict(arrowstyle="-", lw=0.5, color="0.45", shrinkA=1, shrinkB=MEASURED_MS / 2) if ring else None
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=((spot[0] - cx) / pt, (spot[1] - cy) / pt),
+                        ha="center", va="center", fontsize=7, arrowprops=arrow, annotation_clip=False,
+                        bbox=dict(boxstyle="square,pad=0.12", fc="white", ec="none", alpha=0.75))
+            placed.append(tuple(ext + np.array([spot[0], spot[1], spot[0], spot[1]])))
+            if ring:
+                ink.add_segment((cx, cy), spot)
+
+
+class _LineInk:
+    """Where lines are drawn in a panel (its Line2D and the bars' line collections, then the labels' leader lines),
+    as pixels of the figure, with a summed table: how much line a box covers is four look-ups."""
+
+    def __init__(self, fig, ax):
+        import numpy as np
+
+        self.shape = (int(fig.bbox.height) + 2, int(fig.bbox.width) + 2)
+        self.grid = np.zeros(self.shape, dtype=np.int32)
+        paths = [line.get_transform().transform(line.get_xydata()) for line in ax.lines if line.get_linestyle() != "None"]
+        for coll in ax.collections:  # error bars
+            paths += [coll.get_transform().transform(p.vertices) for p in coll.get_paths()]
+        for path in paths:
+            for a, b in zip(path[:-1], path[1:]):
+                self._mark(a, b)
+        self._sum()
+
+    def _mark(self, a, b) -> None:
+        import numpy as np
+
+        a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            return
+        n = int(min(np.hypot(*(b - a)), 4000)) + 2
+        xy = np.rint(a + np.linspace(0, 1, n)[:, None] * (b - a)).astype(int)
+        ok = (xy[:, 0] >= 0) & (xy[:, 0] < self.shape[1]) & (xy[:, 1] >= 0) & (xy[:, 1] < self.shape[0])
+        self.grid[xy[ok, 1], xy[ok, 0]] = 1
+
+    def _sum(self) -> None:
+        import numpy as np
+
+        self.table = np.zeros((self.shape[0] + 1, self.shape[1] + 1), dtype=np.int64)
+        self.table[1:, 1:] = self.grid.cumsum(0).cumsum(1)
+
+    def add_segment(self, a, b) -> None:
+        self._mark(a, b)
+        self._sum()
+
+    def covered(self, boxes):
+        """Line pixels inside each box (x0, y0, x1, y1)."""
+        import numpy as np
+
+        x0, y0 = (np.clip(np.floor(boxes[:, i]).astype(int), 0, self.shape[1 - i]) for i in (0, 1))
+        x1, y1 = (np.clip(np.ceil(boxes[:, i]).astype(int) + 1, 0, self.shape[1 - (i - 2)]) for i in (2, 3))
+        t = self.table
+        return t[y1, x1] - t[y0, x1] - t[y1, x0] + t[y0, x0]
+
+
+def _overlapping(boxes, others):
+    """Per box (rows of x0, y0, x1, y1): whether it overlaps any of `others`."""
+    return ((boxes[:, None, 0] < others[None, :, 2]) & (others[None, :, 0] < boxes[:, None, 2])
+            & (boxes[:, None, 1] < others[None, :, 3]) & (others[None, :, 1] < boxes[:, None, 3])).any(axis=1)
+
+
+def _free_spot(point, ext, sides: list, blocked, frame, gap: float, ink: _LineInk, crossed):
+    """A centre for a label box of extents `ext` (relative to its centre) near `point`: ring by ring outwards and by
+    `sides` within a ring, the first where the box overlaps nothing in `blocked` and lies inside `frame` (outside it
+    only when the frame is full); within three rings of that, the first clean one besides (no line under the box, its
+    leader line through none of `crossed`: other labels, markers, legend). Returns the centre and its ring (0: right beside the point)."""
+    import numpy as np
+
+    half = np.array([(ext[2] - ext[0]) / 2, (ext[3] - ext[1]) / 2])
+    step = half[1] * 1.2
+    rings = int(max(frame[2] - frame[0], frame[3] - frame[1]) / step) + 2
+    dirs = np.array(sides, dtype=float)
+    first = None
+    for inside in (True, False):
+        for ring in range(rings * (1 if inside else 4)):
+            if first is not None and ring > first[1] + 3:
+                return first
+            centres = np.asarray(point) + dirs * (half + gap + ring * step)
+            boxes = np.hstack([centres + ext[:2], centres + ext[2:]])
+            free = ~_overlapping(boxes, blocked)
+            if inside:
+                free &= (boxes[:, 0] >= frame[0]) & (boxes[:, 1] >= frame[1]) & (boxes[:, 2] <= frame[2]) & (boxes[:, 3] <= frame[3])
+            if not free.any():
+                continue
+            if first is None:
+                first = (centres[int(np.argmax(free))], ring)
+            clean = free & (ink.covered(boxes) == 0)
+            if ring and len(crossed):  # the leader line, sampled from the point to the box, through nothing else
+                t = np.linspace(0, 1, 16)[None, :, None]
+                samples = np.asarray(point)[None, None, :] + t * (centres[:, None, :] - np.asarray(point))
+                sx, sy = samples[..., 0][..., None], samples[..., 1][..., None]
+                hit = ((sx > crossed[:, 0]) & (sx < crossed[:, 2]) & (sy > crossed[:, 1]) & (sy < crossed[:, 3])).any(axis=(1, 2))
+                clean &= ~hit
+            if clean.any():
+                return centres[int(np.argmax(clean))], ring
+        if first is not None:
+            return first
+    raise AssertionError("no free place for a label within four panels' reach")  # unreachable: the figure is finite
 
 
 def _bar(x: float, span, cut: list) -> list | None:
@@ -171,26 +397,30 @@ def _bar(x: float, span, cut: list) -> list | None:
 
 
 def _draw_predicted(ax, key: str, corpus: str, front: list[dict], verified: list[dict], by_row: dict,
-                    front_line: bool, cut: list) -> None:
+                    front_line: bool, cut: list) -> list[tuple]:
     """The budget's predicted front (hollow squares with their KL and decode intervals, joined by a dashed line on the
-    panels of the cost it was searched against) and a line from each verified prediction to its measured row."""
+    panels of the cost it was searched against) and a line from each verified prediction to its measured row; returns
+    the markers drawn, (x, y, size), for the labels to keep off."""
     pts = [(e[key], e["kl_by_corpus"][corpus], e) for e in front if e.get(key) is not None and corpus in e["kl_by_corpus"]]
+    marks = [(x, y, PREDICTED_MS) for x, y, _ in pts]
     if pts:
         pts.sort(key=lambda t: t[0])
         ax.plot([t[0] for t in pts], [t[1] for t in pts], ls="--" if front_line else "none", lw=0.8, color="C1",
-                marker="s", ms=5, mfc="none",
+                marker="s", ms=PREDICTED_MS - 1, mfc="none",
                 label="predicted front (budget)" if front_line else "predicted front points (budget)")
         for x, y, e in pts:
             xerr = _bar(x, e.get("decode_ci"), cut) if key == "decode" else None
             yerr = _bar(y, (e.get("kl_ci_by_corpus") or {}).get(corpus), cut)
-            ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="s", ms=5, mfc="none", color="C1", capsize=2, lw=0.6)
+            ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="s", ms=PREDICTED_MS - 1, mfc="none", color="C1", capsize=2, lw=0.6)
     for e in verified:
         row = by_row.get(e.get("row"))
         if row is None or e.get(key) is None or corpus not in e["kl_by_corpus"] or row.get(key) is None or corpus not in row["metrics"]:
             continue
         x, y = e[key], e["kl_by_corpus"][corpus]
         ax.plot([x, row[key]], [y, row["metrics"][corpus]["kl"]], color="C1", lw=0.8)
-        ax.plot([x], [y], "s", ms=6, mfc="none", color="C1")
+        ax.plot([x], [y], "s", ms=PREDICTED_MS, mfc="none", color="C1")
+        marks.append((x, y, PREDICTED_MS))
+    return marks
 
 
 def link(folder: Path) -> bool:
