@@ -84,7 +84,10 @@ if ! is_done ablate0; then
 import sys, tomllib, tomli_w
 plan = tomllib.loads(open(sys.argv[1]).read())
 sweep = tomllib.loads(open(sys.argv[2]).read())
-layers = [r for r in sweep["row"] if r["name"].startswith("gdn.")]
+# The sweep's one-group rows (gdn-1, gdn-2, ...), named after the layers they restore (gdn@0 -> "gdn-layer0").
+layers = [dict(r, name="gdn-layer" + "-".join(x.split("@", 1)[1] for x in r["restore"]))
+          for r in sweep["row"] if r["name"].startswith("gdn-") and not r["name"].startswith("gdn-without")]
+assert layers, "the sweep gave no one-group rows"
 plan["row"] = plan["row"][:-1] + layers + plan["row"][-1:]  # the build's second engine stays last
 plan["name"] = "trained-h200-gdn-layers"
 plan["description"] += "; plus one row per Gated-DeltaNet layer (splicer plan sweep --class gdn --groups 6)"
