@@ -91,3 +91,15 @@ def test_ngram_baselines_known_values():
     held = torch.tensor([0, 1, 0, 1])
     b = T.ngram_baselines(train, held, vocab=2)
     assert b["bigram"] < 0.2 < b["unigram"]
+
+
+def test_summary_table_from_reports(trained, tmp_path):
+    from splicer.trained import summary
+
+    _, _, out = trained
+    text = summary.summary([out / "train_report.json"])
+    held = json.loads((out / "train_report.json").read_text())["heldout"]["en"]
+    assert f"| seed 0" in text and f"{held['loss']:.3f}" in text and f"{held['bigram'] - held['loss']:.3f}" in text
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert summary.main([str(bad)]) == 2
