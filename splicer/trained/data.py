@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path, PurePosixPath
 
-from ..errors import SplicerError
+from ..errors import SplicerError, exit_code
 
 RECIPE_VERSION = "trained-data-1"
 SOURCES = ("en-dict", "en-kernel", "en-python", "zh")  # text sources; "chat" is built from en-dict and zh items
@@ -768,14 +768,13 @@ def main(argv: list[str] | None = None, recipe: Recipe | None = None) -> int:
     parser.add_argument("--debs", type=Path, required=True, help="folder holding the four .deb files")
     parser.add_argument("--force", action="store_true", help="replace an OUT this command wrote before")
     args = parser.parse_args(argv)
-    try:
+
+    def run() -> int:
         m = write(args.out, args.debs, recipe, args.force)
-    except SplicerError as e:
-        print(f"splicer: error: {e}", file=sys.stderr)
-        return 2
-    summary = ", ".join(f"{s} {v['bytes'] / 1e6:.1f} MB" for s, v in m["splits"]["train"].items())
-    log(f"done: {args.out} (train: {summary})")
-    return 0
+        summary = ", ".join(f"{s} {v['bytes'] / 1e6:.1f} MB" for s, v in m["splits"]["train"].items())
+        log(f"done: {args.out} (train: {summary})")
+        return 0
+    return exit_code(run)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..errors import SplicerError
+from ..errors import SplicerError, exit_code
 
 SEED_ROWS = ("build", "lm_head", "gdn", "attention", "shared_expert", "experts-only", "all")
 
@@ -76,7 +76,8 @@ USAGE = "usage: python -m splicer.trained.plans gdn-layers TEMPLATE SWEEP OUT | 
 
 def main(argv=None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    try:
+
+    def run() -> int:
         if len(args) == 4 and args[0] == "gdn-layers":
             _write(gdn_layer_rows(_read(Path(args[1])), _read(Path(args[2]))), Path(args[3]))
         elif len(args) == 3 and args[0] == "seed-rows":
@@ -84,10 +85,8 @@ def main(argv=None) -> int:
         else:
             print(USAGE, file=sys.stderr)
             return 2
-    except SplicerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+    return exit_code(run)
 
 
 if __name__ == "__main__":

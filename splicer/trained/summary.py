@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from ..errors import SplicerError
+from ..errors import SplicerError, exit_code
 
 
 def _load(path: Path) -> dict:
@@ -51,12 +51,11 @@ def main(argv=None) -> int:
     if not args:
         print("usage: python -m splicer.trained.summary REPORT.json [REPORT.json ...]", file=sys.stderr)
         return 2
-    try:
+
+    def run() -> int:
         sys.stdout.write(summary([Path(a) for a in args]))
-    except SplicerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+    return exit_code(run)
 
 
 if __name__ == "__main__":

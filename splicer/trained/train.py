@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import SplicerError
+from ..errors import SplicerError, exit_code
 
 # Hyperparameters as data. `small` is the model the results come from: 400 steps of 64 x 512 tokens (13.1M tokens), about
 # 13 s per 1M tokens on one H200 alone (a 60-step trial: 76k tokens/s, 34.5 GiB peak); `tiny` is for tests.
@@ -364,7 +364,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-seconds", type=float, help="override the recipe's wall-clock limit on training")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
-    try:
+
+    def run() -> int:
         if a.out.exists():
             raise SplicerError(f"{a.out} exists; pass a new OUT (the trained base is never overwritten)")
         over = {"seed": a.seed}
@@ -373,15 +374,12 @@ def main(argv=None) -> int:
         if a.max_seconds:
             over["max_seconds"] = a.max_seconds
         r = recipe(a.recipe, **over)
-        dev = torch.device(a.device)
-        model, report = train(a.data, r, dev, log=lambda s: print(s, flush=True))
+        model, report = train(a.data, r, torch.device(a.device), log=lambda s: print(s, flush=True))
         write_trained_base(a.out, a.data, model, report, r)
         print(f"wrote {a.out}: held-out loss " + ", ".join(f"{k} {v['loss']:.3f} (bigram {v['bigram']:.3f})"
                                                             for k, v in report["heldout"].items() if v))
-    except SplicerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+    return exit_code(run)
 
 
 if __name__ == "__main__":
