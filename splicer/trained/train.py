@@ -282,6 +282,9 @@ def train(data: Path, r: Recipe, device: torch.device, log=print) -> tuple[Train
     tc = model.config
     history, started, steps_done = [], time.time(), 0
     model.train()
+    # Training needs autograd whatever the caller's mode (a test process or a notebook may have switched it off).
+    grad_mode = torch.is_grad_enabled()
+    torch.set_grad_enabled(True)
     for step in range(r.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, r)
@@ -306,6 +309,7 @@ def train(data: Path, r: Recipe, device: torch.device, log=print) -> tuple[Train
         if time.time() - started > r.max_seconds:
             log(f"stopped at step {steps_done} of {r.steps}: the recipe's {r.max_seconds:.0f} s limit")
             break
+    torch.set_grad_enabled(grad_mode)
     train_seconds = time.time() - started
     model.eval()
     held = {name: evaluate(model, stream, r, device) for name, stream in heldout.items()}
