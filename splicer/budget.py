@@ -399,10 +399,20 @@ def predictions(model: Model) -> list[Prediction]:
     return out
 
 
+def pareto(items: list, x=lambda p: p[0], y=lambda p: p[1]) -> list:
+    """The items no other item beats on both x and y (lower is better on both), by increasing x; a y lower by less
+    than 1e-12 (float noise of a sum) is no improvement. Used for the predicted combinations here and the
+    measured points of `splicer plot`."""
+    front, best = [], float("inf")
+    for item in sorted(items, key=lambda p: (x(p), y(p))):
+        if y(item) < best - 1e-12:
+            front.append(item)
+            best = y(item)
+    return front
+
+
 def front(preds: list[Prediction], cost: str) -> list[Prediction]:
     """The predictions no other beats on both predicted KL and `cost` (size_gb or decode), by increasing cost."""
-    from .plot import pareto
-
     return pareto(preds, lambda p: getattr(p, cost), lambda p: p.kl)
 
 
