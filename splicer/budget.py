@@ -39,9 +39,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .arch import DRAFTER_CLASS
 from .errors import SplicerError
-from .selection import layer_numbers
+from .selection import DRAFTER_CLASS, layer_numbers
 from .verdicts import pooled_kl, timed_engines
 
 MAX_ATOMS = 16  # 2^16 combinations at most, enumerated exactly

@@ -14,6 +14,11 @@ from .errors import SplicerError
 LAYER_PART = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 _CLASS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
+# The class of the MTP head in every family: a speculative-decoding drafter, which no scoring pass runs (so restoring
+# it changes no score) and which vLLM loads only with --speculative-config. A name of the restore vocabulary, here so
+# that analysis (table, budget) can leave it out without importing the families.
+DRAFTER_CLASS = "mtp"
+
 
 def split_restore(spec: str) -> list[tuple[str, str | None]]:
     """`gdn@0-9,attention@3,7,experts` -> [("gdn", "0-9"), ("attention", "3,7"), ("experts", None)].
