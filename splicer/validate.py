@@ -9,9 +9,9 @@ import json
 import re
 
 from .arch import Architecture, family_mismatch
-from .checkpoint import Checkpoint, is_packed_tensor
+from .checkpoint import Checkpoint
 from .errors import SplicerError
-from .formats import CT_FORMATS, group_format, group_scheme
+from .formats import CT_FORMATS, group_format, group_scheme, is_packed_tensor
 from .modules import Module
 from .selection import DRAFTER_CLASS, LAYER_PART, format_layers, layers_read, split_restore
 from .rules import HfReader, is_gptq, is_skip_list, skip_list_mismatch, skip_list_scheme, validate_regexes
