@@ -39,9 +39,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .arch import DRAFTER_CLASS
 from .errors import SplicerError
-from .selection import layer_numbers
+from .selection import DRAFTER_CLASS, layer_numbers
 from .verdicts import pooled_kl, timed_engines
 
 MAX_ATOMS = 16  # 2^16 combinations at most, enumerated exactly
@@ -138,7 +137,7 @@ class Prediction:
 
         out = []
         for e in canonical_entries([a.entry for a in self.atoms], "budget") if self.atoms else []:
-            cls, layers = _parse(e)
+            cls, layers = parse_entry(e)
             whole = layers is not None and cls in self.class_layers and layers == frozenset(self.class_layers[cls])
             out.append(cls if whole else e)  # one variant, one name: splice and plan rows read it so too
         return out
@@ -196,18 +195,18 @@ def engine_half_width(sd_ms: float, df: int, terms) -> float:
     """95 % half-width of a linear combination of variants' mean decode times, each the mean over its engines:
     terms = (coefficient, engines) pairs; every engine mean varies by the run's engine spread sd_ms (Student's t with
     the spread's df, as the decode verdicts)."""
-    from .metrics import _t975
+    from .metrics import t975
 
-    return _t975(df) * sd_ms * math.sqrt(sum(c * c / n for c, n in terms))
+    return t975(df) * sd_ms * math.sqrt(sum(c * c / n for c, n in terms))
 
 
-def _kl(variant: dict, corpus: str | None) -> float | None:
+def variant_kl(variant: dict, corpus: str | None) -> float | None:
     if corpus is None:
         return pooled_kl(variant)
     return ((variant.get("metrics") or {}).get(corpus) or {}).get("kl")
 
 
-def _parse(entry: str) -> tuple[str, frozenset | None]:
+def parse_entry(entry: str) -> tuple[str, frozenset | None]:
     cls, _, text = entry.partition("@")
     return cls, frozenset(layer_numbers(text, entry)) if text else None
 
@@ -218,7 +217,7 @@ def _disjoint(a: Atom, b: Atom) -> bool:
     return a.layers is not None and b.layers is not None and not (a.layers & b.layers)
 
 
-def _decode(results: dict, v: dict) -> tuple[float | None, int]:
+def variant_decode(results: dict, v: dict) -> tuple[float | None, int]:
     """A variant's decode ms/token: the mean of its engines' levels (its row and its repeats, each engine's level as
     the decode verdicts take it: metrics.engine_level), or the row's own figure when no per-block times were kept; and
     how many engines that is."""
@@ -273,38 +272,38 @@ def fit(results: dict, corpus: str | None = None) -> Model:
                            "every prediction is made from it: rerun the build row (splicer ablate on this folder)")
     ok = [v for v in ok if not v.get(UNUSABLE)]
     build = next((v for v in ok if v["restored"] == []), None)
-    if build is None or _kl(build, corpus) is None:
+    if build is None or variant_kl(build, corpus) is None:
         known = sorted({c for v in ok for c in (v.get("metrics") or {})})
         raise SplicerError("the results hold no scored build row" + (f" on corpus {corpus!r} (corpora: {', '.join(known)})"
                                                                       if corpus and known else "") + "; run the plan's build row first")
-    b_kl, b_size = _kl(build, corpus), build.get("size_bytes") or 0
-    b_dec, b_engines = _decode(results, build)
-    scored = [(v, [e for e in v["restored"] if _parse(e)[0] != DRAFTER_CLASS]) for v in ok if v is not build]
+    b_kl, b_size = variant_kl(build, corpus), build.get("size_bytes") or 0
+    b_dec, b_engines = variant_decode(results, build)
+    scored = [(v, [e for e in v["restored"] if parse_entry(e)[0] != DRAFTER_CLASS]) for v in ok if v is not build]
     class_layers = {c: frozenset(ls) for c, ls in (results.get("class_layers") or {}).items()}
     singles = {}
     for v, entries in scored:
-        if len(entries) == 1 and len(v["restored"]) == 1 and _kl(v, corpus) is not None:
+        if len(entries) == 1 and len(v["restored"]) == 1 and variant_kl(v, corpus) is not None:
             singles.setdefault(entries[0], v)
 
     def layer_set(entry: str) -> frozenset | None:
-        cls, layers = _parse(entry)
+        cls, layers = parse_entry(entry)
         return layers if layers is not None else class_layers.get(cls)
 
     # Atoms: the single-entry rows that hold no smaller single-entry row of their class (a sweep's groups, not its
     # leave-one-out or whole-class rows, which are unions of them and measure additivity instead).
     def minimal(entry: str) -> bool:
-        cls, mine = _parse(entry)[0], layer_set(entry)
+        cls, mine = parse_entry(entry)[0], layer_set(entry)
         if mine is None:
-            return not any(_parse(o)[0] == cls and o != entry for o in singles)
-        return not any(_parse(o)[0] == cls and o != entry and (layer_set(o) or mine) < mine for o in singles)
+            return not any(parse_entry(o)[0] == cls and o != entry for o in singles)
+        return not any(parse_entry(o)[0] == cls and o != entry and (layer_set(o) or mine) < mine for o in singles)
 
     atoms = {}
     for entry, v in singles.items():
         if minimal(entry):
-            cls, layers = _parse(entry)
-            dec, n = _decode(results, v)
+            cls, layers = parse_entry(entry)
+            dec, n = variant_decode(results, v)
             atoms[entry] = Atom(entry, cls, layers if layers is not None else class_layers.get(cls), v["name"],
-                                b_kl - _kl(v, corpus), (v.get("size_bytes") or 0) - b_size,
+                                b_kl - variant_kl(v, corpus), (v.get("size_bytes") or 0) - b_size,
                                 dec - b_dec if dec is not None and b_dec is not None else None, n, _significant(v, corpus))
     if not atoms:
         raise SplicerError("the results hold no row that restores one class (or one class in some layers); a budget "
@@ -319,7 +318,7 @@ def fit(results: dict, corpus: str | None = None) -> Model:
             if e in atoms:
                 parts.append(atoms[e])
                 continue
-            cls, want = _parse(e)[0], layer_set(e)
+            cls, want = parse_entry(e)[0], layer_set(e)
             mine = [a for a in atoms.values() if a.cls == cls and a.layers is not None and want is not None and a.layers <= want]
             if want is None or not mine or frozenset().union(*(a.layers for a in mine)) != want:
                 return None
@@ -330,17 +329,17 @@ def fit(results: dict, corpus: str | None = None) -> Model:
 
     multi = []
     for v, entries in scored:
-        parts = decompose(entries) if entries and _kl(v, corpus) is not None else None
+        parts = decompose(entries) if entries and variant_kl(v, corpus) is not None else None
         if parts and len(parts) >= 2:
             multi.append((v, parts))
 
-    kl_measure = lambda v: b_kl - _kl(v, corpus)  # noqa: E731
+    kl_measure = lambda v: b_kl - variant_kl(v, corpus)  # noqa: E731
     additivity = Additivity.fit(multi, kl_measure)
     timed = b_dec is not None and all(a.d_decode is not None for a in atoms.values())
     sd, df = _engine_spread(results)
     decode_checks = []
     for v, parts in multi if timed else []:
-        m, n = _decode(results, v)
+        m, n = variant_decode(results, v)
         if m is None:
             continue
         pred = b_dec + sum(a.d_decode for a in parts)
@@ -352,7 +351,7 @@ def fit(results: dict, corpus: str | None = None) -> Model:
     checks = []
     for i, (v, parts) in enumerate(multi):
         others = Additivity.fit(multi[:i] + multi[i + 1:], kl_measure)
-        checks.append({"row": v["name"], "atoms": [a.entry for a in parts], "measured_kl": _kl(v, corpus),
+        checks.append({"row": v["name"], "atoms": [a.entry for a in parts], "measured_kl": variant_kl(v, corpus),
                        "predicted_kl": b_kl - others.reduce(parts, lambda a: a.d_kl)})
     measured = {frozenset(): build, **{frozenset([e]): singles[e] for e in atoms}}
     for v, parts in multi:
@@ -361,8 +360,8 @@ def fit(results: dict, corpus: str | None = None) -> Model:
     model = Model(b_kl, b_size, b_dec, list(atoms.values()), additivity,
                   timed, checks, measured, corpus,
                   build["name"], b_engines, sd, df,
-                  {c: _kl(build, c) for c in corpora if _kl(build, c) is not None},
-                  {e: {c: _kl(singles[e], c) for c in corpora if _kl(singles[e], c) is not None} for e in atoms}, decode_checks,
+                  {c: variant_kl(build, c) for c in corpora if variant_kl(build, c) is not None},
+                  {e: {c: variant_kl(singles[e], c) for c in corpora if variant_kl(singles[e], c) is not None} for e in atoms}, decode_checks,
                   class_layers, left_out)
     if timed:
         worst = min(predictions(model), key=lambda p: p.decode)
@@ -394,15 +393,25 @@ def predictions(model: Model) -> list[Prediction]:
             dec = model.build_decode + sum(a.d_decode for a in combo) if model.timed else None
             m = model.measured.get(frozenset(a.entry for a in combo))
             out.append(Prediction(combo, max(kl, 0.0), size, dec, None if m is None else
-                                  {"row": m["name"], "kl": _kl(m, model.corpus), "decode": m.get("decode_ms_per_token")},
+                                  {"row": m["name"], "kl": variant_kl(m, model.corpus), "decode": m.get("decode_ms_per_token")},
                                   class_layers=model.class_layers, kl_floored=floored))
     return out
 
 
+def pareto(items: list, x=lambda p: p[0], y=lambda p: p[1]) -> list:
+    """The items no other item beats on both x and y (lower is better on both), by increasing x; a y lower by less
+    than 1e-12 (float noise of a sum) is no improvement. Used for the predicted combinations here and the
+    measured points of `splicer plot`."""
+    front, best = [], float("inf")
+    for item in sorted(items, key=lambda p: (x(p), y(p))):
+        if y(item) < best - 1e-12:
+            front.append(item)
+            best = y(item)
+    return front
+
+
 def front(preds: list[Prediction], cost: str) -> list[Prediction]:
     """The predictions no other beats on both predicted KL and `cost` (size_gb or decode), by increasing cost."""
-    from .plot import pareto
-
     return pareto(preds, lambda p: getattr(p, cost), lambda p: p.kl)
 
 
@@ -415,9 +424,9 @@ class PositionScores:
     def get(self, row: str, corpus: str):
         key = (row, corpus)
         if key not in self._cache:
-            from .verdicts import _load_scores
+            from .verdicts import load_scores
 
-            self._cache[key] = _load_scores(self.folder, row, corpus)
+            self._cache[key] = load_scores(self.folder, row, corpus)
         return self._cache[key]
 
     def strata(self, model: Model, combo, corpus: str | None, other=None) -> dict | None:
@@ -445,7 +454,7 @@ class PositionScores:
         return out
 
 
-def _pooled_or(comparison: dict, corpus: str | None) -> dict:
+def pooled_or(comparison: dict, corpus: str | None) -> dict:
     return comparison["per_stratum"][corpus] if corpus else comparison["pooled"]
 
 
@@ -461,8 +470,8 @@ def intervals(model: Model, preds: list[Prediction], scores: PositionScores | No
         strata = scores.strata(model, p.atoms, model.corpus) if scores is not None else None
         if strata:
             comparison = paired_comparison(strata, reps)
-            p.kl_ci = nonnegative(_pooled_or(comparison, model.corpus)["diff_ci"])
-            p.kl_ci_why = _pooled_or(comparison, model.corpus).get("why")
+            p.kl_ci = nonnegative(pooled_or(comparison, model.corpus)["diff_ci"])
+            p.kl_ci_why = pooled_or(comparison, model.corpus).get("why")
             p.kl_ci_by_corpus = {c: nonnegative(r["diff_ci"]) for c, r in comparison["per_stratum"].items()}
         if p.decode is not None and p.atoms and model.engine_sd_ms is not None and model.engine_df:
             half = engine_half_width(model.engine_sd_ms, model.engine_df, decode_terms(p.atoms, model.build_engines))

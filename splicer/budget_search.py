@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .budget import (Additivity, Model, PositionScores, Prediction, _decode, _kl, _parse, _pooled_or, engine_half_width,
-                     finite_number, fit, front, intervals, pick_verify, predictions)
+from .budget import (Additivity, Model, PositionScores, Prediction, engine_half_width, finite_number, fit, front, intervals,
+                     parse_entry, pick_verify, pooled_or, predictions, variant_decode, variant_kl)
 from .errors import SplicerError
 
 BUDGET_JSON = "budget.json"
@@ -112,7 +112,7 @@ def _restore_key(results: dict, entries) -> frozenset | None:
     out = set()
     try:
         for entry in entries:
-            cls, layers = _parse(entry)
+            cls, layers = parse_entry(entry)
             layers = layers if layers is not None else class_layers.get(cls)
             out |= {(cls, None)} if layers is None else {(cls, n) for n in layers}
     except SplicerError:
@@ -166,8 +166,8 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
         return out
     by_entry = {a.entry: a for a in model.atoms}
     atoms = [by_entry.get(e) for e in stored["atoms"]]
-    measured_kl = _kl(row, model.corpus)
-    out["measured"] = {"kl": measured_kl, "size_gb": (row.get("size_bytes") or 0) / 1e9, "decode": _decode(results, row)[0]}
+    measured_kl = variant_kl(row, model.corpus)
+    out["measured"] = {"kl": measured_kl, "size_gb": (row.get("size_bytes") or 0) / 1e9, "decode": variant_decode(results, row)[0]}
     if any(a is None for a in atoms):  # the atoms changed since (rows rerun): no paired comparison
         return out
     saved = model.additivity
@@ -177,12 +177,12 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
     finally:
         model.additivity = saved
     if strata:
-        r = _pooled_or(paired_comparison(strata, reps), model.corpus)
+        r = pooled_or(paired_comparison(strata, reps), model.corpus)
         ci = r["diff_ci"]  # None: too few sequences for an interval (metrics.MIN_SEQUENCES)
         out["error_kl"] = {"diff": -r["diff"], "ci": None if ci is None else [-ci[1], -ci[0]]}  # measured - predicted
     elif measured_kl is not None:
         out["error_kl"] = {"diff": measured_kl - stored["kl"], "ci": None}
-    m_v, n_v = _decode(results, row)
+    m_v, n_v = variant_decode(results, row)
     if m_v is not None and model.build_decode is not None and all(a.d_decode is not None for a in atoms):
         rd = stored.get("decode_ratio") if finite_number(stored.get("decode_ratio")) else 1.0
         if finite_number(stored.get("decode")) and finite_number(stored.get("build_decode")) and stored["build_decode"] > 0:

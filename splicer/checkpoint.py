@@ -14,7 +14,6 @@ from functools import cached_property
 from pathlib import Path
 
 from .arch import Architecture, get_architecture
-from .formats import QUANT_SUFFIXES
 from .config_schema import check_config
 from .errors import SplicerError
 from .safetensors_io import ShardHeader, TensorInfo, headers_digest, read_header
@@ -194,7 +193,3 @@ def load_shard_header(ckpt: Checkpoint, shard: str) -> ShardHeader:
                            "re-download the checkpoint")
     ckpt.headers[shard] = hdr
     return hdr
-
-
-def is_packed_tensor(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in QUANT_SUFFIXES

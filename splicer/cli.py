@@ -60,14 +60,14 @@ def _cmd_fixture(args) -> int:
             print(f"{k}: {p}")
         return 0
     if args.full_dims:
-        from .backends.torch_ref import _pick_device
+        from .backends.torch_ref import pick_device
         from .standin import RESIDUAL_SCALE, write_standin
 
         device = "cuda" if args.device == "auto" else args.device
         if device.startswith("cuda") and not __import__("torch").cuda.is_available():
             raise SplicerError("--full-dims draws ~35B parameters and wants a GPU (--device cuda); torch sees none. "
                                "Use --device cpu only if you can wait (tens of minutes) and have ~30 GB of disk")
-        device = str(_pick_device(device))  # cpu, cuda or cuda:N, or one line saying which devices there are
+        device = str(pick_device(device))  # cpu, cuda or cuda:N, or one line saying which devices there are
         spec = FixtureSpec(preset="full", seed=args.seed, residual_scale=RESIDUAL_SCALE)
         r = write_fixture_folder(args.out, lambda d: write_standin(d, spec, device=device), args.force,
                                  {"full_dims": True, "seed": args.seed})

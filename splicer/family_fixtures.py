@@ -26,7 +26,7 @@ import torch
 
 from .arch import Architecture, get_architecture
 from .checkpoint import INDEX_NAME
-from .fixtures import _ct_group, _quant_config, _write_sharded, _write_side_files
+from .fixtures import ct_group, ct_quant_config, write_sharded, write_side_files
 from .quantize import make_scheme, quantize_weight
 
 
@@ -198,8 +198,8 @@ def write_family_base(out: Path, family: str, seed: int = 0) -> Path:
     for name, shape in shapes.items():
         by_shard.setdefault(_shard_key(name, arch), {})[name] = _init(name, shape, gen, arch, state.get(name))
     out = Path(out)
-    _write_sharded(out, by_shard, config)
-    _write_side_files(out, cfg.vocab_size)
+    write_sharded(out, by_shard, config)
+    write_side_files(out, cfg.vocab_size)
     (out / "README.md").write_text(f"Synthetic {family} checkpoint made by splicer.family_fixtures; random weights.\n")
     return out
 
@@ -209,8 +209,8 @@ def _build_plan(arch: Architecture, kind: str) -> tuple[dict, callable, list[str
     if kind == "int4":
         # The head's group first: compressed-tensors' model-free dequantizer takes the first group that matches.
         # A family whose head vLLM never quantizes (qwen3_next) keeps it in BF16.
-        groups = {"group_0": _ct_group([f"re:.*{re.escape(head)}$"], 8, 128)} if "lm_head" in arch.classes else {}
-        groups[f"group_{len(groups)}"] = _ct_group(["Linear"], 4, 128)
+        groups = {"group_0": ct_group([f"re:.*{re.escape(head)}$"], 8, 128)} if "lm_head" in arch.classes else {}
+        groups[f"group_{len(groups)}"] = ct_group(["Linear"], 4, 128)
 
         def pick(module: str):
             cls = arch.module_class(module)
@@ -222,12 +222,12 @@ def _build_plan(arch: Architecture, kind: str) -> tuple[dict, callable, list[str
                 li = arch.layer_index(module)
                 cls = arch.module_class(module.replace(f".{li}.", f".{li - 1}.", 1))
             return (4, 128) if cls in arch.classes and cls not in ("mtp", "lm_head") else None
-        return _quant_config(groups, []), pick, ["Linear"]
+        return ct_quant_config(groups, []), pick, ["Linear"]
     if kind == "experts-g32":
         if arch.expert_pattern == r"(?!)":
             raise ValueError(f"{arch.name} has no routed experts; build kinds: int4")
         target = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
-        return _quant_config({"group_0": _ct_group([target], 4, 32)}, []), (lambda m: (4, 32) if arch.expert_parts(m) else None), []
+        return ct_quant_config({"group_0": ct_group([target], 4, 32)}, []), (lambda m: (4, 32) if arch.expert_parts(m) else None), []
     raise ValueError(f"unknown build kind {kind!r}; one of int4, experts-g32")
 
 
@@ -264,7 +264,7 @@ def write_family_build(base: Path, out: Path, kind: str = "int4") -> Path:
                         dest[f"{module}.{k}"] = v
     qc["ignore"] = sorted(ignore)
     config["quantization_config"] = qc
-    _write_sharded(out, by_shard, config)
+    write_sharded(out, by_shard, config)
     for p in base.iterdir():
         if p.is_file() and p.name not in ("config.json", INDEX_NAME) and not p.name.endswith(".safetensors"):
             shutil.copy2(p, out / p.name)

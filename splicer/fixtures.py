@@ -145,7 +145,7 @@ def base_shapes(spec: FixtureSpec, cfg) -> dict[str, tuple[int, ...]]:
     return dict(sorted(shapes.items()))
 
 
-def _init(name: str, shape, gen: torch.Generator, residual_scale: float = 1.0) -> torch.Tensor:
+def init_tensor(name: str, shape, gen: torch.Generator, residual_scale: float = 1.0) -> torch.Tensor:
     """Deterministic values of a plausible scale (norms near their zero-centred identity), on the generator's device."""
     leaf = name.rsplit(".", 1)[-1]
     dev = gen.device
@@ -183,7 +183,7 @@ def _shard_key(name: str, n_layers: int) -> str:
     return "head"
 
 
-def _write_sharded(out: Path, tensors_by_shard: dict[str, dict[str, torch.Tensor]], config: dict) -> None:
+def write_sharded(out: Path, tensors_by_shard: dict[str, dict[str, torch.Tensor]], config: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     keys = sorted(tensors_by_shard, key=lambda k: (k != "head", k == "tail", k))
     n = len(keys)
@@ -208,7 +208,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _write_side_files(out: Path, vocab_size: int) -> None:
+def write_side_files(out: Path, vocab_size: int) -> None:
     """Files a splice must copy verbatim: tokenizer, chat template, generation config, model card."""
     from .demo_tokenizer import SPECIAL, write_tokenizer
 
@@ -253,16 +253,16 @@ def write_base(out: Path, spec: FixtureSpec | None = None, tensors: dict[str, to
     n_layers = cfg.text_config.num_hidden_layers
     by_shard: dict[str, dict[str, torch.Tensor]] = {}
     for name, shape in shapes.items():
-        value = given[name] if name in given else _init(name, shape, gen, spec.residual_scale)
+        value = given[name] if name in given else init_tensor(name, shape, gen, spec.residual_scale)
         by_shard.setdefault(_shard_key(name, n_layers), {})[name] = value
     config = base_config(cfg)
-    _write_sharded(Path(out), by_shard, config)
-    _write_side_files(Path(out), cfg.text_config.vocab_size)
+    write_sharded(Path(out), by_shard, config)
+    write_side_files(Path(out), cfg.text_config.vocab_size)
     (Path(out) / "fixture.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
     return Path(out)
 
 
-def _ct_group(targets: list[str], bits: int, group_size: int) -> dict:
+def ct_group(targets: list[str], bits: int, group_size: int) -> dict:
     """A config group exactly as compressed-tensors 0.17 dumps it (vLLM 0.26/0.33 pin 0.17)."""
     return {
         "format": "pack-quantized", "input_activations": None, "output_activations": None, "targets": targets,
@@ -274,7 +274,7 @@ def _ct_group(targets: list[str], bits: int, group_size: int) -> dict:
     }
 
 
-def _quant_config(groups: dict, ignore: list[str]) -> dict:
+def ct_quant_config(groups: dict, ignore: list[str]) -> dict:
     return {
         "config_groups": groups, "format": "pack-quantized", "global_compression_ratio": None,
         "ignore": ignore, "kv_cache_scheme": None, "quant_method": "compressed-tensors",
@@ -298,7 +298,7 @@ def _format_plan(kind: str) -> tuple[dict, callable]:
         experts, body = preset_scheme("NVFP4A16", [expert_target]), preset_scheme("FP8_DYNAMIC", ["Linear"])
         head = make_scheme(8, 128, targets=[r"re:.*lm_head$"])
         groups = {"group_0": config_group(head), "group_1": config_group(experts), "group_2": config_group(body)}
-        qc = _quant_config(groups, LOWLATENCY_IGNORE)
+        qc = ct_quant_config(groups, LOWLATENCY_IGNORE)
         qc["format"] = "mixed-precision"
 
         def pick(module: str):
@@ -307,7 +307,7 @@ def _format_plan(kind: str) -> tuple[dict, callable]:
             return (experts if QWEN3_5_MOE.expert_parts(module) else body) if _lowlatency_body(module) else None
         return qc, pick
     scheme = preset_scheme(FORMAT_BUILDS[kind], ["Linear"])
-    qc = _quant_config({"group_0": config_group(scheme)}, ["lm_head", *LOWLATENCY_IGNORE])
+    qc = ct_quant_config({"group_0": config_group(scheme)}, ["lm_head", *LOWLATENCY_IGNORE])
     qc["format"] = scheme.format
     return qc, lambda module: scheme if _lowlatency_body(module) else None
 
@@ -321,7 +321,7 @@ def _global_scale_key(module: str) -> str:
     return QWEN3_5_MOE.atomic_unit(module)
 
 
-def _build_plan(kind: str) -> tuple[dict, callable]:
+def build_plan(kind: str) -> tuple[dict, callable]:
     """(quantization_config, module -> (bits, group), a compressed-tensors scheme, or None) for a build kind."""
     if kind in FORMAT_BUILDS or kind == "mixed":
         return _format_plan(kind)
@@ -335,7 +335,7 @@ def _build_plan(kind: str) -> tuple[dict, callable]:
               "modules_to_not_convert": list(AWQ_NOT_CONVERT)}
         return qc, lambda module: "awq" if _lowlatency_body(module) else None
     if kind in ("lowlatency", "lowlatency-nomtp"):
-        qc = _quant_config({"group_0": _ct_group(["Linear"], 4, 128), "group_1": _ct_group([r"re:.*lm_head$"], 8, 128)},
+        qc = ct_quant_config({"group_0": ct_group(["Linear"], 4, 128), "group_1": ct_group([r"re:.*lm_head$"], 8, 128)},
                            LOWLATENCY_IGNORE)
 
         def pick(module: str):
@@ -356,7 +356,7 @@ def _build_plan(kind: str) -> tuple[dict, callable]:
             return (4, 32) if QWEN3_5_MOE.expert_parts(module) and not module.startswith("mtp.") else None
         return qc, pick
     if kind == "experts-g32":
-        qc = _quant_config({"group_0": _ct_group([r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"], 4, 32)}, [])
+        qc = ct_quant_config({"group_0": ct_group([r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"], 4, 32)}, [])
 
         def pick(module: str):
             return (4, 32) if QWEN3_5_MOE.expert_parts(module) else None
@@ -386,7 +386,7 @@ def write_build(base: Path, out: Path, kind: str = "lowlatency") -> Path:
     from safetensors import safe_open
 
     base, out = Path(base), Path(out)
-    qc, pick = _build_plan(kind)
+    qc, pick = build_plan(kind)
     index = json.loads((base / INDEX_NAME).read_text())
     by_shard: dict[str, dict[str, torch.Tensor]] = {}
     schemes = {}
@@ -431,7 +431,7 @@ def write_build(base: Path, out: Path, kind: str = "lowlatency") -> Path:
         qc["modules_to_not_convert"] = skip_list_entries(dict.fromkeys(sorted(n for n in plain if not QWEN3_5_MOE.is_embedding(n))), QWEN3_5_MOE)
     config = json.loads((base / "config.json").read_text())
     config["quantization_config"] = qc
-    _write_sharded(out, by_shard, config)
+    write_sharded(out, by_shard, config)
     for p in base.iterdir():
         if p.is_file() and p.name not in ("config.json", INDEX_NAME, "fixture.json") and not p.name.endswith(".safetensors"):
             shutil.copy2(p, out / p.name)

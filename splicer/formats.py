@@ -67,6 +67,11 @@ QUANT_SUFFIXES = tuple(sorted({s for layout in LAYOUTS for s in layout.suffixes}
 PLAIN_SUFFIXES = ("weight", "bias")
 
 
+def is_packed_tensor(name: str) -> bool:
+    """A tensor only a quantized module stores (qweight, weight_packed, scales...), by its name's last part."""
+    return name.rsplit(".", 1)[-1] in QUANT_SUFFIXES
+
+
 def layout_method(quant_method: str | None) -> str:
     """A config's quant_method as the layouts name it: vLLM maps awq, awq_marlin and auto_awq to one AWQ loader
     (auto_awq.py)."""

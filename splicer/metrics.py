@@ -98,7 +98,7 @@ def small_sample_half_width(se: float, clusters: int, strata: int = 1) -> float:
     (5-12 sequences) percentile intervals are too short (a null difference came out significant 15 % of the time in
     simulation at 5 and 12 clusters, against 5 % here; tests/test_verdicts.py, tests/test_calibration.py)."""
     df = max(clusters - strata, 1)
-    return _t975(df) * math.sqrt(clusters / df) * se
+    return t975(df) * math.sqrt(clusters / df) * se
 
 
 def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -199,7 +199,7 @@ def summarize(pos: dict[str, torch.Tensor], reps: int = 1000) -> dict:
 # ---------------------------------------------------------------- paired verdicts
 
 
-def _t975(df: int) -> float:
+def t975(df: int) -> float:
     """Two-sided 95 % quantile of Student's t (df >= 1); exact enough for intervals (scipy is not a dependency)."""
     table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
              12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
@@ -311,9 +311,9 @@ def fold_engine_noise(cmp: dict, noise: dict | None) -> dict:
         sd = (noise or {}).get(key)
         if sd:
             df_boot, df_noise = max(int(cmp.get("df") or 1), 1), max(int(noise.get("df") or 1), 1)
-            v_boot, v_noise = ((ci[1] - ci[0]) / 2 / _t975(df_boot)) ** 2, sd * sd
+            v_boot, v_noise = ((ci[1] - ci[0]) / 2 / t975(df_boot)) ** 2, sd * sd
             df = (v_boot + v_noise) ** 2 / (v_boot ** 2 / df_boot + v_noise ** 2 / df_noise)
-            half = _t975(max(int(df), 1)) * math.sqrt(v_boot + v_noise)
+            half = t975(max(int(df), 1)) * math.sqrt(v_boot + v_noise)
             out[ci_key] = [x - half, x + half]
         out[flag] = excludes_zero(out[ci_key])
     return out
@@ -375,7 +375,7 @@ def decode_difference(variant: list[list[float]], reference: list[list[float]],
     v, r = levels(variant), levels(reference)
     mv, mr = sum(v) / len(v), sum(r) / len(r)
     se = math.sqrt(engine_var / len(v) + engine_var / len(r))
-    half = _t975(between_df) * se
+    half = t975(between_df) * se
     rel, lo, hi = mv / mr - 1, (mv - half) / mr - 1, (mv + half) / mr - 1
     return {"rel": rel, "rel_ci": [lo, hi], "resolved": bool(lo > 0 or hi < 0), "variant_ms": mv, "reference_ms": mr,
             "engines": [len(v), len(r)], "df": between_df, "engine_sd_ms": math.sqrt(engine_var),

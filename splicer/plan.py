@@ -76,7 +76,7 @@ class Plan:
         return hashlib.sha256(json.dumps([self.corpora, self.top_k, self.timing], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _plan_path(name_or_path: str) -> Path:
+def plan_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix == ".toml" or p.is_file():
         if not p.exists():
@@ -113,7 +113,7 @@ def _get(table: dict, key: str):
 
 def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
     try:
-        path = _plan_path(name_or_path)
+        path = plan_path(name_or_path)
         raw = path.read_bytes()
     except OSError as e:  # a folder named x.toml, no permission, a name too long for the filesystem
         raise SplicerError(f"cannot read plan {str(name_or_path)[:80]!r} ({e.strerror or e.__class__.__name__}); "

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .budget import finite_number
+from .budget import finite_number, pareto
 from .errors import SplicerError
 from .outputs import write_file
 from .table import UNUSABLE, load_results
@@ -116,18 +116,6 @@ def _drawable(e) -> bool:
             and all(e.get(k) is None or (finite_number(e[k]) and e[k] >= 0) for k in ("decode", "size_gb"))
             and all(v >= 0 for v in e["kl_by_corpus"].values())
             and (e.get("decode_ci") is None or _pair(e["decode_ci"])))
-
-
-def pareto(items: list, x=lambda p: p[0], y=lambda p: p[1]) -> list:
-    """The items no other item beats on both x and y (lower is better on both), by increasing x; a y lower by less
-    than 1e-12 (float noise of a sum) is no improvement. Used for the measured points here and the predicted
-    combinations of `splicer budget`."""
-    front, best = [], float("inf")
-    for item in sorted(items, key=lambda p: (x(p), y(p))):
-        if y(item) < best - 1e-12:
-            front.append(item)
-            best = y(item)
-    return front
 
 
 def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:

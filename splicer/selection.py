@@ -1,8 +1,9 @@
 """What a restore names: classes, whole or in some decoder layers (`gdn@0-9`, `attention@3,7`, `experts`).
 
 The same spelling serves `splice --restore`, plan rows (`restore = ["gdn@0-9"]`) and results (a row's `restored`), so a
-variant has one name everywhere. These are pure functions on the text; which layers a build has is checked where the
-build is open (validate.parse_restore).
+variant has one name everywhere. These are pure functions on the text and, where a caller has the build open, on the
+numbers it passes from it (its decoder layers, the layers holding each class): the one parser of the grammar, which
+validate.parse_restore and the plan's rows both call.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from .errors import SplicerError
 
 LAYER_PART = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 _CLASS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# The class of the MTP head in every family: a speculative-decoding drafter, which no scoring pass runs (so restoring
+# it changes no score) and which vLLM loads only with --speculative-config. A name of the restore vocabulary, here so
+# that analysis (table, budget) can leave it out without importing the families.
+DRAFTER_CLASS = "mtp"
 
 
 def split_restore(spec: str) -> list[tuple[str, str | None]]:
@@ -37,22 +43,61 @@ def entry_class(entry: str) -> str:
     return entry.partition("@")[0].strip()
 
 
-def layer_numbers(text: str, where: str) -> list[int]:
-    """`0-2,7` -> [0, 1, 2, 7], checked for form only (a build's range is checked with the build open)."""
-    out: set[int] = set()
+def clip(text: str, n: int = 40) -> str:
+    """`text` quoted for a one-line message, cut after n characters."""
+    return repr(text if len(text) <= n else text[:n] + "...")
+
+
+def layer_numbers(text: str, where: str, num_layers: int | None = None, mtp_layer: int | None = None) -> list[int]:
+    """`0-2,7` -> [0, 1, 2, 7]. Without a build (num_layers None) checked for form only; with one, every number is also
+    checked against its num_layers decoder layers, and mtp_layer (an MTP head stored as one more decoder layer,
+    DeepSeek-V3 and GLM-4.5) is refused by name.
+
+    Every number is checked before any range is expanded: `0-999999999` is refused in one line instead of building a
+    set of a billion ints (with a build by its range, without one by its length)."""
+    have = None if num_layers is None else f"this build has {num_layers} decoder layers, 0-{num_layers - 1}"
+    bounds = []
     for part in (p.strip() for p in text.split(",")):
         m = LAYER_PART.fullmatch(part)
-        if m is None or len(part) > 12:
-            raise SplicerError(f"{where}: {part[:20]!r} is not a layer number or a range like 4-7")
-        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if m is None or (have is None and len(part) > 12):
+            shown = repr(part[:20]) if have is None else clip(part)
+            raise SplicerError(f"{where}: {shown} is not a layer number or a range like 4-7" + (f"; {have}" if have else ""))
+        ends = []
+        for end in (m.group(1), m.group(2) or m.group(1)):
+            # Longer than any layer number: out of range without converting it (int() of a huge string is slow).
+            if have is not None and mtp_layer is not None and len(end.lstrip("0")) <= 9 and int(end) == mtp_layer:
+                raise SplicerError(f"{where}: layer {mtp_layer} is the MTP head, stored as one more decoder layer; restore "
+                                   f"it whole with --restore mtp (--layers selects decoder layers 0-{num_layers - 1})")
+            if have is not None and (len(end.lstrip("0")) > 9 or int(end) >= num_layers):
+                raise SplicerError(f"{where}: layer {clip(end, 12)[1:-1]} is out of range; {have}")
+            ends.append(int(end))
+        lo, hi = ends
         if lo > hi:
             raise SplicerError(f"{where}: the range {part} runs backwards; write it as {hi}-{lo}")
         if hi - lo > 100_000:
             raise SplicerError(f"{where}: the range {part} is longer than any model")
-        out.update(range(lo, hi + 1))
+        bounds.append((lo, hi))
+    out = {i for lo, hi in bounds for i in range(lo, hi + 1)}
     if not out:
         raise SplicerError(f"{where}: no layers after @; give layer numbers or ranges like 0-9 or 3,7")
     return sorted(out)
+
+
+def entry_layers(cls: str, text: str, have: list[int], where: str, num_layers: int | None = None,
+                 mtp_layer: int | None = None) -> set[int]:
+    """The layers `cls@text` asks for on a build whose layers `have` hold the class quantized: refused when the class
+    has no decoder layers there (a head, or stored apart) or a number is not one of the build's layers."""
+    if not have:
+        raise SplicerError(f"{where}: {cls} has no decoder layers in this build (one head, or stored apart); "
+                           f"restore it whole: {cls}")
+    return set(layer_numbers(text, where, num_layers, mtp_layer))
+
+
+def check_serves(cls: str, asked: set[int], have: list[int], where: str) -> None:
+    """Refused when none of the asked layers holds the class quantized: the entry would restore nothing."""
+    if not set(asked) & set(have):
+        raise SplicerError(f"{where}: no quantized {cls} module in those layers; this build has {cls} in layers "
+                           f"{format_layers(have)}")
 
 
 def format_layers(layers) -> str:
@@ -103,17 +148,7 @@ def normalize_entry(entry: str, class_layers: dict[str, list[int]], where: str, 
     if not text:
         return entry
     have = class_layers.get(cls) or []
-    if not have:
-        raise SplicerError(f"{where}: {entry}: {cls} has no decoder layers in this build (one head, or stored apart); "
-                           f"restore it whole: {cls}")
-    asked = set(layer_numbers(text, f"{where}: {entry}"))
-    if num_layers is not None and max(asked) >= num_layers:
-        raise SplicerError(f"{where}: {entry}: layer {max(asked)} is out of range; this build has {num_layers} decoder "
-                           f"layers, 0-{num_layers - 1}")
+    asked = entry_layers(cls, text, have, f"{where}: {entry}", num_layers)
+    check_serves(cls, asked, have, f"{where}: {entry}")
     kept = layers_read(asked, have)
-    if kept is None:
-        return cls
-    if not kept:
-        raise SplicerError(f"{where}: {entry}: no quantized {cls} module in those layers; this build has {cls} in layers "
-                           f"{format_layers(have)}")
-    return f"{cls}@{format_layers(kept)}"
+    return cls if kept is None else f"{cls}@{format_layers(kept)}"

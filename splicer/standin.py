@@ -18,7 +18,7 @@ run, results/h200-fulldims, had this and a noise floor of 38 % top-1). The stand
 RESIDUAL_SCALE more (same check: KL 0.059, top-1 78.1 %; results/h200-fulldims/standin-depth-check.json), so that its accuracy
 columns and the reproduce-the-reference check mean something at full depth. Speed does not depend on it.
 
-Every tensor is drawn on the device with the fixture's initialisation (`fixtures._init`) and quantized there
+Every tensor is drawn on the device with the fixture's initialisation (`fixtures.init_tensor`) and quantized there
 with compressed-tensors; the expert tensors of one layer are drawn stacked ([E*N, K]) and quantized in one call,
 which is the same as per expert since groups never cross rows.
 """
@@ -39,9 +39,9 @@ from .arch.qwen3_5_moe import QWEN3_5_MOE
 from .checkpoint import INDEX_NAME
 from .fixtures import (
     FixtureSpec,
-    _build_plan,
-    _init,
-    _write_side_files,
+    build_plan,
+    init_tensor,
+    write_side_files,
     base_config,
     base_shapes,
     hf_config,
@@ -97,7 +97,7 @@ def _experts_of_layer(prefix: str, n_exp: int, shapes: dict, gen: torch.Generato
     """Draw one layer's routed experts stacked per projection, quantize once, store per expert."""
     for proj in ("gate_proj", "up_proj", "down_proj"):
         n, k = shapes[f"{prefix}.0.{proj}.weight"]
-        w = _init(f"{prefix}.{proj}.weight", (n_exp * n, k), gen, residual_scale)  # same scale rule as one expert's weight
+        w = init_tensor(f"{prefix}.{proj}.weight", (n_exp * n, k), gen, residual_scale)  # same scale rule as one expert's weight
         packed = quantize_weight(w, scheme)
         del w
         cpu = {key: v.cpu() for key, v in packed.items() if key != "weight_shape"}
@@ -123,7 +123,7 @@ def write_standin(root: Path, spec: FixtureSpec | None = None, device: str = "cu
     t0 = time.perf_counter()
     cfg = hf_config(spec)
     shapes = {k: v for k, v in base_shapes(spec, cfg).items() if not k.startswith("mtp.")}  # seed 000's raw export: no MTP
-    qc, pick = _build_plan("lowlatency-nomtp")
+    qc, pick = build_plan("lowlatency-nomtp")
     schemes: dict[tuple, object] = {}
     gen = torch.Generator(device=device).manual_seed(spec.seed)
     n_exp = cfg.text_config.num_experts
@@ -146,7 +146,7 @@ def write_standin(root: Path, spec: FixtureSpec | None = None, device: str = "cu
                 b_out.flush(shard)
                 continue
             for name in names_by_shard[shard]:
-                t = _init(name, shapes[name], gen, spec.residual_scale)
+                t = init_tensor(name, shapes[name], gen, spec.residual_scale)
                 p_out.add(shard, name, t)
                 module, _, leaf = name.rpartition(".")
                 choice = pick(module) if leaf == "weight" and t.dim() == 2 else None
@@ -160,7 +160,7 @@ def write_standin(root: Path, spec: FixtureSpec | None = None, device: str = "cu
         config = base_config(cfg)
         p_out.finish(dict(config))
         b_out.finish(dict(config, quantization_config=qc))
-    _write_side_files(build, cfg.text_config.vocab_size)
+    write_side_files(build, cfg.text_config.vocab_size)
     (build / "fixture.json").write_text(json.dumps({"standin": "full-dims", "preset": spec.preset, "seed": spec.seed,
                                                     "text_overrides": spec.text_overrides, "residual_scale": spec.residual_scale},
                                                    indent=2) + "\n")

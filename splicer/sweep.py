@@ -15,7 +15,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .errors import SplicerError
 from .modules import list_modules
 from .outputs import protected_paths
-from .plan import _plan_path, load_plan, tomllib, write_plan
+from .plan import load_plan, plan_path, tomllib, write_plan
 from .selection import format_layers
 from .validate import quantized_layers
 
@@ -49,7 +49,7 @@ def sweep_plan(build: Checkpoint, cls: str, groups: int, template: str = "where-
     from .arch import all_classes
 
     load_plan(template, all_classes())  # a template that is not a valid plan is refused as any plan is, naming its file
-    raw = tomllib.loads(_plan_path(template).read_text(encoding="utf-8"))
+    raw = tomllib.loads(plan_path(template).read_text(encoding="utf-8"))
     parts = layer_groups(layers, groups)
     rows = [{"name": "build", "restore": []}]
     for i, part in enumerate(parts, 1):

@@ -284,7 +284,7 @@ def _footnotes(results: dict) -> list[str]:
     build_kl = pooled_kl(build) if build else None
     # The MTP head (drafter) never runs in a scoring pass: a row's restore of it changes no score, so it is left out of
     # the comparison (DeepSeek's and GLM's all-but-experts rows restore it with the rest).
-    from .arch import DRAFTER_CLASS
+    from .selection import DRAFTER_CLASS
 
     scored = lambda v: set(v["restored"]) - {DRAFTER_CLASS}  # noqa: E731
     singles = {next(iter(scored(v))): v for v in ok.values() if len(scored(v)) == 1 and len(v["restored"]) == 1}

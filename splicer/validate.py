@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import re
 
-from .arch import DRAFTER_CLASS, Architecture, family_mismatch
-from .checkpoint import Checkpoint, is_packed_tensor
+from .arch import Architecture, family_mismatch
+from .checkpoint import Checkpoint
 from .errors import SplicerError
-from .formats import CT_FORMATS, group_format, group_scheme
+from .formats import CT_FORMATS, group_format, group_scheme, is_packed_tensor
 from .modules import Module
-from .selection import LAYER_PART, format_layers, layers_read, split_restore
+from .selection import DRAFTER_CLASS, check_serves, clip, entry_layers, layer_numbers, layers_read, split_restore
 from .rules import HfReader, is_gptq, is_skip_list, skip_list_mismatch, skip_list_scheme, validate_regexes
 
 
@@ -212,9 +212,6 @@ def parse_classes(spec: str, arch: Architecture, modules: dict[str, Module], bui
     return [c for c in arch.classes if c in items]
 
 
-_LAYER_PART = LAYER_PART
-
-
 def parse_restore(spec: str, arch: Architecture, modules: dict[str, Module], build_has_mtp: bool, num_layers: int,
                   mtp_layer: int | None = None, layers_option: str | None = None) -> dict[str, set[int] | None]:
     """`--restore gdn@0-9,attention@3,7,experts` -> {class: the decoder layers to restore it in, or None for all}, in
@@ -222,9 +219,9 @@ def parse_restore(spec: str, arch: Architecture, modules: dict[str, Module], bui
     and a class given layers must have quantized modules in them."""
     items = split_restore(spec)
     if any(not c for c, _ in items):
-        raise SplicerError(f"--restore {_clip(spec)}: an entry has no class before @; write CLASS or CLASS@LAYERS, e.g. gdn@0-9")
+        raise SplicerError(f"--restore {clip(spec)}: an entry has no class before @; write CLASS or CLASS@LAYERS, e.g. gdn@0-9")
     if any(c == "all" for c, _ in items) and (len(items) > 1 or items[0][1] is not None):
-        raise SplicerError(f"--restore {_clip(spec)}: all means every quantized class in every layer and stands alone; "
+        raise SplicerError(f"--restore {clip(spec)}: all means every quantized class in every layer and stands alone; "
                            "drop it, or drop the other entries")
     classes = parse_classes(",".join(c for c, _ in items), arch, modules, build_has_mtp)
     if any(layers is not None for _, layers in items) and layers_option is not None:
@@ -237,16 +234,14 @@ def parse_restore(spec: str, arch: Architecture, modules: dict[str, Module], bui
             per[cls] = None
             continue
         have = layers_of.get(cls, [])
-        if not have:
-            raise SplicerError(f"--restore {cls}@{_clip(text, 20)[1:-1]}: {cls} has no decoder layers in this build "
-                               f"(one head, or stored apart); restore it whole: {cls}")
-        got = parse_layers(text, num_layers, mtp_layer, what=f"--restore {cls}@")
+        where = f"--restore {cls}@{clip(text)[1:-1]}"
+        if have and not text.strip():
+            parse_layers(text, num_layers, mtp_layer, what=f"--restore {cls}@")  # refused, in the option's own words
+        got = entry_layers(cls, text, have, where, num_layers, mtp_layer)
         if cls in per and per[cls] is None:
             continue
         per[cls] = (per.get(cls) or set()) | got
-        if not got & set(have):
-            raise SplicerError(f"--restore {cls}@{_clip(text, 20)[1:-1]}: no quantized {cls} module in those layers; "
-                               f"this build has {cls} in layers {format_layers(have)}")
+        check_serves(cls, got, have, where)
     # One variant, one name: layers without the class dropped, all of its layers written as the bare class.
     for cls, got in per.items():
         if got is not None:
@@ -263,43 +258,21 @@ def quantized_layers(modules: dict[str, Module], arch: Architecture) -> dict[str
     return {c: sorted(v) for c, v in out.items()}
 
 
-def _clip(text: str, n: int = 40) -> str:
-    return repr(text if len(text) <= n else text[:n] + "...")
-
-
 def parse_layers(spec: str | None, num_layers: int, mtp_layer: int | None = None, what: str = "--layers") -> set[int] | None:
     """`--layers 0,4-7` as a set of decoder layers of a build with num_layers layers (None: all of them). mtp_layer:
     the index of an MTP head stored as one more decoder layer (DeepSeek-V3, GLM-4.5), which --layers does not select.
 
-    Every number is checked against the build before any range is expanded: `0-999999999` is refused in one line
-    instead of building a set of a billion ints.
+    The numbers are read by the grammar's one parser (selection.layer_numbers); an empty value is refused here, in the
+    option's own words.
     """
     if spec is None:
         return None
-    label = f"{what}{_clip(spec)[1:-1]}" if what.endswith("@") else f"{what} {_clip(spec)}"
-    last = num_layers - 1
-    have = f"this build has {num_layers} decoder layers, 0-{last}"
     if not spec.strip():
-        raise SplicerError(f"{what} is empty; give layer numbers or ranges like 0,4-7 ({have}), or "
+        raise SplicerError(f"{what} is empty; give layer numbers or ranges like 0,4-7 (this build has {num_layers} "
+                           f"decoder layers, 0-{num_layers - 1}), or "
                            + ("drop --layers" if what == "--layers" else "name the class alone for all its layers"))
-    bounds = []
-    for part in (p.strip() for p in spec.split(",")):
-        m = _LAYER_PART.fullmatch(part)
-        if m is None:
-            raise SplicerError(f"{label}: {_clip(part)} is not a layer number or a range like 4-7; {have}")
-        ends = []
-        for text in (m.group(1), m.group(2) or m.group(1)):
-            # Longer than any layer number: out of range without converting it (int() of a huge string is slow).
-            if mtp_layer is not None and len(text.lstrip("0")) <= 9 and int(text) == mtp_layer:
-                raise SplicerError(f"{label}: layer {mtp_layer} is the MTP head, stored as one more decoder "
-                                   f"layer; restore it whole with --restore mtp (--layers selects decoder layers 0-{last})")
-            if len(text.lstrip("0")) > 9 or int(text) > last:
-                raise SplicerError(f"{label}: layer {_clip(text, 12)[1:-1]} is out of range; {have}")
-            ends.append(int(text))
-        if ends[0] > ends[1]:
-            raise SplicerError(f"{label}: the range {part} runs backwards; write it as {ends[1]}-{ends[0]}")
-        bounds.append(ends)
-    return {i for lo, hi in bounds for i in range(lo, hi + 1)}
+    label = f"{what}{clip(spec)[1:-1]}" if what.endswith("@") else f"{what} {clip(spec)}"
+    return set(layer_numbers(spec, label, num_layers, mtp_layer))
 
 
 def check_modules_regex(regex: str | None) -> str | None:
@@ -310,6 +283,6 @@ def check_modules_regex(regex: str | None) -> str | None:
         re.compile(regex)
     except (re.error, RecursionError, OverflowError, ValueError) as e:
         detail = str(e).splitlines()[0] if str(e) else e.__class__.__name__
-        raise SplicerError(f"--modules {_clip(regex)} is not a valid Python regular expression ({detail}); fix the pattern, "
+        raise SplicerError(f"--modules {clip(regex)} is not a valid Python regular expression ({detail}); fix the pattern, "
                            "e.g. 'layers\\.[0-3]\\.' (see splicer inspect for module names)") from None
     return regex

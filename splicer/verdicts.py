@@ -38,7 +38,7 @@ METHOD = ("paired on the same positions; 95 % intervals from a stratified bootst
 QUANTITIES = ("kl", "top1", "dnll")
 
 
-def _load_scores(out: Path, row: str, corpus: str):
+def load_scores(out: Path, row: str, corpus: str):
     from safetensors.torch import load_file
 
     p = Path(out) / "scores" / row / f"{corpus}.safetensors"
@@ -67,7 +67,7 @@ def compare_scores(out: Path, a: str, b: str, corpora: list[str], reps: int = 20
     sequence, or a group of them where the score files carry a `group` per position."""
     kl, top1, dnll = {}, {}, {}
     for corpus in corpora:
-        sa, sb = _load_scores(out, a, corpus), _load_scores(out, b, corpus)
+        sa, sb = load_scores(out, a, corpus), load_scores(out, b, corpus)
         if sa is None or sb is None:
             continue
         _same_positions(sa, sb, a, b, corpus)
@@ -98,7 +98,7 @@ def engine_noise(results: dict, out: Path) -> dict | None:
     for row in rows:
         per = {q: {} for q in QUANTITIES}
         for corpus in corpora:
-            s = _load_scores(out, row, corpus)
+            s = load_scores(out, row, corpus)
             if s is None:
                 break
             w = s["weight"].double() if "weight" in s else torch.ones(s["kl_top"].numel(), dtype=torch.float64)

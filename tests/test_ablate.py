@@ -88,10 +88,10 @@ def test_results_file(finished):
     assert v["metrics"]["wiki-en"]["positions"] == 3 * 63
     # the chat corpus's conversations are units by group (3 conversations: 3 groups of one), the text corpus's by sequence
     assert v["metrics"]["chat"]["groups"] == 3 and v["metrics"]["wiki-en"]["groups"] is None
-    from splicer.verdicts import _load_scores
+    from splicer.verdicts import load_scores
 
-    assert _load_scores(out, "build", "chat")["group"].unique().tolist() == [0, 1, 2]
-    assert "group" not in _load_scores(out, "build", "wiki-en")
+    assert load_scores(out, "build", "chat")["group"].unique().tolist() == [0, 1, 2]
+    assert "group" not in load_scores(out, "build", "wiki-en")
     assert v["decode_ms_per_token"] > 0
     caption, table = (out / "table.md").read_text().split("\n\n", 2)[:2]
     assert caption.startswith("Build `") and table.startswith("| variant")

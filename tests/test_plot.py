@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
+from splicer.budget import pareto
 from splicer.cli import main
-from splicer.plot import LINK_LINE, pareto
+from splicer.plot import LINK_LINE
 
 
 def test_pareto_keeps_the_points_nothing_beats_on_both_axes():

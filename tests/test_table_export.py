@@ -217,9 +217,9 @@ def test_engine_environment_is_in_the_footnotes_the_cache_key_and_the_job(tmp_pa
     assert len(keys) == 2
     # The key of a run without --engine-env is the one computed before the option existed (commit 4cc9f23's formula).
     from splicer.ablate import BASE_PASS_VERSION
-    from splicer.ablate.common import _digest
+    from splicer.ablate.common import parts_digest
 
-    assert base_cache(backend, plan, plain, tmp_path, "b", []).name == "base-" + _digest(
+    assert base_cache(backend, plan, plain, tmp_path, "b", []).name == "base-" + parts_digest(
         BASE_PASS_VERSION, "b", [], [], 20, "vllm", "auto", None, {})
     build = SimpleNamespace(header_digest=lambda: "h")
     jobs = [make_job(plan, [], "B", build, "R", "r", s)["settings"] for s in (plain, env)]

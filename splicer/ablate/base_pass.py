@@ -16,7 +16,7 @@ from ..corpora import Corpus
 from ..errors import SplicerError
 from ..outputs import write_file
 from ..plan import Plan
-from .common import AblateSettings, _atomic_json, _batch_size, _digest, _pbar
+from .common import AblateSettings, atomic_json, parts_digest, pick_batch_size, progress_bar
 
 FULL_VOCAB_CACHE_LIMIT = 1 << 30  # keep the base's full log-softmax only while it fits in 1 GiB
 
@@ -45,7 +45,7 @@ def write_tensors(path: Path, tensors: dict) -> None:
     write_file(path, lambda tmp: save_file(tensors, str(tmp)), tmp=path.with_suffix(".tmp"))
 
 
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path))
@@ -53,7 +53,7 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def base_cache(backend, plan: Plan, settings: AblateSettings, out: Path, base_digest: str, corpora: list[Corpus]) -> Path:
     """The folder of the base pass for these inputs and settings (done when it holds done.json)."""
-    key = _digest(BASE_PASS_VERSION, base_digest, [c.digest() for c in corpora], [c.spec for c in corpora], plan.top_k, backend.name,
+    key = parts_digest(BASE_PASS_VERSION, base_digest, [c.digest() for c in corpora], [c.spec for c in corpora], plan.top_k, backend.name,
                   settings.device, settings.batch_size, settings.engine_args,
                   # Only when set, so that caches made before --engine-env existed keep their key.
                   *([settings.engine_env] if settings.engine_env else []))
@@ -100,9 +100,9 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
         if backend.exact_gather:
             vocab = vocab or _vocab_size(base_root)
             want_full = c.positions() * vocab * 4 <= FULL_VOCAB_CACHE_LIMIT
-        batch = _batch_size(settings, backend)
+        batch = pick_batch_size(settings, backend)
         with stages.stage(f"base pass: scoring {c.name} ({c.positions()} positions, then the noise pass)"):
-            scores = list(_pbar(backend.score(c.sequences, plan.top_k, want_full=want_full, batch_size=batch),
+            scores = list(progress_bar(backend.score(c.sequences, plan.top_k, want_full=want_full, batch_size=batch),
                                 total=len(c.sequences), desc=f"base {c.name}", disable=not settings.progress or None, leave=False))
             _save_scores(cache / f"{c.name}.safetensors", scores)
             # Noise floor: the base scored again exactly as every row is scored (same order and batch size), so it
@@ -116,7 +116,7 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
         timings[f"score_{c.name}_s"] = time.perf_counter() - t0
     backend.unload()
     (cache / "corpora.json").write_text(json.dumps([c.to_json() for c in corpora]))
-    _atomic_json(done, {"timings": timings, "backend": backend.describe(), "engine": engine_info})
+    atomic_json(done, {"timings": timings, "backend": backend.describe(), "engine": engine_info})
     return corpora
 
 

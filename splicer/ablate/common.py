@@ -39,11 +39,11 @@ class AblateSettings:
     stages: Stages = field(default=SILENT, repr=False)  # stage lines (stderr off a terminal, and DIR/ablate.log)
 
 
-def _atomic_json(path: Path, data) -> None:
-    _atomic_text(path, json.dumps(data, indent=2, default=_jsonable) + "\n")
+def atomic_json(path: Path, data) -> None:
+    atomic_text(path, json.dumps(data, indent=2, default=_jsonable) + "\n")
 
 
-def _atomic_text(path: Path, text: str) -> None:
+def atomic_text(path: Path, text: str) -> None:
     """Write path whole or not at all (outputs.write_file: beside it, then renamed; UTF-8 whatever the locale); a full
     disk or a read-only folder is one line (outputs.write_error, which names DIR, the -o to change), with no partial
     file left."""
@@ -62,7 +62,7 @@ def _jsonable(o):
 
 
 @contextmanager
-def _closing(*backends):
+def closing_backends(*backends):
     """End the backends' worker processes however the run ends (finished, failed, interrupted)."""
     try:
         yield backends
@@ -71,19 +71,19 @@ def _closing(*backends):
             backend.close()
 
 
-def _pbar(iterable=None, **kw):
+def progress_bar(iterable=None, **kw):
     from tqdm.auto import tqdm
 
     return tqdm(iterable, **kw)
 
 
-def _folder_bytes(folder: Path) -> int:
+def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
 
 
-def _digest(*parts) -> str:
+def parts_digest(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _batch_size(settings: AblateSettings, backend) -> int:
+def pick_batch_size(settings: AblateSettings, backend) -> int:
     return settings.batch_size or backend.default_batch

@@ -16,10 +16,10 @@ from .. import __version__
 from ..corpora import Corpus, build_corpus
 from ..errors import SplicerError
 from ..plan import Plan
-from .common import RESULTS, AblateSettings, _atomic_json, _digest
+from .common import RESULTS, AblateSettings, atomic_json, parts_digest
 
 
-def _override_corpora(plan: Plan, overrides: dict[str, str]) -> list[dict]:
+def override_corpora(plan: Plan, overrides: dict[str, str]) -> list[dict]:
     specs = {c["name"]: dict(c) for c in plan.corpora}
     for name, path in overrides.items():
         if name not in specs:
@@ -50,7 +50,7 @@ def _tokenizer(folder: Path):
 
 def prepare_corpora(base_root: Path, plan: Plan, settings: AblateSettings):
     """Tokenize every corpus (chat: prompts only) before anything is written, so bad corpora fail early."""
-    specs = _override_corpora(plan, settings.corpus_overrides)
+    specs = override_corpora(plan, settings.corpus_overrides)
     tok = _tokenizer(base_root)
     cfg = json.loads((Path(base_root) / "config.json").read_text())
     context = settings.engine_args.get("max_model_len") or cfg.get("text_config", cfg).get("max_position_embeddings")
@@ -100,7 +100,7 @@ def make_job(plan: Plan, corpora: list[Corpus], build_src: str, build, base_src:
     otherwise be paired with the new ones."""
     return {"tool": f"splicer {__version__}", "plan": plan.name, "plan_digest": plan.digest,
             "plan_settings_digest": plan.settings_digest, "rows": {r.name: _row_definition(r.definition()) for r in plan.rows},
-            "corpora_digest": _digest([c.digest() for c in corpora]),
+            "corpora_digest": parts_digest([c.digest() for c in corpora]),
             "build": input_entry(build_src, out, header_digest=build.header_digest()),
             "base": input_entry(base_src, out, digest=base_digest),
             "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
@@ -126,7 +126,7 @@ def select_rows(plan: Plan, rows_spec: str, quantized: list[str]) -> set[str]:
     return {"build", *wanted, *(r.name for r in plan.rows if r.repeat and r.restored(quantized) == [])}
 
 
-def _from_cli() -> bool:
+def started_from_cli() -> bool:
     """True when the splicer command line is running (then sys.argv is the command to record)."""
     return Path(sys.argv[0]).name in ("splicer", "__main__.py") or sys.argv[0].endswith("splicer/__main__.py")
 
@@ -229,7 +229,7 @@ def write_job(out: Path, job: dict, stages, extend_only: bool = False) -> tuple[
                            "to it would not be comparable: run the plan again into a new folder")
     if previous and not _same_inputs(before if isinstance(before, dict) else None, job):
         shutil.rmtree(out / "variants", ignore_errors=True)  # another build or base: every splice is stale
-    _atomic_json(out / "job.json", job)
+    atomic_json(out / "job.json", job)
     if not alike:
         if previous and previous.get("variants"):
             what = "; ".join(job_differences(before, job)) if isinstance(before, dict) else "no job recorded"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from ..corpora import Corpus
 from ..plan import Plan
-from .common import RESULTS, AblateSettings, _atomic_json, _atomic_text
-from .job import _from_cli, host_info
+from .common import RESULTS, AblateSettings, atomic_json, atomic_text
+from .job import host_info, started_from_cli
 from .scores import noise_floor
 
 
@@ -41,11 +41,11 @@ def new_results(job: dict, plan: Plan, corpora: list[Corpus], cache: Path, quant
         "runs": [*earlier_runs,
                  {"started": started, "rows_run": [], "finished": False,
                   "host": host_info(),
-                  "command": " ".join(shlex.quote(a) for a in ["splicer", *sys.argv[1:]]) if _from_cli() else None}],
+                  "command": " ".join(shlex.quote(a) for a in ["splicer", *sys.argv[1:]]) if started_from_cli() else None}],
     }
 
 
-def _finish(results: dict, out: Path, backends, reps: int = 2000) -> None:
+def finish_results(results: dict, out: Path, backends, reps: int = 2000) -> None:
     from ..report import render_report
     from ..table import render_markdown
     from ..verdicts import attach
@@ -62,10 +62,10 @@ def _finish(results: dict, out: Path, backends, reps: int = 2000) -> None:
 
     results["time_breakdown"] = time_breakdown(results)
     attach(results, out, reps)
-    _atomic_json(out / RESULTS, results)
-    _atomic_text(out / "table.md", render_markdown(results) + "\n")
+    atomic_json(out / RESULTS, results)
+    atomic_text(out / "table.md", render_markdown(results) + "\n")
     if (out / "plot-kl.png").exists():  # `splicer plot DIR` made one: keep the table's link to it
         from ..plot import link
 
         link(out)
-    _atomic_text(out / "report.md", render_report(results))
+    atomic_text(out / "report.md", render_report(results))

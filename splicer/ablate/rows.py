@@ -17,8 +17,8 @@ from ..errors import SplicerError
 from ..formats import checkpoint_format
 from ..plan import Plan, PlannedRow
 from .base_pass import base_pass
-from .common import AblateSettings, _folder_bytes, _pbar
-from .results import _finish, new_results
+from .common import AblateSettings, folder_bytes, progress_bar
+from .results import finish_results, new_results
 from .scores import score_variant
 
 
@@ -192,7 +192,7 @@ def run_row(item: PlannedRow, schedule: RowSchedule, backend, cache: Path, corpo
 
     try:
         folder, entry["elapsed"]["splice_s"] = schedule.folder(item)
-        entry["size_bytes"] = _folder_bytes(folder)
+        entry["size_bytes"] = folder_bytes(folder)
         entry["bytes_per_decode_step"] = _bytes_per_step(folder)
         index = schedule.index(row.name) if ahead else None
         entry["timing"] = None
@@ -229,7 +229,7 @@ def run_row(item: PlannedRow, schedule: RowSchedule, backend, cache: Path, corpo
     return entry
 
 
-def _run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list, done: dict, cache: Path, corpora, tok,
+def run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list, done: dict, cache: Path, corpora, tok,
               plan: Plan, settings: AblateSettings, out: Path, base, job: dict, quantized, frozen, skipped, earlier_runs,
               started: str, t_start: float, spread_plan, class_layers: dict | None = None) -> dict:
     """run_ablate under DIR's lock, from the base pass on: the base pass (splices and compiles beside it), each row
@@ -257,7 +257,7 @@ def _run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list,
         finish_precompile(backend)
     # Finished in an earlier run of the same job: kept, chosen or not.
     results["variants"] += [done[it.row.name] for it in todo if it.row.name in done]
-    bar = _pbar(total=len(run_list), desc="ablate", disable=not settings.progress or None)
+    bar = progress_bar(total=len(run_list), desc="ablate", disable=not settings.progress or None)
     order = {it.row.name: k for k, it in enumerate(todo)}
 
     def record(item, entry: dict) -> None:
@@ -268,7 +268,7 @@ def _run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list,
                                  + f", {len(results['runs'][-1]['rows_run']) + 1} of {len(run_list)} rows of this run")
             results["runs"][-1]["rows_run"].append(entry["name"])
             results["runs"][-1]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-            _finish(results, out, backends, settings.bootstrap)
+            finish_results(results, out, backends, settings.bootstrap)
             bar.update(1)
         faults.point("ablate:row-done")
 
@@ -289,7 +289,7 @@ def _run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list,
     bar.close()
     results["elapsed_s"] = time.perf_counter() - t_start
     results["runs"][-1].update(elapsed_s=round(results["elapsed_s"], 1), finished=True)
-    _finish(results, out, backends, settings.bootstrap)
+    finish_results(results, out, backends, settings.bootstrap)
     return results
 
 

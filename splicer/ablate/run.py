@@ -14,9 +14,9 @@ from ..outputs import ABLATE, check_output, exclusive, local_folder
 from ..plan import add_checkpoints, load_plan, resolve_rows
 from ..progress import Stages
 from .base_pass import base_cache
-from .common import AblateSettings, _closing
-from .job import _override_corpora, make_job, prepare_corpora, select_rows, write_job
-from .rows import RowSchedule, _run_rows
+from .common import AblateSettings, closing_backends
+from .job import make_job, override_corpora, prepare_corpora, select_rows, write_job
+from .rows import RowSchedule, run_rows
 
 
 def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_name: str, settings: AblateSettings) -> dict:
@@ -30,7 +30,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
 
     plan = load_plan(plan_name, all_classes())  # a plan may name any family's classes; rows this one lacks are skipped
     # Before a checkpoint is opened (or downloaded): a Hub corpus this process cannot read would fail after the base pass starts.
-    check_hub_corpora(_override_corpora(plan, settings.corpus_overrides), f"plan {plan.name}",
+    check_hub_corpora(override_corpora(plan, settings.corpus_overrides), f"plan {plan.name}",
                       "pass --corpus NAME=FILE (a local .txt or .jsonl) for each, or a plan of local corpora (e.g. --plan demo)")
     build = open_checkpoint(build_src, "build")
     from ..modules import list_modules
@@ -90,7 +90,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     tok, corpora = prepare_corpora(base_root, plan, settings)
     out.mkdir(parents=True, exist_ok=True)
     busy = f"another splicer ablate is writing to {out}; wait for it to finish or use another -o"
-    with exclusive(out / ".lock", busy), _closing(*backends):
+    with exclusive(out / ".lock", busy), closing_backends(*backends):
         check_output(out, inputs, ABLATE, own=settings.own_inputs)  # again under the lock: DIR may have changed
         # Set per run: a settings object reused for another DIR must not keep logging into the first one's log.
         settings.stages = Stages(quiet=not settings.progress, log_path=out / "ablate.log")
@@ -108,7 +108,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         schedule = RowSchedule(run_list, backend, build, build_src, base_root, base_src, out, settings, compilers=backends)
         schedule.checkpoints = checkpoints
         try:
-            return _run_rows(schedule, backends, todo, run_list, done, cache, corpora, tok, plan, settings, out, base, job,
+            return run_rows(schedule, backends, todo, run_list, done, cache, corpora, tok, plan, settings, out, base, job,
                              quantized, frozen, skipped, earlier_runs, started,
                              t_start, (firsts, lasts, spread_rows) if settings.gpus else None, class_layers)
         except BaseException:

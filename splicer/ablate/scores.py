@@ -11,8 +11,8 @@ import torch
 from ..corpora import Corpus
 from ..metrics import fill_missing, kl_full, kl_top_lumped, summarize, top1_agreement
 from ..plan import Plan
-from .base_pass import _load_tensors, write_tensors
-from .common import AblateSettings, _batch_size, _pbar
+from .base_pass import load_tensors, write_tensors
+from .common import AblateSettings, pick_batch_size, progress_bar
 
 
 def first_occurrence_weights(sequences: list[list[int]], lengths: torch.Tensor) -> torch.Tensor:
@@ -95,12 +95,12 @@ def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], pla
     score_dir.mkdir(parents=True, exist_ok=True)
     for c in corpora:
         t0 = time.perf_counter()
-        base = _load_tensors(cache / f"{c.name}.safetensors")
+        base = load_tensors(cache / f"{c.name}.safetensors")
         offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), base["lengths"]]), 0)
         gather = [base["topk_ids"][offsets[i]:offsets[i + 1]] for i in range(len(c.sequences))] if backend.exact_gather else None
         with stages.stage(f"{score_dir.name}: scoring {c.name} ({c.positions()} positions)"):
-            scores = list(_pbar(backend.score(c.sequences, plan.top_k, gather_ids=gather, want_full="full" in base,
-                                              batch_size=_batch_size(settings, backend)),
+            scores = list(progress_bar(backend.score(c.sequences, plan.top_k, gather_ids=gather, want_full="full" in base,
+                                              batch_size=pick_batch_size(settings, backend)),
                                 total=len(c.sequences), desc=f"  {folder.name} {c.name}", disable=not settings.progress or None,
                                 leave=False))
         var = {
@@ -121,8 +121,8 @@ def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], pla
 def noise_floor(cache: Path, corpora: list[Corpus], bootstrap: int) -> dict:
     out = {}
     for c in corpora:
-        base = _load_tensors(cache / f"{c.name}.safetensors")
-        noise = _load_tensors(cache / f"noise-{c.name}.safetensors")
+        base = load_tensors(cache / f"{c.name}.safetensors")
+        noise = load_tensors(cache / f"noise-{c.name}.safetensors")
         rec = position_records(base, noise, c, noise.get("gathered"))
         out[c.name] = summarize(rec, bootstrap)
     return out

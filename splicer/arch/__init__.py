@@ -14,11 +14,6 @@ from dataclasses import dataclass, field
 from ..errors import SplicerError
 
 
-# The class of the MTP head: a speculative-decoding drafter, which no scoring pass runs (so restoring it changes no
-# score) and which vLLM loads only with --speculative-config.
-DRAFTER_CLASS = "mtp"
-
-
 def fused_group(fused: str, shards: tuple[str, ...]) -> dict[str, tuple[str, tuple[str, ...]]]:
     """Architecture.fused_shards entries for one group vLLM loads into a single layer: every shard -> (fused, shards)."""
     return {s: (fused, shards) for s in shards}

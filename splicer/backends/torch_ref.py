@@ -23,7 +23,7 @@ from ..errors import SplicerError
 from . import SequenceScores, decode_summary, set_torch_threads
 
 
-def _pick_device(device: str) -> torch.device:
+def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # The reference runs where its weights can live and be timed: the CPU or a CUDA device (cuda, cuda:N).
@@ -52,7 +52,7 @@ class TorchBackend:
     precompile_slots = 0  # nothing is compiled: nothing to do ahead
 
     def __init__(self, device: str = "auto", dtype: str = "bfloat16", threads: int | None = None):
-        self.device = _pick_device(device)
+        self.device = pick_device(device)
         if self.device.type == "cpu":
             logging.getLogger("transformers.integrations.hub_kernels").addFilter(_cuda_kernel_advice_on_cpu)
         self.dtype = getattr(torch, dtype)

@@ -34,15 +34,15 @@ import torch
 
 from ..errors import SplicerError
 from . import SequenceScores
-from .vllm_child import _worker
+from .vllm_child import child_worker
 from .vllm_engine_args import OVERLAP_DEFAULTS, default_engine_args, parse_engine_args, parse_engine_env
-from .vllm_logs import KERNEL_LINE, _arch_of, kernels_by_class, startup_breakdown
+from .vllm_logs import KERNEL_LINE, arch_of, kernels_by_class, startup_breakdown
 
 __all__ = ["VllmBackend", "OVERLAP_DEFAULTS", "default_engine_args", "parse_engine_args", "parse_engine_env", "kernels_by_class"]
 
 
 class _Worker:
-    """One child process that serves vLLM engines (see _worker), and the pipe to it."""
+    """One child process that serves vLLM engines (see child_worker), and the pipe to it."""
 
     def __init__(self, backend: "VllmBackend", env: dict | None = None):
         self.backend = backend
@@ -67,7 +67,7 @@ class _Worker:
         parent, child = ctx.Pipe()
         # Not a daemon: with one_process=False vLLM starts its own engine-core process, which a daemon may not do.
         self.log = b._fresh_log("worker")
-        proc = ctx.Process(target=_worker, args=(child, self.env or b.env, str(self.log)))
+        proc = ctx.Process(target=child_worker, args=(child, self.env or b.env, str(self.log)))
         proc.start()
         self._forget(proc, parent)
         b.worker_starts += 1
@@ -158,7 +158,7 @@ class _Worker:
             breakdown.setdefault("compile_s", payload["compile_time_s"])
         return dict(payload, spawn_to_ready_s=time.perf_counter() - t0, worker_start_s=worker_start_s, log=str(log_path),
                     startup_breakdown=breakdown, kernel_log_lines=sorted(set(lines)), engine_args=engine_args,
-                    one_process=b.one_process, kernels_by_class=kernels_by_class(payload.get("layers") or {}, _arch_of(folder)))
+                    one_process=b.one_process, kernels_by_class=kernels_by_class(payload.get("layers") or {}, arch_of(folder)))
 
     def unload(self) -> None:
         if self.loaded:

@@ -11,7 +11,7 @@ import traceback
 
 import torch
 
-from .vllm_outputs import _scores, engine_step_s, summarise_decode_runs
+from .vllm_outputs import engine_step_s, sequence_scores, summarise_decode_runs
 
 
 def _kernel_probe(model):
@@ -101,7 +101,7 @@ def _drafter_probe(worker):
     return _kernel_probe(model) if model is not None else {}
 
 
-def _worker(conn, env: dict, log_path: str) -> None:
+def child_worker(conn, env: dict, log_path: str) -> None:
     """Child process: import vLLM once, then load engines one after another and serve requests on each.
 
     Keeping one process for the whole run keeps what vLLM and Triton hold in memory (imports, autotuning
@@ -185,7 +185,7 @@ def _worker(conn, env: dict, log_path: str) -> None:
         for s in range(0, len(seqs), chunk):
             batch = seqs[s:s + chunk]
             res = llm.generate([TokensPrompt(prompt_token_ids=q) for q in batch], params, use_tqdm=False)
-            out += [_scores(q, r.prompt_logprobs, top_k) for q, r in zip(batch, res)]
+            out += [sequence_scores(q, r.prompt_logprobs, top_k) for q, r in zip(batch, res)]
         return out
 
     def generate(prompts, n, stop):

@@ -17,7 +17,7 @@ KERNEL_LINE = re.compile(
 )
 
 
-def _arch_of(folder):
+def arch_of(folder):
     from ..arch import get_architecture
 
     return get_architecture(json.loads((Path(folder) / "config.json").read_text()))

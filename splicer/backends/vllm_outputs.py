@@ -56,7 +56,7 @@ def scores_from_flat_logprobs(prompt_ids: list[int], flat, top_k: int) -> Sequen
                           target_logprobs=lps[:, 0].contiguous())
 
 
-def _scores(prompt_ids, prompt_logprobs, top_k) -> SequenceScores:
+def sequence_scores(prompt_ids, prompt_logprobs, top_k) -> SequenceScores:
     if hasattr(prompt_logprobs, "start_indices"):
         return scores_from_flat_logprobs(prompt_ids, prompt_logprobs, top_k)
     return scores_from_prompt_logprobs(prompt_ids, prompt_logprobs, top_k)
