@@ -41,6 +41,22 @@ def test_score_shapes_and_consistency(pairs):
     assert len(gen[0]) == 5
 
 
+def test_score_leaves_the_callers_autograd_alone(pairs):
+    """A partly consumed score() must not leave the caller in inference mode (no autograd) between yields."""
+    import torch
+
+    b = TorchBackend("cpu")
+    b.load(pairs["per_expert"]["base"])
+    seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [3, 4, 5]]
+    it = b.score(seqs, top_k=5, batch_size=1)
+    next(it)
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    x = torch.ones(2, requires_grad=True)
+    (x * 2).sum().backward()
+    assert x.grad is not None
+    del it
+
+
 def test_vllm_prompt_logprobs_conversion():
     """vLLM's prompt_logprobs -> top-k ids by rank, and the actual token's logprob even when it ranks below k."""
     from collections import namedtuple

@@ -263,8 +263,10 @@ class TorchBackend:
             by_length[len(seq)].append(i)
         batches = sorted((idxs[s:s + batch_size] for idxs in by_length.values() for s in range(0, len(idxs), batch_size)),
                          key=lambda b: b[0])
-        with torch.inference_mode():
-            for batch in batches:
+        for batch in batches:
+            # Inference mode only around the forward pass, never across a yield: a generator suspended inside the
+            # block would leave the caller's thread in inference mode (no autograd) until it is exhausted or closed.
+            with torch.inference_mode():
                 ids = torch.tensor([sequences[i] for i in batch], dtype=torch.long, device=self.device)
                 logits = model(input_ids=ids, use_cache=False).logits.float()
                 lps = torch.log_softmax(logits[:, :-1], dim=-1)
@@ -280,9 +282,9 @@ class TorchBackend:
                         target_logprobs=lp.gather(1, target[:, None])[:, 0].cpu(), gathered=gathered,
                         full=lp.cpu() if want_full else None,
                     )
-                while next_out in results:  # every index lands in some batch, so this drains all of them
-                    yield results.pop(next_out)
-                    next_out += 1
+            while next_out in results:  # every index lands in some batch, so this drains all of them
+                yield results.pop(next_out)
+                next_out += 1
 
     # ------------------------------------------------------------ generation
     def generate(self, prompts, max_new_tokens, stop_ids) -> list[list[int]]:
