@@ -82,7 +82,7 @@ class Additivity:
         return {"within": self.within, "across": self.across, "unmeasurable": list(self.unmeasurable)}
 
     @classmethod
-    def from_json(cls, d) -> "Additivity":
+    def from_json(cls, d) -> Additivity:
         """A stored additivity (budget.json); anything that is not a number is dropped (taken as additive)."""
         d = d if isinstance(d, dict) else {}
         within = d.get("within") if isinstance(d.get("within"), dict) else {}
@@ -90,7 +90,7 @@ class Additivity:
                    float(d["across"]) if finite_number(d.get("across")) else None)
 
     @classmethod
-    def fit(cls, multi: list, measure) -> "Additivity":
+    def fit(cls, multi: list, measure) -> Additivity:
         """Least-squares slopes through 0: per class from the rows restoring several of its atoms only, then across
         classes from the rows restoring several classes, against their classes' reductions as `within` predicts them.
         A row whose atoms all changed KL within noise (none significant) fits no slope: its slope would be a ratio of

@@ -19,8 +19,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .budget import (Additivity, Model, PositionScores, Prediction, engine_half_width, finite_number, fit, front, intervals,
-                     parse_entry, pick_verify, pooled_or, predictions, variant_decode, variant_kl)
+from .budget import (
+    Additivity,
+    Model,
+    PositionScores,
+    Prediction,
+    engine_half_width,
+    finite_number,
+    fit,
+    front,
+    intervals,
+    parse_entry,
+    pick_verify,
+    pooled_or,
+    predictions,
+    variant_decode,
+    variant_kl,
+)
 from .errors import SplicerError
 
 BUDGET_JSON = "budget.json"

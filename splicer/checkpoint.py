@@ -152,7 +152,7 @@ def open_checkpoint(source: str | Path, role: str, wanted_files=None, shards: se
     else:
         raise SplicerError(f"{role} {source} has neither {INDEX_NAME} nor {SINGLE_NAME}; is it a safetensors checkpoint?")
     ckpt = Checkpoint(root, str(source), config, dict(weight_map), metadata)
-    ckpt.arch  # fail early on an unsupported model_type
+    ckpt.arch  # noqa: B018  fail early on an unsupported model_type
     for shard in sorted(set(weight_map.values()) if shards is None else shards):
         load_shard_header(ckpt, shard)
     return ckpt

@@ -168,7 +168,7 @@ def ignore_entries(picked: dict[str, Module], modules: dict[str, Module], arch: 
             parsed[name] = m
             projs_at[(m["root"], m["layer"], m["path"])].add(m["proj"])
     by_key: dict[tuple, set[int]] = defaultdict(set)
-    for name, m in parsed.items():
+    for m in parsed.values():
         projs = frozenset(projs_at[(m["root"], m["layer"], m["path"])])
         by_key[(m["root"], m["path"], m["expert"] is not None, projs)].add(int(m["layer"]))
     all_layers: dict[tuple, set[int]] = defaultdict(set)

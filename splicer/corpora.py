@@ -57,7 +57,7 @@ class Corpus:
                 **({"groups": self.groups} if self.groups is not None else {})}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Corpus":
+    def from_json(cls, d: dict) -> Corpus:
         return cls(d["name"], d["kind"], d["sequences"], d.get("prompt_lens"), d.get("spec", {}), d.get("groups"))
 
 

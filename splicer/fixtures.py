@@ -27,10 +27,10 @@ import torch
 from safetensors.torch import save_file
 
 from .arch.qwen3_5_moe import QWEN3_5_MOE
-from .checkpoint import INDEX_NAME
 from .awq import quantize_awq
-from .gptq import quantize_gptq
+from .checkpoint import INDEX_NAME
 from .config_edit import skip_list_entries
+from .gptq import quantize_gptq
 from .quantize import config_group, make_scheme, preset_scheme, quantize_native_fp8, quantize_weight
 
 TEXT_PRESETS = {
@@ -456,7 +456,7 @@ def write_fixture_folder(out: Path, writer, force: bool = False, what: dict | No
     Returns writer's result with its paths moved from the partial folder to OUT.
     """
     from . import __version__
-    from .outputs import FIXTURE, PARTIAL_SUFFIX, check_output, lock_output, replace_dir, sibling, write_error, os_error_of
+    from .outputs import FIXTURE, PARTIAL_SUFFIX, check_output, lock_output, os_error_of, replace_dir, sibling, write_error
 
     out = check_output(out, [], FIXTURE, force)
     with lock_output(out, FIXTURE):

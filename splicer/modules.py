@@ -8,8 +8,16 @@ from dataclasses import dataclass, field
 
 from .checkpoint import Checkpoint
 from .errors import SplicerError
-from .formats import (PLAIN_SUFFIXES, QUANT_SUFFIXES, QUANTIZED_WEIGHT_DTYPES, READ_QUANT_METHODS, config_block, layout_for,
-                      layout_method, weight_scale_strategy)
+from .formats import (
+    PLAIN_SUFFIXES,
+    QUANT_SUFFIXES,
+    QUANTIZED_WEIGHT_DTYPES,
+    READ_QUANT_METHODS,
+    config_block,
+    layout_for,
+    layout_method,
+    weight_scale_strategy,
+)
 from .safetensors_io import DTYPE_SIZES, ByteSource, TensorInfo
 
 
@@ -72,7 +80,7 @@ def list_modules(ckpt: Checkpoint) -> dict[str, Module]:
     arch = ckpt.arch
     groups: dict[str, dict[str, TensorInfo]] = defaultdict(dict)
     fused: list[TensorInfo] = []
-    for shard, hdr in ckpt.headers.items():
+    for hdr in ckpt.headers.values():
         for name, info in hdr.tensors.items():
             if arch.fused_expert_parts(name):
                 fused.append(info)

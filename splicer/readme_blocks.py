@@ -104,7 +104,7 @@ def update(path: Path) -> bool:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise write_error(e, path.parent) or e
+        raise (write_error(e, path.parent) or e) from None
     return True
 
 

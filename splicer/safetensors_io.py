@@ -16,9 +16,10 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import BinaryIO
 
 from .errors import SplicerError
 
@@ -108,7 +109,7 @@ def read_header(path: Path) -> ShardHeader:
         tensors[name] = TensorInfo(name, dtype, shape, path, data_start + begin, end - begin)
         spans.append((begin, end, name))
     spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
         if b1 < e0:
             raise SplicerError(f"{path}: tensors {n0!r} and {n1!r} overlap; the shard is corrupt, re-download it")
     # The header must cover the data block exactly, as the safetensors library itself demands: bytes it does not

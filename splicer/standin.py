@@ -39,12 +39,12 @@ from .arch.qwen3_5_moe import QWEN3_5_MOE
 from .checkpoint import INDEX_NAME
 from .fixtures import (
     FixtureSpec,
-    build_plan,
-    init_tensor,
-    write_side_files,
     base_config,
     base_shapes,
+    build_plan,
     hf_config,
+    init_tensor,
+    write_side_files,
 )
 from .quantize import make_scheme, quantize_weight
 

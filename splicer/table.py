@@ -48,8 +48,8 @@ from __future__ import annotations
 import csv
 import io
 import json
-import re
 import math
+import re
 from pathlib import Path
 
 from .errors import SplicerError

@@ -13,8 +13,8 @@ from .checkpoint import Checkpoint
 from .errors import SplicerError
 from .formats import CT_FORMATS, group_format, group_scheme, is_packed_tensor
 from .modules import Module
-from .selection import DRAFTER_CLASS, check_serves, clip, entry_layers, layer_numbers, layers_read, split_restore
 from .rules import HfReader, is_gptq, is_skip_list, skip_list_mismatch, skip_list_scheme, validate_regexes
+from .selection import DRAFTER_CLASS, check_serves, clip, entry_layers, layer_numbers, layers_read, split_restore
 
 
 def validate_family(ckpt: Checkpoint, role: str) -> None:

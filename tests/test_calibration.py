@@ -31,7 +31,7 @@ def test_per_corpus_intervals_cover_95_percent_with_5_and_12_sequences():
     gen = torch.Generator().manual_seed(21)
     for sequences in (5, 12):
         hits, trials = 0, 300
-        for t in range(trials):
+        for _ in range(trials):
             seq = torch.arange(sequences).repeat_interleave(8)
             kl = 1.0 + 0.3 * torch.randn(sequences, generator=gen)[seq] + 0.1 * torch.randn(seq.numel(), generator=gen)
             hits += _covered(summarize(_records(kl, seq), reps=300)["kl_ci"], 1.0)

@@ -10,13 +10,14 @@ import types
 import pytest
 import torch
 
-from .conftest import tree_digest
 from splicer.ablate import first_occurrence_weights
 from splicer.backends import choose_threads, usable_cores
 from splicer.chat import GROUPS, MAX_CONVERSATIONS, N_GROUPS, NAMES, conversations, group
 from splicer.cli import main
 from splicer.corpora import Corpus, build_corpus, check_hub_corpora, validate_spec
 from splicer.errors import SplicerError
+
+from .conftest import tree_digest
 
 
 def test_chat_groups_are_nested_and_share_nothing_across_groups():

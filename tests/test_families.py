@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from splicer.arch import families, get_architecture
+from splicer.checkpoint import open_checkpoint
 from splicer.cli import main
 from splicer.errors import SplicerError
 from splicer.family_fixtures import FAMILY_FIXTURES, write_family_pair
-from splicer.checkpoint import open_checkpoint
 from splicer.inspect import inspect_checkpoint as _inspect
 from splicer.splice import splice
 

@@ -7,14 +7,14 @@ import shutil
 
 import pytest
 
-from splicer.checkpoint import open_checkpoint
 from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
-
-MTP_IGNORE = QWEN3_5_MOE.mtp_ignore
+from splicer.checkpoint import open_checkpoint
 from splicer.inspect import inspect_checkpoint
 from splicer.splice import MTP_SHARD, splice
 
 from .test_splice import bit_equal, load_all
+
+MTP_IGNORE = QWEN3_5_MOE.mtp_ignore
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 
 from splicer.backends.torch_ref import TorchBackend
-from splicer.cli import main
 from splicer.checkpoint import open_checkpoint
+from splicer.cli import main
 from splicer.fixtures import write_build
 from splicer.inspect import inspect_checkpoint
 from splicer.modules import list_modules

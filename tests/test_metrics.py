@@ -199,7 +199,7 @@ def _chat_scores(corpus, seed):
     base = {"topk_ids": bt.indices, "topk_logprobs": bt.values, "lengths": lengths,
             "target_logprobs": base_lp.gather(1, targets[:, None])[:, 0]}
     out = []
-    for k in range(2):
+    for _ in range(2):
         # variants shifted per group, so that conversations of one group share their effect
         shift = torch.randn(max(corpus.groups) + 1, generator=g)[torch.tensor(corpus.groups)].repeat_interleave(lengths)
         var_lp = torch.log_softmax(base_lp + torch.randn(n, 50, generator=g) * 0.3 + shift[:, None] * torch.randn(50, generator=g), -1)

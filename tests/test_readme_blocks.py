@@ -70,7 +70,7 @@ def test_a_missing_file_is_named(tmp_path, capsys):
     assert "nope.md: no such Markdown file" in capsys.readouterr().err
 
 
-def test_a_full_disk_is_one_line_and_leaves_the_file_as_it_was(folder, small_fs, capsys):
+def test_a_full_disk_is_one_line_and_leaves_the_file_as_it_was(folder, small_fs, capsys):  # noqa: F811  (the fixture)
     mnt = small_fs("size=256k")
     shutil.copytree(folder / "run", mnt / "run")
     md = mnt / "README.md"

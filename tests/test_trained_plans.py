@@ -2,12 +2,12 @@
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from splicer.errors import SplicerError
+from splicer.plan import tomllib  # tomli on Python 3.10
 from splicer.trained import plans
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "ablations" / "trained-h200.toml"

@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -99,7 +98,7 @@ def test_summary_table_from_reports(trained, tmp_path):
     _, _, out = trained
     text = summary.summary([out / "train_report.json"])
     held = json.loads((out / "train_report.json").read_text())["heldout"]["en"]
-    assert f"| seed 0" in text and f"{held['loss']:.3f}" in text and f"{held['bigram'] - held['loss']:.3f}" in text
+    assert "| seed 0" in text and f"{held['loss']:.3f}" in text and f"{held['bigram'] - held['loss']:.3f}" in text
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert summary.main([str(bad)]) == 2

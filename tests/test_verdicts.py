@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 import torch
 
 from splicer.metrics import decode_difference, paired_comparison
@@ -308,9 +307,9 @@ def test_compare_refuses_rows_scored_on_other_tokens(tmp_path, capsys):
     """Same shapes, other tokens (a score folder copied from another run): a one-line refusal, not a comparison."""
     import json
 
-    from splicer.cli import main
-
     from safetensors.torch import load_file, save_file
+
+    from splicer.cli import main
 
     results = _noise_run(tmp_path, 0.0)
 

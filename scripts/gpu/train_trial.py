@@ -12,8 +12,10 @@ from splicer.demo_tokenizer import demo_texts, write_tokenizer  # noqa: E402
 from splicer.fixtures import CHAT_TEMPLATE  # noqa: E402
 from splicer.trained import train as T  # noqa: E402
 
-work = Path(sys.argv[1]); steps = int(sys.argv[2]) if len(sys.argv) > 2 else 40
-d = work / "data"; (d / "heldout").mkdir(parents=True, exist_ok=True)
+work = Path(sys.argv[1])
+steps = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+d = work / "data"
+(d / "heldout").mkdir(parents=True, exist_ok=True)
 texts = demo_texts()
 write_tokenizer(d / "tokenizer", 2048, CHAT_TEMPLATE)
 paras = [p for t in texts for p in t.split("\n\n") if p.strip()] * 50

@@ -155,8 +155,8 @@ def recipe_gptq(ignore_head: bool = False):
 
 
 def recipe_awq():
-    from llmcompressor.modifiers.transform.awq import AWQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
 
     return [AWQModifier(mappings=awq_expert_mappings(), duo_scaling=True),
             QuantizationModifier(config_groups={"group_0": w4_group(128, [EXPERTS])},

@@ -24,9 +24,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     the job record, the base pass (cached in DIR/cache), each row (run_row: its folder from RowSchedule, scores in
     DIR/scores/ROW, timing), results.json, table.md and report.md rewritten after every row. A rerun of the same job
     keeps the finished rows."""
-    from ..backends import make_backend
-
     from ..arch import all_classes
+    from ..backends import make_backend
 
     plan = load_plan(plan_name, all_classes())  # a plan may name any family's classes; rows this one lacks are skipped
     # Before a checkpoint is opened (or downloaded): a Hub corpus this process cannot read would fail after the base pass starts.

@@ -115,7 +115,7 @@ class Architecture:
     source: str = ""  # where the names were read (files of transformers and vLLM)
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def bind(self, config: dict) -> "Architecture":
+    def bind(self, config: dict) -> Architecture:
         """The table for one checkpoint: with mtp_layer_key, its MTP decoder layer is the mtp class (see the field)."""
         if self.mtp_layer_key is None:
             return self

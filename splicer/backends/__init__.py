@@ -9,11 +9,11 @@ log-probabilities and the log-probability of the actual next token.
 
 from __future__ import annotations
 
-import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import torch
 

@@ -27,8 +27,8 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -44,7 +44,7 @@ __all__ = ["VllmBackend", "OVERLAP_DEFAULTS", "default_engine_args", "parse_engi
 class _Worker:
     """One child process that serves vLLM engines (see child_worker), and the pipe to it."""
 
-    def __init__(self, backend: "VllmBackend", env: dict | None = None):
+    def __init__(self, backend: VllmBackend, env: dict | None = None):
         self.backend = backend
         self.env = env  # this worker's environment (None: the backend's)
         self._forget()

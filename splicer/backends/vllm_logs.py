@@ -7,8 +7,6 @@ import json
 import re
 from pathlib import Path
 
-
-
 # Log lines that name the kernels and methods vLLM chose (vllm 0.26 - 0.33 wording).
 KERNEL_LINE = re.compile(
     r"(Using \S+ for CompressedTensorsWNA16|Using \S*MoEMethod\S*|Using '\S+' WNA16 MoE backend|"

@@ -18,7 +18,7 @@ SEED_ROWS = ("build", "lm_head", "gdn", "attention", "shared_expert", "experts-o
 
 
 def _read(path: Path) -> dict:
-    import tomllib
+    from ..plan import tomllib  # tomli on Python 3.10
 
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
