@@ -37,7 +37,7 @@ def summary(paths: list[Path]) -> str:
                          f"{h['unigram']:.3f}", f"{h['bigram'] - h['loss']:.3f}", f"{h['mtp_loss']:.3f}",
                          f"{100 * h['mtp_top1']:.1f} %"])
     table = tabulate(rows, headers=["model", "held-out text", "tokens", "loss", "bigram", "unigram", "bigram - loss",
-                                    "MTP loss (t+2)", "MTP top-1 (t+2)"], tablefmt="github")
+                                    "MTP loss (t+2)", "MTP top-1 (t+2)"], tablefmt="github", disable_numparse=True)
     runs = "; ".join(f"seed {r['recipe']['seed']}: {r['steps_done']} steps, {r['train_tokens_seen']:,} tokens seen of "
                      f"{r['train_tokens']:,}, {r['train_seconds']} s, {r['parameters']:,} parameters" for r in reports)
     samples = "\n".join(f"- {src}: `{text!r}`" for src, text in reports[0]["samples"].items())

@@ -36,7 +36,7 @@ RECIPES = {
                   linear_num_value_heads=4, moe_intermediate_size=256, shared_expert_intermediate_size=512,
                   num_experts=32, num_experts_per_tok=4, max_position_embeddings=4096),
         seq_len=512, batch_size=64, steps=400, lr=2e-3, min_lr_ratio=0.1, warmup=40, weight_decay=0.1,
-        grad_clip=1.0, mtp_weight=0.3, router_aux_weight=0.01, eval_windows=64, max_seconds=330,
+        grad_clip=1.0, mtp_weight=0.3, router_aux_weight=0.01, eval_windows=64, max_seconds=330, sample_tokens=40,
     ),
     "tiny": dict(
         text=dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
@@ -44,7 +44,7 @@ RECIPES = {
                   linear_num_value_heads=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
                   num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096),
         seq_len=64, batch_size=4, steps=3, lr=1e-3, min_lr_ratio=0.1, warmup=1, weight_decay=0.1,
-        grad_clip=1.0, mtp_weight=0.3, router_aux_weight=0.01, eval_windows=4, max_seconds=120,
+        grad_clip=1.0, mtp_weight=0.3, router_aux_weight=0.01, eval_windows=2, max_seconds=120, sample_tokens=3,
     ),
 }
 RECIPE_VERSION = "trained-1"
@@ -73,6 +73,7 @@ class Recipe:
     router_aux_weight: float
     eval_windows: int
     max_seconds: float
+    sample_tokens: int
     seed: int = 0
     overrides: dict = field(default_factory=dict)
 
@@ -316,7 +317,7 @@ def train(data: Path, r: Recipe, device: torch.device, log=print) -> tuple[Train
     vocab = r.text["vocab_size"]
     for name, stream in heldout.items():
         held[name].update(ngram_baselines(train_ids, stream, vocab))
-    samples = {src: greedy(model, tok, p, 40, device) for src, p in SAMPLE_PROMPTS}
+    samples = {src: greedy(model, tok, p, r.sample_tokens, device) for src, p in SAMPLE_PROMPTS}
     report = {
         "recipe": asdict(r), "recipe_version": RECIPE_VERSION, "parameters": n_params, "steps_done": steps_done,
         "train_tokens_seen": steps_done * r.batch_size * r.seq_len, "train_tokens": len(train_ids),
