@@ -38,8 +38,9 @@ def run_child(argv: list[str]) -> tuple[float, int]:
     os.sync()
     with tempfile.NamedTemporaryFile("r") as rss_file:
         t0 = time.perf_counter()
-        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", rss_file.name, *argv],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.run(
+            ["/usr/bin/time", "-f", "%M", "-o", rss_file.name, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         os.sync()
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
@@ -67,9 +68,18 @@ def main() -> None:
         if not (root / "lowlatency" / "config.json").exists():
             t0 = time.perf_counter()
             # In a child process, so this process stays small.
-            subprocess.run([sys.executable, "-c", "import sys; from splicer.fixtures import FixtureSpec, write_pair; "
-                            "write_pair(sys.argv[1], FixtureSpec(preset='bench', text_overrides={'num_hidden_layers': int(sys.argv[2])}), "
-                            "kinds=('lowlatency',))", str(root), str(n_layers)], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys; from splicer.fixtures import FixtureSpec, write_pair; "
+                    "write_pair(sys.argv[1], FixtureSpec(preset='bench', text_overrides={'num_hidden_layers': int(sys.argv[2])}), "
+                    "kinds=('lowlatency',))",
+                    str(root),
+                    str(n_layers),
+                ],
+                check=True,
+            )
             print(f"fixture L{n_layers}: {time.perf_counter() - t0:.1f} s", flush=True)
         build, base = root / "lowlatency", root / "base"
         build_bytes = dir_bytes(build.glob("*.safetensors"))
@@ -78,7 +88,10 @@ def main() -> None:
             splice_walls, cp_walls, rss = [], [], []
             ref = work / "ref"
             shutil.rmtree(ref, ignore_errors=True)
-            subprocess.run([sys.executable, "-m", "splicer", "splice", "-q", "--restore", restore, str(build), str(base), "-o", str(ref)], check=True)
+            subprocess.run(
+                [sys.executable, "-m", "splicer", "splice", "-q", "--restore", restore, str(build), str(base), "-o", str(ref)],
+                check=True,
+            )
             # The bytes the splice writes: shards that are not hard links to the build's files.
             written = [p for p in ref.glob("*.safetensors") if p.stat().st_nlink == 1]
             for rep in range(args.reps):
@@ -86,9 +99,23 @@ def main() -> None:
                 shutil.rmtree(out, ignore_errors=True)
                 shutil.rmtree(dst, ignore_errors=True)
                 dst.mkdir()
-                for step in (("splice", "cp") if rep % 2 == 0 else ("cp", "splice")):  # alternate the order
+                for step in ("splice", "cp") if rep % 2 == 0 else ("cp", "splice"):  # alternate the order
                     if step == "splice":
-                        wall, peak = run_child([sys.executable, "-m", "splicer", "splice", "-q", "--restore", restore, str(build), str(base), "-o", str(out)])
+                        wall, peak = run_child(
+                            [
+                                sys.executable,
+                                "-m",
+                                "splicer",
+                                "splice",
+                                "-q",
+                                "--restore",
+                                restore,
+                                str(build),
+                                str(base),
+                                "-o",
+                                str(out),
+                            ]
+                        )
                         splice_walls.append(wall)
                         rss.append(peak)
                     else:
@@ -104,38 +131,74 @@ def main() -> None:
             os.sync()
             inproc = time.perf_counter() - t0
             s, c = statistics.median(splice_walls), statistics.median(cp_walls)
-            rows.append({
-                "layers": n_layers, "base_GB": round(base_bytes / 1e9, 3), "build_GB": round(build_bytes / 1e9, 3), "restore": restore,
-                "written_GB": round(written_bytes / 1e9, 3), "splice_s": round(s, 2), "cp_s": round(c, 2),
-                "ratio": round(s / c, 2), "splice_in_process_s": round(inproc, 2), "ratio_in_process": round(inproc / c, 2),
-                "peak_rss_MB": round(max(rss) / 1e6),
-            })
-            runs.append({"layers": n_layers, "restore": restore, "written_bytes": written_bytes,
-                         "splice_runs_s": [round(x, 4) for x in splice_walls], "cp_runs_s": [round(x, 4) for x in cp_walls],
-                         "peak_rss_runs_MB": [round(x / 1e6, 1) for x in rss], "splice_in_process_s": round(inproc, 4)})
+            rows.append(
+                {
+                    "layers": n_layers,
+                    "base_GB": round(base_bytes / 1e9, 3),
+                    "build_GB": round(build_bytes / 1e9, 3),
+                    "restore": restore,
+                    "written_GB": round(written_bytes / 1e9, 3),
+                    "splice_s": round(s, 2),
+                    "cp_s": round(c, 2),
+                    "ratio": round(s / c, 2),
+                    "splice_in_process_s": round(inproc, 2),
+                    "ratio_in_process": round(inproc / c, 2),
+                    "peak_rss_MB": round(max(rss) / 1e6),
+                }
+            )
+            runs.append(
+                {
+                    "layers": n_layers,
+                    "restore": restore,
+                    "written_bytes": written_bytes,
+                    "splice_runs_s": [round(x, 4) for x in splice_walls],
+                    "cp_runs_s": [round(x, 4) for x in cp_walls],
+                    "peak_rss_runs_MB": [round(x / 1e6, 1) for x in rss],
+                    "splice_in_process_s": round(inproc, 4),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
             for d in ("cp", "ref"):
                 shutil.rmtree(work / d, ignore_errors=True)
     from tabulate import tabulate
 
     print()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; medians of {args.reps} runs")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; medians of {args.reps} runs"
+    )
     print(tabulate(rows, headers="keys", tablefmt="github"))
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).resolve().parent
+            ).stdout.strip()
+            or None
+        )
         versions = {"python": platform.python_version()}
         for mod in ("torch", "safetensors", "compressed_tensors", "splicer"):
             try:
                 versions[mod] = __import__(mod).__version__
             except Exception:  # noqa: BLE001  a missing package is recorded as such
                 versions[mod] = None
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
-        record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "started": started,
-                  "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit,
-                  "machine": {"cpu": cpu, "cores": os.cpu_count(), "arch": platform.machine(),
-                              "mem_GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
-                  "versions": versions, "reps": args.reps, "rows": rows, "runs": runs}
+        cpu = next(
+            (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor()
+        )
+        record = {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "started": started,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "commit": commit,
+            "machine": {
+                "cpu": cpu,
+                "cores": os.cpu_count(),
+                "arch": platform.machine(),
+                "mem_GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            },
+            "versions": versions,
+            "reps": args.reps,
+            "rows": rows,
+            "runs": runs,
+        }
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
 
 

@@ -36,12 +36,17 @@ def build_vs_base(root: Path, spec, seqs: list[list[int]]) -> dict:
     base = list(b.score(seqs, 20, want_full=True, batch_size=4))
     b.load(p["lowlatency"])
     var = list(b.score(seqs, 20, want_full=True, batch_size=4))
-    kl_top = torch.cat([kl_top_lumped(x.topk_logprobs, fill_missing(x.topk_ids, y.topk_ids, y.topk_logprobs))
-                        for x, y in zip(base, var)])
+    kl_top = torch.cat(
+        [kl_top_lumped(x.topk_logprobs, fill_missing(x.topk_ids, y.topk_ids, y.topk_logprobs)) for x, y in zip(base, var)]
+    )
     kl_exact = torch.cat([kl_full(x.full, y.full) for x, y in zip(base, var)])
     top1 = torch.cat([(x.full.argmax(-1) == y.full.argmax(-1)).double() for x, y in zip(base, var)])
-    return {"positions": int(top1.numel()), "kl_top20_lumped": kl_top.double().mean().item(),
-            "kl_exact": kl_exact.double().mean().item(), "top1": top1.mean().item()}
+    return {
+        "positions": int(top1.numel()),
+        "kl_top20_lumped": kl_top.double().mean().item(),
+        "kl_exact": kl_exact.double().mean().item(),
+        "top1": top1.mean().item(),
+    }
 
 
 def main() -> None:
@@ -66,26 +71,47 @@ def main() -> None:
         for scale in (1.0, RESIDUAL_SCALE):
             t0 = time.perf_counter()
             spec = FixtureSpec(preset="tiny", text_overrides=over, residual_scale=scale)
-            r = {"residual_scale": scale, **build_vs_base(Path(tmp) / f"s{scale}", spec, seqs),
-                 "seconds": round(time.perf_counter() - t0, 1)}
+            r = {
+                "residual_scale": scale,
+                **build_vs_base(Path(tmp) / f"s{scale}", spec, seqs),
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
             rows.append(r)
             print(json.dumps(r), flush=True)
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-                   platform.processor())
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).resolve().parent
+            ).stdout.strip()
+            or None
+        )
+        cpu = next(
+            (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor()
+        )
         import transformers
 
-        record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "started": started,
-                  "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit,
-                  "machine": {"cpu": cpu, "cores": os.cpu_count(), "arch": platform.machine()},
-                  "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                               "transformers": transformers.__version__},
-                  "setup": {"preset": "tiny", "num_hidden_layers": args.layers,
-                            "hidden_size": FixtureSpec(preset="tiny").text_config()["hidden_size"], "sequences": args.seqs,
-                            "tokens_per_sequence": args.tokens, "top_k": 20, "backend": "torch, cpu, bfloat16"},
-                  "rows": rows}
+        record = {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "started": started,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "commit": commit,
+            "machine": {"cpu": cpu, "cores": os.cpu_count(), "arch": platform.machine()},
+            "versions": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+            },
+            "setup": {
+                "preset": "tiny",
+                "num_hidden_layers": args.layers,
+                "hidden_size": FixtureSpec(preset="tiny").text_config()["hidden_size"],
+                "sequences": args.seqs,
+                "tokens_per_sequence": args.tokens,
+                "top_k": 20,
+                "backend": "torch, cpu, bfloat16",
+            },
+            "rows": rows,
+        }
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
 
 

@@ -63,8 +63,11 @@ def timeline(lines: list[str]) -> dict:
     for inv in invocations:
         inv["wall_s"] = inv.pop("_last") - inv.pop("_t0")
     walls = [r["wall_s"] for inv in invocations for r in inv["rows"]]
-    return {"invocations": invocations, "rows_finished": len(walls),
-            "mean_row_wall_s": round(statistics.mean(walls), 1) if walls else None}
+    return {
+        "invocations": invocations,
+        "rows_finished": len(walls),
+        "mean_row_wall_s": round(statistics.mean(walls), 1) if walls else None,
+    }
 
 
 def spread_estimate(data: dict, plan_rows: int, gpu_of: dict) -> dict:
@@ -93,13 +96,17 @@ def spread_estimate(data: dict, plan_rows: int, gpu_of: dict) -> dict:
     missing = max(0, plan_rows - data["rows_finished"])
     rest = [(r["name"], r["wall_s"]) for inv in later for r in inv["rows"]]
     first_mean = statistics.mean(r["wall_s"] for r in first["rows"])
-    return {"plan_rows": plan_rows, "gpus": len(gpus), "before_first_row_s": first["before_first_row_s"],
-            "gpu_free_after_first_invocation_s": after_first,
-            "value": finish(rest + [(None, data["mean_row_wall_s"])] * missing),
-            # The later invocations' rows started in fresh processes, slower than the first invocation's: the same
-            # estimate with every row after the first invocation at the first invocation's mean row wall.
-            "first_invocation_mean_row_wall_s": round(first_mean, 1),
-            "value_at_first_invocation_mean": finish([(n, first_mean) for n, _ in rest] + [(None, first_mean)] * missing)}
+    return {
+        "plan_rows": plan_rows,
+        "gpus": len(gpus),
+        "before_first_row_s": first["before_first_row_s"],
+        "gpu_free_after_first_invocation_s": after_first,
+        "value": finish(rest + [(None, data["mean_row_wall_s"])] * missing),
+        # The later invocations' rows started in fresh processes, slower than the first invocation's: the same
+        # estimate with every row after the first invocation at the first invocation's mean row wall.
+        "first_invocation_mean_row_wall_s": round(first_mean, 1),
+        "value_at_first_invocation_mean": finish([(n, first_mean) for n, _ in rest] + [(None, first_mean)] * missing),
+    }
 
 
 def main() -> None:
@@ -113,8 +120,11 @@ def main() -> None:
         if gpu_of:
             data["estimate_one_invocation_s"] = spread_estimate(data, n, gpu_of)
         else:
-            data["estimate_one_invocation_s"] = {"plan_rows": n, "before_first_row_s": first,
-                                                 "value": round(first + n * data["mean_row_wall_s"], 1)}
+            data["estimate_one_invocation_s"] = {
+                "plan_rows": n,
+                "before_first_row_s": first,
+                "value": round(first + n * data["mean_row_wall_s"], 1),
+            }
     json.dump(data, sys.stdout, indent=1)
     print()
 

@@ -38,8 +38,10 @@ def lines(path: str) -> list[str]:
         if then.get("rel") is not None and then.get("rel_ci"):
             stored = f"; stored by the run (mean of blocks) {_pct(then['rel'])} % [{_pct(then['rel_ci'][0])}, {_pct(then['rel_ci'][1])}]"
         gpu = f", GPU {now['gpu']}" if "gpu" in now else ""
-        out.append(f"  {v['name']}: median of blocks {_pct(now['rel'])} % [{_pct(lo)}, {_pct(hi)}] {verdict} "
-                   f"(df {now['df']}{gpu}; {now['variant_ms']:.3f} vs {now['reference_ms']:.3f} ms/token){stored}")
+        out.append(
+            f"  {v['name']}: median of blocks {_pct(now['rel'])} % [{_pct(lo)}, {_pct(hi)}] {verdict} "
+            f"(df {now['df']}{gpu}; {now['variant_ms']:.3f} vs {now['reference_ms']:.3f} ms/token){stored}"
+        )
     return out
 
 

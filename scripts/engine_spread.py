@@ -46,8 +46,18 @@ def main(folders: list[str]) -> int:
         runs[folder] = {"engine_levels_ms": means, "sd_percent": 100 * statistics.stdev(means) / statistics.mean(means)}
     spreads = sorted({0.15, *(round(r["sd_percent"], 2) for r in runs.values())})
     power = {f"{sd:.2f}": resolved_share(sd / 100) for sd in spreads}
-    print(json.dumps({"runs": runs, "planted_difference": PLANTED, "trials": TRIALS, "build_engines": 3,
-                      "resolved_share_by_sd_percent": power}, indent=2))
+    print(
+        json.dumps(
+            {
+                "runs": runs,
+                "planted_difference": PLANTED,
+                "trials": TRIALS,
+                "build_engines": 3,
+                "resolved_share_by_sd_percent": power,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -37,7 +37,9 @@ def quantize_awq(weight: torch.Tensor, group_size: int = 128) -> dict[str, torch
 
     out_f, in_f = weight.shape
     if in_f % group_size or out_f % 8:
-        raise ValueError(f"AWQ needs the group size {group_size} to divide the input dim {in_f} and 8 to divide the output dim {out_f}")
+        raise ValueError(
+            f"AWQ needs the group size {group_size} to divide the input dim {in_f} and 8 to divide the output dim {out_f}"
+        )
     args = QuantizationArgs(num_bits=BITS, type="int", symmetric=False, strategy="group", group_size=group_size)
     grouped = weight.float().reshape(out_f, in_f // group_size, group_size)
     scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)  # [N, K/g], zero int8 in -8..7

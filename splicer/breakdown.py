@@ -9,8 +9,15 @@ def time_breakdown(results: dict) -> dict:
     "waiting for engines" is what the run waited for engine starts; compile and weight loading are summed over the
     engines (the base's included) and can exceed it when starts overlap each other or scoring (--overlap-starts).
     """
-    parts = {"base pass": 0.0, "splice": 0.0, "waiting for engines": 0.0, "compile, summed over engines": 0.0,
-             "weight loading, summed over engines": 0.0, "scoring": 0.0, "timing": 0.0}
+    parts = {
+        "base pass": 0.0,
+        "splice": 0.0,
+        "waiting for engines": 0.0,
+        "compile, summed over engines": 0.0,
+        "weight loading, summed over engines": 0.0,
+        "scoring": 0.0,
+        "timing": 0.0,
+    }
     base = (results.get("base_pass") or {}).get("timings") or {}
     parts["base pass"] = sum(v for k, v in base.items() if k.endswith("_s"))
     engines = [(results.get("base_pass") or {}).get("engine")]
@@ -27,8 +34,9 @@ def time_breakdown(results: dict) -> dict:
         parts["weight loading, summed over engines"] += sb.get("model_load_s", sb.get("weights_load_s", 0.0))
     if any(v.get("gpu") is not None for v in results.get("variants", [])):
         # Rows spread over GPUs ran side by side: their stages add up to more than the wall time.
-        parts = {(f"{k}, summed over GPUs" if k in ("waiting for engines", "scoring", "timing") else k): x
-                 for k, x in parts.items()}
+        parts = {
+            (f"{k}, summed over GPUs" if k in ("waiting for engines", "scoring", "timing") else k): x for k, x in parts.items()
+        }
     if results.get("elapsed_s") is not None:
         parts["this run, wall"] = results["elapsed_s"]
     runs = results.get("runs") or []

@@ -63,6 +63,7 @@ class Atom:
 class Additivity:
     """How KL reductions combine: within one class (a class's layer groups together) by that class's slope, and the
     classes' combined reductions across classes by one more slope; an unmeasured slope is 1 (additive), and said."""
+
     within: dict = field(default_factory=dict)  # class -> slope, for the classes some row measured
     across: float | None = None  # None: no row restored several classes
 
@@ -86,8 +87,10 @@ class Additivity:
         """A stored additivity (budget.json); anything that is not a number is dropped (taken as additive)."""
         d = d if isinstance(d, dict) else {}
         within = d.get("within") if isinstance(d.get("within"), dict) else {}
-        return cls({c: float(r) for c, r in within.items() if finite_number(r)},
-                   float(d["across"]) if finite_number(d.get("across")) else None)
+        return cls(
+            {c: float(r) for c, r in within.items() if finite_number(r)},
+            float(d["across"]) if finite_number(d.get("across")) else None,
+        )
 
     @classmethod
     def fit(cls, multi: list, measure) -> Additivity:
@@ -96,8 +99,10 @@ class Additivity:
         A row whose atoms all changed KL within noise (none significant) fits no slope: its slope would be a ratio of
         two noises, as the decode slope of results/budget-h200 was; when no row is left, the slope stays 1.00."""
         kept = [(v, p) for v, p in multi if any(a.significant for a in p)]
-        unmeasurable = sorted({p[0].cls if len({a.cls for a in p}) == 1 else "across" for v, p in multi}
-                              - {p[0].cls if len({a.cls for a in p}) == 1 else "across" for v, p in kept})
+        unmeasurable = sorted(
+            {p[0].cls if len({a.cls for a in p}) == 1 else "across" for v, p in multi}
+            - {p[0].cls if len({a.cls for a in p}) == 1 else "across" for v, p in kept}
+        )
         multi = kept
         within = {}
         for c in sorted({p[0].cls for _, p in multi if len({a.cls for a in p}) == 1}):
@@ -105,8 +110,9 @@ class Additivity:
             if r is not None:
                 within[c] = r
         inner = cls(within)
-        across = slope([(v, p) for v, p in multi if len({a.cls for a in p}) > 1], measure,
-                       lambda p: inner.reduce(p, lambda a: a.d_kl))
+        across = slope(
+            [(v, p) for v, p in multi if len({a.cls for a in p}) > 1], measure, lambda p: inner.reduce(p, lambda a: a.d_kl)
+        )
         return cls(within, across, tuple(unmeasurable))
 
 
@@ -177,13 +183,32 @@ class Model:
     unphysical_decode: str | None = None  # why decode is not predicted although the rows were timed
 
     def to_json(self) -> dict:
-        return {"corpus": self.corpus, "build_kl": self.build_kl, "build_size_bytes": self.build_size,
-                "build_decode_ms": self.build_decode, "build_engines": self.build_engines, "additivity": self.additivity.to_json(),
-                "decode_ratio": 1.0 if self.timed else None, "engine_sd_ms": self.engine_sd_ms, "engine_df": self.engine_df,
-                "atoms": [{"entry": a.entry, "row": a.row, "d_kl": a.d_kl, "d_size_bytes": a.d_size, "d_decode_ms": a.d_decode,
-                           "engines": a.engines} for a in self.atoms],
-                "checks": self.checks, "decode_checks": self.decode_checks,
-                "left_out": [{"row": n, "why": why} for n, why in self.left_out], "unphysical_decode": self.unphysical_decode}
+        return {
+            "corpus": self.corpus,
+            "build_kl": self.build_kl,
+            "build_size_bytes": self.build_size,
+            "build_decode_ms": self.build_decode,
+            "build_engines": self.build_engines,
+            "additivity": self.additivity.to_json(),
+            "decode_ratio": 1.0 if self.timed else None,
+            "engine_sd_ms": self.engine_sd_ms,
+            "engine_df": self.engine_df,
+            "atoms": [
+                {
+                    "entry": a.entry,
+                    "row": a.row,
+                    "d_kl": a.d_kl,
+                    "d_size_bytes": a.d_size,
+                    "d_decode_ms": a.d_decode,
+                    "engines": a.engines,
+                }
+                for a in self.atoms
+            ],
+            "checks": self.checks,
+            "decode_checks": self.decode_checks,
+            "left_out": [{"row": n, "why": why} for n, why in self.left_out],
+            "unphysical_decode": self.unphysical_decode,
+        }
 
 
 def finite_number(x) -> bool:
@@ -233,7 +258,7 @@ def variant_decode(results: dict, v: dict) -> tuple[float | None, int]:
 def _significant(v: dict, corpus: str | None) -> bool:
     """Whether a row's KL differs from the build's beyond noise (its paired verdict, pooled or on the corpus); a row
     without verdicts (a results file written by hand) counts as significant."""
-    kl = ((v.get("vs_build") or {}).get("kl") or {})
+    kl = (v.get("vs_build") or {}).get("kl") or {}
     r = (kl.get("per_stratum") or {}).get(corpus) if corpus else kl.get("pooled")
     return True if not isinstance(r, dict) or r.get("significant") is None else bool(r["significant"])
 
@@ -253,8 +278,14 @@ def _engine_spread(results: dict) -> tuple[float | None, int]:
     decode verdicts estimated them (the same for every row of a run)."""
     for v in results.get("variants", []):
         d = v.get("decode_vs_build") if isinstance(v, dict) else None
-        if isinstance(d, dict) and finite_number(d.get("engine_sd_ms")) and d["engine_sd_ms"] >= 0 \
-                and isinstance(d.get("df"), int) and not isinstance(d["df"], bool) and d["df"] >= 1:
+        if (
+            isinstance(d, dict)
+            and finite_number(d.get("engine_sd_ms"))
+            and d["engine_sd_ms"] >= 0
+            and isinstance(d.get("df"), int)
+            and not isinstance(d["df"], bool)
+            and d["df"] >= 1
+        ):
             return d["engine_sd_ms"], d["df"]
     return None, 0
 
@@ -264,18 +295,26 @@ def fit(results: dict, corpus: str | None = None) -> Model:
     or infinite measurement) are left out, and listed in Model.left_out."""
     from .table import UNUSABLE
 
-    ok = [v for v in results.get("variants", []) if isinstance(v, dict) and v.get("status") == "ok"
-          and isinstance(v.get("restored"), list) and not v.get("repeat_of")]
+    ok = [
+        v
+        for v in results.get("variants", [])
+        if isinstance(v, dict) and v.get("status") == "ok" and isinstance(v.get("restored"), list) and not v.get("repeat_of")
+    ]
     left_out = [(v["name"], v[UNUSABLE]) for v in ok if v.get(UNUSABLE)]
     if any(v["restored"] == [] for v in ok if v.get(UNUSABLE)):
-        raise SplicerError(f"the build row {left_out[0][0]!r} has a measurement that is not a number ({left_out[0][1]}); "
-                           "every prediction is made from it: rerun the build row (splicer ablate on this folder)")
+        raise SplicerError(
+            f"the build row {left_out[0][0]!r} has a measurement that is not a number ({left_out[0][1]}); "
+            "every prediction is made from it: rerun the build row (splicer ablate on this folder)"
+        )
     ok = [v for v in ok if not v.get(UNUSABLE)]
     build = next((v for v in ok if v["restored"] == []), None)
     if build is None or variant_kl(build, corpus) is None:
         known = sorted({c for v in ok for c in (v.get("metrics") or {})})
-        raise SplicerError("the results hold no scored build row" + (f" on corpus {corpus!r} (corpora: {', '.join(known)})"
-                                                                      if corpus and known else "") + "; run the plan's build row first")
+        raise SplicerError(
+            "the results hold no scored build row"
+            + (f" on corpus {corpus!r} (corpora: {', '.join(known)})" if corpus and known else "")
+            + "; run the plan's build row first"
+        )
     b_kl, b_size = variant_kl(build, corpus), build.get("size_bytes") or 0
     b_dec, b_engines = variant_decode(results, build)
     scored = [(v, [e for e in v["restored"] if parse_entry(e)[0] != DRAFTER_CLASS]) for v in ok if v is not build]
@@ -302,12 +341,22 @@ def fit(results: dict, corpus: str | None = None) -> Model:
         if minimal(entry):
             cls, layers = parse_entry(entry)
             dec, n = variant_decode(results, v)
-            atoms[entry] = Atom(entry, cls, layers if layers is not None else class_layers.get(cls), v["name"],
-                                b_kl - variant_kl(v, corpus), (v.get("size_bytes") or 0) - b_size,
-                                dec - b_dec if dec is not None and b_dec is not None else None, n, _significant(v, corpus))
+            atoms[entry] = Atom(
+                entry,
+                cls,
+                layers if layers is not None else class_layers.get(cls),
+                v["name"],
+                b_kl - variant_kl(v, corpus),
+                (v.get("size_bytes") or 0) - b_size,
+                dec - b_dec if dec is not None and b_dec is not None else None,
+                n,
+                _significant(v, corpus),
+            )
     if not atoms:
-        raise SplicerError("the results hold no row that restores one class (or one class in some layers); a budget "
-                           "needs them: run a plan with single-class rows (where-error-comes-from, or splicer plan sweep)")
+        raise SplicerError(
+            "the results hold no row that restores one class (or one class in some layers); a budget "
+            "needs them: run a plan with single-class rows (where-error-comes-from, or splicer plan sweep)"
+        )
     if len(atoms) > MAX_ATOMS:
         raise SplicerError(f"the results hold {len(atoms)} single-entry rows; the budget search enumerates up to {MAX_ATOMS}")
 
@@ -350,26 +399,48 @@ def fit(results: dict, corpus: str | None = None) -> Model:
         decode_checks.append(check)
     checks = []
     for i, (v, parts) in enumerate(multi):
-        others = Additivity.fit(multi[:i] + multi[i + 1:], kl_measure)
-        checks.append({"row": v["name"], "atoms": [a.entry for a in parts], "measured_kl": variant_kl(v, corpus),
-                       "predicted_kl": b_kl - others.reduce(parts, lambda a: a.d_kl)})
+        others = Additivity.fit(multi[:i] + multi[i + 1 :], kl_measure)
+        checks.append(
+            {
+                "row": v["name"],
+                "atoms": [a.entry for a in parts],
+                "measured_kl": variant_kl(v, corpus),
+                "predicted_kl": b_kl - others.reduce(parts, lambda a: a.d_kl),
+            }
+        )
     measured = {frozenset(): build, **{frozenset([e]): singles[e] for e in atoms}}
     for v, parts in multi:
         measured.setdefault(frozenset(a.entry for a in parts), v)
     corpora = list(results.get("corpora") or {}) or sorted({c for v in ok for c in (v.get("metrics") or {})})
-    model = Model(b_kl, b_size, b_dec, list(atoms.values()), additivity,
-                  timed, checks, measured, corpus,
-                  build["name"], b_engines, sd, df,
-                  {c: variant_kl(build, c) for c in corpora if variant_kl(build, c) is not None},
-                  {e: {c: variant_kl(singles[e], c) for c in corpora if variant_kl(singles[e], c) is not None} for e in atoms}, decode_checks,
-                  class_layers, left_out)
+    model = Model(
+        b_kl,
+        b_size,
+        b_dec,
+        list(atoms.values()),
+        additivity,
+        timed,
+        checks,
+        measured,
+        corpus,
+        build["name"],
+        b_engines,
+        sd,
+        df,
+        {c: variant_kl(build, c) for c in corpora if variant_kl(build, c) is not None},
+        {e: {c: variant_kl(singles[e], c) for c in corpora if variant_kl(singles[e], c) is not None} for e in atoms},
+        decode_checks,
+        class_layers,
+        left_out,
+    )
     if timed:
         worst = min(predictions(model), key=lambda p: p.decode)
         if worst.decode <= 0:  # no engine decodes in 0 ms: the atoms' decode changes are noise larger than the build's time
             model.timed, model.decode_checks = False, []
-            model.unphysical_decode = (f"{worst.label} is predicted at {worst.decode:.1f} ms/token from a build at "
-                                       f"{b_dec:.1f}: the single-entry rows' decode changes are timing noise larger than "
-                                       "the build's time (a loaded machine?); time the rows again on an idle machine")
+            model.unphysical_decode = (
+                f"{worst.label} is predicted at {worst.decode:.1f} ms/token from a build at "
+                f"{b_dec:.1f}: the single-entry rows' decode changes are timing noise larger than "
+                "the build's time (a loaded machine?); time the rows again on an idle machine"
+            )
     return model
 
 
@@ -392,9 +463,19 @@ def predictions(model: Model) -> list[Prediction]:
             size = (model.build_size + sum(a.d_size for a in combo)) / 1e9
             dec = model.build_decode + sum(a.d_decode for a in combo) if model.timed else None
             m = model.measured.get(frozenset(a.entry for a in combo))
-            out.append(Prediction(combo, max(kl, 0.0), size, dec, None if m is None else
-                                  {"row": m["name"], "kl": variant_kl(m, model.corpus), "decode": m.get("decode_ms_per_token")},
-                                  class_layers=model.class_layers, kl_floored=floored))
+            out.append(
+                Prediction(
+                    combo,
+                    max(kl, 0.0),
+                    size,
+                    dec,
+                    None
+                    if m is None
+                    else {"row": m["name"], "kl": variant_kl(m, model.corpus), "decode": m.get("decode_ms_per_token")},
+                    class_layers=model.class_layers,
+                    kl_floored=floored,
+                )
+            )
     return out
 
 
@@ -437,7 +518,7 @@ class PositionScores:
         from .metrics import units
 
         out = {}
-        for c in ([corpus] if corpus else self.corpora):
+        for c in [corpus] if corpus else self.corpora:
             build = self.get(model.build_row, c)
             parts = [self.get(a.row, c) for a in combo]
             meas = self.get(other, c) if other else None
@@ -449,8 +530,13 @@ class PositionScores:
             per_atom = {a.entry: b - p["kl_top"].double() for a, p in zip(combo, parts)}
             pred = b - model.additivity.reduce(combo, lambda a: per_atom[a.entry]) if combo else b
             unit, unit_name = units(build)
-            out[c] = {"a": pred, "b": meas["kl_top"].double() if meas else torch.zeros_like(pred),
-                      "cluster": unit, "unit": unit_name, "weight": build.get("weight")}
+            out[c] = {
+                "a": pred,
+                "b": meas["kl_top"].double() if meas else torch.zeros_like(pred),
+                "cluster": unit,
+                "unit": unit_name,
+                "weight": build.get("weight"),
+            }
         return out
 
 
@@ -464,9 +550,11 @@ def intervals(model: Model, preds: list[Prediction], scores: PositionScores | No
     from .metrics import paired_comparison
 
     for p in preds:
-        p.kl_by_corpus = {c: max(0.0, _combine(model, p.atoms, b, lambda a, c=c: model.atom_kl_by_corpus[a.entry][c]))
-                          for c, b in model.build_by_corpus.items()
-                          if all(c in model.atom_kl_by_corpus.get(a.entry, {}) for a in p.atoms)}
+        p.kl_by_corpus = {
+            c: max(0.0, _combine(model, p.atoms, b, lambda a, c=c: model.atom_kl_by_corpus[a.entry][c]))
+            for c, b in model.build_by_corpus.items()
+            if all(c in model.atom_kl_by_corpus.get(a.entry, {}) for a in p.atoms)
+        }
         strata = scores.strata(model, p.atoms, model.corpus) if scores is not None else None
         if strata:
             comparison = paired_comparison(strata, reps)

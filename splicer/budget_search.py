@@ -48,12 +48,23 @@ def _settings_from_job(job: dict, results: dict, progress: bool, own_inputs: tup
 
     st = job.get("settings") or {}
     bw = results.get("bandwidth_bytes_per_s")
-    return AblateSettings(backend=st.get("backend", "torch"), device=st.get("device", "auto"), time_decode=st.get("time_decode", True),
-                          corpus_overrides=st.get("corpus_overrides") or {}, batch_size=st.get("batch_size"),
-                          engine_args=st.get("engine_args") or {}, engine_env=st.get("engine_env") or {},
-                          allow_quantized_base=bool(st.get("allow_quantized_base")), overlap_starts=st.get("overlap_starts") or 0,
-                          rewake_before_timing=bool(st.get("rewake_before_timing")), gpus=tuple(st.get("gpus") or ()),
-                          bandwidth_gbs=bw / 1e9 if bw else None, progress=progress, extend_only=True, own_inputs=own_inputs)
+    return AblateSettings(
+        backend=st.get("backend", "torch"),
+        device=st.get("device", "auto"),
+        time_decode=st.get("time_decode", True),
+        corpus_overrides=st.get("corpus_overrides") or {},
+        batch_size=st.get("batch_size"),
+        engine_args=st.get("engine_args") or {},
+        engine_env=st.get("engine_env") or {},
+        allow_quantized_base=bool(st.get("allow_quantized_base")),
+        overlap_starts=st.get("overlap_starts") or 0,
+        rewake_before_timing=bool(st.get("rewake_before_timing")),
+        gpus=tuple(st.get("gpus") or ()),
+        bandwidth_gbs=bw / 1e9 if bw else None,
+        progress=progress,
+        extend_only=True,
+        own_inputs=own_inputs,
+    )
 
 
 def verify_plan(folder: Path, results: dict, points: list[tuple[str, list[str]]]) -> tuple[Path, list[str]]:
@@ -67,17 +78,23 @@ def verify_plan(folder: Path, results: dict, points: list[tuple[str, list[str]]]
     job = results.get("job") or {}
     source = (results.get("plan") or {}).get("source")
     if not isinstance(job.get("rows"), dict) or not job.get("plan_settings_digest"):
-        raise SplicerError(f"{folder} was written by an older splicer (its job does not list its rows); run its plan again "
-                           "into a new folder to verify there")
+        raise SplicerError(
+            f"{folder} was written by an older splicer (its job does not list its rows); run its plan again "
+            "into a new folder to verify there"
+        )
     try:
         plan = load_plan(str(source), all_classes())
     except SplicerError as e:
-        raise SplicerError(f"the plan {folder} was run with ({str(source)[:120]}, as splicer ablate was given it) cannot be "
-                           f"read: {str(e)[:160]}; --verify needs its corpora and timing: run it from the folder ablate ran in, "
-                           "with the plan in place") from None
+        raise SplicerError(
+            f"the plan {folder} was run with ({str(source)[:120]}, as splicer ablate was given it) cannot be "
+            f"read: {str(e)[:160]}; --verify needs its corpora and timing: run it from the folder ablate ran in, "
+            "with the plan in place"
+        ) from None
     if plan.settings_digest != job["plan_settings_digest"]:
-        raise SplicerError(f"the plan {source} has other corpora, top_k or timing than when {folder} was run; put them "
-                           "back, or run the plan into a new folder")
+        raise SplicerError(
+            f"the plan {source} has other corpora, top_k or timing than when {folder} was run; put them "
+            "back, or run the plan into a new folder"
+        )
     rows = [{"name": n, **d} for n, d in job["rows"].items()]
     new = [{"name": name, "restore": entries} for name, entries in points if name not in job["rows"]]
     timed = bool((job.get("settings") or {}).get("time_decode", True) and plan.timing)
@@ -87,16 +104,31 @@ def verify_plan(folder: Path, results: dict, points: list[tuple[str, list[str]]]
         new.append({"name": f"build-verify-{k}", "restore": [], "repeat": True})
     elif timed:  # resumed: the engine an interrupted verification added
         run += [n for n in job["rows"] if n.startswith("build-verify-")][-1:]
-    data = {"name": plan.name, "description": plan.description, "top_k": plan.top_k, "corpus": plan.corpora,
-            **({"timing": plan.timing} if plan.timing else {}), "row": rows + new}
-    return write_plan(folder / VERIFY_PLAN, data, f"Written by `splicer budget --verify`: the plan of {source} with the "
-                      "rows of this folder's job and the budget's points to verify"), run
+    data = {
+        "name": plan.name,
+        "description": plan.description,
+        "top_k": plan.top_k,
+        "corpus": plan.corpora,
+        **({"timing": plan.timing} if plan.timing else {}),
+        "row": rows + new,
+    }
+    return write_plan(
+        folder / VERIFY_PLAN,
+        data,
+        f"Written by `splicer budget --verify`: the plan of {source} with the "
+        "rows of this folder's job and the budget's points to verify",
+    ), run
 
 
 def _valid_entry(e) -> bool:
     """A verified entry of budget.json that can be compared (written by budget; a hand edit may break one)."""
-    return (isinstance(e, dict) and isinstance(e.get("row"), str) and finite_number(e.get("kl"))
-            and isinstance(e.get("atoms"), list) and all(isinstance(a, str) for a in e["atoms"]))
+    return (
+        isinstance(e, dict)
+        and isinstance(e.get("row"), str)
+        and finite_number(e.get("kl"))
+        and isinstance(e.get("atoms"), list)
+        and all(isinstance(a, str) for a in e["atoms"])
+    )
 
 
 STRIPPED = ("measured", "error_kl", "error_decode")  # what a verification adds to a stored prediction
@@ -153,8 +185,11 @@ def _name_rows(chosen: list[Prediction], results: dict, earlier: list[dict]) -> 
         others = taken | {e["row"] for e in earlier if _restore_key(results, _entries(e)) != mine}
         stem = name = p.row_name
         k = 2
-        while name in others and not (isinstance(rows.get(name), dict) and set(rows[name]) == {"restore"}
-                                       and _restore_key(results, rows[name]["restore"]) == mine):
+        while name in others and not (
+            isinstance(rows.get(name), dict)
+            and set(rows[name]) == {"restore"}
+            and _restore_key(results, rows[name]["restore"]) == mine
+        ):
             name, k = f"{stem}-{k}", k + 1
         p.name = name
         taken.add(name)
@@ -172,8 +207,10 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
     out = {k: v for k, v in stored.items() if k not in STRIPPED and k != "missing"}
     row = next((v for v in results.get("variants", []) if v.get("name") == stored["row"] and v.get("status") == "ok"), None)
     if row is not None and not _restores(results, row, stored):
-        out["missing"] = (f"the row {stored['row']} in this folder's results restores something else "
-                          f"({str(row.get('restored'))[:60]}), so it is not this prediction's measurement")
+        out["missing"] = (
+            f"the row {stored['row']} in this folder's results restores something else "
+            f"({str(row.get('restored'))[:60]}), so it is not this prediction's measurement"
+        )
         return out
     if row is None:
         if stored.get("measured") or stored.get("missing"):
@@ -182,7 +219,11 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
     by_entry = {a.entry: a for a in model.atoms}
     atoms = [by_entry.get(e) for e in stored["atoms"]]
     measured_kl = variant_kl(row, model.corpus)
-    out["measured"] = {"kl": measured_kl, "size_gb": (row.get("size_bytes") or 0) / 1e9, "decode": variant_decode(results, row)[0]}
+    out["measured"] = {
+        "kl": measured_kl,
+        "size_gb": (row.get("size_bytes") or 0) / 1e9,
+        "decode": variant_decode(results, row)[0],
+    }
     if any(a is None for a in atoms):  # the atoms changed since (rows rerun): no paired comparison
         return out
     saved = model.additivity
@@ -209,40 +250,77 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
             predicted_rel = rd * sum(a.d_decode for a in atoms) / model.build_decode
             basis = "recomputed on this folder's build engines"
         measured_rel = m_v / model.build_decode - 1
-        err = {"diff_ms": (measured_rel - predicted_rel) * model.build_decode, "measured_rel": measured_rel,
-               "predicted_rel": predicted_rel, "predicted_basis": basis}
+        err = {
+            "diff_ms": (measured_rel - predicted_rel) * model.build_decode,
+            "measured_rel": measured_rel,
+            "predicted_rel": predicted_rel,
+            "predicted_basis": basis,
+        }
         if model.engine_sd_ms is not None and model.engine_df:
             # measured - (build + rd * sum(atom - build)): the point's engines once, each atom's rd times, the build's
             # rd * k - 1 times
-            half = engine_half_width(model.engine_sd_ms, model.engine_df,
-                                     [(1, n_v), *((rd, a.engines) for a in atoms), (rd * len(atoms) - 1, model.build_engines)])
+            half = engine_half_width(
+                model.engine_sd_ms,
+                model.engine_df,
+                [(1, n_v), *((rd, a.engines) for a in atoms), (rd * len(atoms) - 1, model.build_engines)],
+            )
             err["ci_ms"] = [err["diff_ms"] - half, err["diff_ms"] + half]
         out["error_decode"] = err
     return out
 
 
 def _prediction_json(p: Prediction, model: Model) -> dict:
-    return {"restore": p.label, "entries": p.entries, "row": p.row_name if p.atoms else None, "atoms": [a.entry for a in p.atoms],
-            "corpus": model.corpus, "kl": p.kl, "kl_ci": p.kl_ci, "kl_by_corpus": p.kl_by_corpus,
-            "kl_ci_by_corpus": p.kl_ci_by_corpus, "size_gb": p.size_gb, "decode": p.decode,
-            "decode_ci": p.decode_ci, "build_decode": model.build_decode, "measured_row": (p.measured or {}).get("row"),
-            "additivity": model.additivity.to_json(), "decode_ratio": 1.0 if model.timed else None}
+    return {
+        "restore": p.label,
+        "entries": p.entries,
+        "row": p.row_name if p.atoms else None,
+        "atoms": [a.entry for a in p.atoms],
+        "corpus": model.corpus,
+        "kl": p.kl,
+        "kl_ci": p.kl_ci,
+        "kl_by_corpus": p.kl_by_corpus,
+        "kl_ci_by_corpus": p.kl_ci_by_corpus,
+        "size_gb": p.size_gb,
+        "decode": p.decode,
+        "decode_ci": p.decode_ci,
+        "build_decode": model.build_decode,
+        "measured_row": (p.measured or {}).get("row"),
+        "additivity": model.additivity.to_json(),
+        "decode_ratio": 1.0 if model.timed else None,
+    }
 
 
 def _search(model: Model, scores: PositionScores, max_decode_ms, max_gb, max_kl):
     """Every combination predicted, those within the limits, their Pareto front (with intervals) and its cost axis."""
     preds = predictions(model)
     cost = "decode" if model.timed and (max_decode_ms is not None or max_gb is None) else "size_gb"
-    feasible = [p for p in preds if (max_gb is None or p.size_gb <= max_gb)
-                and (max_decode_ms is None or (p.decode is not None and p.decode <= max_decode_ms))
-                and (max_kl is None or p.kl <= max_kl)]
+    feasible = [
+        p
+        for p in preds
+        if (max_gb is None or p.size_gb <= max_gb)
+        and (max_decode_ms is None or (p.decode is not None and p.decode <= max_decode_ms))
+        and (max_kl is None or p.kl <= max_kl)
+    ]
     best = front(feasible, cost)
     intervals(model, best, scores)
     return preds, feasible, best, cost
 
 
-def _run_verification(folder: Path, results: dict, record: dict, record_path: Path, points: list, resumed: bool,
-                      job: dict, corpus, progress: bool, max_decode_ms, max_gb, max_kl, own: tuple):
+def _run_verification(
+    folder: Path,
+    results: dict,
+    record: dict,
+    record_path: Path,
+    points: list,
+    resumed: bool,
+    job: dict,
+    corpus,
+    progress: bool,
+    max_decode_ms,
+    max_gb,
+    max_kl,
+    own: tuple,
+):
     """--verify's run: the points' rows (chosen now, or an interrupted verification's again) added to DIR's job and
     measured by ablate with DIR's own inputs and settings; returns the results after it, the model refitted on them,
     its front and cost, and the rows it ran. The plan and the predictions are written before anything is measured;
@@ -261,8 +339,14 @@ def _run_verification(folder: Path, results: dict, record: dict, record_path: Pa
     plan_path, to_run = verify_plan(folder, results, points)
     try:
         write_json(record_path, record)  # the predictions, written before anything is measured
-        run_ablate(",".join(to_run), job_input(folder, job.get("build")), job_input(folder, job.get("base")),
-                   folder, str(plan_path), _settings_from_job(job, results, progress, own))
+        run_ablate(
+            ",".join(to_run),
+            job_input(folder, job.get("build")),
+            job_input(folder, job.get("base")),
+            folder,
+            str(plan_path),
+            _settings_from_job(job, results, progress, own),
+        )
     except SplicerError:
         if (results_path.read_bytes() if results_path.exists() else None) == kept[results_path]:
             for path in (plan_path, record_path):  # refused before DIR changed: leave no trace of this --verify
@@ -295,9 +379,11 @@ def _check_inputs(folder: Path, job: dict) -> tuple:
         try:
             roots.append(open_checkpoint(source, role).root)
         except SplicerError as e:
-            raise SplicerError(f"{folder}'s job names its {role} as {source[:120]!r} ({str(e)[:160]}); put the {role} "
-                               "back there (a relative path, as older splicers recorded it, is relative to the folder "
-                               "ablate ran in: run budget --verify from there)") from None
+            raise SplicerError(
+                f"{folder}'s job names its {role} as {source[:120]!r} ({str(e)[:160]}); put the {role} "
+                "back there (a relative path, as older splicers recorded it, is relative to the folder "
+                "ablate ran in: run budget --verify from there)"
+            ) from None
     own = own_inputs_inside(folder, roots)
     try:
         check_output(folder, roots, ABLATE, own=own)
@@ -306,9 +392,15 @@ def _check_inputs(folder: Path, job: dict) -> tuple:
     return own
 
 
-def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb: float | None = None,
-                  max_kl: float | None = None, corpus: str | None = None, verify: int = 0,
-                  progress: bool = True) -> tuple[str, bool]:
+def budget_report(
+    folder: str | Path,
+    max_decode_ms: float | None = None,
+    max_gb: float | None = None,
+    max_kl: float | None = None,
+    corpus: str | None = None,
+    verify: int = 0,
+    progress: bool = True,
+) -> tuple[str, bool]:
     """The search's text, and False when a row --verify ran did not finish (the text names it)."""
     from tabulate import tabulate
 
@@ -323,14 +415,18 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
             raise SplicerError(f"{flag} {value}: give a finite number, 0 or more")
     known = list(results.get("corpora") or {})
     if corpus is not None and known and corpus not in known:
-        raise SplicerError(f"--corpus {corpus[:40]!r}: this folder scored {', '.join(known)}; name one of them, or drop "
-                           "--corpus for KL pooled over them")
+        raise SplicerError(
+            f"--corpus {corpus[:40]!r}: this folder scored {', '.join(known)}; name one of them, or drop "
+            "--corpus for KL pooled over them"
+        )
     model = fit(results, corpus)
     if max_decode_ms is not None and model.unphysical_decode:
         raise SplicerError(f"--max-decode-ms: decode is not predicted, as {model.unphysical_decode}; or use --max-gb or --max-kl")
     if max_decode_ms is not None and not model.timed:
-        raise SplicerError("--max-decode-ms needs timed rows, and this run did not time every single-entry row and the build "
-                           "(was it run with --no-time?); use --max-gb or --max-kl, or run the plan with timing")
+        raise SplicerError(
+            "--max-decode-ms needs timed rows, and this run did not time every single-entry row and the build "
+            "(was it run with --no-time?); use --max-gb or --max-kl, or run the plan with timing"
+        )
     scores = PositionScores(folder, known)
     preds, feasible, best, cost = _search(model, scores, max_decode_ms, max_gb, max_kl)
     limits = {"max_gb": max_gb, "max_decode_ms": max_decode_ms, "max_kl": max_kl}
@@ -338,8 +434,10 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     try:
         stored = json.loads(record_path.read_text()) if record_path.exists() else {}
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise SplicerError(f"{record_path} cannot be read ({e.__class__.__name__}); it holds the predictions earlier "
-                           "verifications were made against: restore it, or move it away to start afresh") from None
+        raise SplicerError(
+            f"{record_path} cannot be read ({e.__class__.__name__}); it holds the predictions earlier "
+            "verifications were made against: restore it, or move it away to start afresh"
+        ) from None
     listed = stored.get("verified") if isinstance(stored, dict) else None
     earlier = [e for e in listed if _valid_entry(e)] if isinstance(listed, list) else []
     dropped = (len(listed) if isinstance(listed, list) else int(listed is not None)) - len(earlier)
@@ -352,17 +450,30 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     if verify and not chosen and not unfinished:
         if not best:
             raise SplicerError("no combination fits the limits, so there is nothing to verify; widen them")
-        raise SplicerError("every point of the front within the limits was measured already; nothing to verify "
-                           "(widen the limits, or run without --verify)")
+        raise SplicerError(
+            "every point of the front within the limits was measured already; nothing to verify "
+            "(widen the limits, or run without --verify)"
+        )
     own = _check_inputs(folder, job) if verify else ()  # before anything is written
     _name_rows(chosen, results, earlier)
     pending = [_prediction_json(p, model) for p in chosen]
-    record = {"corpus": corpus, "cost": cost, "limits": limits, "model": model.to_json(),
-              "front": [_prediction_json(p, model) for p in best],
-              # a new prediction replaces an earlier one of its row, and one of its restore whose row went missing
-              "verified": [e for e in earlier if e["row"] not in {p["row"] for p in pending}
-                           and not (e.get("missing") and _restore_key(results, _entries(e))
-                                    in [_restore_key(results, p["entries"]) for p in pending])] + pending}
+    record = {
+        "corpus": corpus,
+        "cost": cost,
+        "limits": limits,
+        "model": model.to_json(),
+        "front": [_prediction_json(p, model) for p in best],
+        # a new prediction replaces an earlier one of its row, and one of its restore whose row went missing
+        "verified": [
+            e
+            for e in earlier
+            if e["row"] not in {p["row"] for p in pending}
+            and not (
+                e.get("missing") and _restore_key(results, _entries(e)) in [_restore_key(results, p["entries"]) for p in pending]
+            )
+        ]
+        + pending,
+    }
     from .outputs import write_json
 
     if verify:
@@ -370,16 +481,32 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
 
         points = [(e["row"], _entries(e)) for e in unfinished] or [(p.row_name, p.entries) for p in chosen]
         # One verification per folder at a time: its plan file and predictions are written before ablate takes DIR's lock.
-        with exclusive(folder / ".budget-lock", f"another splicer budget --verify is running on {folder}; wait for it "
-                                                "to finish", in_place=True):
+        with exclusive(
+            folder / ".budget-lock",
+            f"another splicer budget --verify is running on {folder}; wait for it to finish",
+            in_place=True,
+        ):
             results, model, scores, best, cost, to_run = _run_verification(
-                folder, results, record, record_path, points, bool(unfinished), job, corpus, progress,
-                max_decode_ms, max_gb, max_kl, own)
+                folder,
+                results,
+                record,
+                record_path,
+                points,
+                bool(unfinished),
+                job,
+                corpus,
+                progress,
+                max_decode_ms,
+                max_gb,
+                max_kl,
+                own,
+            )
     failed = []
     if verify:
         by_name = {v.get("name"): v for v in results.get("variants", []) if isinstance(v, dict)}
-        failed = [(n, (by_name.get(n) or {}).get("error") or "not run") for n in to_run
-                  if (by_name.get(n) or {}).get("status") != "ok"]
+        failed = [
+            (n, (by_name.get(n) or {}).get("error") or "not run") for n in to_run if (by_name.get(n) or {}).get("status") != "ok"
+        ]
     models = {corpus: model}  # each prediction is compared on the corpus it was made on
     verified = []
     for e in record["verified"]:
@@ -397,52 +524,79 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
         # Plain budget only reads DIR: a colleague's read-only results are answered all the same.
         written = f"Not written: {e}; the answer above is complete (budget --verify needs a writable folder)."
 
-    lines = [f"KL {'on ' + corpus if corpus else 'pooled over corpora'}; build {model.build_kl:.4f}, "
-             f"{model.build_size / 1e9:.3f} GB" + (f", {model.build_decode:.3f} ms/token" if model.build_decode is not None else "")
-             + f"; {len(model.atoms)} single-entry rows: {', '.join(a.entry for a in model.atoms)}."]
+    lines = [
+        f"KL {'on ' + corpus if corpus else 'pooled over corpora'}; build {model.build_kl:.4f}, "
+        f"{model.build_size / 1e9:.3f} GB"
+        + (f", {model.build_decode:.3f} ms/token" if model.build_decode is not None else "")
+        + f"; {len(model.atoms)} single-entry rows: {', '.join(a.entry for a in model.atoms)}."
+    ]
     if model.checks:
         add = model.additivity
         within = ", ".join(f"within {c} {r:.2f}" for c, r in add.within.items())
-        across = (f"across classes {add.across:.2f}" if add.across is not None
-                  else "across classes assumed 1.00 (no row restores atoms of several classes)")
-        lines.append(f"Additivity of KL reductions (least-squares slopes over the {len(model.checks)} "
-                     f"row{'s' if len(model.checks) != 1 else ''} restoring several single-entry rows' modules; 1.00 = additive): {', '.join(x for x in (within, across) if x)}.")
+        across = (
+            f"across classes {add.across:.2f}"
+            if add.across is not None
+            else "across classes assumed 1.00 (no row restores atoms of several classes)"
+        )
+        lines.append(
+            f"Additivity of KL reductions (least-squares slopes over the {len(model.checks)} "
+            f"row{'s' if len(model.checks) != 1 else ''} restoring several single-entry rows' modules; 1.00 = additive): {', '.join(x for x in (within, across) if x)}."
+        )
         errs = [c for c in model.checks if c["predicted_kl"] is not None]
         if errs:
             worst = max(errs, key=lambda c: abs(c["predicted_kl"] - c["measured_kl"]))
-            lines.append("The model's own error, each such row predicted from the others: " + ", ".join(
-                f"{c['row']} {c['predicted_kl']:.4f} predicted, {c['measured_kl']:.4f} measured" for c in errs)
-                + f"; largest |error| {abs(worst['predicted_kl'] - worst['measured_kl']):.4f} ({worst['row']}).")
+            lines.append(
+                "The model's own error, each such row predicted from the others: "
+                + ", ".join(f"{c['row']} {c['predicted_kl']:.4f} predicted, {c['measured_kl']:.4f} measured" for c in errs)
+                + f"; largest |error| {abs(worst['predicted_kl'] - worst['measured_kl']):.4f} ({worst['row']})."
+            )
         else:
             lines.append("The model's own error: one row restores several atoms, so none can be predicted from the others.")
     else:
-        lines.append("No row restores several of these together: additivity is assumed (1.00), not measured, and the "
-                     "prediction error cannot be stated; add an all row or leave-one-out rows.")
+        lines.append(
+            "No row restores several of these together: additivity is assumed (1.00), not measured, and the "
+            "prediction error cannot be stated; add an all row or leave-one-out rows."
+        )
     if model.decode_checks:
-        lines.append("Decode is predicted as the build's plus each atom's change, with no correction fitted; rows "
-                     "restoring several atoms, measured against that prediction (the model holds where an error's "
-                     "interval includes 0; a wide interval tests it little): "
-                     + ", ".join(f"{c['row']} {c['predicted_ms']:.3f} predicted, {c['measured_ms']:.3f} measured"
-                                 + ("" if not c.get("error_ci_ms") else
-                                    f" (error {c['measured_ms'] - c['predicted_ms']:+.3f} [{c['error_ci_ms'][0]:+.3f}, {c['error_ci_ms'][1]:+.3f}])")
-                                 for c in model.decode_checks) + " ms/token.")
+        lines.append(
+            "Decode is predicted as the build's plus each atom's change, with no correction fitted; rows "
+            "restoring several atoms, measured against that prediction (the model holds where an error's "
+            "interval includes 0; a wide interval tests it little): "
+            + ", ".join(
+                f"{c['row']} {c['predicted_ms']:.3f} predicted, {c['measured_ms']:.3f} measured"
+                + (
+                    ""
+                    if not c.get("error_ci_ms")
+                    else f" (error {c['measured_ms'] - c['predicted_ms']:+.3f} [{c['error_ci_ms'][0]:+.3f}, {c['error_ci_ms'][1]:+.3f}])"
+                )
+                for c in model.decode_checks
+            )
+            + " ms/token."
+        )
     if model.left_out:
-        lines.append("Left out (a measurement is not a number): " + ", ".join(f"row {n} ({why})" for n, why in model.left_out)
-                     + "; rerun those rows.")
+        lines.append(
+            "Left out (a measurement is not a number): "
+            + ", ".join(f"row {n} ({why})" for n, why in model.left_out)
+            + "; rerun those rows."
+        )
     if model.unphysical_decode:
         lines.append(f"Decode not predicted (no decode column or --max-decode-ms): {model.unphysical_decode}.")
     if model.timed and model.engine_sd_ms is None:
         lines.append("Decode intervals: none (the build was timed on one engine, so the engine-to-engine spread is unknown).")
 
     if model.additivity.unmeasurable:
-        lines.append("Not fitted, taken as 1.00: the additivity " + ", ".join(
-            "across classes" if c == "across" else f"within {c}" for c in model.additivity.unmeasurable)
+        lines.append(
+            "Not fitted, taken as 1.00: the additivity "
+            + ", ".join("across classes" if c == "across" else f"within {c}" for c in model.additivity.unmeasurable)
             + " (every row that would measure it restores atoms whose KL changes are within noise; a slope from them "
-            "would be a ratio of two noises).")
+            "would be a ratio of two noises)."
+        )
     floored = [p.label for p in best if p.kl_floored]
     if floored:
-        lines.append("Predicted KL below 0, shown as 0 (KL is never negative; the additivity slopes over-predict the "
-                     "reductions there): " + ", ".join(floored) + ".")
+        lines.append(
+            "Predicted KL below 0, shown as 0 (KL is never negative; the additivity slopes over-predict the "
+            "reductions there): " + ", ".join(floored) + "."
+        )
     if any(ci and ci[0] == 0 for p in best for ci in (p.kl_ci, p.decode_ci)):
         lines.append("An interval's lower end at 0 was below 0 and is raised to 0: KL and decode time are never negative.")
     if best and any(p.atoms for p in best) and not any(p.kl_ci for p in best if p.atoms):
@@ -452,57 +606,121 @@ def budget_report(folder: str | Path, max_decode_ms: float | None = None, max_gb
     if verify and chosen and len(chosen) < verify:
         lines.append(f"--verify {verify}: the front had {len(chosen)} point(s) no row measured; verified those.")
     if unfinished and verify:
-        lines.append("Resumed the verification an earlier --verify began (" + ", ".join(e["row"] for e in unfinished)
-                     + "); the limits and N given now apply once it has finished.")
+        lines.append(
+            "Resumed the verification an earlier --verify began ("
+            + ", ".join(e["row"] for e in unfinished)
+            + "); the limits and N given now apply once it has finished."
+        )
     if dropped:
         lines.append(f"{record_path}: {dropped} verified entries could not be read and were left out.")
 
     def ci(x):
         return "" if not x else f" [{x[0]:.4f}, {x[1]:.4f}]"
 
-    rows = [[p.label, f"{p.kl:.4f}{ci(p.kl_ci)}", f"{p.size_gb:.3f}",
-             "" if p.decode is None else f"{p.decode:.3f}" + ("" if not p.decode_ci else f" [{p.decode_ci[0]:.3f}, {p.decode_ci[1]:.3f}]"),
-             "" if p.measured is None else f"{p.measured['row']}: KL {p.measured['kl']:.4f}"] for p in best]
-    text_limits = ", ".join(x for x in ((f"size <= {max_gb:g} GB" if max_gb is not None else ""),
-                                        (f"decode <= {max_decode_ms:g} ms/token" if max_decode_ms is not None else ""),
-                                        (f"KL <= {max_kl:g}" if max_kl is not None else "")) if x) or "no limit"
-    lines.append(f"Pareto front of predicted KL against {'decode ms/token' if cost == 'decode' else 'size on disk'} "
-                 f"({text_limits}; {len(feasible)} of {len(preds)} combinations within it; 95 % intervals, the "
-                 "additivity held fixed):")
+    rows = [
+        [
+            p.label,
+            f"{p.kl:.4f}{ci(p.kl_ci)}",
+            f"{p.size_gb:.3f}",
+            ""
+            if p.decode is None
+            else f"{p.decode:.3f}" + ("" if not p.decode_ci else f" [{p.decode_ci[0]:.3f}, {p.decode_ci[1]:.3f}]"),
+            "" if p.measured is None else f"{p.measured['row']}: KL {p.measured['kl']:.4f}",
+        ]
+        for p in best
+    ]
+    text_limits = (
+        ", ".join(
+            x
+            for x in (
+                (f"size <= {max_gb:g} GB" if max_gb is not None else ""),
+                (f"decode <= {max_decode_ms:g} ms/token" if max_decode_ms is not None else ""),
+                (f"KL <= {max_kl:g}" if max_kl is not None else ""),
+            )
+            if x
+        )
+        or "no limit"
+    )
+    lines.append(
+        f"Pareto front of predicted KL against {'decode ms/token' if cost == 'decode' else 'size on disk'} "
+        f"({text_limits}; {len(feasible)} of {len(preds)} combinations within it; 95 % intervals, the "
+        "additivity held fixed):"
+    )
     if not rows:
         lines.append("no combination fits the limits.")
     else:
-        lines.append(tabulate(rows, headers=["restore", "KL predicted", "size GB", "decode ms/tok predicted", "measured row"],
-                              tablefmt="github"))
+        lines.append(
+            tabulate(
+                rows, headers=["restore", "KL predicted", "size GB", "decode ms/tok predicted", "measured row"], tablefmt="github"
+            )
+        )
     done = [v for v in record["verified"] if v.get("measured")]
     if done:
         other = {v.get("corpus") for v in done} - {corpus}
-        lines.append("Verified (spliced and measured; predicted before measuring; error = measured - predicted, 95 % "
-                     "intervals, KL paired position by position"
-                     + ("; KL on the corpus each was predicted on: " + ", ".join(
-                         f"{v['row']} {v.get('corpus') or 'pooled'}" for v in done) if other else "") + "):")
+        lines.append(
+            "Verified (spliced and measured; predicted before measuring; error = measured - predicted, 95 % "
+            "intervals, KL paired position by position"
+            + (
+                "; KL on the corpus each was predicted on: "
+                + ", ".join(f"{v['row']} {v.get('corpus') or 'pooled'}" for v in done)
+                if other
+                else ""
+            )
+            + "):"
+        )
         vrows = []
         for v in done:
             ek, ed = v.get("error_kl") or {}, v.get("error_decode") or {}
-            vrows.append([v["restore"], v["row"], f"{v['kl']:.4f}", f"{v['measured']['kl']:.4f}",
-                          "" if not ek else f"{ek['diff']:+.4f}{ci(ek['ci'])}",
-                          "" if not ed else f"{100 * ed['predicted_rel']:+.2f} % / {100 * ed['measured_rel']:+.2f} %",
-                          "" if not ed else f"{ed['diff_ms']:+.3f}" + ("" if not ed.get("ci_ms") else
-                                                                      f" [{ed['ci_ms'][0]:+.3f}, {ed['ci_ms'][1]:+.3f}]")])
-        lines.append(tabulate(vrows, headers=["restore", "row", "KL predicted", "KL measured", "KL error",
-                                              "decode vs build predicted / measured", "decode error ms"], tablefmt="github"))
+            vrows.append(
+                [
+                    v["restore"],
+                    v["row"],
+                    f"{v['kl']:.4f}",
+                    f"{v['measured']['kl']:.4f}",
+                    "" if not ek else f"{ek['diff']:+.4f}{ci(ek['ci'])}",
+                    "" if not ed else f"{100 * ed['predicted_rel']:+.2f} % / {100 * ed['measured_rel']:+.2f} %",
+                    ""
+                    if not ed
+                    else f"{ed['diff_ms']:+.3f}"
+                    + ("" if not ed.get("ci_ms") else f" [{ed['ci_ms'][0]:+.3f}, {ed['ci_ms'][1]:+.3f}]"),
+                ]
+            )
+        lines.append(
+            tabulate(
+                vrows,
+                headers=[
+                    "restore",
+                    "row",
+                    "KL predicted",
+                    "KL measured",
+                    "KL error",
+                    "decode vs build predicted / measured",
+                    "decode error ms",
+                ],
+                tablefmt="github",
+            )
+        )
     elif not verify:
-        lines.append("Splice and measure the chosen points with --verify N (rows added to this folder's job), or splice "
-                     "one with `splicer splice --restore ENTRIES BUILD BASE -o OUT`.")
+        lines.append(
+            "Splice and measure the chosen points with --verify N (rows added to this folder's job), or splice "
+            "one with `splicer splice --restore ENTRIES BUILD BASE -o OUT`."
+        )
     gone = [v for v in record["verified"] if v.get("missing") == DROPPED]
     if gone:
-        lines.append("Verified earlier, but " + DROPPED + ": " + ", ".join(v["row"] for v in gone)
-                     + "; rerun DIR with DIR/budget-plan.toml to keep them, or --verify measures them again.")
+        lines.append(
+            "Verified earlier, but "
+            + DROPPED
+            + ": "
+            + ", ".join(v["row"] for v in gone)
+            + "; rerun DIR with DIR/budget-plan.toml to keep them, or --verify measures them again."
+        )
     for v in record["verified"]:
         if v.get("missing") and v["missing"] != DROPPED:
             lines.append(f"Not measured: {v['restore']} ({v['missing']}); --verify measures it under a free row name.")
     for name, why in failed:
-        lines.append(f"Not measured: row {name} ({str(why).splitlines()[0][:200]}); see {folder / 'ablate.log'}, "
-                     "and run the same --verify again to resume it.")
+        lines.append(
+            f"Not measured: row {name} ({str(why).splitlines()[0][:200]}); see {folder / 'ablate.log'}, "
+            "and run the same --verify again to resume it."
+        )
     lines.append(written)
     return "\n".join(lines), not failed

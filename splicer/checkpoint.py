@@ -57,8 +57,11 @@ class Checkpoint:
         results, caches) must not travel into every output. Hidden files are skipped for the same reason.
         """
         shard_names = set(self.weight_map.values())
-        return [p for p in sorted(self.root.iterdir())
-                if p.is_file() and not p.name.startswith(".") and p.name not in shard_names and p.name != INDEX_NAME]
+        return [
+            p
+            for p in sorted(self.root.iterdir())
+            if p.is_file() and not p.name.startswith(".") and p.name not in shard_names and p.name != INDEX_NAME
+        ]
 
 
 def _load_json(path: Path, what: str) -> dict:
@@ -72,7 +75,9 @@ def _load_json(path: Path, what: str) -> dict:
     except OSError as e:
         raise SplicerError(f"cannot read {path} ({e.strerror}); check its permissions") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SplicerError(f"{path} is not valid JSON ({e.__class__.__name__}); restore it from the original checkpoint") from None
+        raise SplicerError(
+            f"{path} is not valid JSON ({e.__class__.__name__}); restore it from the original checkpoint"
+        ) from None
     if not isinstance(data, dict):
         raise SplicerError(f"{path} is not a JSON object; restore it from the original checkpoint")
     return data
@@ -119,14 +124,20 @@ def _resolve_hub(repo_id: str, role: str, wanted_files) -> Path:
                 f"{role} {repo_id}: no such folder here, and as a Hub repo id it is not in the local cache while "
                 "HF_HUB_OFFLINE is set; check the path, or download the repo first / unset HF_HUB_OFFLINE"
             ) from None
-        raise SplicerError(f"{role} {repo_id}: no such folder here, and as a Hub repo id it could not be downloaded "
-                           "(no network?); check the path or pass a local folder") from None
+        raise SplicerError(
+            f"{role} {repo_id}: no such folder here, and as a Hub repo id it could not be downloaded "
+            "(no network?); check the path or pass a local folder"
+        ) from None
     except RepositoryNotFoundError:
-        raise SplicerError(f"{role} {repo_id} is not a Hub repository you can read; check the id or log in with `hf auth login`") from None
+        raise SplicerError(
+            f"{role} {repo_id} is not a Hub repository you can read; check the id or log in with `hf auth login`"
+        ) from None
     except HfHubHTTPError as e:
         raise SplicerError(f"{role} {repo_id}: the Hub answered {e.__class__.__name__}; check the id and your network") from None
     except OSError as e:
-        raise SplicerError(f"{role} {repo_id} could not be fetched ({e.__class__.__name__}); check your network or pass a local folder") from None
+        raise SplicerError(
+            f"{role} {repo_id} could not be fetched ({e.__class__.__name__}); check your network or pass a local folder"
+        ) from None
 
 
 def open_checkpoint(source: str | Path, role: str, wanted_files=None, shards: set[str] | None = None) -> Checkpoint:
@@ -143,8 +154,10 @@ def open_checkpoint(source: str | Path, role: str, wanted_files=None, shards: se
             check_shard_name(shard, root / INDEX_NAME, tensor)
         metadata = index.get("metadata") or {}
         if not isinstance(metadata, dict):
-            raise SplicerError(f"{root / INDEX_NAME}: metadata is a {type(metadata).__name__}, not an object; "
-                               "restore the index from the original checkpoint")
+            raise SplicerError(
+                f"{root / INDEX_NAME}: metadata is a {type(metadata).__name__}, not an object; "
+                "restore the index from the original checkpoint"
+            )
     elif (root / SINGLE_NAME).exists():
         header = read_header(root / SINGLE_NAME)
         weight_map = {name: SINGLE_NAME for name in header.tensors}
@@ -162,11 +175,19 @@ def check_shard_name(shard, index_path: Path, tensor: str) -> None:
     """A shard named by the index must be a plain file name in the checkpoint folder: never a path that leads out of
     it (`../`, absolute), into a subfolder, or to something that is not safetensors; the name is later used to write
     the output's shard of the same name."""
-    ok = (isinstance(shard, str) and shard.endswith(".safetensors") and shard == os.path.basename(shard)
-          and "\\" not in shard and not shard.startswith(".") and shard.isprintable())
+    ok = (
+        isinstance(shard, str)
+        and shard.endswith(".safetensors")
+        and shard == os.path.basename(shard)
+        and "\\" not in shard
+        and not shard.startswith(".")
+        and shard.isprintable()
+    )
     if not ok:
-        raise SplicerError(f"{index_path} puts {tensor} in {shard!r}, which is not a .safetensors file name inside the "
-                           "checkpoint folder; restore the index from the original checkpoint")
+        raise SplicerError(
+            f"{index_path} puts {tensor} in {shard!r}, which is not a .safetensors file name inside the "
+            "checkpoint folder; restore the index from the original checkpoint"
+        )
 
 
 def load_shard_header(ckpt: Checkpoint, shard: str) -> ShardHeader:
@@ -189,7 +210,8 @@ def load_shard_header(ckpt: Checkpoint, shard: str) -> ShardHeader:
     if extra:
         other = ckpt.weight_map.get(extra[0])
         where = f"the index puts it in {other}" if other else "the index does not list it"
-        raise SplicerError(f"{ckpt.label}: shard {shard} holds {extra[0]} but {where}; the index and shards disagree, "
-                           "re-download the checkpoint")
+        raise SplicerError(
+            f"{ckpt.label}: shard {shard} holds {extra[0]} but {where}; the index and shards disagree, re-download the checkpoint"
+        )
     ckpt.headers[shard] = hdr
     return hdr

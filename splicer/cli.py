@@ -22,21 +22,35 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
-ALLOW_QUANTIZED_BASE_HELP = ("accept a base that keeps some classes quantized exactly as the build stores them "
-                             "(a stand-in reference, e.g. INT4 experts); those classes cannot be restored")
+ALLOW_QUANTIZED_BASE_HELP = (
+    "accept a base that keeps some classes quantized exactly as the build stores them "
+    "(a stand-in reference, e.g. INT4 experts); those classes cannot be restored"
+)
 
 
 def _cmd_splice(args) -> int:
     from .progress import Stages
     from .splice import splice
 
-    record = splice(args.build, args.base, args.out, args.restore, layers=args.layers,
-                    modules_regex=args.modules, force=args.force, progress=not args.quiet,
-                    tokenizer_from_base=args.tokenizer_from_base, drop_dead_ignore=args.drop_dead_ignore,
-                    allow_quantized_base=args.allow_quantized_base, stages=Stages(quiet=args.quiet))
+    record = splice(
+        args.build,
+        args.base,
+        args.out,
+        args.restore,
+        layers=args.layers,
+        modules_regex=args.modules,
+        force=args.force,
+        progress=not args.quiet,
+        tokenizer_from_base=args.tokenizer_from_base,
+        drop_dead_ignore=args.drop_dead_ignore,
+        allow_quantized_base=args.allow_quantized_base,
+        stages=Stages(quiet=args.quiet),
+    )
     s = record["shards"]
-    print(f"wrote {args.out}: restored {record['restored_modules']} modules ({', '.join(record['restored_classes'])}); "
-          f"shards rewritten {s['rewritten']}, hard-linked {s['linked']}, copied {s['copied']}")
+    print(
+        f"wrote {args.out}: restored {record['restored_modules']} modules ({', '.join(record['restored_classes'])}); "
+        f"shards rewritten {s['rewritten']}, hard-linked {s['linked']}, copied {s['copied']}"
+    )
     return 0
 
 
@@ -50,12 +64,20 @@ def _cmd_fixture(args) -> int:
         from .family_fixtures import FAMILY_FIXTURES, write_family_pair
 
         if args.family not in FAMILY_FIXTURES:
-            raise SplicerError(f"--family {args.family!r}: no fixture for it; choose from qwen3_5_moe, {', '.join(sorted(FAMILY_FIXTURES))}")
+            raise SplicerError(
+                f"--family {args.family!r}: no fixture for it; choose from qwen3_5_moe, {', '.join(sorted(FAMILY_FIXTURES))}"
+            )
         if args.full_dims or args.preset != "tiny" or args.experts_layout != "fused" or args.builds != BUILDS_DEFAULT:
-            raise SplicerError(f"--family {args.family} writes its base and its own builds "
-                               f"({', '.join(FAMILY_FIXTURES[args.family].builds)}); drop --preset, --builds, --experts-layout and --full-dims")
-        paths = write_fixture_folder(args.out, lambda d: write_family_pair(d, args.family, seed=args.seed), args.force,
-                                     {"family": args.family, "seed": args.seed})
+            raise SplicerError(
+                f"--family {args.family} writes its base and its own builds "
+                f"({', '.join(FAMILY_FIXTURES[args.family].builds)}); drop --preset, --builds, --experts-layout and --full-dims"
+            )
+        paths = write_fixture_folder(
+            args.out,
+            lambda d: write_family_pair(d, args.family, seed=args.seed),
+            args.force,
+            {"family": args.family, "seed": args.seed},
+        )
         for k, p in paths.items():
             print(f"{k}: {p}")
         return 0
@@ -65,14 +87,19 @@ def _cmd_fixture(args) -> int:
 
         device = "cuda" if args.device == "auto" else args.device
         if device.startswith("cuda") and not __import__("torch").cuda.is_available():
-            raise SplicerError("--full-dims draws ~35B parameters and wants a GPU (--device cuda); torch sees none. "
-                               "Use --device cpu only if you can wait (tens of minutes) and have ~30 GB of disk")
+            raise SplicerError(
+                "--full-dims draws ~35B parameters and wants a GPU (--device cuda); torch sees none. "
+                "Use --device cpu only if you can wait (tens of minutes) and have ~30 GB of disk"
+            )
         device = str(pick_device(device))  # cpu, cuda or cuda:N, or one line saying which devices there are
         spec = FixtureSpec(preset="full", seed=args.seed, residual_scale=RESIDUAL_SCALE)
-        r = write_fixture_folder(args.out, lambda d: write_standin(d, spec, device=device), args.force,
-                                 {"full_dims": True, "seed": args.seed})
-        print(f"build: {r['build']}\nreference: {r['reference']}\ngenerated in {r['generate_s']:.1f} s, "
-              f"reference spliced in {r['splice_reference_s']:.1f} s")
+        r = write_fixture_folder(
+            args.out, lambda d: write_standin(d, spec, device=device), args.force, {"full_dims": True, "seed": args.seed}
+        )
+        print(
+            f"build: {r['build']}\nreference: {r['reference']}\ngenerated in {r['generate_s']:.1f} s, "
+            f"reference spliced in {r['splice_reference_s']:.1f} s"
+        )
         return 0
 
     kinds = [k for k in args.builds.split(",") if k.strip()]
@@ -80,11 +107,13 @@ def _cmd_fixture(args) -> int:
 
     bad = [k for k in kinds if k not in BUILD_KINDS]
     if bad or not kinds:
-        raise SplicerError(f"--builds {args.builds!r}: unknown build kind {bad[0] if bad else '(none)'!r}; "
-                           f"choose from {', '.join(BUILD_KINDS)}")
+        raise SplicerError(
+            f"--builds {args.builds!r}: unknown build kind {bad[0] if bad else '(none)'!r}; choose from {', '.join(BUILD_KINDS)}"
+        )
     spec = FixtureSpec(preset=args.preset, experts_layout=args.experts_layout, seed=args.seed)
-    paths = write_fixture_folder(args.out, lambda d: write_pair(d, spec, kinds), args.force,
-                                 {"preset": args.preset, "builds": kinds, "seed": args.seed})
+    paths = write_fixture_folder(
+        args.out, lambda d: write_pair(d, spec, kinds), args.force, {"preset": args.preset, "builds": kinds, "seed": args.seed}
+    )
     for k, p in paths.items():
         print(f"{k}: {p}")
     return 0
@@ -118,10 +147,18 @@ def _cmd_ablate(args) -> int:
     if args.language_model_only:
         engine_args["language_model_only"] = True
     gpus = _gpu_list(args.gpus) if args.gpus else ()
-    if (args.overlap_starts or args.precompile or args.process_per_variant or args.engine_cache_dir or args.rewake_before_timing
-            or args.gpus) and args.backend != "vllm":
-        raise SplicerError("--gpus, --overlap-starts, --precompile, --rewake-before-timing, --process-per-variant and "
-                           "--engine-cache-dir apply to --backend vllm only")
+    if (
+        args.overlap_starts
+        or args.precompile
+        or args.process_per_variant
+        or args.engine_cache_dir
+        or args.rewake_before_timing
+        or args.gpus
+    ) and args.backend != "vllm":
+        raise SplicerError(
+            "--gpus, --overlap-starts, --precompile, --rewake-before-timing, --process-per-variant and "
+            "--engine-cache-dir apply to --backend vllm only"
+        )
     if gpus:  # before --demo writes its pair into DIR
         from .spread import check_gpus
 
@@ -129,16 +166,31 @@ def _cmd_ablate(args) -> int:
     if gpus and args.device != "auto":
         raise SplicerError(f"--gpus {args.gpus} and --device {args.device}: --gpus names the GPUs; drop --device")
     if args.threads and args.backend != "torch":
-        raise SplicerError("--threads sets the torch backend's CPU threads; vLLM's engine processes take their share of the cores themselves")
+        raise SplicerError(
+            "--threads sets the torch backend's CPU threads; vLLM's engine processes take their share of the cores themselves"
+        )
     if (engine_args or engine_env) and args.backend != "vllm":
         raise SplicerError("engine options (--engine-arg, --engine-env, --max-model-len, ...) apply to --backend vllm only")
-    settings = AblateSettings(backend=args.backend, device=args.device, time_decode=not args.no_time,
-                              corpus_overrides=overrides, batch_size=args.batch_size, progress=not args.quiet,
-                              allow_quantized_base=args.allow_quantized_base, process_per_variant=args.process_per_variant,
-                              overlap_starts=args.overlap_starts, precompile=args.precompile, engine_cache_dir=args.engine_cache_dir,
-                              rewake_before_timing=args.rewake_before_timing, gpus=gpus,
-                              engine_args=engine_args, engine_env=engine_env, bandwidth_gbs=args.bandwidth_gbs, threads=args.threads,
-                              add_checkpoints=tuple(args.add))
+    settings = AblateSettings(
+        backend=args.backend,
+        device=args.device,
+        time_decode=not args.no_time,
+        corpus_overrides=overrides,
+        batch_size=args.batch_size,
+        progress=not args.quiet,
+        allow_quantized_base=args.allow_quantized_base,
+        process_per_variant=args.process_per_variant,
+        overlap_starts=args.overlap_starts,
+        precompile=args.precompile,
+        engine_cache_dir=args.engine_cache_dir,
+        rewake_before_timing=args.rewake_before_timing,
+        gpus=gpus,
+        engine_args=engine_args,
+        engine_env=engine_env,
+        bandwidth_gbs=args.bandwidth_gbs,
+        threads=args.threads,
+        add_checkpoints=tuple(args.add),
+    )
     from .outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
 
     if args.demo:
@@ -167,8 +219,9 @@ def _cmd_ablate(args) -> int:
 
                 set_torch_threads(args.threads)  # the pair is drawn with torch too: as many threads as the backend will have
                 pair_dir.parent.mkdir(parents=True, exist_ok=True)
-                write_fixture_folder(pair_dir, lambda d: write_pair(d, FixtureSpec(), kinds=("lowlatency",)), force=True,
-                                     what={"demo": True})
+                write_fixture_folder(
+                    pair_dir, lambda d: write_pair(d, FixtureSpec(), kinds=("lowlatency",)), force=True, what={"demo": True}
+                )
             build, base = pair_dir / "lowlatency", pair_dir / "base"
         else:
             build, base = args.build, args.base
@@ -176,12 +229,17 @@ def _cmd_ablate(args) -> int:
     from .table import render_markdown
 
     print(render_markdown(results))
-    print(f"\nwrote {args.out / 'results.json'}, {args.out / 'table.md'} and {args.out / 'report.md'} in {results.get('elapsed_s', 0):.0f} s")
+    print(
+        f"\nwrote {args.out / 'results.json'}, {args.out / 'table.md'} and {args.out / 'report.md'} in {results.get('elapsed_s', 0):.0f} s"
+    )
     failed = [v["name"] for v in results["variants"] if v.get("status") != "ok"]
     if failed:  # the finished rows are written; the run is not a success, and says so last
         sys.stdout.flush()
-        print(f"splicer: error: {len(failed)} of {len(results['variants'])} rows failed: {', '.join(failed)}; see each "
-              f"row's error in {args.out / 'table.md'} (and results.json); rerun the same command to retry them", file=sys.stderr)
+        print(
+            f"splicer: error: {len(failed)} of {len(results['variants'])} rows failed: {', '.join(failed)}; see each "
+            f"row's error in {args.out / 'table.md'} (and results.json); rerun the same command to retry them",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -219,16 +277,20 @@ def _cmd_plot(args) -> int:
     written, left_out = write_plot(args.dir)
     plots = [str(p) for p in written if p.suffix != ".md"]
     linked = any(p.suffix == ".md" for p in written)
-    print(f"wrote {', '.join(plots)}" + (f"; linked from {Path(args.dir) / 'table.md'}" if linked else " (no table.md to link from)")
-          + (f"; left out, a measurement not a number: {', '.join(left_out)}" if left_out else ""))
+    print(
+        f"wrote {', '.join(plots)}"
+        + (f"; linked from {Path(args.dir) / 'table.md'}" if linked else " (no table.md to link from)")
+        + (f"; left out, a measurement not a number: {', '.join(left_out)}" if left_out else "")
+    )
     return 0
 
 
 def _cmd_budget(args) -> int:
     from .budget_search import budget_report
 
-    text, finished = budget_report(args.dir, args.max_decode_ms, args.max_gb, args.max_kl, args.corpus, args.verify,
-                                   not args.quiet)
+    text, finished = budget_report(
+        args.dir, args.max_decode_ms, args.max_gb, args.max_kl, args.corpus, args.verify, not args.quiet
+    )
     print(text)
     if not finished:
         return 1
@@ -280,6 +342,7 @@ def _count(minimum: int, maximum: int = 2**31 - 1):
         if not minimum <= value <= maximum:
             raise argparse.ArgumentTypeError(f"{value} is outside {minimum}..{maximum}")
         return value
+
     return parse
 
 
@@ -306,47 +369,93 @@ def _run_options(s) -> None:
     s.add_argument("--backend", default="torch", choices=["torch", "vllm"])
     s.add_argument("--device", default="auto", help="torch backend: cpu, cuda, cuda:N or auto")
     s.add_argument("--corpus", action="append", metavar="NAME=FILE", help="replace a plan corpus with a local .txt/.jsonl file")
-    s.add_argument("--threads", type=_count(1), help="torch backend: CPU threads (default: SPLICER_THREADS, else "
-                   "OMP_NUM_THREADS, else the cores other processes leave free)")
+    s.add_argument(
+        "--threads",
+        type=_count(1),
+        help="torch backend: CPU threads (default: SPLICER_THREADS, else "
+        "OMP_NUM_THREADS, else the cores other processes leave free)",
+    )
     s.add_argument("--batch-size", type=_count(1), default=None, help="sequences per forward/engine call (torch 4, vllm 256)")
     s.add_argument("--tensor-parallel-size", type=_count(1), help="vllm: GPUs per engine")
     s.add_argument("--max-model-len", type=_count(2), help="vllm: context length")
     s.add_argument("--gpu-memory-utilization", type=_share, help="vllm: share of GPU memory the engine may take")
     s.add_argument("--moe-backend", help="vllm: MoE kernel backend, e.g. marlin")
     s.add_argument("--language-model-only", action="store_true", help="vllm: skip the vision tower")
-    s.add_argument("--process-per-variant", action="store_true",
-                   help="vllm: a fresh process (and engine-core process) per variant instead of one worker for the run")
-    s.add_argument("--overlap-starts", type=_count(0), nargs="?", const=1, default=0, metavar="N",
-                   help="vllm: start the next N variants' engines (default 1) in spare workers while the current one "
-                        "scores; decode is still timed with no engine starting; each engine then gets a fixed 12 GiB KV "
-                        "cache unless --engine-arg kv_cache_memory_bytes=...; in overlapped runs on an H200 engines of one variant "
-                        "timed at two levels ~6 %% apart: time serially for decode verdicts")
-    s.add_argument("--precompile", type=_count(0), nargs="?", const=2, default=0, metavar="N",
-                   help="vllm: while the base pass runs, compile every variant's engine once (dummy weights) in N "
-                        "processes (default 2), which end before any row starts; each row's engine then starts alone "
-                        "on the GPU, reads its compiled graphs from vLLM's cache, and is scored and timed serially")
-    s.add_argument("--gpus", metavar="LIST",
-                   help="vllm: spread the rows over these GPUs (CUDA ids, e.g. 0,1): the base pass on the first while "
-                        "--precompile's processes compile on the others, then every GPU runs rows one engine at a time, "
-                        "timing the build at its start and end; each row's decode is compared with the build on its own GPU")
-    s.add_argument("--rewake-before-timing", action="store_true",
-                   help="vllm with --overlap-starts: sleep and wake each engine once more right before its decode timing")
-    s.add_argument("--engine-cache-dir", type=Path, metavar="PATH",
-                   help="vllm: keep vLLM's compile cache and Triton's and Inductor's caches (autotuning included) in PATH "
-                        "instead of their per-user defaults, which later runs on the machine reuse")
-    s.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="vllm: any vllm.LLM keyword (VALUE as JSON), repeatable")
-    s.add_argument("--engine-env", action="append", metavar="NAME=VALUE",
-                   help="vllm: an environment variable for every engine process, repeatable; part of the base pass's "
-                        "cache key and of the job (e.g. VLLM_TRITON_FORCE_FIRST_CONFIG=1 skips Triton autotuning: faster cold "
-                        "starts, but prefill kernels, hence TTFT, are not vLLM's tuned ones)")
+    s.add_argument(
+        "--process-per-variant",
+        action="store_true",
+        help="vllm: a fresh process (and engine-core process) per variant instead of one worker for the run",
+    )
+    s.add_argument(
+        "--overlap-starts",
+        type=_count(0),
+        nargs="?",
+        const=1,
+        default=0,
+        metavar="N",
+        help="vllm: start the next N variants' engines (default 1) in spare workers while the current one "
+        "scores; decode is still timed with no engine starting; each engine then gets a fixed 12 GiB KV "
+        "cache unless --engine-arg kv_cache_memory_bytes=...; in overlapped runs on an H200 engines of one variant "
+        "timed at two levels ~6 %% apart: time serially for decode verdicts",
+    )
+    s.add_argument(
+        "--precompile",
+        type=_count(0),
+        nargs="?",
+        const=2,
+        default=0,
+        metavar="N",
+        help="vllm: while the base pass runs, compile every variant's engine once (dummy weights) in N "
+        "processes (default 2), which end before any row starts; each row's engine then starts alone "
+        "on the GPU, reads its compiled graphs from vLLM's cache, and is scored and timed serially",
+    )
+    s.add_argument(
+        "--gpus",
+        metavar="LIST",
+        help="vllm: spread the rows over these GPUs (CUDA ids, e.g. 0,1): the base pass on the first while "
+        "--precompile's processes compile on the others, then every GPU runs rows one engine at a time, "
+        "timing the build at its start and end; each row's decode is compared with the build on its own GPU",
+    )
+    s.add_argument(
+        "--rewake-before-timing",
+        action="store_true",
+        help="vllm with --overlap-starts: sleep and wake each engine once more right before its decode timing",
+    )
+    s.add_argument(
+        "--engine-cache-dir",
+        type=Path,
+        metavar="PATH",
+        help="vllm: keep vLLM's compile cache and Triton's and Inductor's caches (autotuning included) in PATH "
+        "instead of their per-user defaults, which later runs on the machine reuse",
+    )
+    s.add_argument(
+        "--engine-arg", action="append", metavar="KEY=VALUE", help="vllm: any vllm.LLM keyword (VALUE as JSON), repeatable"
+    )
+    s.add_argument(
+        "--engine-env",
+        action="append",
+        metavar="NAME=VALUE",
+        help="vllm: an environment variable for every engine process, repeatable; part of the base pass's "
+        "cache key and of the job (e.g. VLLM_TRITON_FORCE_FIRST_CONFIG=1 skips Triton autotuning: faster cold "
+        "starts, but prefill kernels, hence TTFT, are not vLLM's tuned ones)",
+    )
     s.add_argument("--no-time", action="store_true", help="skip decode timing")
-    s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP + "; rows that restore them are skipped")
-    s.add_argument("--bandwidth-gbs", type=_positive, help="memory bandwidth in GB/s: adds the decode floor (bytes read per step / bandwidth) to the table")
+    s.add_argument(
+        "--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP + "; rows that restore them are skipped"
+    )
+    s.add_argument(
+        "--bandwidth-gbs",
+        type=_positive,
+        help="memory bandwidth in GB/s: adds the decode floor (bytes read per step / bandwidth) to the table",
+    )
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="splicer", description="Where does the error of an INT4 checkpoint come from, and what would it cost to restore each part?")
+    p = _Parser(
+        prog="splicer",
+        description="Where does the error of an INT4 checkpoint come from, and what would it cost to restore each part?",
+    )
     p.add_argument("--version", action="version", version=f"splicer {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -359,14 +468,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("build", metavar="BUILD", help="compressed-tensors INT4 build: folder or Hub repo id")
     s.add_argument("base", metavar="BASE", help="its BF16 base: folder or Hub repo id (only needed shards are read)")
     s.add_argument("-o", "--out", required=True, metavar="OUT", help="output folder (must not exist unless --force)")
-    s.add_argument("--restore", required=True, metavar="CLASSES",
-                   help="comma list of the family's module classes (splicer inspect lists them), each whole or in some "
-                        "decoder layers (gdn@0-9,attention@3,7), or all")
-    s.add_argument("--layers", metavar="LIST", help="only these decoder layers for every class, e.g. 0,4-7 (the MTP head, class "
-                                                  "mtp, is restored whole; not with CLASS@LAYERS entries)")
+    s.add_argument(
+        "--restore",
+        required=True,
+        metavar="CLASSES",
+        help="comma list of the family's module classes (splicer inspect lists them), each whole or in some "
+        "decoder layers (gdn@0-9,attention@3,7), or all",
+    )
+    s.add_argument(
+        "--layers",
+        metavar="LIST",
+        help="only these decoder layers for every class, e.g. 0,4-7 (the MTP head, class "
+        "mtp, is restored whole; not with CLASS@LAYERS entries)",
+    )
     s.add_argument("--modules", metavar="REGEX", help="only modules whose HF name matches REGEX (fused groups must stay whole)")
-    s.add_argument("--tokenizer-from-base", action="store_true", help="copy the base's tokenizer, chat template and generation config verbatim")
-    s.add_argument("--drop-dead-ignore", action="store_true", help="remove ignore entries that match no module under either naming")
+    s.add_argument(
+        "--tokenizer-from-base",
+        action="store_true",
+        help="copy the base's tokenizer, chat template and generation config verbatim",
+    )
+    s.add_argument(
+        "--drop-dead-ignore", action="store_true", help="remove ignore entries that match no module under either naming"
+    )
     s.add_argument("--force", action="store_true", help="replace OUT if it exists and an earlier splice wrote it")
     s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -377,15 +500,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("build", metavar="BUILD", nargs="?", help="INT4 build (folder or Hub id)")
     s.add_argument("base", metavar="BASE", nargs="?", help="its BF16 base (folder or Hub id)")
     s.add_argument("-o", "--out", required=True, type=Path, metavar="DIR", help="results folder (resumable)")
-    s.add_argument("--add", action="append", default=[], metavar="NAME=DIR",
-                   help="also score (and time) another checkpoint of the model as row NAME, in any format the backend "
-                        "loads, against the same base pass (repeatable)")
+    s.add_argument(
+        "--add",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also score (and time) another checkpoint of the model as row NAME, in any format the backend "
+        "loads, against the same base pass (repeatable)",
+    )
     s.add_argument("--demo", action="store_true", help="build the tiny synthetic pair and run on CPU, no network")
     _run_options(s)
     s.set_defaults(func=_cmd_ablate)
 
-    s = sub.add_parser("score", help="builds of one model in any format vLLM (or the torch backend) loads, each against "
-                                     "the same BF16 base on the same tokens: the first BUILD is the table's reference row")
+    s = sub.add_parser(
+        "score",
+        help="builds of one model in any format vLLM (or the torch backend) loads, each against "
+        "the same BF16 base on the same tokens: the first BUILD is the table's reference row",
+    )
     s.add_argument("base", metavar="BASE", help="the BF16 base (folder or Hub id)")
     s.add_argument("builds", metavar="BUILD", nargs="+", help="quantized checkpoints of it (folders or Hub ids)")
     s.add_argument("-o", "--out", required=True, type=Path, metavar="DIR", help="results folder (resumable)")
@@ -394,31 +525,48 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("plan", help="write a plan file")
     plans = s.add_subparsers(dest="plan_command", required=True)
-    t = plans.add_parser("sweep", help="rows restoring one class in groups of its layers, each group left out, and whole: "
-                                       "which layers carry the error")
+    t = plans.add_parser(
+        "sweep",
+        help="rows restoring one class in groups of its layers, each group left out, and whole: which layers carry the error",
+    )
     t.add_argument("build", metavar="BUILD", help="the quantized build the plan is for (folder or Hub repo id): its layers")
     t.add_argument("--class", dest="cls", required=True, help="the class to sweep, e.g. gdn")
     t.add_argument("--groups", type=int, required=True, help="how many groups of its layers (2 or more)")
     t.add_argument("-o", "--out", required=True, help="the plan file to write (.toml, new)")
-    t.add_argument("--from", dest="template", default="where-error-comes-from",
-                   help="plan whose corpora, timing and top_k the sweep uses (a name from ablations/ or a .toml path)")
+    t.add_argument(
+        "--from",
+        dest="template",
+        default="where-error-comes-from",
+        help="plan whose corpora, timing and top_k the sweep uses (a name from ablations/ or a .toml path)",
+    )
     t.set_defaults(func=_cmd_plan_sweep)
 
-    s = sub.add_parser("plot", help="KL per corpus against decode ms and size on disk, every variant a point, the Pareto "
-                                    "front drawn: DIR/plot-kl.png and .svg, linked from DIR/table.md")
+    s = sub.add_parser(
+        "plot",
+        help="KL per corpus against decode ms and size on disk, every variant a point, the Pareto "
+        "front drawn: DIR/plot-kl.png and .svg, linked from DIR/table.md",
+    )
     s.add_argument("dir", metavar="DIR", help="a results folder (splicer ablate or splicer score)")
     s.set_defaults(func=_cmd_plot)
 
-    s = sub.add_parser("budget", help="which restores fit a size, decode or KL budget: every combination of the measured "
-                                      "single-entry rows predicted (additive, with the measured additivity), the Pareto front")
+    s = sub.add_parser(
+        "budget",
+        help="which restores fit a size, decode or KL budget: every combination of the measured "
+        "single-entry rows predicted (additive, with the measured additivity), the Pareto front",
+    )
     s.add_argument("dir", metavar="DIR", help="a results folder of splicer ablate with single-class (or per-layer) rows")
     s.add_argument("--max-decode-ms", type=float, help="decode ms/token at most (needs a timed run)")
     s.add_argument("--max-gb", type=float, help="size on disk at most, GB")
     s.add_argument("--max-kl", type=float, help="predicted KL at most")
     s.add_argument("--corpus", help="KL on this corpus (default: pooled over the corpora)")
-    s.add_argument("--verify", type=int, default=0, metavar="N",
-                   help="splice and measure N points of the front no row measured (rows added to DIR's job, run with its "
-                        "inputs and settings), then print predicted against measured")
+    s.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        metavar="N",
+        help="splice and measure N points of the front no row measured (rows added to DIR's job, run with its "
+        "inputs and settings), then print predicted against measured",
+    )
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars while --verify runs")
     s.set_defaults(func=_cmd_budget)
 
@@ -437,25 +585,40 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("b", metavar="VARIANT_B")
     s.set_defaults(func=_cmd_compare)
 
-    s = sub.add_parser("readme-blocks", help="check (or --update) the <!-- splicer:begin COMMAND DIR --> blocks of Markdown "
-                                             "files against what the command prints now")
+    s = sub.add_parser(
+        "readme-blocks",
+        help="check (or --update) the <!-- splicer:begin COMMAND DIR --> blocks of Markdown "
+        "files against what the command prints now",
+    )
     s.add_argument("files", metavar="FILE", nargs="+")
     s.add_argument("--update", action="store_true", help="rewrite stale blocks (each file written beside and renamed)")
     s.set_defaults(func=_cmd_readme_blocks)
 
-    s = sub.add_parser("fixture", help="write a tiny synthetic base and quantized builds (qwen3_5_moe, or --family; tests, demo, GPU checks)")
+    s = sub.add_parser(
+        "fixture", help="write a tiny synthetic base and quantized builds (qwen3_5_moe, or --family; tests, demo, GPU checks)"
+    )
     s.add_argument("out", metavar="DIR")
     s.add_argument("--preset", default="tiny", choices=["tiny", "gpu", "bench"])
     s.add_argument("--experts-layout", default="fused", choices=["fused", "per_expert"])
-    s.add_argument("--builds", default=BUILDS_DEFAULT, help="comma list of build kinds (see BUILD_KINDS in splicer/fixtures.py): lowlatency, lowlatency-nomtp, experts-g32, "
-                        "gptq-experts-g32, w4a16, w8a16, w8a8, fp8-dynamic, fp8-block, nvfp4a16, mixed, fp8-native, awq")
-    s.add_argument("--family", default="qwen3_5_moe",
-                   help="qwen3_5_moe (default), or another family's model_type (an unknown one is answered with the list): a tiny "
-                        "pair of that family made from transformers' own model class (an int4 build; the MoE families also experts-g32)")
+    s.add_argument(
+        "--builds",
+        default=BUILDS_DEFAULT,
+        help="comma list of build kinds (see BUILD_KINDS in splicer/fixtures.py): lowlatency, lowlatency-nomtp, experts-g32, "
+        "gptq-experts-g32, w4a16, w8a16, w8a8, fp8-dynamic, fp8-block, nvfp4a16, mixed, fp8-native, awq",
+    )
+    s.add_argument(
+        "--family",
+        default="qwen3_5_moe",
+        help="qwen3_5_moe (default), or another family's model_type (an unknown one is answered with the list): a tiny "
+        "pair of that family made from transformers' own model class (an int4 build; the MoE families also experts-g32)",
+    )
     s.add_argument("--seed", type=_count(0), default=0)
-    s.add_argument("--full-dims", action="store_true",
-                   help="Qwen3.6-35B-A3B's real text dims with random weights: DIR/build (seed-000-like INT4) and DIR/reference "
-                        "(BF16 except the INT4 routed experts; ablate it with --allow-quantized-base)")
+    s.add_argument(
+        "--full-dims",
+        action="store_true",
+        help="Qwen3.6-35B-A3B's real text dims with random weights: DIR/build (seed-000-like INT4) and DIR/reference "
+        "(BF16 except the INT4 routed experts; ablate it with --allow-quantized-base)",
+    )
     s.add_argument("--device", default="auto", help="--full-dims: where to draw and quantize (default cuda)")
     s.add_argument("--force", action="store_true", help="replace DIR if it exists and an earlier splicer fixture wrote it")
     s.set_defaults(func=_cmd_fixture)

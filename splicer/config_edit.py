@@ -16,8 +16,13 @@ from .modules import Module
 from .rules import check, is_gptq, is_skip_list, skip_list_keys
 
 
-def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[str, Module],
-                    added: dict[str, Module] | None = None, drop_dead: bool = False) -> tuple[dict, list[str]]:
+def restored_config(
+    build: Checkpoint,
+    modules: dict[str, Module],
+    picked: dict[str, Module],
+    added: dict[str, Module] | None = None,
+    drop_dead: bool = False,
+) -> tuple[dict, list[str]]:
     """config.json with exclusions for the restored (and added) modules; returns it and the dead entries dropped."""
     arch = build.arch
     config = json.loads(json.dumps(build.config))
@@ -27,7 +32,9 @@ def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[
         # transformers' FP8 skips the head): once entries are added that stops, so the modules stored unquantized are
         # listed too, by name.
         if not any(qc.get(k) for k in skip_list_keys(qc)):
-            add_exclusions(qc, skip_list_entries({n: m for n, m in modules.items() if not m.quantized and not arch.is_embedding(n)}, arch))
+            add_exclusions(
+                qc, skip_list_entries({n: m for n, m in modules.items() if not m.quantized and not arch.is_embedding(n)}, arch)
+            )
         add_exclusions(qc, skip_list_entries(picked, arch))
         if "lm_head" in picked and qc.get("lm_head"):
             qc["lm_head"] = False
@@ -56,7 +63,9 @@ def restored_config(build: Checkpoint, modules: dict[str, Module], picked: dict[
         report = check(after, qc, arch)
     dropped = []
     if drop_dead:
-        dropped = sorted(set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", [])), key=exclusions(qc).index)
+        dropped = sorted(
+            set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", [])), key=exclusions(qc).index
+        )
         _remove_exclusions(qc, set(dropped))
     if is_gptq(qc) or is_skip_list(qc):
         if not any(m.quantized for m in after.values()):
@@ -134,8 +143,8 @@ def _root_regex(arch: Architecture, root: str) -> str:
     common = 0  # the dotted tail both share, written once: (model\.language_model|language_model\.model)\.layers
     while common < min(len(a), len(b)) - 1 and a[-1 - common] == b[-1 - common]:
         common += 1
-    head = "(" + re.escape(".".join(a[:len(a) - common])) + "|" + re.escape(".".join(b[:len(b) - common])) + ")"
-    return head + "".join(r"\." + re.escape(p) for p in a[len(a) - common:])
+    head = "(" + re.escape(".".join(a[: len(a) - common])) + "|" + re.escape(".".join(b[: len(b) - common])) + ")"
+    return head + "".join(r"\." + re.escape(p) for p in a[len(a) - common :])
 
 
 def _head_regex(arch: Architecture) -> str:
@@ -185,7 +194,9 @@ def ignore_entries(picked: dict[str, Module], modules: dict[str, Module], arch: 
     return list(dict.fromkeys(entries))
 
 
-def modules_after(modules: dict[str, Module], picked: dict[str, Module], added: dict[str, Module] | None = None) -> dict[str, Module]:
+def modules_after(
+    modules: dict[str, Module], picked: dict[str, Module], added: dict[str, Module] | None = None
+) -> dict[str, Module]:
     after = dict(added or {})
     for name, m in modules.items():
         if name in picked:

@@ -31,14 +31,28 @@ KINDS = {
     "list": lambda v: isinstance(v, list),
     "null": lambda v: v is None,
     # id2label: transformers turns every key into an int
-    "labels": lambda v: isinstance(v, dict) and all(re.fullmatch(r"-?[0-9]+", k) for k in v) and all(
-        isinstance(x, str) for x in v.values()),
+    "labels": lambda v: (
+        isinstance(v, dict) and all(re.fullmatch(r"-?[0-9]+", k) for k in v) and all(isinstance(x, str) for x in v.values())
+    ),
 }
-_ITEM_WORDS = {"int": "whole numbers", "number": "numbers", "str": "strings", "bool": "booleans",
-               "object": "tables"}  # lists of objects are the plan's [[row]] and [[corpus]] arrays
-_KIND_WORDS = {"int": "a whole number", "number": "a number", "float": "a number with a decimal point (e.g. 0.02)",
-               "str": "a string", "bool": "true or false", "object": "an object", "list": "a list", "null": "null",
-               "labels": 'an object of label names by whole-number id ({"0": "LABEL_0"})'}
+_ITEM_WORDS = {
+    "int": "whole numbers",
+    "number": "numbers",
+    "str": "strings",
+    "bool": "booleans",
+    "object": "tables",
+}  # lists of objects are the plan's [[row]] and [[corpus]] arrays
+_KIND_WORDS = {
+    "int": "a whole number",
+    "number": "a number",
+    "float": "a number with a decimal point (e.g. 0.02)",
+    "str": "a string",
+    "bool": "true or false",
+    "object": "an object",
+    "list": "a list",
+    "null": "null",
+    "labels": 'an object of label names by whole-number id ({"0": "LABEL_0"})',
+}
 
 # Upper bounds: far above any released model, low enough that a typo cannot make the torch backend try to allocate
 # petabytes (it builds the model from these dims before it compares them with the tensors).
@@ -50,9 +64,32 @@ VOCAB = 1 << 24
 TOKEN = 1 << 31
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64", "half", "float", "double", "auto")
 # transformers' ACT2FN and ROPE_INIT_FUNCTIONS (5.x): the names its Qwen3.5-MoE text model looks up when it is built.
-ACTIVATIONS = ("gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
-               "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu", "relu",
-               "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu")
+ACTIVATIONS = (
+    "gelu",
+    "gelu_10",
+    "gelu_accurate",
+    "gelu_fast",
+    "gelu_new",
+    "gelu_python",
+    "gelu_python_tanh",
+    "gelu_pytorch_tanh",
+    "hardswish",
+    "laplace",
+    "leaky_relu",
+    "linear",
+    "mish",
+    "prelu",
+    "quick_gelu",
+    "relu",
+    "relu2",
+    "relu6",
+    "sigmoid",
+    "silu",
+    "sqrtsoftplus",
+    "swish",
+    "tanh",
+    "xielu",
+)
 ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "longrope", "proportional", "yarn")
 
 
@@ -86,8 +123,12 @@ TOP = (
     F("torch_dtype", "str|null", choices=DTYPE_NAMES),
     # transformers calls .to_dict() on these wherever they appear in a (sub-)config, and on a text_config nested in the
     # text config even when it is an object
-    *(F(f"{sub}.{k}", "object|null") for sub in ("text_config", "vision_config")
-      for k in ("quantization_config", "text_config", "vision_config") if (sub, k) != ("text_config", "text_config")),
+    *(
+        F(f"{sub}.{k}", "object|null")
+        for sub in ("text_config", "vision_config")
+        for k in ("quantization_config", "text_config", "vision_config")
+        if (sub, k) != ("text_config", "text_config")
+    ),
     F("text_config.text_config", "null"),
     *(F(k, "int", lo=0, hi=TOKEN) for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")),
 )
@@ -137,9 +178,19 @@ TEXT = (
 )
 
 # transformers builds the vision config too (strictly typed) whenever the torch backend reads a checkpoint.
-VISION = tuple(F(f"vision_config.{k}", "int", lo=1, hi=DIM) for k in (
-    "depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "spatial_merge_size", "out_hidden_size",
-    "num_position_embeddings")) + (
+VISION = tuple(
+    F(f"vision_config.{k}", "int", lo=1, hi=DIM)
+    for k in (
+        "depth",
+        "hidden_size",
+        "intermediate_size",
+        "num_heads",
+        "in_channels",
+        "spatial_merge_size",
+        "out_hidden_size",
+        "num_position_embeddings",
+    )
+) + (
     F("vision_config.patch_size", "int|list", items="int", lo=1, hi=DIM),
     F("vision_config.temporal_patch_size", "int|list", items="int", lo=1, hi=DIM),
     F("vision_config.hidden_act", "str"),
@@ -220,8 +271,11 @@ def _wanted(f: Field) -> str:
     parts = []
     for k in f.kinds:
         if k == "list":
-            parts.append(f"a list of {_ITEM_WORDS[f.items]}" + (f" {rng}" if rng and f.items in ("int", "number") else "")
-                         + (f" (each one of {', '.join(f.choices)})" if f.choices else ""))
+            parts.append(
+                f"a list of {_ITEM_WORDS[f.items]}"
+                + (f" {rng}" if rng and f.items in ("int", "number") else "")
+                + (f" (each one of {', '.join(f.choices)})" if f.choices else "")
+            )
         elif k != "null":
             parts.append(_KIND_WORDS[k] + (f" {rng}" if rng and k in ("int", "number", "float") else ""))
     return " or ".join(parts + (["null"] if "null" in f.kinds else []))
@@ -276,6 +330,7 @@ CONFIG_FIX = "fix config.json or restore it from the original checkpoint"
 def check_value(f: Field, value, where: str, subject: str, fix: str) -> None:
     """Refuse value (of `subject`, e.g. "config.json field text_config.hidden_size") unless it is of f's kinds and in
     its range and choices; _MISSING refuses only a required field."""
+
     def refuse(found: str) -> None:
         raise SplicerError(f"{where}: {subject} is {found}, but it should be {_wanted(f)}; {fix}")
 
@@ -328,13 +383,16 @@ def check_config(config: dict, label: str) -> None:
     elif method == "gptq":
         check_fields(config, GPTQ, where)
         if qc.get("group_size") == 0:
-            raise SplicerError(f"{where}: config.json field {QC}.group_size is 0, but it should be -1 or a positive whole "
-                               "number; fix config.json or restore it from the original checkpoint")
+            raise SplicerError(
+                f"{where}: config.json field {QC}.group_size is 0, but it should be -1 or a positive whole "
+                "number; fix config.json or restore it from the original checkpoint"
+            )
     # Other methods are refused by name where a build or a base is validated.
 
 
 def _text_rules(text: dict, where: str, p: str) -> None:
     """Rules across fields: each would otherwise fail inside the model (top-k routing, grouped attention heads)."""
+
     def refuse(problem: str) -> None:
         raise SplicerError(f"{where}: config.json {problem}; fix config.json or restore it from the original checkpoint")
 
@@ -358,8 +416,10 @@ def _compressed_tensors_rules(qc: dict, where: str) -> None:
     for name, group in qc["config_groups"].items():
         w = group.get("weights") or {}
         if w.get("strategy") == "group" and w.get("group_size") is None:
-            raise SplicerError(f"{where}: config.json {QC}.config_groups.{_key(name)}.weights has strategy \"group\" but "
-                               "no group_size; fix config.json or restore it from the original checkpoint")
+            raise SplicerError(
+                f'{where}: config.json {QC}.config_groups.{_key(name)}.weights has strategy "group" but '
+                "no group_size; fix config.json or restore it from the original checkpoint"
+            )
 
 
 __all__ = ["check_config", "check_fields", "check_value", "describe", "expect", "Field", "F", "KINDS", "MISSING"]

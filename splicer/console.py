@@ -8,14 +8,33 @@ import codecs
 import sys
 
 HANDLER = "splicer-ascii"
-ASCII = {"Δ": "d", "−": "-", "±": "+/-", "×": "x", "‖": "||", "§": "S", "…": "...", "≈": "~", "≤": "<=", "≥": ">=",
-         "→": "->", "←": "<-", "·": "*", "µ": "u", "—": "--", "–": "-", "’": "'", "“": '"', "”": '"'}
+ASCII = {
+    "Δ": "d",
+    "−": "-",
+    "±": "+/-",
+    "×": "x",
+    "‖": "||",
+    "§": "S",
+    "…": "...",
+    "≈": "~",
+    "≤": "<=",
+    "≥": ">=",
+    "→": "->",
+    "←": "<-",
+    "·": "*",
+    "µ": "u",
+    "—": "--",
+    "–": "-",
+    "’": "'",
+    "“": '"',
+    "”": '"',
+}
 
 
 def _fallback(e: UnicodeError):
     if not isinstance(e, UnicodeEncodeError):
         raise e
-    text = e.object[e.start:e.end]
+    text = e.object[e.start : e.end]
     return "".join(ASCII.get(c) or c.encode("ascii", "backslashreplace").decode("ascii") for c in text), e.end
 
 

@@ -30,8 +30,22 @@ from .config_schema import MISSING, check_value, describe, expect
 from .errors import SplicerError
 
 KINDS = ("builtin", "text", "hub", "chat", "random")
-CORPUS_KEYS = {"name", "kind", "text", "files", "field", "dataset", "config", "split", "chunk_tokens", "max_chunks",
-               "conversations", "history_turns", "answer_tokens", "seed"}
+CORPUS_KEYS = {
+    "name",
+    "kind",
+    "text",
+    "files",
+    "field",
+    "dataset",
+    "config",
+    "split",
+    "chunk_tokens",
+    "max_chunks",
+    "conversations",
+    "history_turns",
+    "answer_tokens",
+    "seed",
+}
 
 
 @dataclass
@@ -46,15 +60,23 @@ class Corpus:
     groups: list[int] | None = None
 
     def digest(self) -> str:
-        h = hashlib.sha256(json.dumps([self.name, self.sequences, self.prompt_lens, *([self.groups] if self.groups else [])]).encode())
+        h = hashlib.sha256(
+            json.dumps([self.name, self.sequences, self.prompt_lens, *([self.groups] if self.groups else [])]).encode()
+        )
         return h.hexdigest()[:16]
 
     def positions(self) -> int:
         return sum(len(s) - 1 for s in self.sequences)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "sequences": self.sequences, "prompt_lens": self.prompt_lens, "spec": self.spec,
-                **({"groups": self.groups} if self.groups is not None else {})}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "sequences": self.sequences,
+            "prompt_lens": self.prompt_lens,
+            "spec": self.spec,
+            **({"groups": self.groups} if self.groups is not None else {}),
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> Corpus:
@@ -91,8 +113,10 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,99}")
 def check_name(name, where: str, what: str) -> None:
     check_value(expect("str", required=True), name, where, what, CORPUS_FIX)
     if not SAFE_NAME.fullmatch(name):
-        raise SplicerError(f"{where}: {what} {name[:40]!r} is not a plain name (letters, digits, _ . + -, at most 100, "
-                           f"not starting with . or -); it names files under DIR, {CORPUS_FIX}")
+        raise SplicerError(
+            f"{where}: {what} {name[:40]!r} is not a plain name (letters, digits, _ . + -, at most 100, "
+            f"not starting with . or -); it names files under DIR, {CORPUS_FIX}"
+        )
 
 
 def validate_spec(spec: dict, where: str) -> None:
@@ -111,12 +135,14 @@ def validate_spec(spec: dict, where: str) -> None:
     if kind == "text" and any(not f or "\x00" in f for f in spec["files"]):
         raise SplicerError(f"{where}: corpus {name!r} has an empty file name or one with a NUL byte; {CORPUS_FIX}")
     if kind == "hub" and not spec.get("dataset"):
-        raise SplicerError(f"{where}: corpus {name!r} of kind hub needs dataset = \"owner/name\"")
+        raise SplicerError(f'{where}: corpus {name!r} of kind hub needs dataset = "owner/name"')
     if kind == "random":
         total = spec.get("max_chunks", 100) * spec.get("chunk_tokens", 1024)
         if total > MAX_RANDOM_TOKENS:
-            raise SplicerError(f"{where}: corpus {name!r} asks for {total} random tokens (max_chunks x chunk_tokens), more than "
-                               f"{MAX_RANDOM_TOKENS}; lower max_chunks or chunk_tokens")
+            raise SplicerError(
+                f"{where}: corpus {name!r} asks for {total} random tokens (max_chunks x chunk_tokens), more than "
+                f"{MAX_RANDOM_TOKENS}; lower max_chunks or chunk_tokens"
+            )
     if kind == "chat":
         try:
             user_turns(spec.get("conversations", 8))
@@ -146,14 +172,20 @@ def _read_texts(spec: dict, base_dir: Path) -> list[str]:
                 except (json.JSONDecodeError, RecursionError):
                     record = None
                 if not isinstance(record, dict) or fld not in record:
-                    raise SplicerError(f"corpus {spec['name']!r}: {path} line {i} is not a JSON object with {fld!r}; fix the file or set field")
+                    raise SplicerError(
+                        f"corpus {spec['name']!r}: {path} line {i} is not a JSON object with {fld!r}; fix the file or set field"
+                    )
                 # str() of a number or a list would score its Python repr as if it were text.
                 if not isinstance(record[fld], str):
-                    raise SplicerError(f"corpus {spec['name']!r}: {path} line {i}: {fld!r} is {describe(record[fld])}, not a "
-                                       "string of text; fix the file or set field to the text's key")
+                    raise SplicerError(
+                        f"corpus {spec['name']!r}: {path} line {i}: {fld!r} is {describe(record[fld])}, not a "
+                        "string of text; fix the file or set field to the text's key"
+                    )
                 if not _is_unicode(record[fld]):  # a JSON escape of half a surrogate pair: no tokenizer takes it
-                    raise SplicerError(f"corpus {spec['name']!r}: {path} line {i}: {fld!r} holds an unpaired surrogate "
-                                       "(\\ud800-\\udfff escape); fix the file")
+                    raise SplicerError(
+                        f"corpus {spec['name']!r}: {path} line {i}: {fld!r} holds an unpaired surrogate "
+                        "(\\ud800-\\udfff escape); fix the file"
+                    )
                 texts.append(record[fld])
         else:
             texts.append(text)
@@ -192,24 +224,32 @@ def check_hub_corpora(specs: list[dict], where: str, instead: str) -> None:
     why = hub_unreachable() if hub else None
     if why:
         names = ", ".join(f"{s['name']} ({s['dataset']})" for s in hub)
-        raise SplicerError(f"{where} reads {'a corpus' if len(hub) == 1 else 'corpora'} from the Hub, {names}, but {why}; {instead}")
+        raise SplicerError(
+            f"{where} reads {'a corpus' if len(hub) == 1 else 'corpora'} from the Hub, {names}, but {why}; {instead}"
+        )
 
 
 def _hub_texts(spec: dict) -> list[str]:
     try:
         import datasets
     except ImportError:
-        raise SplicerError(f"corpus {spec['name']!r} reads a Hub dataset; pip install datasets, or use kind = \"text\" with local files") from None
+        raise SplicerError(
+            f'corpus {spec["name"]!r} reads a Hub dataset; pip install datasets, or use kind = "text" with local files'
+        ) from None
     fld = spec.get("field", "text")
     try:
         ds = datasets.load_dataset(spec["dataset"], spec.get("config"), split=spec.get("split", "train"), streaming=True)
         want = int(spec.get("max_chunks", 100)) * 4
         rows = [row.get(fld, MISSING) for row, _ in zip(ds, range(want))]
     except Exception as e:  # datasets raises many types; all mean "could not get it"
-        raise SplicerError(f"corpus {spec['name']!r}: could not load {spec['dataset']} ({e.__class__.__name__}); check the name or go online") from None
+        raise SplicerError(
+            f"corpus {spec['name']!r}: could not load {spec['dataset']} ({e.__class__.__name__}); check the name or go online"
+        ) from None
     bad = next((i for i, t in enumerate(rows) if not (isinstance(t, str) and _is_unicode(t))), None)
     if bad is not None:  # str() of anything else would score its Python repr as if it were text
-        raise SplicerError(f"corpus {spec['name']!r}: row {bad} of {spec['dataset']} has no string field {fld!r}; set field to the text column")
+        raise SplicerError(
+            f"corpus {spec['name']!r}: row {bad} of {spec['dataset']} has no string field {fld!r}; set field to the text column"
+        )
     return rows
 
 
@@ -218,7 +258,7 @@ def _chunk(texts: list[str], tokenizer, chunk_tokens: int, max_chunks: int) -> l
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         for s in range(0, len(ids) - chunk_tokens + 1, chunk_tokens):
-            chunks.append(ids[s:s + chunk_tokens])
+            chunks.append(ids[s : s + chunk_tokens])
             if len(chunks) >= max_chunks:
                 return chunks
     return chunks
@@ -245,7 +285,9 @@ def build_corpus(spec: dict, tokenizer, max_positions: int | None, base_dir: Pat
         corpus = Corpus(spec["name"], kind, seqs, None, spec)
     else:
         if kind == "builtin":
-            texts = [(resources.files("splicer") / "data" / f"demo_{spec['text'].replace('-', '_')}.txt").read_text(encoding="utf-8")]
+            texts = [
+                (resources.files("splicer") / "data" / f"demo_{spec['text'].replace('-', '_')}.txt").read_text(encoding="utf-8")
+            ]
         elif kind == "text":
             texts = _read_texts(spec, base_dir)
         else:
@@ -257,5 +299,7 @@ def build_corpus(spec: dict, tokenizer, max_positions: int | None, base_dir: Pat
         corpus = Corpus(spec["name"], kind, seqs, None, spec)
     longest = max(len(s) for s in corpus.sequences) + (int(spec.get("answer_tokens", 32)) if kind == "chat" else 0)
     if max_positions and longest > max_positions:
-        raise SplicerError(f"corpus {spec['name']!r} has sequences of {longest} tokens but the model's context is {max_positions}; lower chunk_tokens")
+        raise SplicerError(
+            f"corpus {spec['name']!r} has sequences of {longest} tokens but the model's context is {max_positions}; lower chunk_tokens"
+        )
     return corpus

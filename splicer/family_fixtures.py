@@ -43,62 +43,116 @@ class FamilyFixture:
 
 # Every grouped input dim is a multiple of 128 (vLLM's Marlin/Machete kernels need it on a GPU).
 _TINY = dict(vocab_size=2048, hidden_size=256, max_position_embeddings=4096, tie_word_embeddings=False)
-_TINY_DENSE = dict(_TINY, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                   head_dim=128)
+_TINY_DENSE = dict(_TINY, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
 FAMILY_FIXTURES = {
     "qwen3_moe": FamilyFixture(
         "qwen3_moe",
-        dict(_TINY_DENSE, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-             mlp_only_layers=[0]),
+        dict(
+            _TINY_DENSE, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0]
+        ),
         builds=("int4", "experts-g32"),
         notes="Qwen3-30B-A3B's layout (per-expert experts, a router per layer, no shared expert, no MTP), with layer 0 "
-              "a dense MLP (`mlp_only_layers`, which the released models leave empty) so the mlp class is exercised",
+        "a dense MLP (`mlp_only_layers`, which the released models leave empty) so the mlp class is exercised",
     ),
     "qwen3_next": FamilyFixture(
         "qwen3_next",
-        dict(_TINY_DENSE, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_hidden_layers=4,
-             linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=2,
-             num_experts=8, num_experts_per_tok=2),
-        builds=("int4", "experts-g32"), absent_classes=("mtp",),
+        dict(
+            _TINY_DENSE,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=128,
+            num_hidden_layers=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+        ),
+        builds=("int4", "experts-g32"),
+        absent_classes=("mtp",),
         notes="Qwen3-Next-80B-A3B's layout (GDN projections fused on disk, a shared expert); no MTP head: "
-              "transformers' model has none",
+        "transformers' model has none",
     ),
     "deepseek_v3": FamilyFixture(
         "deepseek_v3",
-        dict(_TINY, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3, first_k_dense_replace=1,
-             num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64,
-             qk_nope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-             n_group=1, topk_group=1,
-             # Not fields of transformers' DeepseekV3Config (its router always works so), but in the released
-             # config.json, and vLLM 0.26 reads them: without topk_method = noaux_tc its DeepseekV2MoE has no
-             # e_score_correction_bias and the checkpoint's bias fails to load (results/gpu-families, call 2).
-             topk_method="noaux_tc", scoring_func="sigmoid"),
+        dict(
+            _TINY,
+            intermediate_size=512,
+            moe_intermediate_size=128,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            q_lora_rank=128,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=128,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            # Not fields of transformers' DeepseekV3Config (its router always works so), but in the released
+            # config.json, and vLLM 0.26 reads them: without topk_method = noaux_tc its DeepseekV2MoE has no
+            # e_score_correction_bias and the checkpoint's bias fails to load (results/gpu-families, call 2).
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+        ),
         builds=("int4", "experts-g32"),
         mtp_layer=True,
         notes="DeepSeek-V3's layout at toy size: MLA (q_lora_rank set; kv_lora_rank 512 and a 64-dim rope part as in the released model, so vLLM's MLA kernels see its head size), layer 0 dense, then routed + shared experts; "
-              "an MTP layer as model.layers.{num_hidden_layers} (added by the fixture: transformers' model has none)",
+        "an MTP layer as model.layers.{num_hidden_layers} (added by the fixture: transformers' model has none)",
     ),
     "kimi_k2": FamilyFixture(
         "kimi_k2",
-        dict(_TINY, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3, first_k_dense_replace=1,
-             num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64,
-             qk_nope_head_dim=64, v_head_dim=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-             n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid",
-             # Kimi-K2 ships no MTP layer (its config.json says 0; splicer reads an absent key as DeepSeek's 1).
-             num_nextn_predict_layers=0),
-        builds=("int4", "experts-g32"), absent_classes=("mtp",),
+        dict(
+            _TINY,
+            intermediate_size=512,
+            moe_intermediate_size=128,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            q_lora_rank=128,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=64,
+            v_head_dim=128,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            # Kimi-K2 ships no MTP layer (its config.json says 0; splicer reads an absent key as DeepSeek's 1).
+            num_nextn_predict_layers=0,
+        ),
+        builds=("int4", "experts-g32"),
+        absent_classes=("mtp",),
         notes="Kimi-K2's checkpoint: DeepSeek-V3's layout (MLA, layer 0 dense, routed + shared experts) under model_type "
-              "kimi_k2, architectures DeepseekV3ForCausalLM, no MTP layer; its released values are not checked here",
+        "kimi_k2, architectures DeepseekV3ForCausalLM, no MTP layer; its released values are not checked here",
     ),
     "glm4_moe": FamilyFixture(
         "glm4_moe",
-        dict(_TINY_DENSE, moe_intermediate_size=128, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
-             num_experts_per_tok=2, n_group=1, topk_group=1, attention_bias=True, use_qk_norm=True,
-             partial_rotary_factor=0.5),
+        dict(
+            _TINY_DENSE,
+            moe_intermediate_size=128,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            attention_bias=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+        ),
         builds=("int4", "experts-g32"),
         mtp_layer=True,
         notes="GLM-4.5's layout at toy size: q/k/v biases, qk norms, layer 0 dense, routed + shared experts; an MTP layer "
-              "as model.layers.{num_hidden_layers} (added by the fixture: transformers' model has none)",
+        "as model.layers.{num_hidden_layers} (added by the fixture: transformers' model has none)",
     ),
     **{t: FamilyFixture(t, _TINY_DENSE) for t in ("llama", "mistral", "qwen3")},
 }
@@ -143,10 +197,17 @@ def with_mtp_layer(shapes: dict[str, tuple[int, ...]], config: dict) -> dict[str
     n, h, v = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
     last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
     out = dict(shapes)
-    out.update({mtp + k[len(last):]: s for k, s in shapes.items() if k.startswith(last)})
-    out.update({mtp + "embed_tokens.weight": (v, h), mtp + "enorm.weight": (h,), mtp + "hnorm.weight": (h,),
-                mtp + "eh_proj.weight": (h, 2 * h), mtp + "shared_head.norm.weight": (h,),
-                mtp + "shared_head.head.weight": (v, h)})
+    out.update({mtp + k[len(last) :]: s for k, s in shapes.items() if k.startswith(last)})
+    out.update(
+        {
+            mtp + "embed_tokens.weight": (v, h),
+            mtp + "enorm.weight": (h,),
+            mtp + "hnorm.weight": (h,),
+            mtp + "eh_proj.weight": (h, 2 * h),
+            mtp + "shared_head.norm.weight": (h,),
+            mtp + "shared_head.head.weight": (v, h),
+        }
+    )
     return dict(sorted(out.items()))
 
 
@@ -222,12 +283,17 @@ def _build_plan(arch: Architecture, kind: str) -> tuple[dict, callable, list[str
                 li = arch.layer_index(module)
                 cls = arch.module_class(module.replace(f".{li}.", f".{li - 1}.", 1))
             return (4, 128) if cls in arch.classes and cls not in ("mtp", "lm_head") else None
+
         return ct_quant_config(groups, []), pick, ["Linear"]
     if kind == "experts-g32":
         if arch.expert_pattern == r"(?!)":
             raise ValueError(f"{arch.name} has no routed experts; build kinds: int4")
         target = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
-        return ct_quant_config({"group_0": ct_group([target], 4, 32)}, []), (lambda m: (4, 32) if arch.expert_parts(m) else None), []
+        return (
+            ct_quant_config({"group_0": ct_group([target], 4, 32)}, []),
+            (lambda m: (4, 32) if arch.expert_parts(m) else None),
+            [],
+        )
     raise ValueError(f"unknown build kind {kind!r}; one of int4, experts-g32")
 
 

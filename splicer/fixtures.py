@@ -36,32 +36,77 @@ from .quantize import config_group, make_scheme, preset_scheme, quantize_native_
 TEXT_PRESETS = {
     # Used by the tests and the demo: ~30 MB BF16, every K a multiple of 128.
     "tiny": dict(
-        vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
-        linear_num_value_heads=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
-        num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+        vocab_size=2048,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=256,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
     ),
     # The dims an earlier vLLM 0.26 run on the H200 loaded (shared device notes): a fallback for GPU checks.
     "gpu": dict(
-        vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2,
-        linear_num_value_heads=4, moe_intermediate_size=256, shared_expert_intermediate_size=256,
-        num_experts=16, num_experts_per_tok=4, max_position_embeddings=4096,
+        vocab_size=4096,
+        hidden_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        num_experts=16,
+        num_experts_per_tok=4,
+        max_position_embeddings=4096,
     ),
     # Qwen3.6-35B-A3B's text dimensions (its config.json; transformers' Qwen3_5MoeTextConfig defaults agree):
     # for the full-size stand-in (splicer.standin), generated on a GPU.
     "full": dict(
-        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
-        head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
-        linear_num_value_heads=32, linear_conv_kernel_dim=4, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-        num_experts=256, num_experts_per_tok=8, max_position_embeddings=262144,
+        vocab_size=248320,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_conv_kernel_dim=4,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts=256,
+        num_experts_per_tok=8,
+        max_position_embeddings=262144,
     ),
     # For the splice benchmark: ~2.2 GB BF16.
     "bench": dict(
-        vocab_size=16384, hidden_size=1024, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=4,
-        linear_num_value_heads=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-        num_experts=64, num_experts_per_tok=4, max_position_embeddings=4096,
+        vocab_size=16384,
+        hidden_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts=64,
+        num_experts_per_tok=4,
+        max_position_embeddings=4096,
     ),
 }
 VISION_TINY = dict(depth=1, hidden_size=128, intermediate_size=256, num_heads=2, num_position_embeddings=64)
@@ -73,15 +118,28 @@ VISION_TINY = dict(depth=1, hidden_size=128, intermediate_size=256, num_heads=2,
 # compressed-tensors' presets, as llm-compressor's model_free_ptq writes them without calibration data; the head stays
 # BF16 (`ignore: lm_head`, as model_free_ptq's examples do). `mixed`: one group per scheme in one config, as
 # seed 000's INT8 head is: NVFP4A16 routed experts, FP8_DYNAMIC for the other Linears, a W8A16 g128 head.
-FORMAT_BUILDS = {"w4a16": "W4A16", "w8a16": "W8A16", "w8a8": "W8A8", "fp8-dynamic": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK",
-                 "nvfp4a16": "NVFP4A16"}
+FORMAT_BUILDS = {
+    "w4a16": "W4A16",
+    "w8a16": "W8A16",
+    "w8a8": "W8A8",
+    "fp8-dynamic": "FP8_DYNAMIC",
+    "fp8-block": "FP8_BLOCK",
+    "nvfp4a16": "NVFP4A16",
+}
 # Builds in the two formats that list what stays unquantized, with seed 000's module selection too:
 # fp8-native: `quant_method: fp8` with 128x128 `weight_scale_inv` blocks (float32, as DeepSeek-V3's README says), the
 #   skip list as full module names in `modules_to_not_convert` (vLLM's FP8 loader matches names exactly);
 # awq: AutoAWQ GEMM, 4-bit g128 with zero points, fp16 scales, the skip list as the substrings AWQ exports write.
 SKIP_LIST_BUILDS = ("fp8-native", "awq")
-AWQ_NOT_CONVERT = ["model.visual", "visual", "mtp", "linear_attn.in_proj_a", "linear_attn.in_proj_b", "mlp.gate",
-                   "shared_expert_gate"]
+AWQ_NOT_CONVERT = [
+    "model.visual",
+    "visual",
+    "mtp",
+    "linear_attn.in_proj_a",
+    "linear_attn.in_proj_b",
+    "mlp.gate",
+    "shared_expert_gate",
+]
 BUILD_KINDS = ("lowlatency", "lowlatency-nomtp", "experts-g32", "gptq-experts-g32", *FORMAT_BUILDS, "mixed", *SKIP_LIST_BUILDS)
 
 
@@ -100,8 +158,11 @@ class FixtureSpec:
         cfg.update(self.text_overrides)
         # Qwen3.6's rope: theta 1e7, partial rotary 0.25, interleaved mrope [11, 11, 10].
         cfg["rope_parameters"] = {
-            "rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10], "mrope_interleaved": True,
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
         }
         cfg["mtp_num_hidden_layers"] = 1
         return cfg
@@ -133,9 +194,15 @@ def base_shapes(spec: FixtureSpec, cfg) -> dict[str, tuple[int, ...]]:
     src = f"model.language_model.layers.{full}."
     for name, shape in list(shapes.items()):
         if name.startswith(src):
-            shapes["mtp.layers.0." + name[len(src):]] = shape
-    shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_hidden.weight": (h,),
-                   "mtp.pre_fc_norm_embedding.weight": (h,), "mtp.norm.weight": (h,)})
+            shapes["mtp.layers.0." + name[len(src) :]] = shape
+    shapes.update(
+        {
+            "mtp.fc.weight": (h, 2 * h),
+            "mtp.pre_fc_norm_hidden.weight": (h,),
+            "mtp.pre_fc_norm_embedding.weight": (h,),
+            "mtp.norm.weight": (h,),
+        }
+    )
     if spec.experts_layout == "per_expert":
         for name, shape in list(shapes.items()):
             split = QWEN3_5_MOE.per_expert_shapes(name, shape)
@@ -265,25 +332,50 @@ def write_base(out: Path, spec: FixtureSpec | None = None, tensors: dict[str, to
 def ct_group(targets: list[str], bits: int, group_size: int) -> dict:
     """A config group exactly as compressed-tensors 0.17 dumps it (vLLM 0.26/0.33 pin 0.17)."""
     return {
-        "format": "pack-quantized", "input_activations": None, "output_activations": None, "targets": targets,
+        "format": "pack-quantized",
+        "input_activations": None,
+        "output_activations": None,
+        "targets": targets,
         "weights": {
-            "actorder": None, "block_structure": None, "dynamic": False, "group_size": group_size,
-            "num_bits": bits, "observer": "memoryless_minmax", "observer_kwargs": {}, "scale_dtype": None,
-            "strategy": "group", "symmetric": True, "type": "int", "zp_dtype": None,
+            "actorder": None,
+            "block_structure": None,
+            "dynamic": False,
+            "group_size": group_size,
+            "num_bits": bits,
+            "observer": "memoryless_minmax",
+            "observer_kwargs": {},
+            "scale_dtype": None,
+            "strategy": "group",
+            "symmetric": True,
+            "type": "int",
+            "zp_dtype": None,
         },
     }
 
 
 def ct_quant_config(groups: dict, ignore: list[str]) -> dict:
     return {
-        "config_groups": groups, "format": "pack-quantized", "global_compression_ratio": None,
-        "ignore": ignore, "kv_cache_scheme": None, "quant_method": "compressed-tensors",
-        "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {}, "version": "0.17.0",
+        "config_groups": groups,
+        "format": "pack-quantized",
+        "global_compression_ratio": None,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": "0.17.0",
     }
 
 
-LOWLATENCY_IGNORE = ["re:.*visual.*", r"re:.*linear_attn\.in_proj_a$", r"re:.*linear_attn\.in_proj_b$",
-                     r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$", "re:.*mtp.*"]
+LOWLATENCY_IGNORE = [
+    "re:.*visual.*",
+    r"re:.*linear_attn\.in_proj_a$",
+    r"re:.*linear_attn\.in_proj_b$",
+    r"re:.*mlp\.gate$",
+    r"re:.*shared_expert_gate$",
+    "re:.*mtp.*",
+]
 
 
 def _lowlatency_body(module: str) -> bool:
@@ -305,6 +397,7 @@ def _format_plan(kind: str) -> tuple[dict, callable]:
             if QWEN3_5_MOE.module_class(module) == "lm_head":
                 return head
             return (experts if QWEN3_5_MOE.expert_parts(module) else body) if _lowlatency_body(module) else None
+
         return qc, pick
     scheme = preset_scheme(FORMAT_BUILDS[kind], ["Linear"])
     qc = ct_quant_config({"group_0": config_group(scheme)}, ["lm_head", *LOWLATENCY_IGNORE])
@@ -327,39 +420,68 @@ def build_plan(kind: str) -> tuple[dict, callable]:
         return _format_plan(kind)
     if kind == "fp8-native":
         # The skip list is filled in by write_build from what it left unquantized.
-        qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
-              "modules_to_not_convert": []}
+        qc = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": [],
+        }
         return qc, lambda module: "fp8" if _lowlatency_body(module) else None
     if kind == "awq":
-        qc = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
-              "modules_to_not_convert": list(AWQ_NOT_CONVERT)}
+        qc = {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": 128,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": list(AWQ_NOT_CONVERT),
+        }
         return qc, lambda module: "awq" if _lowlatency_body(module) else None
     if kind in ("lowlatency", "lowlatency-nomtp"):
-        qc = ct_quant_config({"group_0": ct_group(["Linear"], 4, 128), "group_1": ct_group([r"re:.*lm_head$"], 8, 128)},
-                           LOWLATENCY_IGNORE)
+        qc = ct_quant_config(
+            {"group_0": ct_group(["Linear"], 4, 128), "group_1": ct_group([r"re:.*lm_head$"], 8, 128)}, LOWLATENCY_IGNORE
+        )
 
         def pick(module: str):
             if QWEN3_5_MOE.module_class(module) == "lm_head":
                 return (8, 128)
             return (4, 128) if _lowlatency_body(module) else None
+
         return qc, pick
     if kind == "gptq-experts-g32":
         qc = {
-            "bits": 4, "group_size": 32, "sym": True, "desc_act": False, "quant_method": "gptq", "checkpoint_format": "gptq",
-            "pack_dtype": "int32", "lm_head": False, "true_sequential": True, "damp_percent": 0.01, "static_groups": False,
-            "dynamic": {r"-:.*visual.*": {}, r"-:.*mtp.*": {}, r"-:.*linear_attn.*": {}, r"-:.*self_attn.*": {},
-                        r"-:.*shared_expert.*": {}},
+            "bits": 4,
+            "group_size": 32,
+            "sym": True,
+            "desc_act": False,
+            "quant_method": "gptq",
+            "checkpoint_format": "gptq",
+            "pack_dtype": "int32",
+            "lm_head": False,
+            "true_sequential": True,
+            "damp_percent": 0.01,
+            "static_groups": False,
+            "dynamic": {
+                r"-:.*visual.*": {},
+                r"-:.*mtp.*": {},
+                r"-:.*linear_attn.*": {},
+                r"-:.*self_attn.*": {},
+                r"-:.*shared_expert.*": {},
+            },
             "quantizer": ["gptqmodel:5.7.1"],
         }
 
         def pick(module: str):
             return (4, 32) if QWEN3_5_MOE.expert_parts(module) and not module.startswith("mtp.") else None
+
         return qc, pick
     if kind == "experts-g32":
         qc = ct_quant_config({"group_0": ct_group([r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"], 4, 32)}, [])
 
         def pick(module: str):
             return (4, 32) if QWEN3_5_MOE.expert_parts(module) else None
+
         return qc, pick
     raise ValueError(f"unknown build kind {kind!r}; one of {BUILD_KINDS}")
 
@@ -372,7 +494,11 @@ def _nvfp4_global_scales(items) -> dict:
     lo, hi = {}, {}
     for tname, tensor, choice in items:
         module = tname.rpartition(".")[0]
-        if choice is None or isinstance(choice, (tuple, str)) or str(getattr(choice.weights.strategy, "value", "")) != "tensor_group":
+        if (
+            choice is None
+            or isinstance(choice, (tuple, str))
+            or str(getattr(choice.weights.strategy, "value", "")) != "tensor_group"
+        ):
             continue
         key = _global_scale_key(module)
         t = tensor.float()
@@ -426,9 +552,15 @@ def write_build(base: Path, out: Path, kind: str = "lowlatency") -> Path:
                     dest[f"{module}.{k}"] = v
     if qc.get("quant_method") == "fp8":
         # Every module left BF16, by its full name: vLLM's FP8 loader matches exactly (fact sheet §2).
-        plain = [n.rpartition(".")[0] for d in by_shard.values() for n, t in d.items()
-                 if n.endswith(".weight") and t.dim() == 2 and t.dtype == torch.bfloat16]
-        qc["modules_to_not_convert"] = skip_list_entries(dict.fromkeys(sorted(n for n in plain if not QWEN3_5_MOE.is_embedding(n))), QWEN3_5_MOE)
+        plain = [
+            n.rpartition(".")[0]
+            for d in by_shard.values()
+            for n, t in d.items()
+            if n.endswith(".weight") and t.dim() == 2 and t.dtype == torch.bfloat16
+        ]
+        qc["modules_to_not_convert"] = skip_list_entries(
+            dict.fromkeys(sorted(n for n in plain if not QWEN3_5_MOE.is_embedding(n))), QWEN3_5_MOE
+        )
     config = json.loads((base / "config.json").read_text())
     config["quantization_config"] = qc
     write_sharded(out, by_shard, config)

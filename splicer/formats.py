@@ -35,17 +35,41 @@ class Layout:
 
 LAYOUTS = (
     # compressed-tensors pack-quantized (W4A16, W8A16): int32 words packed along K, weight_shape [2] (fact sheet §4).
-    Layout("ct-pack", "compressed-tensors", "weight_packed", ("weight_packed", "weight_scale", "weight_shape"),
-           ("weight_zero_point", "weight_g_idx"), ("pack-quantized",)),
+    Layout(
+        "ct-pack",
+        "compressed-tensors",
+        "weight_packed",
+        ("weight_packed", "weight_scale", "weight_shape"),
+        ("weight_zero_point", "weight_g_idx"),
+        ("pack-quantized",),
+    ),
     # compressed-tensors NVFP4: uint8 [N, K/2] e2m1 pairs, fp8 group scales [N, K/16], fp32 global scale (§3).
-    Layout("ct-nvfp4", "compressed-tensors", "weight_packed", ("weight_packed", "weight_scale", "weight_global_scale"),
-           ("weight_zero_point", "input_global_scale"), ("nvfp4-pack-quantized",)),
+    Layout(
+        "ct-nvfp4",
+        "compressed-tensors",
+        "weight_packed",
+        ("weight_packed", "weight_scale", "weight_global_scale"),
+        ("weight_zero_point", "input_global_scale"),
+        ("nvfp4-pack-quantized",),
+    ),
     # compressed-tensors float-quantized (FP8 W8A8) and int-quantized (INT8 W8A8): the quantized values keep the name
     # `weight` (fp8 or int8), scales per tensor [1], channel [N, 1] or 128x128 block (§1, §4).
-    Layout("ct-float", "compressed-tensors", "weight", ("weight", "weight_scale"),
-           ("weight_zero_point", "input_scale", "input_zero_point"), ("float-quantized", "naive-quantized")),
-    Layout("ct-int", "compressed-tensors", "weight", ("weight", "weight_scale"),
-           ("weight_zero_point", "input_scale", "input_zero_point"), ("int-quantized", "naive-quantized")),
+    Layout(
+        "ct-float",
+        "compressed-tensors",
+        "weight",
+        ("weight", "weight_scale"),
+        ("weight_zero_point", "input_scale", "input_zero_point"),
+        ("float-quantized", "naive-quantized"),
+    ),
+    Layout(
+        "ct-int",
+        "compressed-tensors",
+        "weight",
+        ("weight", "weight_scale"),
+        ("weight_zero_point", "input_scale", "input_zero_point"),
+        ("int-quantized", "naive-quantized"),
+    ),
     # GPTQ v1: qweight [K*b/32, N] packed along K, qzeros [K/g, N*b/32], scales [K/g, N], g_idx [K].
     Layout("gptq", "gptq", "qweight", ("qweight", "qzeros", "scales"), ("g_idx",)),
     # AutoAWQ GEMM: qweight [K, N/8] packed along N in AWQ's interleaved order, qzeros [K/g, N/8], scales [K/g, N] (§5).
@@ -187,7 +211,10 @@ def config_block(qc: dict | None) -> tuple[int, int] | None:
     if qc.get("quant_method") == "fp8":
         b = qc.get("weight_block_size")
         return (int(b[0]), int(b[1])) if isinstance(b, list) and len(b) == 2 else None
-    blocks = {tuple((g.get("weights") or {}).get("block_structure") or ()) for g in (qc.get("config_groups") or {}).values()
-              if isinstance(g, dict) and (g.get("weights") or {}).get("strategy") == "block"}
+    blocks = {
+        tuple((g.get("weights") or {}).get("block_structure") or ())
+        for g in (qc.get("config_groups") or {}).values()
+        if isinstance(g, dict) and (g.get("weights") or {}).get("strategy") == "block"
+    }
     blocks.discard(())
     return next(iter(blocks)) if len(blocks) == 1 else None

@@ -28,8 +28,13 @@ def decode_fraction(ckpt: Checkpoint, tensor: str, shape) -> float:
 
 def bytes_per_decode_step(ckpt: Checkpoint) -> int:
     """Weight bytes one batch-1 decode step reads, from the shard headers alone."""
-    return int(sum(info.nbytes * decode_fraction(ckpt, name, info.shape)
-                   for hdr in ckpt.headers.values() for name, info in hdr.tensors.items()))
+    return int(
+        sum(
+            info.nbytes * decode_fraction(ckpt, name, info.shape)
+            for hdr in ckpt.headers.values()
+            for name, info in hdr.tensors.items()
+        )
+    )
 
 
 def inspect_checkpoint(ckpt: Checkpoint) -> dict:
@@ -37,15 +42,23 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
     why = unreadable(qc)
     if why:
         total = sum(info.nbytes for hdr in ckpt.headers.values() for info in hdr.tensors.values())
-        raise SplicerError(f"{ckpt.label}: splicer cannot read {why}: it reads {READ_METHODS}, so it reports no modules or "
-                           f"sizes per class ({total / 1e9:.3f} GB of tensors in all); vLLM may still load it: score it "
-                           "with `splicer score BASE BUILD --backend vllm`")
+        raise SplicerError(
+            f"{ckpt.label}: splicer cannot read {why}: it reads {READ_METHODS}, so it reports no modules or "
+            f"sizes per class ({total / 1e9:.3f} GB of tensors in all); vLLM may still load it: score it "
+            "with `splicer score BASE BUILD --backend vllm`"
+        )
     validate_regexes(qc, ckpt.label)
     arch = ckpt.arch
     modules = list_modules(ckpt)
-    per_class: dict[str, dict] = defaultdict(lambda: {
-        "modules": 0, "quantized": 0, "schemes": set(), "bytes_on_disk": 0, "bytes_per_decode_step": 0.0,
-    })
+    per_class: dict[str, dict] = defaultdict(
+        lambda: {
+            "modules": 0,
+            "quantized": 0,
+            "schemes": set(),
+            "bytes_on_disk": 0,
+            "bytes_per_decode_step": 0.0,
+        }
+    )
     for m in modules.values():
         row = per_class[m.cls]
         row["modules"] += 1
@@ -74,10 +87,15 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
     if not ckpt.config.get("architectures"):
         # vLLM picks the model class (and the runner) from this list; without it vLLM 0.26 resolved the qwen3 family
         # fixtures to their bare Qwen3Model and served them as embedding models (results/gpu-families).
-        report.issues.append({"check": "no-architectures", "naming": "vllm",
-                              "detail": "config.json names no architectures, so vLLM may load a bare model class as an "
-                                        "embedding model; add the \"architectures\" list a released checkpoint has (its "
-                                        "causal-LM class)"})
+        report.issues.append(
+            {
+                "check": "no-architectures",
+                "naming": "vllm",
+                "detail": "config.json names no architectures, so vLLM may load a bare model class as an "
+                'embedding model; add the "architectures" list a released checkpoint has (its '
+                "causal-LM class)",
+            }
+        )
     classes = {}
     for cls in (*arch.classes, "other"):
         if cls in per_class:
@@ -88,11 +106,16 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         "model_type": ckpt.config.get("model_type"),
         "quant_method": qc.get("quant_method"),
         "format": checkpoint_format(qc),
-        "config_groups": {g: {"targets": v.get("targets"), "format": group_format(qc, v),
-                              "scheme": group_scheme(qc, g),
-                              "bits": (v.get("weights") or {}).get("num_bits"),
-                              "group_size": (v.get("weights") or {}).get("group_size")}
-                          for g, v in (qc.get("config_groups") or {}).items()},
+        "config_groups": {
+            g: {
+                "targets": v.get("targets"),
+                "format": group_format(qc, v),
+                "scheme": group_scheme(qc, g),
+                "bits": (v.get("weights") or {}).get("num_bits"),
+                "group_size": (v.get("weights") or {}).get("group_size"),
+            }
+            for g, v in (qc.get("config_groups") or {}).items()
+        },
         "classes": classes,
         "total_bytes_on_disk": sum(r["bytes_on_disk"] for r in classes.values()),
         "total_bytes_per_decode_step": sum(r["bytes_per_decode_step"] for r in classes.values()),
@@ -112,16 +135,29 @@ def format_report(info: dict) -> str:
     for cls, r in info["classes"].items():
         rows.append([cls, r["modules"], r["quantized"], ", ".join(r["schemes"]), r["bytes_on_disk"], r["bytes_per_decode_step"]])
     rows.append(["total", "", "", "", info["total_bytes_on_disk"], info["total_bytes_per_decode_step"]])
-    out = [f"{info['checkpoint']}  ({info['model_type']}, {info['quant_method'] or 'not quantized'}, {info['format'] or '-'})", ""]
-    out.append(tabulate(rows, headers=["class", "modules", "quantized", "stored as", "bytes on disk", "bytes read / decode step"],
-                        tablefmt="github", intfmt=","))
+    out = [
+        f"{info['checkpoint']}  ({info['model_type']}, {info['quant_method'] or 'not quantized'}, {info['format'] or '-'})",
+        "",
+    ]
+    out.append(
+        tabulate(
+            rows,
+            headers=["class", "modules", "quantized", "stored as", "bytes on disk", "bytes read / decode step"],
+            tablefmt="github",
+            intfmt=",",
+        )
+    )
     out.append("")
     issues = info["lint"]["issues"]
     if not issues:
         out.append("lint: no problems under HF or vLLM naming")
     else:
         out.append(f"lint: {len(issues)} problem(s)")
-        out.append(tabulate([[i["check"], i["naming"], i["detail"]] for i in issues], headers=["check", "naming", "detail"], tablefmt="github"))
+        out.append(
+            tabulate(
+                [[i["check"], i["naming"], i["detail"]] for i in issues], headers=["check", "naming", "detail"], tablefmt="github"
+            )
+        )
     for note in info["lint"].get("notes", []):
         out.append(f"note: {note}")
     return "\n".join(out)

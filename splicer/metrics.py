@@ -36,7 +36,9 @@ Z95 = 1.959963984540054
 # (tests/test_calibration.py).
 MIN_SEQUENCES = 5
 TOO_FEW = f"too few sequences for an interval (fewer than {MIN_SEQUENCES} in a corpus)"
-TOO_FEW_GROUPS = f"too few groups for an interval (fewer than {MIN_SEQUENCES} groups of sequences that share a prompt in a corpus)"
+TOO_FEW_GROUPS = (
+    f"too few groups for an interval (fewer than {MIN_SEQUENCES} groups of sequences that share a prompt in a corpus)"
+)
 # The short note tables print for each reason.
 TOO_FEW_NOTE = {TOO_FEW: "too few sequences", TOO_FEW_GROUPS: "too few groups"}
 
@@ -54,7 +56,9 @@ def kl_top_lumped(base_lp: torch.Tensor, var_lp: torch.Tensor) -> torch.Tensor:
     head = (p * (base_lp - var_lp)).sum(-1)
     p_rest = (1 - p.sum(-1)).clamp_min(0)
     q_rest = (1 - q.sum(-1)).clamp_min(1e-12)
-    rest = torch.where(p_rest > 1e-12, p_rest * (torch.log(p_rest.clamp_min(1e-300)) - torch.log(q_rest)), torch.zeros_like(p_rest))
+    rest = torch.where(
+        p_rest > 1e-12, p_rest * (torch.log(p_rest.clamp_min(1e-300)) - torch.log(q_rest)), torch.zeros_like(p_rest)
+    )
     return (head + rest).float()
 
 
@@ -77,8 +81,7 @@ def fill_missing(base_ids: torch.Tensor, var_ids: torch.Tensor, var_lp: torch.Te
     return torch.where(found, vals, floor)
 
 
-def top1_agreement(base_ids: torch.Tensor, base_lp: torch.Tensor, var_ids: torch.Tensor,
-                   var_lp: torch.Tensor) -> torch.Tensor:
+def top1_agreement(base_ids: torch.Tensor, base_lp: torch.Tensor, var_ids: torch.Tensor, var_lp: torch.Tensor) -> torch.Tensor:
     """[N, k] top-k ids and log-probs of base and variant -> [N] bool: base and variant agree on the most likely token.
 
     A tie among the largest log-probs (BF16 logits tie often) makes "the" argmax an accident of the sort order, on
@@ -111,9 +114,14 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def bootstrap_mean_ci(values: torch.Tensor, seq_index: torch.Tensor, reps: int = 1000, seed: int = 0,
-                      weight: torch.Tensor | None = None, bounds: tuple[float, float] = (-math.inf, math.inf)
-                      ) -> list[float] | None:
+def bootstrap_mean_ci(
+    values: torch.Tensor,
+    seq_index: torch.Tensor,
+    reps: int = 1000,
+    seed: int = 0,
+    weight: torch.Tensor | None = None,
+    bounds: tuple[float, float] = (-math.inf, math.inf),
+) -> list[float] | None:
     """95 % interval of the (weighted) mean of `values`, resampling whole units (seq_index: the unit of each value, a
     sequence or a group of them): the estimate ± Student's t x the bootstrap's standard error
     (small_sample_half_width), clipped to `bounds` (the range the quantity can take). None with fewer than
@@ -201,8 +209,23 @@ def summarize(pos: dict[str, torch.Tensor], reps: int = 1000) -> dict:
 
 def t975(df: int) -> float:
     """Two-sided 95 % quantile of Student's t (df >= 1); exact enough for intervals (scipy is not a dependency)."""
-    table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-             12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
+    table = {
+        1: 12.706,
+        2: 4.303,
+        3: 3.182,
+        4: 2.776,
+        5: 2.571,
+        6: 2.447,
+        7: 2.365,
+        8: 2.306,
+        9: 2.262,
+        10: 2.228,
+        12: 2.179,
+        15: 2.131,
+        20: 2.086,
+        30: 2.042,
+        60: 2.000,
+    }
     if df in table:
         return table[df]
     if df > 60:
@@ -241,30 +264,60 @@ def paired_comparison(strata: dict[str, dict], reps: int = 2000, seed: int = 0) 
         draw = torch.randint(0, max(n, 1), (reps, n), generator=g)
         draws = sums[:, draw].sum(-1)  # [3, reps]: resampled sums of a, b and weight
         unit = s.get("unit", "sequences")
-        per[name] = _comparison(sums.sum(-1), draws, n, unit, few=(TOO_FEW_GROUPS if unit == "groups" else TOO_FEW)
-                                if n < MIN_SEQUENCES else None)
+        per[name] = _comparison(
+            sums.sum(-1), draws, n, unit, few=(TOO_FEW_GROUPS if unit == "groups" else TOO_FEW) if n < MIN_SEQUENCES else None
+        )
         pooled_point += sums.sum(-1)
         pooled_draws.append(draws)
     out = {"per_stratum": per}
     if pooled_draws:
         unit_names = {p["unit"] for p in per.values()}
-        out["pooled"] = _comparison(pooled_point, torch.stack(pooled_draws).sum(0), sum(p["clusters"] for p in per.values()),
-                                    unit_names.pop() if len(unit_names) == 1 else "sequences or groups", strata=len(per),
-                                    few=next((p["why"] for p in per.values() if p.get("why") in TOO_FEW_NOTE), None))
+        out["pooled"] = _comparison(
+            pooled_point,
+            torch.stack(pooled_draws).sum(0),
+            sum(p["clusters"] for p in per.values()),
+            unit_names.pop() if len(unit_names) == 1 else "sequences or groups",
+            strata=len(per),
+            few=next((p["why"] for p in per.values() if p.get("why") in TOO_FEW_NOTE), None),
+        )
     return out
 
 
-def _comparison(point: torch.Tensor, draws: torch.Tensor, clusters: int, unit: str, strata: int = 1,
-                few: str | None = None) -> dict:
+def _comparison(
+    point: torch.Tensor, draws: torch.Tensor, clusters: int, unit: str, strata: int = 1, few: str | None = None
+) -> dict:
     """few: why there is no interval (TOO_FEW or TOO_FEW_GROUPS), None when there is one."""
     sa, sb, sw = point.tolist()
     if sw <= 0:
-        return {"a": None, "b": None, "diff": None, "diff_ci": None, "rel": None, "rel_ci": None, "significant": None,
-                "rel_significant": None, "positions": 0.0, "clusters": clusters, "unit": unit}
+        return {
+            "a": None,
+            "b": None,
+            "diff": None,
+            "diff_ci": None,
+            "rel": None,
+            "rel_ci": None,
+            "significant": None,
+            "rel_significant": None,
+            "positions": 0.0,
+            "clusters": clusters,
+            "unit": unit,
+        }
     diff = (sa - sb) / sw
     rel = (sa / sb - 1) if sb else None
-    out = {"a": sa / sw, "b": sb / sw, "diff": diff, "diff_ci": None, "rel": rel, "rel_ci": None, "significant": None,
-           "rel_significant": None, "positions": sw, "clusters": clusters, "unit": unit, "df": max(clusters - strata, 1)}
+    out = {
+        "a": sa / sw,
+        "b": sb / sw,
+        "diff": diff,
+        "diff_ci": None,
+        "rel": rel,
+        "rel_ci": None,
+        "significant": None,
+        "rel_significant": None,
+        "positions": sw,
+        "clusters": clusters,
+        "unit": unit,
+        "df": max(clusters - strata, 1),
+    }
     if few:
         return dict(out, why=few)
     ma, mb = draws[0] / draws[2], draws[1] / draws[2]
@@ -312,7 +365,7 @@ def fold_engine_noise(cmp: dict, noise: dict | None) -> dict:
         if sd:
             df_boot, df_noise = max(int(cmp.get("df") or 1), 1), max(int(noise.get("df") or 1), 1)
             v_boot, v_noise = ((ci[1] - ci[0]) / 2 / t975(df_boot)) ** 2, sd * sd
-            df = (v_boot + v_noise) ** 2 / (v_boot ** 2 / df_boot + v_noise ** 2 / df_noise)
+            df = (v_boot + v_noise) ** 2 / (v_boot**2 / df_boot + v_noise**2 / df_noise)
             half = t975(max(int(df), 1)) * math.sqrt(v_boot + v_noise)
             out[ci_key] = [x - half, x + half]
         out[flag] = excludes_zero(out[ci_key])
@@ -337,8 +390,9 @@ def engine_level_variance(blocks: list[float]) -> float:
     return math.pi / 2 * sigma * sigma / len(blocks)
 
 
-def decode_difference(variant: list[list[float]], reference: list[list[float]],
-                      extra_groups: list[list[list[float]]] = ()) -> dict:
+def decode_difference(
+    variant: list[list[float]], reference: list[list[float]], extra_groups: list[list[list[float]]] = ()
+) -> dict:
     """Relative decode-time difference of a variant from a reference (the build), with a 95 % interval.
 
     Each argument: per engine, the per-block ms/token that engine measured (a block = one timed generation). An
@@ -366,8 +420,14 @@ def decode_difference(variant: list[list[float]], reference: list[list[float]],
             between_ss += sum((x - mu) ** 2 for x in m)
             between_df += len(m) - 1
     if between_df == 0:
-        return {"rel": None, "rel_ci": None, "resolved": None, "engines": [len(variant), len(reference)], "df": 0,
-                "why": "no variant was timed on two engines: the engine-to-engine spread is unknown"}
+        return {
+            "rel": None,
+            "rel_ci": None,
+            "resolved": None,
+            "engines": [len(variant), len(reference)],
+            "df": 0,
+            "why": "no variant was timed on two engines: the engine-to-engine spread is unknown",
+        }
     # Var(one engine's level) = between-engine variance + within; the spread of engine levels estimates both together,
     # and the within part (averaged over engines) is its floor.
     within = [engine_level_variance(g) for g in groups if len(g) > 1]
@@ -377,6 +437,14 @@ def decode_difference(variant: list[list[float]], reference: list[list[float]],
     se = math.sqrt(engine_var / len(v) + engine_var / len(r))
     half = t975(between_df) * se
     rel, lo, hi = mv / mr - 1, (mv - half) / mr - 1, (mv + half) / mr - 1
-    return {"rel": rel, "rel_ci": [lo, hi], "resolved": bool(lo > 0 or hi < 0), "variant_ms": mv, "reference_ms": mr,
-            "engines": [len(v), len(r)], "df": between_df, "engine_sd_ms": math.sqrt(engine_var),
-            "engine_summary": "median of blocks"}
+    return {
+        "rel": rel,
+        "rel_ci": [lo, hi],
+        "resolved": bool(lo > 0 or hi < 0),
+        "variant_ms": mv,
+        "reference_ms": mr,
+        "engines": [len(v), len(r)],
+        "df": between_df,
+        "engine_sd_ms": math.sqrt(engine_var),
+        "engine_summary": "median of blocks",
+    }

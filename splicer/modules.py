@@ -99,8 +99,10 @@ def list_modules(ckpt: Checkpoint) -> dict[str, Module]:
             if packed:
                 if "weight" in plain:
                     # A restore would add a second `weight` beside this one: the output shard would name it twice.
-                    raise SplicerError(f"{ckpt.label}: module {name} holds both packed tensors ({sorted(packed)[0]}) and an "
-                                       "unquantized weight; the build is corrupt, re-export it")
+                    raise SplicerError(
+                        f"{ckpt.label}: module {name} holds both packed tensors ({sorted(packed)[0]}) and an "
+                        "unquantized weight; the build is corrupt, re-export it"
+                    )
                 modules[name] = _packed_module(ckpt, name, packed, plain, reader)
             elif "weight" in plain and len(plain["weight"].shape) == 2:
                 modules[name] = Module(name, arch.module_class(name), plain=plain, shape=tuple(plain["weight"].shape))
@@ -115,7 +117,12 @@ def list_modules(ckpt: Checkpoint) -> dict[str, Module]:
 def _gptq_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict) -> Module:
     """Shape, bits and group size of a GPTQ module from its tensors' shapes alone (its tensors checked by the caller)."""
     qw, qz, sc = packed["qweight"], packed["qzeros"], packed["scales"]
-    if any(len(t.shape) != 2 for t in (qw, qz, sc)) or qw.shape[1] != sc.shape[1] or qz.shape[0] != sc.shape[0] or sc.shape[1] == 0:
+    if (
+        any(len(t.shape) != 2 for t in (qw, qz, sc))
+        or qw.shape[1] != sc.shape[1]
+        or qz.shape[0] != sc.shape[0]
+        or sc.shape[1] == 0
+    ):
         raise SplicerError(f"{ckpt.label}: {name} has GPTQ tensors of inconsistent shapes; the build is corrupt")
     out_f = sc.shape[1]
     bits = qz.shape[1] * 32 // out_f if qz.shape[1] * 32 % out_f == 0 else None
@@ -123,29 +130,44 @@ def _gptq_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict) -> Modu
     group = in_f // sc.shape[0] if in_f and in_f % sc.shape[0] == 0 else None
     if not bits or not in_f:
         raise SplicerError(f"{ckpt.label}: {name}: cannot infer the bit width from qzeros {list(qz.shape)}; the build is corrupt")
-    return Module(name, ckpt.arch.module_class(name), packed=packed, plain=plain, shape=(out_f, in_f), bits=bits, group_size=group)
+    return Module(
+        name, ckpt.arch.module_class(name), packed=packed, plain=plain, shape=(out_f, in_f), bits=bits, group_size=group
+    )
 
 
 def _packed_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict, reader: _SmallReader) -> Module:
     qc = ckpt.quantization_config or {}
     layout = layout_for(qc.get("quant_method"), packed)
     if layout is None:
-        raise SplicerError(f"{ckpt.label}: module {name} has {sorted(packed)} but no quantized weight (weight_packed, qweight, "
-                           "or an fp8/int8 weight); the build is incomplete, re-export it")
+        raise SplicerError(
+            f"{ckpt.label}: module {name} has {sorted(packed)} but no quantized weight (weight_packed, qweight, "
+            "or an fp8/int8 weight); the build is incomplete, re-export it"
+        )
     method = str(qc.get("quant_method") or "")
     said = layout_method(method)
     if said in READ_QUANT_METHODS and layout.quant_method != said:
-        stored = {"gptq": "GPTQ or AWQ", "awq": "GPTQ or AWQ", "ct-pack": "compressed-tensors pack-quantized",
-                  "ct-nvfp4": "NVFP4", "ct-int": "INT8"}.get(layout.name, "FP8")
-        raise SplicerError(f"{ckpt.label}: module {name} is stored as {stored} ({', '.join(sorted(packed))}) but config.json "
-                           f"says quant_method {method!r}; the config does not belong to these shards")
+        stored = {
+            "gptq": "GPTQ or AWQ",
+            "awq": "GPTQ or AWQ",
+            "ct-pack": "compressed-tensors pack-quantized",
+            "ct-nvfp4": "NVFP4",
+            "ct-int": "INT8",
+        }.get(layout.name, "FP8")
+        raise SplicerError(
+            f"{ckpt.label}: module {name} is stored as {stored} ({', '.join(sorted(packed))}) but config.json "
+            f"says quant_method {method!r}; the config does not belong to these shards"
+        )
     for needed in layout.required:
         if needed not in packed:
-            raise SplicerError(f"{ckpt.label}: module {name} has {sorted(packed)} but no {needed}; the build is incomplete, re-export it")
+            raise SplicerError(
+                f"{ckpt.label}: module {name} has {sorted(packed)} but no {needed}; the build is incomplete, re-export it"
+            )
     stray = sorted(set(packed) - set(layout.suffixes))
     if stray:
-        raise SplicerError(f"{ckpt.label}: module {name} is stored as {layout.name} but also has {stray[0]}; "
-                           "the build mixes formats in one module, re-export it")
+        raise SplicerError(
+            f"{ckpt.label}: module {name} is stored as {layout.name} but also has {stray[0]}; "
+            "the build mixes formats in one module, re-export it"
+        )
     if layout.name == "gptq":
         m = _gptq_module(ckpt, name, packed, plain)
     elif layout.name == "awq":
@@ -165,26 +187,44 @@ def _packed_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict, reade
 def _awq_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict) -> Module:
     """AutoAWQ GEMM: qweight [K, N/8], qzeros [K/g, N/8], scales [K/g, N] (4-bit only)."""
     qw, qz, sc = packed["qweight"], packed["qzeros"], packed["scales"]
-    if (any(len(t.shape) != 2 for t in (qw, qz, sc)) or sc.shape[1] != qw.shape[1] * 8 or qz.shape != (sc.shape[0], qw.shape[1])
-            or sc.shape[0] == 0 or qw.shape[0] % sc.shape[0]):
+    if (
+        any(len(t.shape) != 2 for t in (qw, qz, sc))
+        or sc.shape[1] != qw.shape[1] * 8
+        or qz.shape != (sc.shape[0], qw.shape[1])
+        or sc.shape[0] == 0
+        or qw.shape[0] % sc.shape[0]
+    ):
         raise SplicerError(f"{ckpt.label}: {name} has AWQ tensors of inconsistent shapes; the build is corrupt")
     out_f, in_f = sc.shape[1], qw.shape[0]
-    return Module(name, ckpt.arch.module_class(name), packed=packed, plain=plain, shape=(out_f, in_f), bits=4,
-                  group_size=in_f // sc.shape[0])
+    return Module(
+        name,
+        ckpt.arch.module_class(name),
+        packed=packed,
+        plain=plain,
+        shape=(out_f, in_f),
+        bits=4,
+        group_size=in_f // sc.shape[0],
+    )
 
 
 def _ct_pack_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict, reader: _SmallReader) -> Module:
     ws = packed["weight_shape"]
     if ws.dtype not in ("I64", "I32") or ws.shape != (2,):
-        raise SplicerError(f"{ckpt.label}: {name}.weight_shape is {ws.dtype}{list(ws.shape)}, not an integer pair; the build is corrupt")
+        raise SplicerError(
+            f"{ckpt.label}: {name}.weight_shape is {ws.dtype}{list(ws.shape)}, not an integer pair; the build is corrupt"
+        )
     fmt = "<2q" if ws.dtype == "I64" else "<2i"
     out_f, in_f = struct.unpack(fmt, reader.read(ws))
     pk, sc = packed["weight_packed"], packed["weight_scale"]
     if len(pk.shape) != 2 or len(sc.shape) != 2 or pk.shape[0] != out_f or in_f <= 0 or sc.shape[1] == 0:
-        raise SplicerError(f"{ckpt.label}: {name} has packed tensors that do not fit weight_shape {[out_f, in_f]}; the build is corrupt")
+        raise SplicerError(
+            f"{ckpt.label}: {name} has packed tensors that do not fit weight_shape {[out_f, in_f]}; the build is corrupt"
+        )
     bits = pk.shape[1] * 32 // in_f if pk.shape[1] * 32 % in_f == 0 else None
     group = in_f // sc.shape[1] if in_f % sc.shape[1] == 0 else None
-    return Module(name, ckpt.arch.module_class(name), packed=packed, plain=plain, shape=(out_f, in_f), bits=bits, group_size=group)
+    return Module(
+        name, ckpt.arch.module_class(name), packed=packed, plain=plain, shape=(out_f, in_f), bits=bits, group_size=group
+    )
 
 
 def _nvfp4_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict) -> Module:
@@ -194,8 +234,16 @@ def _nvfp4_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict) -> Mod
         raise SplicerError(f"{ckpt.label}: {name} has NVFP4 tensors of inconsistent shapes or dtypes; the build is corrupt")
     out_f, in_f = pk.shape[0], pk.shape[1] * 2
     group = in_f // sc.shape[1] if in_f % sc.shape[1] == 0 else None
-    return Module(name, ckpt.arch.module_class(name), packed=packed, plain=plain, shape=(out_f, in_f), bits=4,
-                  group_size=group, scheme=f"nvfp4 g{group}")
+    return Module(
+        name,
+        ckpt.arch.module_class(name),
+        packed=packed,
+        plain=plain,
+        shape=(out_f, in_f),
+        bits=4,
+        group_size=group,
+        scheme=f"nvfp4 g{group}",
+    )
 
 
 def _weight_scale_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict, layout: str) -> Module:
@@ -207,11 +255,21 @@ def _weight_scale_module(ckpt: Checkpoint, name: str, packed: dict, plain: dict,
         raise SplicerError(f"{ckpt.label}: {name} has an {w.dtype} weight {list(w.shape)} without {names}; the build is corrupt")
     strategy = weight_scale_strategy(tuple(w.shape), tuple(scale.shape), config_block(ckpt.quantization_config))
     if strategy == "unknown":
-        raise SplicerError(f"{ckpt.label}: {name}'s scale {list(scale.shape)} fits no tensor, channel or block layout of its "
-                           f"weight {list(w.shape)}; the build is corrupt")
+        raise SplicerError(
+            f"{ckpt.label}: {name}'s scale {list(scale.shape)} fits no tensor, channel or block layout of its "
+            f"weight {list(w.shape)}; the build is corrupt"
+        )
     kind = "int8" if w.dtype == "I8" else "fp8"
-    return Module(name, ckpt.arch.module_class(name), packed=packed, plain=plain, shape=tuple(w.shape), bits=8,
-                  group_size=None, scheme=f"{kind} {strategy}")
+    return Module(
+        name,
+        ckpt.arch.module_class(name),
+        packed=packed,
+        plain=plain,
+        shape=tuple(w.shape),
+        bits=8,
+        group_size=None,
+        scheme=f"{kind} {strategy}",
+    )
 
 
 def _split_fused_experts(ckpt: Checkpoint, info: TensorInfo) -> list[Module]:
@@ -230,7 +288,9 @@ def _split_fused_experts(ckpt: Checkpoint, info: TensorInfo) -> list[Module]:
     out = []
     projs = dict(arch.fused_expert_shards)[which]
     if rows % len(projs):
-        raise SplicerError(f"{ckpt.label}: {info.name} stacks {len(projs)} projections but its dimension {rows} does not split evenly")
+        raise SplicerError(
+            f"{ckpt.label}: {info.name} stacks {len(projs)} projections but its dimension {rows} does not split evenly"
+        )
     part = rows // len(projs)
     for e in range(n_exp):
         base = info.start + e * per_expert
@@ -248,4 +308,3 @@ def weight_source(module: Module) -> tuple[str, tuple[int, int], ByteSource]:
         return info.dtype, shape, src
     w = module.plain["weight"]
     return w.dtype, tuple(w.shape), ByteSource(w.path, w.start, w.nbytes)
-

@@ -81,8 +81,9 @@ def _written_by_splicer(folder: Path, kind: OutputKind) -> bool:
     return isinstance(record, dict) and str(record.get("tool", "")).startswith("splicer")
 
 
-def check_output(out: Path, inputs: list[Path], kind: OutputKind, force: bool = False, recover: bool = False,
-                 own: tuple[Path, ...] = ()) -> Path:
+def check_output(
+    out: Path, inputs: list[Path], kind: OutputKind, force: bool = False, recover: bool = False, own: tuple[Path, ...] = ()
+) -> Path:
     """Refuse an output that would lose or change anything splicer did not write; returns OUT as an absolute path.
 
     Writes nothing. With recover (only while holding the output's lock), first puts back an OUT that a killed
@@ -102,8 +103,9 @@ def check_output(out: Path, inputs: list[Path], kind: OutputKind, force: bool = 
         if real == p or p in real.parents:
             raise SplicerError(f"-o {out} is inside an input folder ({p}); inputs are never modified, choose another -o")
         if real in p.parents:
-            raise SplicerError(f"-o {out} contains an input folder ({p}); an output may not hold the checkpoints it reads, "
-                               "choose another -o")
+            raise SplicerError(
+                f"-o {out} contains an input folder ({p}); an output may not hold the checkpoints it reads, choose another -o"
+            )
     old = sibling(out, OLD_SUFFIX)
     if recover and old.exists() and not out.exists() and _written_by_splicer(old, kind):
         os.rename(old, out)  # a --force run was killed between its two renames: put the old OUT back
@@ -114,14 +116,17 @@ def check_output(out: Path, inputs: list[Path], kind: OutputKind, force: bool = 
     if kind.resumable:
         leftovers = [p.name for p in out.iterdir() if p.name != ".lock" and p.resolve() not in mine]
         if leftovers and not _written_by_splicer(out, kind):
-            raise SplicerError(f"-o {out} holds files that {kind.command} did not write (no {kind.record}); "
-                               "choose a new or empty folder")
+            raise SplicerError(
+                f"-o {out} holds files that {kind.command} did not write (no {kind.record}); choose a new or empty folder"
+            )
         return out
     if not force:
         raise SplicerError(f"{out} exists; pass --force to replace it or choose another -o")
     if not _written_by_splicer(out, kind):
-        raise SplicerError(f"{out} exists and is not an output of {kind.command} (no {kind.record}); --force replaces "
-                           "only splicer's own outputs: remove it yourself or choose another -o")
+        raise SplicerError(
+            f"{out} exists and is not an output of {kind.command} (no {kind.record}); --force replaces "
+            "only splicer's own outputs: remove it yourself or choose another -o"
+        )
     return out
 
 
@@ -173,8 +178,9 @@ def exclusive(lock_path: Path, busy: str, in_place: bool = False):
 
 def lock_output(out: Path, kind: OutputKind):
     """The lock of one output: beside it, so that it exists before the output does and never lands inside it."""
-    return exclusive(sibling(out, LOCK_SUFFIX), f"another {kind.command} is writing to {out}; wait for it to finish "
-                                                f"or choose another -o")
+    return exclusive(
+        sibling(out, LOCK_SUFFIX), f"another {kind.command} is writing to {out}; wait for it to finish or choose another -o"
+    )
 
 
 def replace_dir(tmp: Path, out: Path, before_swap=None) -> None:
@@ -222,8 +228,9 @@ def cannot_write(e: OSError, path: Path) -> SplicerError:
     if e.errno == errno.ENOSPC:
         return SplicerError(f"cannot write {path}: no space left on its device; free space there and run again")
     if e.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
-        return SplicerError(f"cannot write {path} ({e.strerror}); copy the folder somewhere writable and run there, or "
-                            "ask its owner")
+        return SplicerError(
+            f"cannot write {path} ({e.strerror}); copy the folder somewhere writable and run there, or ask its owner"
+        )
     return SplicerError(f"cannot write {path} ({e.strerror or e.__class__.__name__}); check the folder and run again")
 
 
@@ -256,9 +263,11 @@ def write_json(path: Path, data) -> Path:
     try:
         text = json.dumps(data, indent=2, allow_nan=False, default=_path_text) + "\n"
     except ValueError:
-        raise SplicerError(f"{path} was not written: a value to store in it is not a finite number (a value in the "
-                           "results.json it was computed from too large to compute with, such as 1e308, or else a bug in "
-                           "splicer: please report it with that results.json)") from None
+        raise SplicerError(
+            f"{path} was not written: a value to store in it is not a finite number (a value in the "
+            "results.json it was computed from too large to compute with, such as 1e308, or else a bug in "
+            "splicer: please report it with that results.json)"
+        ) from None
     return write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 

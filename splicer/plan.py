@@ -40,7 +40,9 @@ class Row:
     def definition(self) -> dict:
         """The row as a plan file declares it, name aside: a rerun keeps this row's finished result only while its
         definition is unchanged (job.json's rows)."""
-        out = {k: v for k, v in (("restore", self.restore), ("keep", self.keep), ("checkpoint", self.checkpoint)) if v is not None}
+        out = {
+            k: v for k, v in (("restore", self.restore), ("keep", self.keep), ("checkpoint", self.checkpoint)) if v is not None
+        }
         if self.base:
             out["base"] = True
         if self.repeat:
@@ -116,12 +118,16 @@ def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
         path = plan_path(name_or_path)
         raw = path.read_bytes()
     except OSError as e:  # a folder named x.toml, no permission, a name too long for the filesystem
-        raise SplicerError(f"cannot read plan {str(name_or_path)[:80]!r} ({e.strerror or e.__class__.__name__}); "
-                           "pass a readable .toml file or a plan name from ablations/") from None
+        raise SplicerError(
+            f"cannot read plan {str(name_or_path)[:80]!r} ({e.strerror or e.__class__.__name__}); "
+            "pass a readable .toml file or a plan name from ablations/"
+        ) from None
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise SplicerError(f"plan {path} is not valid TOML ({str(e).splitlines()[0] if str(e) else e.__class__.__name__}); fix the file") from None
+        raise SplicerError(
+            f"plan {path} is not valid TOML ({str(e).splitlines()[0] if str(e) else e.__class__.__name__}); fix the file"
+        ) from None
     where = f"plan {path}"
     unknown = sorted(set(data) - PLAN_KEYS)
     if unknown:
@@ -157,7 +163,9 @@ def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
     for r in rows_raw:
         bad = sorted(set(r) - ROW_KEYS)
         if bad:
-            raise SplicerError(f"{where}: row {str(r.get('name'))[:40]!r} has unknown key {bad[0]!r}; allowed: {', '.join(sorted(ROW_KEYS))}")
+            raise SplicerError(
+                f"{where}: row {str(r.get('name'))[:40]!r} has unknown key {bad[0]!r}; allowed: {', '.join(sorted(ROW_KEYS))}"
+            )
         check_name(_get(r, "name"), where, "a row's name")
         name = r["name"]
         if name in seen:
@@ -178,11 +186,27 @@ def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
             for c in (entry_class(e) for e in r.get(key) or []):
                 if c not in classes:
                     raise SplicerError(f"{where}: row {name!r} names unknown class {c[:40]!r}; classes: {', '.join(classes)}")
-        rows.append(Row(name, r.get("restore"), r.get("keep"), bool(r.get("base", False)), bool(r.get("repeat", False)),
-                        r.get("checkpoint")))
+        rows.append(
+            Row(
+                name,
+                r.get("restore"),
+                r.get("keep"),
+                bool(r.get("base", False)),
+                bool(r.get("repeat", False)),
+                r.get("checkpoint"),
+            )
+        )
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-    return Plan(data.get("name", path.stem), data.get("description", ""), int(data.get("top_k", 20)), corpora, timing, rows,
-                str(path), digest)
+    return Plan(
+        data.get("name", path.stem),
+        data.get("description", ""),
+        int(data.get("top_k", 20)),
+        corpora,
+        timing,
+        rows,
+        str(path),
+        digest,
+    )
 
 
 def write_plan(out: Path, data: dict, header: str) -> Path:
@@ -232,9 +256,15 @@ class PlannedRow:
         return self.row.checkpoint
 
 
-def resolve_rows(plan: Plan, family: str, family_classes: tuple[str, ...], quantized: list[str],
-                 base_quantized: list[str], class_layers: dict[str, list[int]] | None = None,
-                 num_layers: int | None = None) -> tuple[list[PlannedRow], list[dict]]:
+def resolve_rows(
+    plan: Plan,
+    family: str,
+    family_classes: tuple[str, ...],
+    quantized: list[str],
+    base_quantized: list[str],
+    class_layers: dict[str, list[int]] | None = None,
+    num_layers: int | None = None,
+) -> tuple[list[PlannedRow], list[dict]]:
     """The plan's rows for one build: what each restores, and the rows skipped with their reason.
 
     Skipped: a row naming a class the family lacks, a row whose classes the build does not quantize, a row that needs
@@ -257,8 +287,11 @@ def resolve_rows(plan: Plan, family: str, family_classes: tuple[str, ...], quant
             continue
         restored = row.restored(quantized)
         if restored and class_layers is not None:
-            restored = list(dict.fromkeys(normalize_entry(e, class_layers, f"plan {plan.name}: row {row.name!r}", num_layers)
-                                          for e in restored))
+            restored = list(
+                dict.fromkeys(
+                    normalize_entry(e, class_layers, f"plan {plan.name}: row {row.name!r}", num_layers) for e in restored
+                )
+            )
         if restored is not None and row.restore and not restored:
             skipped.append({"name": row.name, "reason": f"{', '.join(row.restore)} not quantized in this build"})
             continue
@@ -273,4 +306,3 @@ def resolve_rows(plan: Plan, family: str, family_classes: tuple[str, ...], quant
         seen.setdefault(key, row.name)
         todo.append(PlannedRow(row, restored, seen[key]))
     return todo, skipped
-

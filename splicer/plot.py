@@ -79,8 +79,17 @@ def _points(results: dict) -> list[dict]:
             decode, iqr = sum(engines) / len(engines), [min(ends), max(ends)]
         else:
             decode, iqr = (engines[0], iqrs[0]) if timed else (None, None)
-        out.append({"name": own["name"], "restored": own.get("restored"), "size_gb": (own.get("size_bytes") or 0) / 1e9,
-                    "decode": decode, "decode_iqr": iqr, "engines": engines, "metrics": metrics})
+        out.append(
+            {
+                "name": own["name"],
+                "restored": own.get("restored"),
+                "size_gb": (own.get("size_bytes") or 0) / 1e9,
+                "decode": decode,
+                "decode_iqr": iqr,
+                "engines": engines,
+                "metrics": metrics,
+            }
+        )
     return out
 
 
@@ -94,8 +103,11 @@ def _predicted(folder: Path) -> tuple[list[dict], list[dict], str | None]:
         return [], [], None
     if not isinstance(record, dict):
         return [], [], None
-    return ([e for e in _list(record.get("front")) if _drawable(e)], [e for e in _list(record.get("verified")) if _drawable(e)],
-            record.get("cost") if record.get("cost") in ("decode", "size_gb") else None)
+    return (
+        [e for e in _list(record.get("front")) if _drawable(e)],
+        [e for e in _list(record.get("verified")) if _drawable(e)],
+        record.get("cost") if record.get("cost") in ("decode", "size_gb") else None,
+    )
 
 
 def _list(x) -> list:
@@ -109,13 +121,20 @@ def _pair(x) -> bool:
 def _drawable(e) -> bool:
     """A budget.json point the plot can draw (budget writes them so; a hand edit or an older splicer may not): KL per
     corpus as numbers 0 or more, intervals as number pairs, costs as numbers 0 or more or absent."""
-    if not isinstance(e, dict) or not isinstance(e.get("kl_by_corpus"), dict) or not all(finite_number(v) for v in e["kl_by_corpus"].values()):
+    if (
+        not isinstance(e, dict)
+        or not isinstance(e.get("kl_by_corpus"), dict)
+        or not all(finite_number(v) for v in e["kl_by_corpus"].values())
+    ):
         return False
     cis = e.get("kl_ci_by_corpus") or {}
-    return (isinstance(cis, dict) and all(_pair(v) for v in cis.values() if v is not None)
-            and all(e.get(k) is None or (finite_number(e[k]) and e[k] >= 0) for k in ("decode", "size_gb"))
-            and all(v >= 0 for v in e["kl_by_corpus"].values())
-            and (e.get("decode_ci") is None or _pair(e["decode_ci"])))
+    return (
+        isinstance(cis, dict)
+        and all(_pair(v) for v in cis.values() if v is not None)
+        and all(e.get(k) is None or (finite_number(e[k]) and e[k] >= 0) for k in ("decode", "size_gb"))
+        and all(v >= 0 for v in e["kl_by_corpus"].values())
+        and (e.get("decode_ci") is None or _pair(e["decode_ci"]))
+    )
 
 
 def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
@@ -129,8 +148,9 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
     folder = Path(folder)
     results = load_results(folder)
     points = _points(results)
-    corpora = [c for c in (results.get("corpora") or {}) if any(c in p["metrics"] for p in points)] or \
-        sorted({c for p in points for c in p["metrics"]})
+    corpora = [c for c in (results.get("corpora") or {}) if any(c in p["metrics"] for p in points)] or sorted(
+        {c for p in points for c in p["metrics"]}
+    )
     if not points or not corpora:
         raise SplicerError(f"{folder}/results.json has no scored variant yet; run the rows first")
     timed = [p for p in points if p["decode"] is not None]
@@ -149,8 +169,7 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
     width = 5.2 * len(corpora)
     key_lines = _key_lines(keyed, width)
     key_height = 0.14 * (len(key_lines) + 1) if key_lines else 0.0  # inches: 7 pt monospace lines and a margin
-    fig, axes = plt.subplots(len(axes_x), len(corpora), figsize=(width, 4.4 * len(axes_x) + key_height), squeeze=False,
-                             dpi=DPI)
+    fig, axes = plt.subplots(len(axes_x), len(corpora), figsize=(width, 4.4 * len(axes_x) + key_height), squeeze=False, dpi=DPI)
     panels = []  # (axes, [(x, y, label)], [(x, y, marker size)]) for the labels, placed once the layout is final
     for r, (key, label) in enumerate(axes_x):
         for c, corpus in enumerate(corpora):
@@ -161,8 +180,9 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
                 m = p["metrics"][corpus]
                 x, y = p[key], m["kl"]
                 xerr = _bar(x, p["decode_iqr"], cut) if key == "decode" else None
-                ax.errorbar([x], [y], yerr=_bar(y, m.get("kl_ci"), cut), xerr=xerr, fmt="o", ms=MEASURED_MS, capsize=2,
-                            lw=0.8, color="C0")
+                ax.errorbar(
+                    [x], [y], yerr=_bar(y, m.get("kl_ci"), cut), xerr=xerr, fmt="o", ms=MEASURED_MS, capsize=2, lw=0.8, color="C0"
+                )
                 marks.append((x, y, MEASURED_MS))
                 engines = len(p["engines"]) if key == "decode" else 1
                 if engines > 1:  # each engine's own figure
@@ -172,7 +192,9 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
             marks += _draw_predicted(ax, key, corpus, predicted, verified, by_row, key == cost, cut)
             front = pareto([(p[key], p["metrics"][corpus]["kl"], p["name"]) for p in pts])
             if len(front) > 1:
-                ax.step([f[0] for f in front], [f[1] for f in front], where="post", color="C3", lw=1, label="Pareto front (measured)")
+                ax.step(
+                    [f[0] for f in front], [f[1] for f in front], where="post", color="C3", lw=1, label="Pareto front (measured)"
+                )
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7, loc="best")
             ax.set_xlabel(label)
@@ -191,15 +213,19 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
         notes.append("bars cut at 0: a timing run's estimate or an interval reached below 0, as on a loaded machine")
     if keyed:
         notes.append(f"{', '.join(k[0] for k in keyed[:2])}{', ...' if len(keyed) > 2 else ''}: see the key below the plots")
-    fig.suptitle(f"{Path(str(build)).name or folder.name}: every variant against the base\n" + "\n".join(f"({n})" for n in notes),
-                 fontsize=9)
+    fig.suptitle(
+        f"{Path(str(build)).name or folder.name}: every variant against the base\n" + "\n".join(f"({n})" for n in notes),
+        fontsize=9,
+    )
     if key_lines:
         fig.text(0.01, 0.07 / fig.get_figheight(), "\n".join(key_lines), fontsize=7, va="bottom", family="monospace")
     fig.tight_layout(rect=(0, key_height / fig.get_figheight(), 1, 1))
     try:
         _place_labels(fig, panels)
-        written = [write_file(folder / f"{PLOT_STEM}.{ext}", lambda tmp, ext=ext: fig.savefig(tmp, dpi=DPI, format=ext))
-                   for ext in ("png", "svg")]
+        written = [
+            write_file(folder / f"{PLOT_STEM}.{ext}", lambda tmp, ext=ext: fig.savefig(tmp, dpi=DPI, format=ext))
+            for ext in ("png", "svg")
+        ]
     finally:
         plt.close(fig)
     if link(folder):
@@ -245,9 +271,11 @@ def _place_labels(fig, panels: list) -> None:
     for ax, anchors, marks in panels:
         ax.set_xlim(ax.get_xlim())  # the labels added below must not move the limits the layout was drawn with
         ax.set_ylim(ax.get_ylim())
-        blocked = [(cx - r, cy - r, cx + r, cy + r) for (cx, cy), (_, _, ms) in
-                   zip(ax.transData.transform([(x, y) for x, y, _ in marks]).reshape(-1, 2), marks)
-                   for r in [ms * pt / 2 + pad]]
+        blocked = [
+            (cx - r, cy - r, cx + r, cy + r)
+            for (cx, cy), (_, _, ms) in zip(ax.transData.transform([(x, y) for x, y, _ in marks]).reshape(-1, 2), marks)
+            for r in [ms * pt / 2 + pad]
+        ]
         legend = ax.get_legend()
         if legend is not None:  # pinned where "best" put it, so that a redraw does not move it onto a label
             box = legend.get_window_extent(renderer)
@@ -268,12 +296,22 @@ def _place_labels(fig, panels: list) -> None:
             probe.remove()
             taken = np.array(blocked + placed).reshape(-1, 4)
             around = (taken[:, 0] <= cx) & (cx <= taken[:, 2]) & (taken[:, 1] <= cy) & (cy <= taken[:, 3])
-            spot, ring = _free_spot((cx, cy), ext, sides, taken, frame, MEASURED_MS * pt / 2 + 2 * pt, ink,
-                                    taken[~around])  # its leader line may start under its own marker, no other
+            spot, ring = _free_spot(
+                (cx, cy), ext, sides, taken, frame, MEASURED_MS * pt / 2 + 2 * pt, ink, taken[~around]
+            )  # its leader line may start under its own marker, no other
             arrow = dict(arrowstyle="-", lw=0.5, color="0.45", shrinkA=1, shrinkB=MEASURED_MS / 2) if ring else None
-            ax.annotate(text, (x, y), textcoords="offset points", xytext=((spot[0] - cx) / pt, (spot[1] - cy) / pt),
-                        ha="center", va="center", fontsize=7, arrowprops=arrow, annotation_clip=False,
-                        bbox=dict(boxstyle="square,pad=0.12", fc="white", ec="none", alpha=0.75))
+            ax.annotate(
+                text,
+                (x, y),
+                textcoords="offset points",
+                xytext=((spot[0] - cx) / pt, (spot[1] - cy) / pt),
+                ha="center",
+                va="center",
+                fontsize=7,
+                arrowprops=arrow,
+                annotation_clip=False,
+                bbox=dict(boxstyle="square,pad=0.12", fc="white", ec="none", alpha=0.75),
+            )
             placed.append(tuple(ext + np.array([spot[0], spot[1], spot[0], spot[1]])))
             if ring:
                 ink.add_segment((cx, cy), spot)
@@ -329,8 +367,12 @@ class _LineInk:
 
 def _overlapping(boxes, others):
     """Per box (rows of x0, y0, x1, y1): whether it overlaps any of `others`."""
-    return ((boxes[:, None, 0] < others[None, :, 2]) & (others[None, :, 0] < boxes[:, None, 2])
-            & (boxes[:, None, 1] < others[None, :, 3]) & (others[None, :, 1] < boxes[:, None, 3])).any(axis=1)
+    return (
+        (boxes[:, None, 0] < others[None, :, 2])
+        & (others[None, :, 0] < boxes[:, None, 2])
+        & (boxes[:, None, 1] < others[None, :, 3])
+        & (others[None, :, 1] < boxes[:, None, 3])
+    ).any(axis=1)
 
 
 def _free_spot(point, ext, sides: list, blocked, frame, gap: float, ink: _LineInk, crossed):
@@ -353,7 +395,9 @@ def _free_spot(point, ext, sides: list, blocked, frame, gap: float, ink: _LineIn
             boxes = np.hstack([centres + ext[:2], centres + ext[2:]])
             free = ~_overlapping(boxes, blocked)
             if inside:
-                free &= (boxes[:, 0] >= frame[0]) & (boxes[:, 1] >= frame[1]) & (boxes[:, 2] <= frame[2]) & (boxes[:, 3] <= frame[3])
+                free &= (
+                    (boxes[:, 0] >= frame[0]) & (boxes[:, 1] >= frame[1]) & (boxes[:, 2] <= frame[2]) & (boxes[:, 3] <= frame[3])
+                )
             if not free.any():
                 continue
             if first is None:
@@ -384,8 +428,9 @@ def _bar(x: float, span, cut: list) -> list | None:
     return [[x - lo], [hi - x]]
 
 
-def _draw_predicted(ax, key: str, corpus: str, front: list[dict], verified: list[dict], by_row: dict,
-                    front_line: bool, cut: list) -> list[tuple]:
+def _draw_predicted(
+    ax, key: str, corpus: str, front: list[dict], verified: list[dict], by_row: dict, front_line: bool, cut: list
+) -> list[tuple]:
     """The budget's predicted front (hollow squares with their KL and decode intervals, joined by a dashed line on the
     panels of the cost it was searched against) and a line from each verified prediction to its measured row; returns
     the markers drawn, (x, y, size), for the labels to keep off."""
@@ -393,16 +438,30 @@ def _draw_predicted(ax, key: str, corpus: str, front: list[dict], verified: list
     marks = [(x, y, PREDICTED_MS) for x, y, _ in pts]
     if pts:
         pts.sort(key=lambda t: t[0])
-        ax.plot([t[0] for t in pts], [t[1] for t in pts], ls="--" if front_line else "none", lw=0.8, color="C1",
-                marker="s", ms=PREDICTED_MS - 1, mfc="none",
-                label="predicted front (budget)" if front_line else "predicted front points (budget)")
+        ax.plot(
+            [t[0] for t in pts],
+            [t[1] for t in pts],
+            ls="--" if front_line else "none",
+            lw=0.8,
+            color="C1",
+            marker="s",
+            ms=PREDICTED_MS - 1,
+            mfc="none",
+            label="predicted front (budget)" if front_line else "predicted front points (budget)",
+        )
         for x, y, e in pts:
             xerr = _bar(x, e.get("decode_ci"), cut) if key == "decode" else None
             yerr = _bar(y, (e.get("kl_ci_by_corpus") or {}).get(corpus), cut)
             ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="s", ms=PREDICTED_MS - 1, mfc="none", color="C1", capsize=2, lw=0.6)
     for e in verified:
         row = by_row.get(e.get("row"))
-        if row is None or e.get(key) is None or corpus not in e["kl_by_corpus"] or row.get(key) is None or corpus not in row["metrics"]:
+        if (
+            row is None
+            or e.get(key) is None
+            or corpus not in e["kl_by_corpus"]
+            or row.get(key) is None
+            or corpus not in row["metrics"]
+        ):
             continue
         x, y = e[key], e["kl_by_corpus"][corpus]
         ax.plot([x, row[key]], [y, row["metrics"][corpus]["kl"]], color="C1", lw=0.8)

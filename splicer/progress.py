@@ -37,8 +37,10 @@ class Stages:
             yield
         except BaseException as e:
             # A refusal is said once, in the CLI's one error line; the log keeps where it happened.
-            self.line(f"{name}: stopped after {time.perf_counter() - t0:.1f} s ({e.__class__.__name__}: {e})",
-                      log_only=isinstance(e, SplicerError))
+            self.line(
+                f"{name}: stopped after {time.perf_counter() - t0:.1f} s ({e.__class__.__name__}: {e})",
+                log_only=isinstance(e, SplicerError),
+            )
             raise
         self.line(f"{name}: done in {time.perf_counter() - t0:.1f} s")
 

@@ -22,8 +22,20 @@ PACK_QUANTIZED = "pack-quantized"
 # compressed-tensors' presets a fixture build can use without calibration data (model_free_ptq takes the same ones).
 PRESETS = ("W4A16", "W8A16", "W8A8", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16")
 # QuantizationArgs fields that compressed-tensors 0.17 (pinned by vLLM 0.26) and 0.20 both accept.
-ARG_FIELDS = ("num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
-              "scale_dtype", "zp_dtype", "observer", "observer_kwargs")
+ARG_FIELDS = (
+    "num_bits",
+    "type",
+    "symmetric",
+    "group_size",
+    "strategy",
+    "block_structure",
+    "dynamic",
+    "actorder",
+    "scale_dtype",
+    "zp_dtype",
+    "observer",
+    "observer_kwargs",
+)
 
 
 def make_scheme(bits: int, group_size: int, symmetric: bool = True, targets=("Linear",)) -> QuantizationScheme:
@@ -47,27 +59,39 @@ def _args(d: dict | None) -> QuantizationArgs | None:
 
 def scheme_from_group(group: dict) -> QuantizationScheme:
     """A config group (as a dict) -> scheme, keeping only the fields every supported version accepts."""
-    return QuantizationScheme(targets=list(group.get("targets") or ["Linear"]), weights=_args(group.get("weights")),
-                              input_activations=_args(group.get("input_activations")), format=group.get("format"))
+    return QuantizationScheme(
+        targets=list(group.get("targets") or ["Linear"]),
+        weights=_args(group.get("weights")),
+        input_activations=_args(group.get("input_activations")),
+        format=group.get("format"),
+    )
 
 
 def config_group(scheme: QuantizationScheme) -> dict:
     """A scheme as a config group that compressed-tensors 0.17 reads back (the fields both versions share)."""
+
     def dump(args):
         if args is None:
             return None
         d = args.model_dump(mode="json")
         return {k: d[k] for k in ARG_FIELDS if d.get(k) is not None}
-    return {"format": scheme.format, "input_activations": dump(scheme.input_activations), "output_activations": None,
-            "targets": list(scheme.targets), "weights": dump(scheme.weights)}
+
+    return {
+        "format": scheme.format,
+        "input_activations": dump(scheme.input_activations),
+        "output_activations": None,
+        "targets": list(scheme.targets),
+        "weights": dump(scheme.weights),
+    }
 
 
 def native_fp8_scheme(weight_block_size=None) -> QuantizationScheme:
     """The compressed-tensors scheme a native FP8 checkpoint (`quant_method: fp8`) is equivalent to: e4m3 weights with
     one scale per weight_block_size block (DeepSeek-V3, Qwen *-FP8: [128, 128]), or per tensor without it."""
     block = list(weight_block_size) if weight_block_size else None
-    args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block" if block else "tensor",
-                            block_structure=block)
+    args = QuantizationArgs(
+        num_bits=8, type="float", symmetric=True, strategy="block" if block else "tensor", block_structure=block
+    )
     return QuantizationScheme(targets=["Linear"], weights=args, format="float-quantized")
 
 
@@ -109,7 +133,9 @@ def _min_max(weight: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor
     raise ValueError(f"weight strategy {strategy!r} is not supported")
 
 
-def quantize_weight(weight: torch.Tensor, scheme: QuantizationScheme, global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def quantize_weight(
+    weight: torch.Tensor, scheme: QuantizationScheme, global_scale: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Round-to-nearest quantization of a 2-D weight in the scheme's format; returns the tensors a checkpoint stores
     for the module (weight_packed/weight/weight_scale/weight_shape/weight_zero_point/weight_global_scale).
     global_scale: NVFP4's, shared by the shards of a fused group (default: this weight's own)."""
@@ -146,10 +172,17 @@ def dequantize_module(tensors: dict[str, torch.Tensor], scheme: QuantizationSche
 
         packed = tensors["weight_packed"]
         x_q = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2)
-        w = dequantize(x_q=x_q, scale=scale.to(x_q.dtype), args=args, global_scale=tensors["weight_global_scale"], dtype=x_q.dtype)
+        w = dequantize(
+            x_q=x_q, scale=scale.to(x_q.dtype), args=args, global_scale=tensors["weight_global_scale"], dtype=x_q.dtype
+        )
         return w.to(dtype)
     if fmt in ("float-quantized", "int-quantized", "naive-quantized"):
-        w = dequantize(x_q=tensors["weight"], scale=scale.float(), zero_point=tensors.get("weight_zero_point"), args=args,
-                       dtype=torch.float32)
+        w = dequantize(
+            x_q=tensors["weight"],
+            scale=scale.float(),
+            zero_point=tensors.get("weight_zero_point"),
+            args=args,
+            dtype=torch.float32,
+        )
         return w.to(dtype)
     raise ValueError(f"compressed-tensors format {fmt!r} is not supported")

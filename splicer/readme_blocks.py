@@ -44,10 +44,14 @@ def blocks(text: str, where: str = "") -> list[dict]:
         try:
             args = shlex.split(m.group("args"))
         except ValueError as e:
-            raise SplicerError(f"{where}:{line}: the block's command cannot be read ({e}); write it as on a command line") from None
+            raise SplicerError(
+                f"{where}:{line}: the block's command cannot be read ({e}); write it as on a command line"
+            ) from None
         if not args or args[0] not in COMMANDS or len(args) < 2:
-            raise SplicerError(f"{where}:{line}: block command {m.group('args')!r}: a block runs one of "
-                               f"{', '.join(COMMANDS)} followed by a results folder")
+            raise SplicerError(
+                f"{where}:{line}: block command {m.group('args')!r}: a block runs one of "
+                f"{', '.join(COMMANDS)} followed by a results folder"
+            )
         out.append({"args": args, "start": m.end(), "end": end, "line": line})
         pos = end + len(END)
     return out
@@ -74,7 +78,7 @@ def regenerate(text: str, folder: Path, where: str = "") -> str:
     """TEXT with every block's content replaced by its command's output now."""
     parts, pos = [], 0
     for b in blocks(text, where):
-        parts += [text[pos:b["start"]], command_output(b["args"], folder)]
+        parts += [text[pos : b["start"]], command_output(b["args"], folder)]
         pos = b["end"]
     return "".join(parts) + text[pos:]
 
@@ -86,8 +90,11 @@ def stale_blocks(path: Path) -> list[str]:
     if fresh == text:
         return []
     old, new = blocks(text, str(path)), blocks(fresh, str(path))
-    return [f"{path}:{a['line']}: block `splicer {shlex.join(a['args'])}` differs from the command's output"
-            for a, b in zip(old, new) if text[a["start"]:a["end"]] != fresh[b["start"]:b["end"]]]
+    return [
+        f"{path}:{a['line']}: block `splicer {shlex.join(a['args'])}` differs from the command's output"
+        for a, b in zip(old, new)
+        if text[a["start"] : a["end"]] != fresh[b["start"] : b["end"]]
+    ]
 
 
 def update(path: Path) -> bool:

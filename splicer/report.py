@@ -53,27 +53,37 @@ def findings(results: dict) -> list[str]:
     engines = (results.get("verdicts") or {}).get("build_engines")
     if build:
         kl = pooled_kl(build)
-        out.append(f"build: KL {kl:.4f} nats per position pooled over corpora (position-weighted; a chat prefix shared "
-                   "with an earlier conversation counted once).")
+        out.append(
+            f"build: KL {kl:.4f} nats per position pooled over corpora (position-weighted; a chat prefix shared "
+            "with an earlier conversation counted once)."
+        )
         if (results.get("verdicts") or {}).get("method"):
             out.append(f"Score differences against the build: {noise_text(results)}.")
     if engines and engines.get("by_gpu"):
-        out.append(f"The build on {engines['engines']} engines ({_level(engines)}), each row compared with "
-                   f"the build on its own GPU: {per_gpu_engines_text(engines)}.")
+        out.append(
+            f"The build on {engines['engines']} engines ({_level(engines)}), each row compared with "
+            f"the build on its own GPU: {per_gpu_engines_text(engines)}."
+        )
     elif engines:
         ms = engine_means_text(engines)
-        out.append(f"The build on {engines['engines']} engines: {ms} ms/token ({_level(engines)}); largest "
-                   f"difference between two of them {100 * engines['spread']:.2f} %.")
+        out.append(
+            f"The build on {engines['engines']} engines: {ms} ms/token ({_level(engines)}); largest "
+            f"difference between two of them {100 * engines['spread']:.2f} %."
+        )
     for v in variants:
         if v["name"] == "build" or v.get("repeat_of"):
             continue
         vs = v.get("vs_build") or {}
-        clauses = [c for c in (
-            _score_clause((vs.get("kl") or {}).get("pooled"), "ΔKL", 100, " % of the build's KL", rel=True),
-            _score_clause((vs.get("top1") or {}).get("pooled"), "Δtop-1", 100, " pp", rel=False),
-            _score_clause((vs.get("dnll") or {}).get("pooled"), "ΔdNLL", 1, " nats/token", rel=False, digits=4),
-            _decode_clause(v.get("decode_vs_build")),
-        ) if c]
+        clauses = [
+            c
+            for c in (
+                _score_clause((vs.get("kl") or {}).get("pooled"), "ΔKL", 100, " % of the build's KL", rel=True),
+                _score_clause((vs.get("top1") or {}).get("pooled"), "Δtop-1", 100, " pp", rel=False),
+                _score_clause((vs.get("dnll") or {}).get("pooled"), "ΔdNLL", 1, " nats/token", rel=False, digits=4),
+                _decode_clause(v.get("decode_vs_build")),
+            )
+            if c
+        ]
         if build and v.get("size_bytes") is not None and build.get("size_bytes") is not None:
             clauses.append(f"size {(v['size_bytes'] - build['size_bytes']) / 1e9:+.3f} GB")
         if v["restored"] == "checkpoint":
@@ -89,13 +99,18 @@ def findings(results: dict) -> list[str]:
         out.append(f"{s['name']}: skipped ({s['reason']}).")
     nf = results.get("noise_floor") or {}
     if nf:
-        out.append("Noise floor (the base scored again as the rows are): " + "; ".join(
-            f"{c} KL {m['kl']:.4f}, top-1 {100 * m['top1']:.1f} %" for c, m in nf.items()) + ".")
+        out.append(
+            "Noise floor (the base scored again as the rows are): "
+            + "; ".join(f"{c} KL {m['kl']:.4f}, top-1 {100 * m['top1']:.1f} %" for c, m in nf.items())
+            + "."
+        )
     runs = results.get("runs") or []
     if runs and runs[-1].get("elapsed_s") is not None:
         last = runs[-1]
-        out.append(f"This run: {len(last.get('rows_run', []))} rows in {last['elapsed_s']:.0f} s wall"
-                   + (" (finished)." if last.get("finished") else " (not finished)."))
+        out.append(
+            f"This run: {len(last.get('rows_run', []))} rows in {last['elapsed_s']:.0f} s wall"
+            + (" (finished)." if last.get("finished") else " (not finished).")
+        )
     return out
 
 

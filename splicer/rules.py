@@ -59,14 +59,18 @@ def validate_regexes(qc: dict, label: str) -> None:
             re.compile(key[2:] if key[:2] in ("-:", "+:") else key)
         except re.error as e:
             raise SplicerError(f"{label}: dynamic rule {key[:60]!r} is not a valid regex ({e}); fix config.json") from None
-    for entry in list(qc.get("ignore") or []) + [t for g in (qc.get("config_groups") or {}).values() for t in g.get("targets", [])]:
+    for entry in list(qc.get("ignore") or []) + [
+        t for g in (qc.get("config_groups") or {}).values() for t in g.get("targets", [])
+    ]:
         if not isinstance(entry, str):
             raise SplicerError(f"{label}: quantization_config has a non-string ignore/target entry {entry!r}; fix config.json")
         if entry.startswith("re:"):
             try:
                 re.compile(entry[3:])
             except re.error as e:
-                raise SplicerError(f"{label}: quantization_config entry {entry!r} is not a valid regex ({e}); fix config.json") from None
+                raise SplicerError(
+                    f"{label}: quantization_config entry {entry!r} is not a valid regex ({e}); fix config.json"
+                ) from None
 
 
 class Entries:
@@ -136,7 +140,7 @@ class VllmReader:
 
     def _name_target(self, name: str) -> str | None:
         for g, t, p in self.name_targets:
-            if (p.match(name) if p is not None else t == name):
+            if p.match(name) if p is not None else t == name:
                 return g
         return None
 
@@ -178,7 +182,9 @@ class VllmReader:
                 for s in shards:
                     per_proj.append(None if self._ignored(s) else self._match_target(s, layer.class_names, [s]))
                 if len(set(per_proj)) > 1:
-                    raise ValueError(f"All MoE projections need to have same quantization scheme ({layer.name}: expert 0 gate/up/down read as {per_proj})")
+                    raise ValueError(
+                        f"All MoE projections need to have same quantization scheme ({layer.name}: expert 0 gate/up/down read as {per_proj})"
+                    )
                 reading = Reading(per_proj[0])
             elif self._should_ignore_layer(layer, shards):
                 reading = Reading(None)
@@ -289,8 +295,20 @@ def skip_list_keys(qc: dict) -> list[str]:
     An empty ignored_layers beside a full modules_to_not_convert is not one of them: filling it would hide the other
     list from vLLM."""
     if qc.get("quant_method") == "fp8":
-        vllm_key = "ignored_layers" if qc.get("ignored_layers") else "modules_to_not_convert" if qc.get("modules_to_not_convert") else None
-        hf_key = "modules_to_not_convert" if qc.get("modules_to_not_convert") is not None else "ignored_layers" if qc.get("ignored_layers") is not None else None
+        vllm_key = (
+            "ignored_layers"
+            if qc.get("ignored_layers")
+            else "modules_to_not_convert"
+            if qc.get("modules_to_not_convert")
+            else None
+        )
+        hf_key = (
+            "modules_to_not_convert"
+            if qc.get("modules_to_not_convert") is not None
+            else "ignored_layers"
+            if qc.get("ignored_layers") is not None
+            else None
+        )
         keys = [k for k in ("ignored_layers", "modules_to_not_convert") if k in (vllm_key, hf_key)]
         return keys or ["modules_to_not_convert"]
     return ["modules_to_not_convert"]
@@ -317,8 +335,10 @@ def hf_should_skip(name: str, patterns: list[str]) -> bool:
     return any(re.match(rf"(?:{p}){boundary}", name) or name.endswith(p) for p in patterns)
 
 
-AWQ_HF_EXPERTS = ("transformers 5 replaces only nn.Linear modules with AWQ ones (integrations/awq.py), so it cannot load "
-                  "routed experts stored as AWQ (vLLM can)")
+AWQ_HF_EXPERTS = (
+    "transformers 5 replaces only nn.Linear modules with AWQ ones (integrations/awq.py), so it cannot load "
+    "routed experts stored as AWQ (vLLM can)"
+)
 
 
 class SkipListHfReader:
@@ -409,8 +429,9 @@ class SkipListVllmReader:
         return self._cache[layer.name]
 
 
-def _check_skip_list(modules: dict[str, Module], qc: dict, arch: Architecture, report: Report,
-                     tensor_dtypes: dict[str, str] | None = None) -> Report:
+def _check_skip_list(
+    modules: dict[str, Module], qc: dict, arch: Architecture, report: Report, tensor_dtypes: dict[str, str] | None = None
+) -> Report:
     hr, vr = SkipListHfReader(qc, arch), SkipListVllmReader(qc, arch, modules, tensor_dtypes)
     for name in sorted(modules):
         report.hf[name] = hr.reading(modules[name])
@@ -419,8 +440,12 @@ def _check_skip_list(modules: dict[str, Module], qc: dict, arch: Architecture, r
     _fused_on_disk(modules, arch, report)
     hf_list, vllm_list = skip_lists(qc)
     if qc.get("quant_method") == "fp8" and hf_list is not None and list(hf_list) != vllm_list:
-        report.add("skip-lists-differ", "hf+vllm", "ignored_layers and modules_to_not_convert differ: vLLM reads "
-                   "ignored_layers, transformers modules_to_not_convert; keep one list")
+        report.add(
+            "skip-lists-differ",
+            "hf+vllm",
+            "ignored_layers and modules_to_not_convert differ: vLLM reads "
+            "ignored_layers, transformers modules_to_not_convert; keep one list",
+        )
     report.dead_ignore["hf"] = [e for e in hf_list or [] if not any(hf_should_skip(t, [e]) for t in hr.tested)]
     if qc.get("quant_method") != "awq" or qc.get("modules_to_not_convert"):
         report.dead_ignore["vllm"] = [e for e in vllm_list if not vr.entry_live(arch.vllm_rename_entry(e))]
@@ -431,20 +456,27 @@ def _check_skip_list(modules: dict[str, Module], qc: dict, arch: Architecture, r
     if wrong:
         report.add("scheme-mismatch", "hf", f"{wrong.name}: config says {skip_list_scheme(qc)}, tensors are {wrong.scheme}")
     if qc.get("quant_method") == "awq" and ("bits" not in qc or "group_size" not in qc):
-        report.notes.append("transformers' AwqConfig reads bits and group_size only (defaults 4 and 128), not w_bit / "
-                            "q_group_size, which vLLM also reads; write both spellings for transformers")
+        report.notes.append(
+            "transformers' AwqConfig reads bits and group_size only (defaults 4 and 128), not w_bit / "
+            "q_group_size, which vLLM also reads; write both spellings for transformers"
+        )
     if qc.get("quant_method") == "fp8" and not qc.get("weight_block_size"):
-        report.notes.append("transformers' FineGrainedFP8 loader assumes 128x128 blocks (weight_scale_inv): it cannot load "
-                            "this per-tensor FP8 build; vLLM can")
+        report.notes.append(
+            "transformers' FineGrainedFP8 loader assumes 128x128 blocks (weight_scale_inv): it cannot load "
+            "this per-tensor FP8 build; vLLM can"
+        )
     return report
 
 
-def _record_dead(report: Report, entries: list[tuple[str, str, str]], hf_names: set[str], vllm_names: set[str], what: str) -> None:
+def _record_dead(
+    report: Report, entries: list[tuple[str, str, str]], hf_names: set[str], vllm_names: set[str], what: str
+) -> None:
     """Entries (raw, as HF reads it, as vLLM reads it; `re:` or exact) that match no module name a reader tests.
 
     An entry only vLLM skips (e.g. mlp.gate, which vLLM never quantizes) is still needed by the HF-side reader;
     one that neither reader uses is dead weight (seed 000 shipped 60).
     """
+
     def matches(entry: str, names: set[str]) -> bool:
         if not entry.startswith("re:"):
             return entry in names
@@ -481,7 +513,11 @@ def _fused_on_disk(modules: dict[str, Module], arch: Architecture, report: Repor
         kinds = {(m.quantized, m.scheme) for m in ms}
         if len(kinds) > 1:
             q = sorted(m.name.rsplit(".", 1)[-1] for m in ms if m.quantized)
-            report.add("fused-shards-disagree", "disk", f"{unit}: {len([m for m in ms if m.quantized])} of {len(ms)} shards packed ({', '.join(q[:3])}...) with {sorted(kinds, key=str)}")
+            report.add(
+                "fused-shards-disagree",
+                "disk",
+                f"{unit}: {len([m for m in ms if m.quantized])} of {len(ms)} shards packed ({', '.join(q[:3])}...) with {sorted(kinds, key=str)}",
+            )
 
 
 def _check_gptq(modules: dict[str, Module], qc: dict, arch: Architecture, report: Report) -> Report:
@@ -527,8 +563,10 @@ def check(modules: dict[str, Module], qc: dict | None, arch: Architecture, tenso
             continue
         first = next((g for g, ts in _groups(qc) if any(match_name(n, t) or t == CLASS_TARGET_HF for t in ts)), None)
         if first != r.group:
-            report.notes.append(f"{n}: loaders use {r.group}, but compressed-tensors' model-free dequantizer takes {first} "
-                                f"(first group in file order); put {r.group} first for model-free tools")
+            report.notes.append(
+                f"{n}: loaders use {r.group}, but compressed-tensors' model-free dequantizer takes {first} "
+                f"(first group in file order); put {r.group} first for model-free tools"
+            )
     # Each group's scheme against the tensors it claims.
     for n, r in report.hf.items():
         m = modules[n]

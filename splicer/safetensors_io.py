@@ -24,10 +24,22 @@ from typing import BinaryIO
 from .errors import SplicerError
 
 DTYPE_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 # A real header is a few MB at most (92k tensors in the 35B build ~ 10 MB); refuse
 # anything larger before reading it, so a crafted file cannot make us allocate GBs.
@@ -120,8 +132,10 @@ def read_header(path: Path) -> ShardHeader:
             break
         covered, pos = e, e
     if covered != size - data_start:
-        raise SplicerError(f"{path}: its header covers {covered} of the {size - data_start} data bytes (a gap or bytes "
-                           "appended after the tensors); the shard is corrupt, re-download it")
+        raise SplicerError(
+            f"{path}: its header covers {covered} of the {size - data_start} data bytes (a gap or bytes "
+            "appended after the tensors); the shard is corrupt, re-download it"
+        )
     return ShardHeader(path, raw, tensors, {str(k): str(v) for k, v in metadata.items()})
 
 
@@ -132,9 +146,15 @@ def _is_int(x) -> bool:
 def _valid_entry(spec) -> bool:
     """A tensor entry as safetensors writes it: a dtype string, a shape of ints, two int offsets (never floats,
     which int() would silently truncate)."""
-    return (isinstance(spec, dict) and isinstance(spec.get("dtype"), str) and isinstance(spec.get("shape"), list)
-            and all(_is_int(d) for d in spec["shape"]) and isinstance(spec.get("data_offsets"), list)
-            and len(spec["data_offsets"]) == 2 and all(_is_int(x) for x in spec["data_offsets"]))
+    return (
+        isinstance(spec, dict)
+        and isinstance(spec.get("dtype"), str)
+        and isinstance(spec.get("shape"), list)
+        and all(_is_int(d) for d in spec["shape"])
+        and isinstance(spec.get("data_offsets"), list)
+        and len(spec["data_offsets"]) == 2
+        and all(_is_int(x) for x in spec["data_offsets"])
+    )
 
 
 def headers_digest(headers: Iterable[ShardHeader]) -> str:

@@ -66,8 +66,10 @@ def layer_numbers(text: str, where: str, num_layers: int | None = None, mtp_laye
         for end in (m.group(1), m.group(2) or m.group(1)):
             # Longer than any layer number: out of range without converting it (int() of a huge string is slow).
             if have is not None and mtp_layer is not None and len(end.lstrip("0")) <= 9 and int(end) == mtp_layer:
-                raise SplicerError(f"{where}: layer {mtp_layer} is the MTP head, stored as one more decoder layer; restore "
-                                   f"it whole with --restore mtp (--layers selects decoder layers 0-{num_layers - 1})")
+                raise SplicerError(
+                    f"{where}: layer {mtp_layer} is the MTP head, stored as one more decoder layer; restore "
+                    f"it whole with --restore mtp (--layers selects decoder layers 0-{num_layers - 1})"
+                )
             if have is not None and (len(end.lstrip("0")) > 9 or int(end) >= num_layers):
                 raise SplicerError(f"{where}: layer {clip(end, 12)[1:-1]} is out of range; {have}")
             ends.append(int(end))
@@ -83,21 +85,24 @@ def layer_numbers(text: str, where: str, num_layers: int | None = None, mtp_laye
     return sorted(out)
 
 
-def entry_layers(cls: str, text: str, have: list[int], where: str, num_layers: int | None = None,
-                 mtp_layer: int | None = None) -> set[int]:
+def entry_layers(
+    cls: str, text: str, have: list[int], where: str, num_layers: int | None = None, mtp_layer: int | None = None
+) -> set[int]:
     """The layers `cls@text` asks for on a build whose layers `have` hold the class quantized: refused when the class
     has no decoder layers there (a head, or stored apart) or a number is not one of the build's layers."""
     if not have:
-        raise SplicerError(f"{where}: {cls} has no decoder layers in this build (one head, or stored apart); "
-                           f"restore it whole: {cls}")
+        raise SplicerError(
+            f"{where}: {cls} has no decoder layers in this build (one head, or stored apart); restore it whole: {cls}"
+        )
     return set(layer_numbers(text, where, num_layers, mtp_layer))
 
 
 def check_serves(cls: str, asked: set[int], have: list[int], where: str) -> None:
     """Refused when none of the asked layers holds the class quantized: the entry would restore nothing."""
     if not set(asked) & set(have):
-        raise SplicerError(f"{where}: no quantized {cls} module in those layers; this build has {cls} in layers "
-                           f"{format_layers(have)}")
+        raise SplicerError(
+            f"{where}: no quantized {cls} module in those layers; this build has {cls} in layers {format_layers(have)}"
+        )
 
 
 def format_layers(layers) -> str:

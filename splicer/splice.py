@@ -77,16 +77,33 @@ class SplicePlan:
 MTP_SHARD = "model-mtp.safetensors"
 # Tokenizer, chat template and processor files: copied verbatim from the base with --tokenizer-from-base
 # (seed 000's third fix-up: transformers 5.14 re-serialised tokenizer.json on export).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json", "generation_config.json",
-                   "preprocessor_config.json", "video_preprocessor_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+)
 
 
 # ---------------------------------------------------------------- validation
 
 
-def select_modules(modules: dict[str, Module], classes: list[str] | dict[str, set[int] | None], arch: Architecture,
-                   layers: set[int] | None = None, only: str | None = None, allow_empty: bool = False) -> dict[str, Module]:
+def select_modules(
+    modules: dict[str, Module],
+    classes: list[str] | dict[str, set[int] | None],
+    arch: Architecture,
+    layers: set[int] | None = None,
+    only: str | None = None,
+    allow_empty: bool = False,
+) -> dict[str, Module]:
     """The quantized modules of `classes` (a list, or class -> its decoder layers, None for all of them), in `layers`
     (all classes) and matching `only`, grown to whole fused groups and MoE layers."""
     pattern = re.compile(only) if only else None
@@ -103,7 +120,9 @@ def select_modules(modules: dict[str, Module], classes: list[str] | dict[str, se
             continue
         picked[name] = m
     if not picked and not allow_empty:
-        raise SplicerError("the selection matches no quantized module; check --restore, --layers and --modules against splicer inspect")
+        raise SplicerError(
+            "the selection matches no quantized module; check --restore, --layers and --modules against splicer inspect"
+        )
     # vLLM loads fused shards into one layer and reads all experts of a layer from expert 0.
     units: dict[str, list[str]] = defaultdict(list)
     for name, m in modules.items():
@@ -129,8 +148,10 @@ def _wanted_base_tensors(build: Checkpoint, picked: dict[str, Module], base_weig
             out[name] = f"{name}.weight"
             continue
         if any(f"{name}.{s}" in base_weight_map for s in QUANT_SUFFIXES):
-            raise SplicerError(f"{name} ({picked[name].cls}) is quantized in the base too, so it cannot be restored from it; "
-                               f"drop {picked[name].cls} from --restore or pass a base that holds it in BF16")
+            raise SplicerError(
+                f"{name} ({picked[name].cls}) is quantized in the base too, so it cannot be restored from it; "
+                f"drop {picked[name].cls} from --restore or pass a base that holds it in BF16"
+            )
         parts = arch.expert_parts(name)
         if parts:
             fused = arch.fused_expert_name(parts[0], parts[2])
@@ -141,8 +162,14 @@ def _wanted_base_tensors(build: Checkpoint, picked: dict[str, Module], base_weig
     return out
 
 
-def open_base_for(build: Checkpoint, base_source: str, picked: dict[str, Module], add_mtp: bool = False,
-                  allow_quantized_base: bool = False, mtp_optional: bool = False) -> tuple[Checkpoint, bool]:
+def open_base_for(
+    build: Checkpoint,
+    base_source: str,
+    picked: dict[str, Module],
+    add_mtp: bool = False,
+    allow_quantized_base: bool = False,
+    mtp_optional: bool = False,
+) -> tuple[Checkpoint, bool]:
     """Open the base reading (and, for a Hub id, downloading) only the shards that hold what we restore; returns it
     and whether its MTP head is added (mtp_optional: not an error when the base has none, as for `--restore all`)."""
 
@@ -182,8 +209,16 @@ def build_float_dtype(build: Checkpoint) -> str:
     return max(counts, key=counts.get) if counts else "BF16"
 
 
-def plan_splice(build: Checkpoint, base: Checkpoint, modules: dict[str, Module], picked: dict[str, Module], classes: list[str],
-                add_mtp: bool = False, tokenizer_from_base: bool = False, drop_dead_ignore: bool = False) -> SplicePlan:
+def plan_splice(
+    build: Checkpoint,
+    base: Checkpoint,
+    modules: dict[str, Module],
+    picked: dict[str, Module],
+    classes: list[str],
+    add_mtp: bool = False,
+    tokenizer_from_base: bool = False,
+    drop_dead_ignore: bool = False,
+) -> SplicePlan:
     base_modules = list_modules(base)
     plan = SplicePlan(build, base, classes, restore={}, base_modules=base_modules)
     float_dtype = plan.float_dtype = build_float_dtype(build)
@@ -254,8 +289,11 @@ def verify_plan(plan: SplicePlan, modules: dict[str, Module]) -> list[str]:
     compressed-tensors applies): such inherited problems are returned, for splice.json, not refused.
     """
     arch = plan.build.arch
-    after = modules_after(modules, {n: m for n, m in plan.restore.items() if n in modules},
-                          {n: m for n, m in plan.restore.items() if n not in modules})
+    after = modules_after(
+        modules,
+        {n: m for n, m in plan.restore.items() if n in modules},
+        {n: m for n, m in plan.restore.items() if n not in modules},
+    )
     now = check(after, plan.config.get("quantization_config") or {}, arch)
     before = check(modules, plan.build.quantization_config, arch)
 
@@ -268,14 +306,22 @@ def verify_plan(plan: SplicePlan, modules: dict[str, Module]) -> list[str]:
         for name in after:
             if not misread(now, after, naming, name):
                 continue
-            detail = getattr(now, naming)[name].error or f"{name} is stored {'packed' if after[name].quantized else 'BF16'} but read otherwise"
+            detail = (
+                getattr(now, naming)[name].error
+                or f"{name} is stored {'packed' if after[name].quantized else 'BF16'} but read otherwise"
+            )
             if name in plan.restore or not (name in modules and misread(before, modules, naming, name)):
-                raise SplicerError(f"the spliced config would be misread ({naming} naming: {detail}); this is a splicer bug, please report it")
+                raise SplicerError(
+                    f"the spliced config would be misread ({naming} naming: {detail}); this is a splicer bug, please report it"
+                )
             inherited.append(f"{naming}: {detail}")
     split = {i["detail"] for i in now.issues if i["check"] == "fused-shards-disagree"} - {
-        i["detail"] for i in before.issues if i["check"] == "fused-shards-disagree"}
+        i["detail"] for i in before.issues if i["check"] == "fused-shards-disagree"
+    }
     if split:
-        raise SplicerError(f"the splice would leave a fused group half restored ({sorted(split)[0]}); this is a splicer bug, please report it")
+        raise SplicerError(
+            f"the splice would leave a fused group half restored ({sorted(split)[0]}); this is a splicer bug, please report it"
+        )
     return sorted(set(inherited))
 
 
@@ -338,8 +384,10 @@ def write_plan(plan: SplicePlan, out: Path, progress: bool = True) -> dict:
             shutil.copy2(p, tmp / rel)
         for name, src in plan.side_files.items():
             shutil.copy2(src, tmp / name)
-        index = {"metadata": {**plan.build.index_metadata, "total_size": plan.total_size},
-                 "weight_map": dict(sorted(plan.weight_map.items()))}
+        index = {
+            "metadata": {**plan.build.index_metadata, "total_size": plan.total_size},
+            "weight_map": dict(sorted(plan.weight_map.items())),
+        }
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(plan.config, indent=2) + "\n")
         record = splice_record(plan, stats)
@@ -363,8 +411,10 @@ PROGRESS_FILE = ".splice-progress.json"
 
 def _plan_key(plan: SplicePlan) -> str:
     """What a partial folder must have been written for to be reused: every output tensor's source, and the config."""
-    shards = {shard: [(t.name, t.dtype, list(t.shape), str(t.source.path), t.source.start, t.source.nbytes) for t in ts]
-              for shard, ts in plan.shards_rewritten.items()}
+    shards = {
+        shard: [(t.name, t.dtype, list(t.shape), str(t.source.path), t.source.start, t.source.nbytes) for t in ts]
+        for shard, ts in plan.shards_rewritten.items()
+    }
     blob = json.dumps([sorted(plan.shards_linked), shards, plan.config], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -401,8 +451,14 @@ def _config_digest(ckpt: Checkpoint) -> str:
 
 def splice_record(plan: SplicePlan, stats: dict) -> dict:
     return {
-        "tool": "splicer", "version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "build": {"source": plan.build.label, "header_digest": plan.build.header_digest(), "config_digest": _config_digest(plan.build)},
+        "tool": "splicer",
+        "version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "build": {
+            "source": plan.build.label,
+            "header_digest": plan.build.header_digest(),
+            "config_digest": _config_digest(plan.build),
+        },
         "base": {"source": plan.base.label, "header_digest": plan.base.header_digest(), "shards_read": sorted(plan.base.headers)},
         # The classes a module was restored from (--layers or --modules may leave some of those asked for untouched).
         "restored_classes": [c for c in plan.classes if c in {plan.build.arch.module_class(n) for n in plan.restore}],
@@ -415,8 +471,11 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
         "ignore_dropped": plan.dropped_ignore,
         "inherited_lint": plan.inherited_lint[:20],
         "shards": stats,
-        "ignore_added": [e for e in exclusions(plan.config.get("quantization_config") or {})
-                         if e not in exclusions(plan.build.quantization_config)],
+        "ignore_added": [
+            e
+            for e in exclusions(plan.config.get("quantization_config") or {})
+            if e not in exclusions(plan.build.quantization_config)
+        ],
         "quantization_config_removed": "quantization_config" not in plan.config,
     }
 
@@ -424,10 +483,20 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
 # ---------------------------------------------------------------- entry point
 
 
-def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers: str | None = None,
-           modules_regex: str | None = None, force: bool = False, progress: bool = True,
-           tokenizer_from_base: bool = False, drop_dead_ignore: bool = False, allow_quantized_base: bool = False,
-           stages: Stages = SILENT) -> dict:
+def splice(
+    build_src: str,
+    base_src: str,
+    out: str | Path,
+    restore: str,
+    layers: str | None = None,
+    modules_regex: str | None = None,
+    force: bool = False,
+    progress: bool = True,
+    tokenizer_from_base: bool = False,
+    drop_dead_ignore: bool = False,
+    allow_quantized_base: bool = False,
+    stages: Stages = SILENT,
+) -> dict:
     build = open_checkpoint(build_src, "build")
     validate_build(build)
     check_output(out, [build.root, *local_folder(base_src)], SPLICE, force)  # before the base is read (or downloaded)
@@ -438,10 +507,15 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
     per_class = parse_restore(restore, build.arch, modules, has_mtp, n_layers, build.arch.mtp_layer_index, layers)
     classes = list(per_class)
     add_mtp = "mtp" in classes and not has_mtp  # seed 000's exporter dropped the MTP head: put the base's back
-    picked = select_modules(modules, per_class, build.arch, parse_layers(layers, n_layers, build.arch.mtp_layer_index),
-                            check_modules_regex(modules_regex), allow_empty=add_mtp)
-    base, add_mtp = open_base_for(build, base_src, picked, add_mtp, allow_quantized_base,
-                                  mtp_optional=restore.strip() == "all")
+    picked = select_modules(
+        modules,
+        per_class,
+        build.arch,
+        parse_layers(layers, n_layers, build.arch.mtp_layer_index),
+        check_modules_regex(modules_regex),
+        allow_empty=add_mtp,
+    )
+    base, add_mtp = open_base_for(build, base_src, picked, add_mtp, allow_quantized_base, mtp_optional=restore.strip() == "all")
     if not add_mtp and "mtp" in classes and not has_mtp:
         classes = [c for c in classes if c != "mtp"]
     inputs = [build.root, base.root]
@@ -453,8 +527,10 @@ def splice(build_src: str, base_src: str, out: str | Path, restore: str, layers:
         # Again under the lock: another run may have finished OUT meanwhile, or a killed --force run parked it aside.
         out = check_output(out, inputs, SPLICE, force, recover=True)
         rewritten = sum(t.nbytes for ts in plan.shards_rewritten.values() for t in ts)
-        with stages.stage(f"splice into {out}: {len(plan.shards_rewritten)} shards written ({rewritten / 1e9:.2f} GB), "
-                          f"{len(plan.shards_linked)} linked"):
+        with stages.stage(
+            f"splice into {out}: {len(plan.shards_rewritten)} shards written ({rewritten / 1e9:.2f} GB), "
+            f"{len(plan.shards_linked)} linked"
+        ):
             return write_plan(plan, out, progress=progress)
 
 

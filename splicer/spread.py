@@ -34,13 +34,15 @@ def cuda_ids(gpus: tuple[str, ...]) -> list[str]:
         n = torch.cuda.device_count()
         bad = [g for g in gpus if int(g) >= n]
         if bad:
-            raise SplicerError(f"--gpus {','.join(gpus)}: this machine shows {n} GPU(s) (CUDA ids 0-{n - 1}); "
-                               f"drop {','.join(bad)}")
+            raise SplicerError(
+                f"--gpus {','.join(gpus)}: this machine shows {n} GPU(s) (CUDA ids 0-{n - 1}); drop {','.join(bad)}"
+            )
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if visible:
         if any(int(g) >= len(visible) for g in gpus):
-            raise SplicerError(f"--gpus {','.join(gpus)}: CUDA_VISIBLE_DEVICES shows {len(visible)} GPU(s); "
-                               f"give ids below {len(visible)}")
+            raise SplicerError(
+                f"--gpus {','.join(gpus)}: CUDA_VISIBLE_DEVICES shows {len(visible)} GPU(s); give ids below {len(visible)}"
+            )
         return [visible[int(g)] for g in gpus]
     return list(gpus)
 
@@ -50,7 +52,7 @@ def core_shares(n: int) -> list[list[int]]:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     if len(cores) < n:
         return [cores] * n
-    return [cores[k * len(cores) // n:(k + 1) * len(cores) // n] for k in range(n)]
+    return [cores[k * len(cores) // n : (k + 1) * len(cores) // n] for k in range(n)]
 
 
 def make_backends(settings, options: dict, log_dir: Path) -> list:
@@ -61,9 +63,10 @@ def make_backends(settings, options: dict, log_dir: Path) -> list:
     ids, shares = cuda_ids(settings.gpus), core_shares(len(settings.gpus))
     n = len(ids)
     lanes = [settings.precompile // n + (1 if k >= n - settings.precompile % n else 0) for k in range(n)]
-    return [make_backend("vllm", f"cuda:{cuda}", **dict(options, log_dir=log_dir / f"gpu{gpu}", precompile=lanes[k],
-                                                       cpus=shares[k]))
-            for k, (gpu, cuda) in enumerate(zip(settings.gpus, ids))]
+    return [
+        make_backend("vllm", f"cuda:{cuda}", **dict(options, log_dir=log_dir / f"gpu{gpu}", precompile=lanes[k], cpus=shares[k]))
+        for k, (gpu, cuda) in enumerate(zip(settings.gpus, ids))
+    ]
 
 
 def compile_targets(lanes: list[int]):
@@ -81,37 +84,50 @@ def compile_targets(lanes: list[int]):
 def check_gpus(gpus: tuple[str, ...], overlap_starts: int) -> None:
     """What --gpus accepts (the CLI checks the same before anything starts; this guards other callers of run_ablate)."""
     if len(gpus) < 2 or len(set(gpus)) != len(gpus) or not all(str(g).isdigit() for g in gpus):
-        raise SplicerError(f"--gpus {','.join(map(str, gpus))}: give two or more distinct CUDA device ids, e.g. --gpus 0,1 "
-                           "(one GPU: leave --gpus out)")
+        raise SplicerError(
+            f"--gpus {','.join(map(str, gpus))}: give two or more distinct CUDA device ids, e.g. --gpus 0,1 "
+            "(one GPU: leave --gpus out)"
+        )
     if overlap_starts:
-        raise SplicerError("--gpus and --overlap-starts: a run spread over GPUs starts each GPU's engines one at a time; "
-                           "drop --overlap-starts")
+        raise SplicerError(
+            "--gpus and --overlap-starts: a run spread over GPUs starts each GPU's engines one at a time; drop --overlap-starts"
+        )
 
 
-def gpu_build_rows(todo: list[PlannedRow], gpus: tuple[str, ...], timed: bool = True
-                   ) -> tuple[list[PlannedRow | None], list[PlannedRow | None], list[PlannedRow], list[PlannedRow]]:
+def gpu_build_rows(
+    todo: list[PlannedRow], gpus: tuple[str, ...], timed: bool = True
+) -> tuple[list[PlannedRow | None], list[PlannedRow | None], list[PlannedRow], list[PlannedRow]]:
     """(each GPU's first engine of the build, each GPU's last, the other rows in plan order, the plan's own extra engines
     of the build, which these replace), from the rows resolve_rows gives. Without
     decode timing only the first GPU runs the build (its scores are every row's reference), and the plan's own extra
     engines of the build run as other rows."""
     build = next((it for it in todo if it.restored == [] and it.splice_name == it.row.name), None)
     if build is None:
-        raise SplicerError("--gpus compares every row with the build on its own GPU, and this plan has no build row "
-                           "(restore = []); add one or leave --gpus out")
+        raise SplicerError(
+            "--gpus compares every row with the build on its own GPU, and this plan has no build row "
+            "(restore = []); add one or leave --gpus out"
+        )
     name = build.row.name
     if not timed:
         return [build, *[None] * (len(gpus) - 1)], [None] * len(gpus), [it for it in todo if it is not build], []
-    firsts = [build if k == 0 else PlannedRow(Row(f"{name}-gpu{g}", restore=[], repeat=True), [], name)
-              for k, g in enumerate(gpus)]
+    firsts = [
+        build if k == 0 else PlannedRow(Row(f"{name}-gpu{g}", restore=[], repeat=True), [], name) for k, g in enumerate(gpus)
+    ]
     lasts = [PlannedRow(Row(f"{name}-end-gpu{g}", restore=[], repeat=True), [], name) for g in gpus]
     replaced = [it for it in todo if it is not build and it.restored == [] and it.splice_name == name]
     rows = [it for it in todo if it is not build and it not in replaced]
     return firsts, lasts, rows, replaced
 
 
-def run_rows_on_gpus(lanes: list[tuple[str, object]], firsts: list[PlannedRow | None], lasts: list[PlannedRow | None],
-                     rows: list[PlannedRow],
-                     run_one, record, before_rows=None) -> None:
+def run_rows_on_gpus(
+    lanes: list[tuple[str, object]],
+    firsts: list[PlannedRow | None],
+    lasts: list[PlannedRow | None],
+    rows: list[PlannedRow],
+    run_one,
+    record,
+    before_rows=None,
+) -> None:
     """One thread per (gpu, backend) in lanes: before_rows(backend, gpu) (its compiling processes end), its first item,
     then rows from the shared queue while any is left, then its last item. run_one(item, backend, gpu) -> entry;
     record(item, entry) writes it (under RowSchedule.measuring, by the caller). An interrupt (Ctrl-C) ends every lane:
@@ -152,8 +168,7 @@ def run_rows_on_gpus(lanes: list[tuple[str, object]], firsts: list[PlannedRow | 
             failures.append(e)
             stop.set()
 
-    threads = [threading.Thread(target=lane, args=(k, gpu, b), daemon=True, name=f"gpu{gpu}")
-               for k, (gpu, b) in enumerate(lanes)]
+    threads = [threading.Thread(target=lane, args=(k, gpu, b), daemon=True, name=f"gpu{gpu}") for k, (gpu, b) in enumerate(lanes)]
     for t in threads:
         t.start()
     try:

@@ -92,8 +92,9 @@ class _ShardWriter:
         (self.folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _experts_of_layer(prefix: str, n_exp: int, shapes: dict, gen: torch.Generator, scheme, out: _ShardWriter, shard: str,
-                      residual_scale: float) -> None:
+def _experts_of_layer(
+    prefix: str, n_exp: int, shapes: dict, gen: torch.Generator, scheme, out: _ShardWriter, shard: str, residual_scale: float
+) -> None:
     """Draw one layer's routed experts stacked per projection, quantize once, store per expert."""
     for proj in ("gate_proj", "up_proj", "down_proj"):
         n, k = shapes[f"{prefix}.0.{proj}.weight"]
@@ -104,7 +105,7 @@ def _experts_of_layer(prefix: str, n_exp: int, shapes: dict, gen: torch.Generato
         for e in range(n_exp):
             module = f"{prefix}.{e}.{proj}"
             for key, v in cpu.items():
-                out.add(shard, f"{module}.{key}", v[e * n:(e + 1) * n].clone())
+                out.add(shard, f"{module}.{key}", v[e * n : (e + 1) * n].clone())
             out.add(shard, f"{module}.weight_shape", torch.tensor([n, k], dtype=torch.int64))
 
 
@@ -141,8 +142,16 @@ def write_standin(root: Path, spec: FixtureSpec | None = None, device: str = "cu
         steps += [(f"experts-layer{li:03d}.safetensors", prefix) for li, prefix in sorted(experts_prefixes.items())]
         for shard, experts_prefix in tqdm(steps, desc="stand-in", disable=not progress or None):
             if experts_prefix is not None:
-                _experts_of_layer(experts_prefix, n_exp, shapes, gen, schemes.setdefault((4, 128), make_scheme(4, 128)), b_out, shard,
-                                  spec.residual_scale)
+                _experts_of_layer(
+                    experts_prefix,
+                    n_exp,
+                    shapes,
+                    gen,
+                    schemes.setdefault((4, 128), make_scheme(4, 128)),
+                    b_out,
+                    shard,
+                    spec.residual_scale,
+                )
                 b_out.flush(shard)
                 continue
             for name in names_by_shard[shard]:
@@ -161,16 +170,31 @@ def write_standin(root: Path, spec: FixtureSpec | None = None, device: str = "cu
         p_out.finish(dict(config))
         b_out.finish(dict(config, quantization_config=qc))
     write_side_files(build, cfg.text_config.vocab_size)
-    (build / "fixture.json").write_text(json.dumps({"standin": "full-dims", "preset": spec.preset, "seed": spec.seed,
-                                                    "text_overrides": spec.text_overrides, "residual_scale": spec.residual_scale},
-                                                   indent=2) + "\n")
+    (build / "fixture.json").write_text(
+        json.dumps(
+            {
+                "standin": "full-dims",
+                "preset": spec.preset,
+                "seed": spec.seed,
+                "text_overrides": spec.text_overrides,
+                "residual_scale": spec.residual_scale,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     generated = time.perf_counter() - t0
     t0 = time.perf_counter()
     shutil.rmtree(reference)
     record = splice(str(build), str(parts), reference, NON_EXPERT_CLASSES, progress=False)
     shutil.rmtree(parts)
-    return {"build": build, "reference": reference, "generate_s": generated, "splice_reference_s": time.perf_counter() - t0,
-            "reference_shards": record["shards"]}
+    return {
+        "build": build,
+        "reference": reference,
+        "generate_s": generated,
+        "splice_reference_s": time.perf_counter() - t0,
+        "reference_shards": record["shards"],
+    }
 
 
 __all__ = ["NON_EXPERT_CLASSES", "write_standin"]

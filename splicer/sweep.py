@@ -38,14 +38,19 @@ def sweep_plan(build: Checkpoint, cls: str, groups: int, template: str = "where-
         raise SplicerError(f"--class {cls[:40]!r}: this build's family ({arch.name}) has {', '.join(arch.classes)}")
     layers = quantized_layers(list_modules(build), arch).get(cls, [])
     if not layers:
-        raise SplicerError(f"--class {cls}: no quantized {cls} module in a decoder layer of this build (see splicer inspect); "
-                           "a sweep needs a class spread over layers")
+        raise SplicerError(
+            f"--class {cls}: no quantized {cls} module in a decoder layer of this build (see splicer inspect); "
+            "a sweep needs a class spread over layers"
+        )
     if len(layers) < 2:
-        raise SplicerError(f"--class {cls}: this build has {cls} quantized in one decoder layer only ({layers[0]}), "
-                           "so there are no groups to sweep; restore it whole in a plan row")
+        raise SplicerError(
+            f"--class {cls}: this build has {cls} quantized in one decoder layer only ({layers[0]}), "
+            "so there are no groups to sweep; restore it whole in a plan row"
+        )
     if not 2 <= groups <= len(layers):
-        raise SplicerError(f"--groups {groups}: give 2 to {len(layers)} (this build has {cls} in {len(layers)} layers, "
-                           f"{format_layers(layers)})")
+        raise SplicerError(
+            f"--groups {groups}: give 2 to {len(layers)} (this build has {cls} in {len(layers)} layers, {format_layers(layers)})"
+        )
     from .arch import all_classes
 
     load_plan(template, all_classes())  # a template that is not a valid plan is refused as any plan is, naming its file
@@ -60,10 +65,12 @@ def sweep_plan(build: Checkpoint, cls: str, groups: int, template: str = "where-
             rows.append({"name": f"{cls}-without-{i}", "restore": [f"{cls}@{format_layers(rest)}"]})
     rows.append({"name": cls, "restore": [cls]})
     rows.append({"name": "build-again", "restore": [], "repeat": True})
-    plan = {"name": f"sweep-{cls}-{groups}",
-            "description": f"{cls} restored in {groups} groups of its layers ({', '.join(format_layers(p) for p in parts)}), "
-                           f"{'each left out, ' if groups >= 3 else ''}and whole; corpora and timing of {raw.get('name', template)}",
-            "top_k": raw.get("top_k", 20)}
+    plan = {
+        "name": f"sweep-{cls}-{groups}",
+        "description": f"{cls} restored in {groups} groups of its layers ({', '.join(format_layers(p) for p in parts)}), "
+        f"{'each left out, ' if groups >= 3 else ''}and whole; corpora and timing of {raw.get('name', template)}",
+        "top_k": raw.get("top_k", 20),
+    }
     for key in ("corpus", "timing"):
         if key in raw:
             plan[key] = raw[key]
@@ -84,13 +91,18 @@ def write_sweep(build_src: str, cls: str, groups: int, out: str | Path, template
     from .corpora import check_hub_corpora
 
     # Before the build is opened (or downloaded): the plan is written to be run, and its Hub corpora could not be read.
-    check_hub_corpora(load_plan(template, all_classes()).corpora, f"--from {template}",
-                      "pass --from demo, or a plan whose corpora are local files (kind = \"text\")")
+    check_hub_corpora(
+        load_plan(template, all_classes()).corpora,
+        f"--from {template}",
+        'pass --from demo, or a plan whose corpora are local files (kind = "text")',
+    )
     build = open_checkpoint(build_src, "build")
     folder = out.parent.resolve()
     for p in protected_paths([build.root]):  # the build's folder, where its files really live, its Hub-cache repo
         if folder == p or p in folder.parents:
-            raise SplicerError(f"-o {str(out)[:80]} is inside the build folder ({p}), an input, which splicer never "
-                               "changes; write the plan elsewhere")
+            raise SplicerError(
+                f"-o {str(out)[:80]} is inside the build folder ({p}), an input, which splicer never "
+                "changes; write the plan elsewhere"
+            )
     plan = sweep_plan(build, cls, groups, template)
     return write_plan(out, plan, "Written by `splicer plan sweep`: " + plan["description"])

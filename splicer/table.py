@@ -58,8 +58,11 @@ from .metrics import TOO_FEW_NOTE, excludes_zero
 
 def _dnll_corpora(results: dict) -> list[str]:
     """Corpora on which some variant has a dNLL (those with generated answers)."""
-    return [c for c in results.get("corpora", {})
-            if any(((v.get("metrics") or {}).get(c) or {}).get("dnll") is not None for v in results["variants"])]
+    return [
+        c
+        for c in results.get("corpora", {})
+        if any(((v.get("metrics") or {}).get(c) or {}).get("dnll") is not None for v in results["variants"])
+    ]
 
 
 def _ci(m: dict, key: str) -> tuple[float | None, float | None]:
@@ -83,10 +86,17 @@ def records(results: dict) -> list[dict]:
         restored = v["restored"] if isinstance(v["restored"], str) else ",".join(v["restored"])
         if restored == "checkpoint":  # another build of the model, scored as it is: say which format it is
             ck = v.get("checkpoint") or {}
-            restored = "checkpoint: " + (" ".join(str(x) for x in (ck.get("quant_method"), ck.get("format")) if x) or "not quantized")
-        rec = {"variant": v["name"], "restored": restored, "status": "ok" if ok else "error",
-               "error": None if ok else (v.get("error") or ""), "repeat_of": v.get("repeat_of"),
-               "size_gb": v["size_bytes"] / 1e9 if ok and v.get("size_bytes") is not None else None}
+            restored = "checkpoint: " + (
+                " ".join(str(x) for x in (ck.get("quant_method"), ck.get("format")) if x) or "not quantized"
+            )
+        rec = {
+            "variant": v["name"],
+            "restored": restored,
+            "status": "ok" if ok else "error",
+            "error": None if ok else (v.get("error") or ""),
+            "repeat_of": v.get("repeat_of"),
+            "size_gb": v["size_bytes"] / 1e9 if ok and v.get("size_bytes") is not None else None,
+        }
         metrics = (v.get("metrics") or {}) if ok else {}
         for c in corpora:
             m = metrics.get(c) or {}
@@ -105,16 +115,34 @@ def records(results: dict) -> list[dict]:
         rec["floor_ms_per_token"] = 1000 * step / bw if bw and step else None
         d = (v.get("decode_vs_build") or {}) if ok else {}
         lo, hi = d.get("rel_ci") or (None, None)
-        rec.update({"decode_change_vs_build": d.get("rel"), "decode_change_ci_low": lo, "decode_change_ci_high": hi,
-                    "decode_change_resolved": d.get("resolved")})
+        rec.update(
+            {
+                "decode_change_vs_build": d.get("rel"),
+                "decode_change_ci_low": lo,
+                "decode_change_ci_high": hi,
+                "decode_change_resolved": d.get("resolved"),
+            }
+        )
         kl, top1 = (_pooled(v, "kl"), _pooled(v, "top1")) if ok else ({}, {})
         # each verdict from the interval shown beside it (ΔKL's is the ratio's, not the difference's)
         lo, hi = kl.get("rel_ci") or (None, None)
-        rec.update({"kl_change_vs_build": kl.get("rel"), "kl_change_ci_low": lo, "kl_change_ci_high": hi,
-                    "kl_change_significant": excludes_zero(kl.get("rel_ci"))})
+        rec.update(
+            {
+                "kl_change_vs_build": kl.get("rel"),
+                "kl_change_ci_low": lo,
+                "kl_change_ci_high": hi,
+                "kl_change_significant": excludes_zero(kl.get("rel_ci")),
+            }
+        )
         lo, hi = top1.get("diff_ci") or (None, None)
-        rec.update({"top1_change_vs_build": top1.get("diff"), "top1_change_ci_low": lo, "top1_change_ci_high": hi,
-                    "top1_change_significant": excludes_zero(top1.get("diff_ci"))})
+        rec.update(
+            {
+                "top1_change_vs_build": top1.get("diff"),
+                "top1_change_ci_low": lo,
+                "top1_change_ci_high": hi,
+                "top1_change_significant": excludes_zero(top1.get("diff_ci")),
+            }
+        )
         rec["change_note"] = TOO_FEW_NOTE.get(kl.get("why")) or TOO_FEW_NOTE.get(top1.get("why"))
         out.append(rec)
     return out
@@ -124,8 +152,9 @@ def _fmt(x: float | None, spec: str, suffix: str = "", missing: str = "") -> str
     return missing if x is None else f"{x:{spec}}{suffix}"
 
 
-def fmt_change(x: float, lo: float | None, hi: float | None, scale: float = 100, unit: str = " %",
-               digits: int | None = None) -> str:
+def fmt_change(
+    x: float, lo: float | None, hi: float | None, scale: float = 100, unit: str = " %", digits: int | None = None
+) -> str:
     """'+2.7 % [+1.9, +3.5]': two decimals where every figure is below 10 (so a small interval is not shown as 0.0)."""
     small = max(abs(scale * v) for v in (x, lo, hi) if v is not None) < 10
     d = digits if digits is not None else 2 if small else 1
@@ -138,7 +167,9 @@ def _change(x, lo, hi, verdict, scale: float, unit: str, quiet: str, digits: int
     no interval (too few sequences or groups)."""
     if x is None:
         return ""
-    return fmt_change(x, lo, hi, scale, unit, digits) + (f" {quiet}" if verdict is False else f" ({note})" if note and lo is None else "")
+    return fmt_change(x, lo, hi, scale, unit, digits) + (
+        f" {quiet}" if verdict is False else f" ({note})" if note and lo is None else ""
+    )
 
 
 def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
@@ -158,8 +189,20 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
         # a space after the commas between entries, not those inside one (gdn@0,2, attention)
         restored = re.sub(r",(?=[A-Za-z_])", ", ", r["restored"]) or "none (the build)"
         if r["status"] != "ok":
-            rows.append([r["variant"], restored, "", *[""] * (2 * len(corpora)), *([""] if dnll_corpora else []), "",
-                         *([""] if bw else []), "", "", f"failed: {r['error'][:80]}"])
+            rows.append(
+                [
+                    r["variant"],
+                    restored,
+                    "",
+                    *[""] * (2 * len(corpora)),
+                    *([""] if dnll_corpora else []),
+                    "",
+                    *([""] if bw else []),
+                    "",
+                    "",
+                    f"failed: {r['error'][:80]}",
+                ]
+            )
             continue
         name = r["variant"] + (f" (engine of {r['repeat_of']})" if r["repeat_of"] else "")
         row = [name, restored, _fmt(r["size_gb"], ".3f")]
@@ -171,12 +214,41 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
         row.append(_fmt(r["decode_ms_per_token"], ".2f", missing="-"))
         if bw:
             row.append(_fmt(r["floor_ms_per_token"], ".3f"))
-        row.append(_change(r["decode_change_vs_build"], r["decode_change_ci_low"], r["decode_change_ci_high"],
-                           r["decode_change_resolved"], 100, " %", "not resolved"))
-        row.append(_change(r["kl_change_vs_build"], r["kl_change_ci_low"], r["kl_change_ci_high"],
-                           r["kl_change_significant"], 100, " %", "n.s.", note=r["change_note"]))
-        row.append(_change(r["top1_change_vs_build"], r["top1_change_ci_low"], r["top1_change_ci_high"],
-                           r["top1_change_significant"], 100, "", "n.s.", note=r["change_note"]))
+        row.append(
+            _change(
+                r["decode_change_vs_build"],
+                r["decode_change_ci_low"],
+                r["decode_change_ci_high"],
+                r["decode_change_resolved"],
+                100,
+                " %",
+                "not resolved",
+            )
+        )
+        row.append(
+            _change(
+                r["kl_change_vs_build"],
+                r["kl_change_ci_low"],
+                r["kl_change_ci_high"],
+                r["kl_change_significant"],
+                100,
+                " %",
+                "n.s.",
+                note=r["change_note"],
+            )
+        )
+        row.append(
+            _change(
+                r["top1_change_vs_build"],
+                r["top1_change_ci_low"],
+                r["top1_change_ci_high"],
+                r["top1_change_significant"],
+                100,
+                "",
+                "n.s.",
+                note=r["change_note"],
+            )
+        )
         rows.append(row)
     return headers, rows, _footnotes(results)
 
@@ -209,20 +281,31 @@ def _kl_bound(results: dict) -> str:
     top = f"top-{k}" if isinstance(k, int) else "top-k (top-k not recorded in this results.json)"
     if results.get("backend") == "vllm":
         kth = f"its {k}th log-prob" if isinstance(k, int) else "its k-th log-prob"
-        return (f"KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's log-probs taken from its "
-                f"own top-{k if isinstance(k, int) else 'k'} (an id missing there gets {kth}): a lower bound on the full KL, "
-                "looser than the torch backend's, so KLs of the two backends are not comparable")
-    return (f"KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's exact log-probs at those ids: "
-            "a lower bound on the full KL (data-processing inequality)")
+        return (
+            f"KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's log-probs taken from its "
+            f"own top-{k if isinstance(k, int) else 'k'} (an id missing there gets {kth}): a lower bound on the full KL, "
+            "looser than the torch backend's, so KLs of the two backends are not comparable"
+        )
+    return (
+        f"KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's exact log-probs at those ids: "
+        "a lower bound on the full KL (data-processing inequality)"
+    )
 
 
 def _top1_rule(results: dict) -> str:
     """How top-1 read ties, from the rows' own summaries (a resumed run may keep rows scored by an older splicer)."""
-    summaries = [m for v in results.get("variants", []) if v.get("status") == "ok"
-                 for m in (v.get("metrics") or {}).values() if isinstance(m, dict)]
+    summaries = [
+        m
+        for v in results.get("variants", [])
+        if v.get("status") == "ok"
+        for m in (v.get("metrics") or {}).values()
+        if isinstance(m, dict)
+    ]
     if summaries and all(m.get("top1_ties") == "symmetric" for m in summaries):
-        return ("top-1 counts agreement when the base's tied maxima and the variant's share a token (ties read the same "
-                "way on both sides, so no sort order decides)")
+        return (
+            "top-1 counts agreement when the base's tied maxima and the variant's share a token (ties read the same "
+            "way on both sides, so no sort order decides)"
+        )
     return "top-1 counts a variant's choice among tied maxima of the base as agreement (the variant's own ties not read)"
 
 
@@ -233,10 +316,12 @@ def _footnotes(results: dict) -> list[str]:
     notes = []
     method = (results.get("verdicts") or {}).get("method")
     if method:
-        notes.append(f"ΔKL and Δtop-1 vs build: {method}; n.s. = not significant; {noise_text(results)}. ΔKL is relative to "
-                     "the build's KL (`splicer compare DIR ROW build` gives it per corpus). A corpus of fewer than "
-                     f"{MIN_SEQUENCES} sequences (chat: groups of conversations that share a prompt) supports no interval: "
-                     "\"too few sequences\" (\"too few groups\") then stands for both.")
+        notes.append(
+            f"ΔKL and Δtop-1 vs build: {method}; n.s. = not significant; {noise_text(results)}. ΔKL is relative to "
+            "the build's KL (`splicer compare DIR ROW build` gives it per corpus). A corpus of fewer than "
+            f"{MIN_SEQUENCES} sequences (chat: groups of conversations that share a prompt) supports no interval: "
+            '"too few sequences" ("too few groups") then stands for both.'
+        )
     engines = (results.get("verdicts") or {}).get("build_engines")
     d = next((v["decode_vs_build"] for v in results["variants"] if (v.get("decode_vs_build") or {}).get("rel") is not None), None)
     timed = any(r.get("decode_ms_per_token") for r in results["variants"])
@@ -245,28 +330,41 @@ def _footnotes(results: dict) -> list[str]:
         spread = f"the build's engines on each GPU ({per_gpu_engines_text(engines)})"
     elif d:
         ref = f"the mean of the build's {d['engines'][1]} engines' levels, {d['reference_ms']:.3f} ms/token"
-        spread = (f"the build's engines ({engine_means_text(engines)}; "
-                  f"largest difference {100 * engines['spread']:.2f} %)") if engines else "engines of the rows timed more than once"
+        spread = (
+            (f"the build's engines ({engine_means_text(engines)}; largest difference {100 * engines['spread']:.2f} %)")
+            if engines
+            else "engines of the rows timed more than once"
+        )
     if d:
-        level = ("the median of its timed blocks, which a stray block does not move" if d.get("engine_summary")
-                 else "the mean of its timed blocks, as splicer computed it when this results.json was written")
-        notes.append(f"Δ decode vs build: the mean of a row's engines' levels (an engine's level: {level}) against {ref}; the interval is Student's t on the spread "
-                     f"between {spread}, df {d['df']}, never narrower than the blocks' own scatter allows; not resolved = the "
-                     "interval includes 0. Resolved holds within this run: engines of another run can land further apart, "
-                     "and that is not in the interval.")
+        level = (
+            "the median of its timed blocks, which a stray block does not move"
+            if d.get("engine_summary")
+            else "the mean of its timed blocks, as splicer computed it when this results.json was written"
+        )
+        notes.append(
+            f"Δ decode vs build: the mean of a row's engines' levels (an engine's level: {level}) against {ref}; the interval is Student's t on the spread "
+            f"between {spread}, df {d['df']}, never narrower than the blocks' own scatter allows; not resolved = the "
+            "interval includes 0. Resolved holds within this run: engines of another run can land further apart, "
+            "and that is not in the interval."
+        )
     elif timed:
-        notes.append("Δ decode vs build: not computed: the build was timed on fewer than two engines, so the engine-to-engine "
-                     "spread is unknown (run the plan's `repeat = true` row of the build too, e.g. build-again).")
+        notes.append(
+            "Δ decode vs build: not computed: the build was timed on fewer than two engines, so the engine-to-engine "
+            "spread is unknown (run the plan's `repeat = true` row of the build too, e.g. build-again)."
+        )
     elif results.get("timing_settings") is None and results.get("variants"):
         notes.append("Decode was not timed in this run (--no-time).")
-    overlapped = (((results.get("job") or {}).get("settings") or {}).get("overlap_starts")
-                  or any(str((r.get("timing") or {}).get("state", "")).startswith(("woken", "slept")) for r in results["variants"]))
+    overlapped = ((results.get("job") or {}).get("settings") or {}).get("overlap_starts") or any(
+        str((r.get("timing") or {}).get("state", "")).startswith(("woken", "slept")) for r in results["variants"]
+    )
     if overlapped and timed:
         # results/h200-fulldims (runs 2-8, second-wake): in overlapped runs, with or without sleep mode, engines of the
         # build sat at ~4.0-4.12 or ~4.38-4.55 ms/token, while serially started ones stayed at 4.34-4.39.
-        notes.append("Decode was timed in a run with overlapped engine starts (--overlap-starts): on an H200 engines of one "
-                     "variant so timed landed at two levels about 6 % apart, against 0.2-1.0 % between serially started "
-                     "engines; for decode verdicts run without --overlap-starts.")
+        notes.append(
+            "Decode was timed in a run with overlapped engine starts (--overlap-starts): on an H200 engines of one "
+            "variant so timed landed at two levels about 6 % apart, against 0.2-1.0 % between serially started "
+            "engines; for decode verdicts run without --overlap-starts."
+        )
     # Recomputed from the rows rather than read back, so results written by older versions get today's labels.
     from .breakdown import time_breakdown
 
@@ -276,10 +374,15 @@ def _footnotes(results: dict) -> list[str]:
     nf = results.get("noise_floor") or {}
     if nf:
         parts = [f"{c}: top-1 {100 * m['top1']:.1f} %, KL {m['kl']:.4f}" for c, m in nf.items()]
-        notes.append("Noise floor (the base scored again, as every row is scored; a reference level for what the engine's "
-                     "own nondeterminism costs, not a significance threshold): " + "; ".join(parts) + ".")
-    ok = {v["name"]: v for v in results["variants"] if v.get("status") == "ok" and isinstance(v["restored"], list)
-          and not v.get("repeat_of")}
+        notes.append(
+            "Noise floor (the base scored again, as every row is scored; a reference level for what the engine's "
+            "own nondeterminism costs, not a significance threshold): " + "; ".join(parts) + "."
+        )
+    ok = {
+        v["name"]: v
+        for v in results["variants"]
+        if v.get("status") == "ok" and isinstance(v["restored"], list) and not v.get("repeat_of")
+    }
     build = ok.get("build")
     build_kl = pooled_kl(build) if build else None
     # The MTP head (drafter) never runs in a scoring pass: a row's restore of it changes no score, so it is left out of
@@ -294,21 +397,29 @@ def _footnotes(results: dict) -> list[str]:
         red_all = build_kl - pooled_kl(together)
         red_sum = sum(build_kl - pooled_kl(v) for v in singles.values())
         if red_all:
-            notes.append(f"Additivity: the single-class KL reductions ({', '.join(sorted(singles))}) add up to "
-                         f"{red_sum / red_all:.2f}× the reduction of restoring them together ({together['name']}); 1.00 = additive "
-                         "(KL pooled over corpora, position-weighted).")
+            notes.append(
+                f"Additivity: the single-class KL reductions ({', '.join(sorted(singles))}) add up to "
+                f"{red_sum / red_all:.2f}× the reduction of restoring them together ({together['name']}); 1.00 = additive "
+                "(KL pooled over corpora, position-weighted)."
+            )
     for s in results.get("skipped", []):
         notes.append(f"Row {s['name']} skipped: {s['reason']}.")
     b = results.get("backend_info") or {}
-    notes.append(f"Backend {results.get('backend')} ({results.get('engine_version')}, {results.get('device')}); "
-                 f"{_kl_bound(results)}; {_top1_rule(results)}; "
-                 "dNLL = extra nats per token on the base's greedy chat answers; "
-                 f"decode = batch-1 ms/token{' on ' + b['device'] if b.get('device') else ''}.")
+    notes.append(
+        f"Backend {results.get('backend')} ({results.get('engine_version')}, {results.get('device')}); "
+        f"{_kl_bound(results)}; {_top1_rule(results)}; "
+        "dNLL = extra nats per token on the base's greedy chat answers; "
+        f"decode = batch-1 ms/token{' on ' + b['device'] if b.get('device') else ''}."
+    )
     env = b.get("engine_env") or {}
     if env:
         what = ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
-        why = (" (Triton autotuning off: every tuned kernel ran its first valid config, so prefill speed and TTFT are not "
-               "those of vLLM's defaults)" if str(env.get("VLLM_TRITON_FORCE_FIRST_CONFIG", "")).lower() in ("1", "true") else "")
+        why = (
+            " (Triton autotuning off: every tuned kernel ran its first valid config, so prefill speed and TTFT are not "
+            "those of vLLM's defaults)"
+            if str(env.get("VLLM_TRITON_FORCE_FIRST_CONFIG", "")).lower() in ("1", "true")
+            else ""
+        )
         notes.append(f"Engine environment set for this run: {what}{why}.")
     return notes
 
@@ -321,27 +432,51 @@ def speed_rows(results: dict) -> tuple[list[str], list[list]] | None:
         return None
     # "engine start" is vLLM's own start (building LLM() in the worker, without the worker's one-time import); "waited"
     # is what the row waited for it, less when it was started ahead of its turn (--overlap-starts).
-    headers = ["variant", "decode ms/tok median [IQR] (min-max)", "TTFT ms median (min-max)", "weights GiB",
-               "engine start s", "waited s", "weight load s", "compile s", "scoring positions/s (all corpora)"]
+    headers = [
+        "variant",
+        "decode ms/tok median [IQR] (min-max)",
+        "TTFT ms median (min-max)",
+        "weights GiB",
+        "engine start s",
+        "waited s",
+        "weight load s",
+        "compile s",
+        "scoring positions/s (all corpora)",
+    ]
     positions = sum(c.get("positions", 0) for c in results.get("corpora", {}).values())
     rows = []
-    entries = ([("base pass", base.get("engine") or {}, None, (base.get("timings") or {}))] if base.get("engine") else [])
+    entries = [("base pass", base.get("engine") or {}, None, (base.get("timings") or {}))] if base.get("engine") else []
     entries += [(v["name"], v.get("engine") or {}, v.get("timing"), v.get("elapsed") or {}) for v in variants]
     for name, eng, timing, elapsed in entries:
         sb = eng.get("startup_breakdown") or {}
         t = timing or {}
-        dec = (f"{t['decode_ms_per_token']:.2f} [{t['decode_iqr'][0]:.2f}, {t['decode_iqr'][1]:.2f}] "
-               f"({t['decode_min_max'][0]:.2f}-{t['decode_min_max'][1]:.2f})") if t.get("decode_ms_per_token") else ""
+        dec = (
+            (
+                f"{t['decode_ms_per_token']:.2f} [{t['decode_iqr'][0]:.2f}, {t['decode_iqr'][1]:.2f}] "
+                f"({t['decode_min_max'][0]:.2f}-{t['decode_min_max'][1]:.2f})"
+            )
+            if t.get("decode_ms_per_token")
+            else ""
+        )
         if timing and t.get("decode_ms_per_token") is None and "per_run_ms" in t:
             dec = "not resolved"  # timed, but the estimate was not positive (the runs are in results.json)
         ttft = f"{t['ttft_ms']:.0f} ({t['ttft_min_max'][0]:.0f}-{t['ttft_min_max'][1]:.0f})" if t.get("ttft_ms") else ""
         secs = sum(x for k, x in elapsed.items() if k.startswith("score_") and k.endswith("_s"))
         pps = positions / secs if timing is not None and secs else None  # all corpora together; the base pass adds a noise pass
         waited, start = elapsed.get("load_s"), eng.get("startup_s")
-        rows.append([name, dec, ttft, f"{sb['weight_memory_gib']:.2f}" if "weight_memory_gib" in sb else "",
-                     f"{start:.0f}" if start is not None else "", f"{waited:.0f}" if waited is not None else "",
-                     f"{sb['model_load_s']:.0f}" if "model_load_s" in sb else "",
-                     f"{sb['compile_s']:.0f}" if "compile_s" in sb else "", f"{pps:,.0f}" if pps else ""])
+        rows.append(
+            [
+                name,
+                dec,
+                ttft,
+                f"{sb['weight_memory_gib']:.2f}" if "weight_memory_gib" in sb else "",
+                f"{start:.0f}" if start is not None else "",
+                f"{waited:.0f}" if waited is not None else "",
+                f"{sb['model_load_s']:.0f}" if "model_load_s" in sb else "",
+                f"{sb['compile_s']:.0f}" if "compile_s" in sb else "",
+                f"{pps:,.0f}" if pps else "",
+            ]
+        )
     return headers, rows
 
 
@@ -385,8 +520,10 @@ def load_results(out_dir: Path) -> dict:
     what is wrong and how to get a good one (table, compare, report, budget and plot read it)."""
     path = Path(out_dir) / "results.json"
     if path.is_dir():
-        raise SplicerError(f"{path} is a folder, not the results file; pass the folder splicer ablate or score wrote "
-                           "(the one holding results.json)")
+        raise SplicerError(
+            f"{path} is a folder, not the results file; pass the folder splicer ablate or score wrote "
+            "(the one holding results.json)"
+        )
     if not path.exists():
         raise SplicerError(f"{path} does not exist; run splicer ablate with -o {out_dir} first")
     try:
@@ -396,7 +533,9 @@ def load_results(out_dir: Path) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise SplicerError(f"{path} is not valid JSON; rerun splicer ablate to rewrite it") from None
     if not isinstance(results, dict) or not isinstance(results.get("variants"), list):
-        raise SplicerError(f"{path} is not a splicer results file (no variants list); pass a folder splicer ablate or score wrote")
+        raise SplicerError(
+            f"{path} is not a splicer results file (no variants list); pass a folder splicer ablate or score wrote"
+        )
     check_results(results, path)
     return results
 
@@ -437,8 +576,11 @@ def check_results(results: dict, path: Path) -> None:
             if not math.isfinite(value):
                 bad.append(f"{field} is {value}")
             elif low is not None and (value <= low if strict else value < low):
-                raise SplicerError(f"{where}: {field} is {value:g}, " + ("at or below 0 (a time is positive)" if strict else
-                                   "below 0 (KL is never negative)") + f"; {fix}")
+                raise SplicerError(
+                    f"{where}: {field} is {value:g}, "
+                    + ("at or below 0 (a time is positive)" if strict else "below 0 (KL is never negative)")
+                    + f"; {fix}"
+                )
 
         metrics = v.get("metrics")
         finished = v.get("status") == "ok"  # a finished row was scored on every corpus: its KL is never missing
@@ -506,7 +648,9 @@ def compare(out_dir: Path, a: str, b: str) -> str:
     ok = {v["name"] for v in results["variants"] if v.get("status") == "ok"}
     for name in (a, b):
         if name not in ok:
-            raise SplicerError(f"variant {name!r} has no finished scores in {out_dir}; finished: {', '.join(sorted(ok)) or 'none'}")
+            raise SplicerError(
+                f"variant {name!r} has no finished scores in {out_dir}; finished: {', '.join(sorted(ok)) or 'none'}"
+            )
     try:
         # The resamples ablate used for the table's intervals, so that compare ROW build repeats them exactly.
         reps = int((results.get("verdicts") or {}).get("bootstrap") or 2000)
@@ -530,13 +674,37 @@ def compare(out_dir: Path, a: str, b: str) -> str:
     pooled = "pooled over corpora (position-weighted)"
     names = [*c["kl"]["per_stratum"], pooled]
     for corpus in names:
-        pick = (lambda q: (c[q] or {}).get("pooled")) if corpus == pooled else (lambda q: ((c[q] or {}).get("per_stratum") or {}).get(corpus))
+        pick = (
+            (lambda q: (c[q] or {}).get("pooled"))
+            if corpus == pooled
+            else (lambda q: ((c[q] or {}).get("per_stratum") or {}).get(corpus))
+        )
         kl = pick("kl")
-        rows.append([corpus, f"{kl['positions']:,.0f}", f"{kl['clusters']:,} {kl.get('unit', 'sequences')}", cell(kl, 1, 5), cell(kl, 100, 1, rel=True), cell(pick("top1"), 100, 2),
-                     cell(pick("dnll"), 1, 5)])
-    table = tabulate(rows, headers=["corpus", "positions counted", "units resampled", f"ΔKL {a} − {b}, nats [95 %]", f"ΔKL, % of {b}'s KL",
-                              "Δtop-1, pp", "ΔdNLL, nats/token"],
-                     tablefmt="github", disable_numparse=True)
+        rows.append(
+            [
+                corpus,
+                f"{kl['positions']:,.0f}",
+                f"{kl['clusters']:,} {kl.get('unit', 'sequences')}",
+                cell(kl, 1, 5),
+                cell(kl, 100, 1, rel=True),
+                cell(pick("top1"), 100, 2),
+                cell(pick("dnll"), 1, 5),
+            ]
+        )
+    table = tabulate(
+        rows,
+        headers=[
+            "corpus",
+            "positions counted",
+            "units resampled",
+            f"ΔKL {a} − {b}, nats [95 %]",
+            f"ΔKL, % of {b}'s KL",
+            "Δtop-1, pp",
+            "ΔdNLL, nats/token",
+        ],
+        tablefmt="github",
+        disable_numparse=True,
+    )
     from .verdicts import METHOD
 
     return table + f"\n\n{a} − {b}: {METHOD}; n.s. = not significant; {noise_text(results)}."

@@ -29,7 +29,9 @@ def validate_build(build: Checkpoint) -> None:
     validate_family(build, "build")
     qc = build.quantization_config
     if not qc:
-        raise SplicerError(f"build {build.label} has no quantization_config in config.json; it is not a quantized build (did you swap BUILD and BASE?)")
+        raise SplicerError(
+            f"build {build.label} has no quantization_config in config.json; it is not a quantized build (did you swap BUILD and BASE?)"
+        )
     if is_gptq(qc):
         return _validate_gptq(build, qc)
     if qc.get("quant_method") == "fp8":
@@ -42,12 +44,16 @@ def validate_build(build: Checkpoint) -> None:
             f"({', '.join(CT_FORMATS)}), GPTQ, AWQ (gemm) and native FP8 builds"
         )
     if not isinstance(qc.get("config_groups"), dict) or not qc["config_groups"]:
-        raise SplicerError(f"build {build.label}: quantization_config has no config_groups; the config is invalid, restore it from the original export")
+        raise SplicerError(
+            f"build {build.label}: quantization_config has no config_groups; the config is invalid, restore it from the original export"
+        )
     formats = {group_format(qc, g) for g in qc["config_groups"].values()}
     unknown = sorted(str(f) for f in formats if f not in CT_FORMATS)
     if unknown:
-        raise SplicerError(f"build {build.label} has format {unknown[0]}; splicer reads compressed-tensors {', '.join(CT_FORMATS)} "
-                           "(give each config group its own format when the top-level one is mixed-precision)")
+        raise SplicerError(
+            f"build {build.label} has format {unknown[0]}; splicer reads compressed-tensors {', '.join(CT_FORMATS)} "
+            "(give each config group its own format when the top-level one is mixed-precision)"
+        )
     validate_regexes(qc, f"build {build.label}")
     if not any(is_packed_tensor(t) for t in build.weight_map):
         raise SplicerError(
@@ -61,32 +67,46 @@ def _validate_gptq(build: Checkpoint, qc: dict) -> None:
         raise SplicerError(f"build {build.label}: GPTQ bits {qc.get('bits')!r} is not 2, 3, 4 or 8; the config is invalid")
     validate_regexes(qc, f"build {build.label}")
     if not any(t.endswith(".qweight") for t in build.weight_map):
-        raise SplicerError(f"build {build.label}: config.json says gptq but no tensor is packed (no qweight); the shards do not belong to this config")
+        raise SplicerError(
+            f"build {build.label}: config.json says gptq but no tensor is packed (no qweight); the shards do not belong to this config"
+        )
 
 
 def _validate_skip_list_entries(build: Checkpoint, qc: dict) -> None:
     for key in ("ignored_layers", "modules_to_not_convert"):
         value = qc.get(key)
         if value is not None and (not isinstance(value, list) or not all(isinstance(e, str) for e in value)):
-            raise SplicerError(f"build {build.label}: quantization_config.{key} must be a list of module names, not "
-                               f"{json.dumps(value)[:60]}; fix config.json")
+            raise SplicerError(
+                f"build {build.label}: quantization_config.{key} must be a list of module names, not "
+                f"{json.dumps(value)[:60]}; fix config.json"
+            )
 
 
 def _validate_native_fp8(build: Checkpoint, qc: dict) -> None:
     """What vLLM's Fp8Config.from_config requires of a native FP8 config, checked before anything is written."""
     scheme = qc.get("activation_scheme")
     if scheme not in ("static", "dynamic"):
-        raise SplicerError(f"build {build.label}: a native FP8 config needs activation_scheme 'static' or 'dynamic', "
-                           f"not {scheme!r}; fix config.json")
+        raise SplicerError(
+            f"build {build.label}: a native FP8 config needs activation_scheme 'static' or 'dynamic', "
+            f"not {scheme!r}; fix config.json"
+        )
     block = qc.get("weight_block_size")
-    if block is not None and (not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
-        raise SplicerError(f"build {build.label}: weight_block_size {json.dumps(block)} is not two positive integers; fix config.json")
+    if block is not None and (
+        not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)
+    ):
+        raise SplicerError(
+            f"build {build.label}: weight_block_size {json.dumps(block)} is not two positive integers; fix config.json"
+        )
     if block is not None and scheme != "dynamic":
-        raise SplicerError(f"build {build.label}: block FP8 needs activation_scheme 'dynamic' (vLLM refuses {scheme!r}); fix config.json")
+        raise SplicerError(
+            f"build {build.label}: block FP8 needs activation_scheme 'dynamic' (vLLM refuses {scheme!r}); fix config.json"
+        )
     _validate_skip_list_entries(build, qc)
     if not any(t.endswith((".weight_scale_inv", ".weight_scale")) for t in build.weight_map):
-        raise SplicerError(f"build {build.label}: config.json says fp8 but no module has a weight_scale_inv or weight_scale; "
-                           "the shards do not belong to this config")
+        raise SplicerError(
+            f"build {build.label}: config.json says fp8 but no module has a weight_scale_inv or weight_scale; "
+            "the shards do not belong to this config"
+        )
 
 
 def _validate_awq(build: Checkpoint, qc: dict) -> None:
@@ -103,7 +123,9 @@ def _validate_awq(build: Checkpoint, qc: dict) -> None:
         raise SplicerError(f"build {build.label}: AWQ version {qc.get('version')!r}; splicer reads AutoAWQ's gemm layout only")
     _validate_skip_list_entries(build, qc)
     if not any(t.endswith(".qweight") for t in build.weight_map):
-        raise SplicerError(f"build {build.label}: config.json says awq but no tensor is packed (no qweight); the shards do not belong to this config")
+        raise SplicerError(
+            f"build {build.label}: config.json says awq but no tensor is packed (no qweight); the shards do not belong to this config"
+        )
 
 
 def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
@@ -115,14 +137,18 @@ def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
         for name, m in sorted(modules.items()):
             g = qc.get("group_size")
             if m.quantized and ((m.bits, m.group_size) != (qc["bits"], g if g and g > 0 else m.shape[1])):
-                raise SplicerError(f"build {build.label}: {name} is stored as {m.bits}-bit g{m.group_size} but the config says "
-                                   f"{qc['bits']}-bit g{g}; the config does not match the shards, re-export the build")
+                raise SplicerError(
+                    f"build {build.label}: {name} is stored as {m.bits}-bit g{m.group_size} but the config says "
+                    f"{qc['bits']}-bit g{g}; the config does not match the shards, re-export the build"
+                )
         return
     if is_skip_list(qc):
         wrong = skip_list_mismatch(qc, modules)
         if wrong:
-            raise SplicerError(f"build {build.label}: {wrong.name} is stored as {wrong.scheme} but the config says "
-                               f"{skip_list_scheme(qc)}; the config does not match the shards, re-export the build")
+            raise SplicerError(
+                f"build {build.label}: {wrong.name} is stored as {wrong.scheme} but the config says "
+                f"{skip_list_scheme(qc)}; the config does not match the shards, re-export the build"
+            )
         return
     reader = HfReader(qc, build.arch)
     for name, m in sorted(modules.items()):
@@ -133,12 +159,16 @@ def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
             continue  # reported by inspect's lint (stored packed, read as BF16)
         size = (qc["config_groups"][group].get("weights") or {}).get("group_size")
         if size and m.shape[1] % int(size):
-            raise SplicerError(f"build {build.label}: {group} has group_size {size}, which does not divide the input dim {m.shape[1]} "
-                               f"of {name}; the build is corrupt, re-export it")
+            raise SplicerError(
+                f"build {build.label}: {group} has group_size {size}, which does not divide the input dim {m.shape[1]} "
+                f"of {name}; the build is corrupt, re-export it"
+            )
         said = group_scheme(qc, group, m.shape[1])
         if said != m.scheme:
-            raise SplicerError(f"build {build.label}: {name} is stored as {m.scheme} but {group} says {said}; "
-                               "the config does not match the shards, re-export the build")
+            raise SplicerError(
+                f"build {build.label}: {name} is stored as {m.scheme} but {group} says {said}; "
+                "the config does not match the shards, re-export the build"
+            )
 
 
 def validate_base(base: Checkpoint, build: Checkpoint, allow_quantized: bool = False) -> list[str]:
@@ -151,19 +181,31 @@ def validate_base(base: Checkpoint, build: Checkpoint, allow_quantized: bool = F
     validate_family(base, "base")
     packed = next((t for t in base.weight_map if is_packed_tensor(t)), None)
     if (base.quantization_config or packed) and not allow_quantized:
-        what = f"is itself quantized ({base.quantization_config.get('quant_method')})" if base.quantization_config else f"holds packed tensors ({packed})"
-        raise SplicerError(f"base {base.label} {what}; pass the BF16 model the build was made from "
-                           "(or --allow-quantized-base to use it as a partly quantized reference)")
+        what = (
+            f"is itself quantized ({base.quantization_config.get('quant_method')})"
+            if base.quantization_config
+            else f"holds packed tensors ({packed})"
+        )
+        raise SplicerError(
+            f"base {base.label} {what}; pass the BF16 model the build was made from "
+            "(or --allow-quantized-base to use it as a partly quantized reference)"
+        )
     frozen: list[str] = []
     if base.quantization_config or packed:
         if not base.quantization_config:
-            raise SplicerError(f"base {base.label} holds packed tensors ({packed}) but no quantization_config; it cannot be loaded, re-export it")
+            raise SplicerError(
+                f"base {base.label} holds packed tensors ({packed}) but no quantization_config; it cannot be loaded, re-export it"
+            )
         missing = next((t for t in base.weight_map if is_packed_tensor(t) and t not in build.weight_map), None)
         if missing:
-            raise SplicerError(f"base {base.label} has the packed tensor {missing} and the build has not; a partly quantized "
-                               "reference must keep its quantized modules exactly as the build stores them")
+            raise SplicerError(
+                f"base {base.label} has the packed tensor {missing} and the build has not; a partly quantized "
+                "reference must keep its quantized modules exactly as the build stores them"
+            )
         # From names alone: a base opened for a splice has read only the headers of the shards it restores from.
-        frozen = sorted({base.arch.module_class(t.rpartition(".")[0]) for t in base.weight_map if is_packed_tensor(t)} - {"other"})
+        frozen = sorted(
+            {base.arch.module_class(t.rpartition(".")[0]) for t in base.weight_map if is_packed_tensor(t)} - {"other"}
+        )
     if base.config.get("model_type") != build.config.get("model_type"):
         raise SplicerError(
             f"base {base.label} is a {base.config.get('model_type')!r} model but the build is {build.config.get('model_type')!r}; "
@@ -178,8 +220,9 @@ def validate_base(base: Checkpoint, build: Checkpoint, allow_quantized: bool = F
     for key in build.arch.shape_keys:
         a, b = base.text_config.get(key), build.text_config.get(key)
         if a is not None and b is not None and a != b:
-            raise SplicerError(f"base {base.label} has {key}={_short(a)} but the build has {_short(b)}; "
-                               "pass the base the build was made from")
+            raise SplicerError(
+                f"base {base.label} has {key}={_short(a)} but the build has {_short(b)}; pass the base the build was made from"
+            )
     return frozen
 
 
@@ -199,8 +242,10 @@ def parse_classes(spec: str, arch: Architecture, modules: dict[str, Module], bui
         return [c for c in arch.classes if c in quantized]
     unknown = [c for c in items if c not in arch.classes]
     if unknown:
-        raise SplicerError(f"unknown class {unknown[0]!r} in --restore: this build's family ({arch.name}) has "
-                           f"{', '.join(arch.classes)}; choose from those or all")
+        raise SplicerError(
+            f"unknown class {unknown[0]!r} in --restore: this build's family ({arch.name}) has "
+            f"{', '.join(arch.classes)}; choose from those or all"
+        )
     empty = [c for c in items if c not in quantized]
     if empty and empty[0] == DRAFTER_CLASS and arch.no_mtp_reason:
         raise SplicerError(f"this checkpoint has no MTP layer ({arch.no_mtp_reason}); drop mtp from --restore")
@@ -212,8 +257,15 @@ def parse_classes(spec: str, arch: Architecture, modules: dict[str, Module], bui
     return [c for c in arch.classes if c in items]
 
 
-def parse_restore(spec: str, arch: Architecture, modules: dict[str, Module], build_has_mtp: bool, num_layers: int,
-                  mtp_layer: int | None = None, layers_option: str | None = None) -> dict[str, set[int] | None]:
+def parse_restore(
+    spec: str,
+    arch: Architecture,
+    modules: dict[str, Module],
+    build_has_mtp: bool,
+    num_layers: int,
+    mtp_layer: int | None = None,
+    layers_option: str | None = None,
+) -> dict[str, set[int] | None]:
     """`--restore gdn@0-9,attention@3,7,experts` -> {class: the decoder layers to restore it in, or None for all}, in
     the family's class order. Checked against the build: each class as parse_classes checks it, each layer in range,
     and a class given layers must have quantized modules in them."""
@@ -221,12 +273,16 @@ def parse_restore(spec: str, arch: Architecture, modules: dict[str, Module], bui
     if any(not c for c, _ in items):
         raise SplicerError(f"--restore {clip(spec)}: an entry has no class before @; write CLASS or CLASS@LAYERS, e.g. gdn@0-9")
     if any(c == "all" for c, _ in items) and (len(items) > 1 or items[0][1] is not None):
-        raise SplicerError(f"--restore {clip(spec)}: all means every quantized class in every layer and stands alone; "
-                           "drop it, or drop the other entries")
+        raise SplicerError(
+            f"--restore {clip(spec)}: all means every quantized class in every layer and stands alone; "
+            "drop it, or drop the other entries"
+        )
     classes = parse_classes(",".join(c for c, _ in items), arch, modules, build_has_mtp)
     if any(layers is not None for _, layers in items) and layers_option is not None:
-        raise SplicerError("--restore names layers with @ and --layers is given too; put the layers after each class "
-                           "(gdn@0-9) or use --layers for all of them, not both")
+        raise SplicerError(
+            "--restore names layers with @ and --layers is given too; put the layers after each class "
+            "(gdn@0-9) or use --layers for all of them, not both"
+        )
     per: dict[str, set[int] | None] = {}
     layers_of = quantized_layers(modules, arch)
     for cls, text in items:
@@ -268,9 +324,11 @@ def parse_layers(spec: str | None, num_layers: int, mtp_layer: int | None = None
     if spec is None:
         return None
     if not spec.strip():
-        raise SplicerError(f"{what} is empty; give layer numbers or ranges like 0,4-7 (this build has {num_layers} "
-                           f"decoder layers, 0-{num_layers - 1}), or "
-                           + ("drop --layers" if what == "--layers" else "name the class alone for all its layers"))
+        raise SplicerError(
+            f"{what} is empty; give layer numbers or ranges like 0,4-7 (this build has {num_layers} "
+            f"decoder layers, 0-{num_layers - 1}), or "
+            + ("drop --layers" if what == "--layers" else "name the class alone for all its layers")
+        )
     label = f"{what}{clip(spec)[1:-1]}" if what.endswith("@") else f"{what} {clip(spec)}"
     return set(layer_numbers(spec, label, num_layers, mtp_layer))
 
@@ -283,6 +341,8 @@ def check_modules_regex(regex: str | None) -> str | None:
         re.compile(regex)
     except (re.error, RecursionError, OverflowError, ValueError) as e:
         detail = str(e).splitlines()[0] if str(e) else e.__class__.__name__
-        raise SplicerError(f"--modules {clip(regex)} is not a valid Python regular expression ({detail}); fix the pattern, "
-                           "e.g. 'layers\\.[0-3]\\.' (see splicer inspect for module names)") from None
+        raise SplicerError(
+            f"--modules {clip(regex)} is not a valid Python regular expression ({detail}); fix the pattern, "
+            "e.g. 'layers\\.[0-3]\\.' (see splicer inspect for module names)"
+        ) from None
     return regex

@@ -32,9 +32,11 @@ import torch
 
 from .metrics import decode_difference, engine_level, fold_engine_noise, paired_comparison, units
 
-METHOD = ("paired on the same positions; 95 % intervals from a stratified bootstrap over sequences "
-          "(chat: groups of conversations that share a prompt), Student's t on its standard error; pooled over corpora position-weighted, "
-          "a shared chat prefix counted once; significant when the interval shown excludes 0")
+METHOD = (
+    "paired on the same positions; 95 % intervals from a stratified bootstrap over sequences "
+    "(chat: groups of conversations that share a prompt), Student's t on its standard error; pooled over corpora position-weighted, "
+    "a shared chat prefix counted once; significant when the interval shown excludes 0"
+)
 QUANTITIES = ("kl", "top1", "dnll")
 
 
@@ -76,12 +78,20 @@ def compare_scores(out: Path, a: str, b: str, corpora: list[str], reps: int = 20
         top1[corpus] = {"a": sa["top1"].float(), "b": sb["top1"].float(), "cluster": unit, "unit": unit_name, "weight": w}
         if "answer_mask" in sa and bool(sa["answer_mask"].any()):
             m = sa["answer_mask"].bool()
-            dnll[corpus] = {"a": sa["dlogp"][m], "b": sb["dlogp"][m], "cluster": unit[m], "unit": unit_name,
-                            "weight": None if w is None else w[m]}
+            dnll[corpus] = {
+                "a": sa["dlogp"][m],
+                "b": sb["dlogp"][m],
+                "cluster": unit[m],
+                "unit": unit_name,
+                "weight": None if w is None else w[m],
+            }
     if not kl:
         return None
-    return {"kl": paired_comparison(kl, reps, seed), "top1": paired_comparison(top1, reps, seed),
-            "dnll": paired_comparison(dnll, reps, seed) if dnll else None}
+    return {
+        "kl": paired_comparison(kl, reps, seed),
+        "top1": paired_comparison(top1, reps, seed),
+        "dnll": paired_comparison(dnll, reps, seed) if dnll else None,
+    }
 
 
 def engine_noise(results: dict, out: Path) -> dict | None:
@@ -90,8 +100,9 @@ def engine_noise(results: dict, out: Path) -> dict | None:
     difference of two engines' means (diff) and of their ratio (rel), with its degrees of freedom (engines - 1), for
     metrics.fold_engine_noise. None when the build was scored on fewer than two engines; {"why": ...} and no quantities
     when their per-position scores are not at hand."""
-    rows = [v["name"] for v in results.get("variants", []) if v.get("status") == "ok"
-            and "build" in (v["name"], v.get("repeat_of"))]
+    rows = [
+        v["name"] for v in results.get("variants", []) if v.get("status") == "ok" and "build" in (v["name"], v.get("repeat_of"))
+    ]
     corpora = list(results.get("corpora", {}))
     # per engine row: per quantity, per corpus (and pooled): (weighted sum, weight)
     sums = {}
@@ -150,9 +161,12 @@ def fold_noise(vs: dict, noise: dict | None) -> dict:
         nq = (noise or {}).get(q) or {}
         scope = {"df": noise["df"], "rows": noise["rows"]} if noise else None
         pick = lambda part: None if not part or not scope else dict(scope, **part)  # noqa: E731
-        out[q] = {"per_stratum": {c: fold_engine_noise(r, pick((nq.get("per_stratum") or {}).get(c)))
-                                  for c, r in cmp["per_stratum"].items()},
-                  **({"pooled": fold_engine_noise(cmp["pooled"], pick(nq.get("pooled")))} if "pooled" in cmp else {})}
+        out[q] = {
+            "per_stratum": {
+                c: fold_engine_noise(r, pick((nq.get("per_stratum") or {}).get(c))) for c, r in cmp["per_stratum"].items()
+            },
+            **({"pooled": fold_engine_noise(cmp["pooled"], pick(nq.get("pooled")))} if "pooled" in cmp else {}),
+        }
     return out
 
 
@@ -161,17 +175,25 @@ def noise_text(results: dict) -> str:
     verdicts = results.get("verdicts") or {}
     noise = verdicts.get("engine_noise")
     if "engine_noise" not in verdicts:
-        return ("the engine's run-to-run noise is not in these intervals (this results.json was written before splicer "
-                "measured it; rerun splicer ablate on the folder to fold it in)")
+        return (
+            "the engine's run-to-run noise is not in these intervals (this results.json was written before splicer "
+            "measured it; rerun splicer ablate on the folder to fold it in)"
+        )
     if not noise:
-        return ("the engine's run-to-run noise is not in these intervals (the build was scored on one engine only; a "
-                "`repeat = true` row of the build measures it)")
+        return (
+            "the engine's run-to-run noise is not in these intervals (the build was scored on one engine only; a "
+            "`repeat = true` row of the build measures it)"
+        )
     if noise.get("why"):
         return f"the engine's run-to-run noise is not in these intervals ({noise['why']})"
     kl = ((noise.get("kl") or {}).get("pooled") or {}).get("diff")
-    size = "0: this engine is deterministic" if kl == 0 else f"KL sd {kl:.2g} between two engines" if kl is not None else "measured"
-    return (f"the engine's run-to-run noise, measured from the build's engines scored on the same positions "
-            f"({', '.join(noise['rows'])}; {size}), is folded into these intervals")
+    size = (
+        "0: this engine is deterministic" if kl == 0 else f"KL sd {kl:.2g} between two engines" if kl is not None else "measured"
+    )
+    return (
+        f"the engine's run-to-run noise, measured from the build's engines scored on the same positions "
+        f"({', '.join(noise['rows'])}; {size}), is folded into these intervals"
+    )
 
 
 def _timed_rows(results: dict, name: str, gpu=...) -> list[tuple[str, list[float]]]:
@@ -204,13 +226,21 @@ def decode_vs_build(results: dict, name: str) -> dict | None:
     """Relative decode difference of variant `name` from the build (metrics.decode_difference) over every timed engine
     of each, on the variant's GPU (engines on different GPUs differ by more than the differences sought); None when
     either was not timed there."""
-    gpus = {v.get("gpu") for v in results.get("variants", []) if v.get("status") == "ok" and name in (v["name"], v.get("repeat_of"))}
+    gpus = {
+        v.get("gpu") for v in results.get("variants", []) if v.get("status") == "ok" and name in (v["name"], v.get("repeat_of"))
+    }
     if not gpus:
         return None
     if len(gpus) > 1:  # a variant's repeat rows taken by other GPUs: no one GPU's build is its reference
-        return {"rel": None, "rel_ci": None, "resolved": None, "engines": [0, 0], "df": 0,
-                "why": f"{name}'s engines ran on GPUs {', '.join(sorted(map(str, gpus)))}; each is compared with the build "
-                       "on its own GPU, so a variant timed on several GPUs has no one difference"}
+        return {
+            "rel": None,
+            "rel_ci": None,
+            "resolved": None,
+            "engines": [0, 0],
+            "df": 0,
+            "why": f"{name}'s engines ran on GPUs {', '.join(sorted(map(str, gpus)))}; each is compared with the build "
+            "on its own GPU, so a variant timed on several GPUs has no one difference",
+        }
     gpu = gpus.pop()
     variant, build = timed_engines(results, name, gpu), timed_engines(results, "build", gpu)
     if not variant or not build:
@@ -218,10 +248,15 @@ def decode_vs_build(results: dict, name: str) -> dict | None:
     # The engine-to-engine spread is estimated from every variant timed on two or more engines of one GPU, not only
     # these two: the build on the other GPUs too.
     all_gpus = _gpus(results)
-    groups = [(v["name"], g) for v in results.get("variants", []) if v.get("status") == "ok" and not v.get("repeat_of")
-              for g in all_gpus]
-    others = [e for n, g in groups if (n, g) not in ((name, gpu), ("build", gpu))
-              for e in [timed_engines(results, n, g)] if len(e) > 1]
+    groups = [
+        (v["name"], g)
+        for v in results.get("variants", [])
+        if v.get("status") == "ok" and not v.get("repeat_of")
+        for g in all_gpus
+    ]
+    others = [
+        e for n, g in groups if (n, g) not in ((name, gpu), ("build", gpu)) for e in [timed_engines(results, n, g)] if len(e) > 1
+    ]
     return dict(decode_difference(variant, build, extra_groups=others), **({"gpu": gpu} if gpu is not None else {}))
 
 
@@ -265,15 +300,25 @@ def build_engine_agreement(results: dict) -> dict | None:
         engines = _timed_rows(results, "build", gpu)
         if len(engines) >= 2:
             means = [engine_level(e) for _, e in engines]
-            per_gpu[gpu] = {"engines": len(engines), "mean_ms": means, "spread": max(means) / min(means) - 1,
-                            "rows": [row for row, _ in engines], "level": "median of blocks"}
+            per_gpu[gpu] = {
+                "engines": len(engines),
+                "mean_ms": means,
+                "spread": max(means) / min(means) - 1,
+                "rows": [row for row, _ in engines],
+                "level": "median of blocks",
+            }
     if not per_gpu:
         return None
     if list(per_gpu) == [None]:
         return per_gpu[None]
-    return {"engines": sum(g["engines"] for g in per_gpu.values()), "mean_ms": [m for g in per_gpu.values() for m in g["mean_ms"]],
-            "spread": max(g["spread"] for g in per_gpu.values()), "rows": [r for g in per_gpu.values() for r in g["rows"]],
-            "by_gpu": {str(k): g for k, g in per_gpu.items()}, "level": "median of blocks"}
+    return {
+        "engines": sum(g["engines"] for g in per_gpu.values()),
+        "mean_ms": [m for g in per_gpu.values() for m in g["mean_ms"]],
+        "spread": max(g["spread"] for g in per_gpu.values()),
+        "rows": [r for g in per_gpu.values() for r in g["rows"]],
+        "by_gpu": {str(k): g for k, g in per_gpu.items()},
+        "level": "median of blocks",
+    }
 
 
 def engine_means_text(engines: dict) -> str:
@@ -283,8 +328,10 @@ def engine_means_text(engines: dict) -> str:
 
 def per_gpu_engines_text(engines: dict) -> str:
     """The build's engines per GPU of a run spread over GPUs (build_engine_agreement's by_gpu), for report and table."""
-    return "; ".join(f"GPU {g}: {engine_means_text(e)} ms/token, largest difference {100 * e['spread']:.2f} %"
-                     for g, e in engines["by_gpu"].items())
+    return "; ".join(
+        f"GPU {g}: {engine_means_text(e)} ms/token, largest difference {100 * e['spread']:.2f} %"
+        for g, e in engines["by_gpu"].items()
+    )
 
 
 def pooled_kl(v: dict) -> float | None:

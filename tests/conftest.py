@@ -11,7 +11,6 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 
 
-
 def _set_threads() -> str:
     """torch's threads for the test process from the cores free now (or OMP_NUM_THREADS / SPLICER_THREADS), and one
     thread for the subprocesses tests start (unless OMP_NUM_THREADS is set): several of them (fake GPU workers, engines

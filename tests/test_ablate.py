@@ -103,14 +103,19 @@ def test_restoring_everything_reproduces_the_base(finished):
     rows = {v["name"]: v for v in results["variants"]}
     for name in ("all", "base"):
         for corpus, m in rows[name]["metrics"].items():
-            assert m["top1"] == 1.0 and m["kl"] == pytest.approx(0, abs=1e-7) and m["kl_full"] == pytest.approx(0, abs=1e-7), (name, corpus)
+            assert m["top1"] == 1.0 and m["kl"] == pytest.approx(0, abs=1e-7) and m["kl_full"] == pytest.approx(0, abs=1e-7), (
+                name,
+                corpus,
+            )
             if m["dnll"] is not None:
                 assert m["dnll"] == pytest.approx(0, abs=1e-7)
     build = rows["build"]["metrics"]["wiki-en"]
     assert build["kl"] > 0.01 and build["top1"] < 1.0
     # The paired difference from the build is the difference of the two weighted means, per corpus and pooled.
     paired = rows["gdn"]["vs_build"]["kl"]
-    assert paired["per_stratum"]["wiki-en"]["diff"] == pytest.approx(rows["gdn"]["metrics"]["wiki-en"]["kl"] - build["kl"], abs=1e-6)
+    assert paired["per_stratum"]["wiki-en"]["diff"] == pytest.approx(
+        rows["gdn"]["metrics"]["wiki-en"]["kl"] - build["kl"], abs=1e-6
+    )
     positions = {c: m["positions"] for c, m in rows["build"]["metrics"].items()}
     pooled_build = sum(rows["build"]["metrics"][c]["kl"] * n for c, n in positions.items()) / sum(positions.values())
     pooled_gdn = sum(rows["gdn"]["metrics"][c]["kl"] * n for c, n in positions.items()) / sum(positions.values())
@@ -153,7 +158,9 @@ def test_chosen_rows_and_a_failing_variant(pairs, plan_file, tmp_path, monkeypat
 
     monkeypatch.setattr(TorchBackend, "load", load)
     p = pairs["fused"]
-    results = run_ablate("gdn,lm_head", str(p["lowlatency"]), str(p["base"]), tmp_path, str(plan_file), _settings(time_decode=False))
+    results = run_ablate(
+        "gdn,lm_head", str(p["lowlatency"]), str(p["base"]), tmp_path, str(plan_file), _settings(time_decode=False)
+    )
     rows = {v["name"]: v for v in results["variants"]}
     assert list(rows) == ["build", "gdn", "lm_head"]
     assert rows["lm_head"]["status"] == "error" and "out of memory" in rows["lm_head"]["error"]
@@ -226,7 +233,9 @@ def test_decode_floor_column(pairs, plan_file, tmp_path):
     from splicer.inspect import inspect_checkpoint
 
     p = pairs["fused"]
-    res = run_ablate("gdn", str(p["lowlatency"]), str(p["base"]), tmp_path, str(plan_file), _settings(time_decode=False, bandwidth_gbs=4800))
+    res = run_ablate(
+        "gdn", str(p["lowlatency"]), str(p["base"]), tmp_path, str(plan_file), _settings(time_decode=False, bandwidth_gbs=4800)
+    )
     rows = {v["name"]: v for v in res["variants"]}
     want = inspect_checkpoint(open_checkpoint(p["lowlatency"], "b"))["total_bytes_per_decode_step"]
     assert rows["build"]["bytes_per_decode_step"] == want
@@ -238,12 +247,27 @@ def test_decode_floor_column(pairs, plan_file, tmp_path):
 def test_speed_table_separates_an_engine_start_from_the_wait_for_it():
     from splicer.table import speed_rows
 
-    timing = {"decode_ms_per_token": 4.0, "decode_iqr": [3.9, 4.1], "decode_min_max": [3.8, 4.2], "ttft_ms": 100,
-              "ttft_min_max": [90, 110], "method": "engine: token times"}
-    results = {"corpora": {"en": {"positions": 1000}}, "base_pass": {"engine": {"startup_s": 250.0}, "timings": {"load_s": 260.0}},
-               "variants": [{"name": "build", "status": "ok", "timing": timing,
-                             "engine": {"startup_s": 240.0, "startup_breakdown": {"compile_s": 30.0}},
-                             "elapsed": {"load_s": 0.5, "score_en_s": 0.1}}]}
+    timing = {
+        "decode_ms_per_token": 4.0,
+        "decode_iqr": [3.9, 4.1],
+        "decode_min_max": [3.8, 4.2],
+        "ttft_ms": 100,
+        "ttft_min_max": [90, 110],
+        "method": "engine: token times",
+    }
+    results = {
+        "corpora": {"en": {"positions": 1000}},
+        "base_pass": {"engine": {"startup_s": 250.0}, "timings": {"load_s": 260.0}},
+        "variants": [
+            {
+                "name": "build",
+                "status": "ok",
+                "timing": timing,
+                "engine": {"startup_s": 240.0, "startup_breakdown": {"compile_s": 30.0}},
+                "elapsed": {"load_s": 0.5, "score_en_s": 0.1},
+            }
+        ],
+    }
     headers, rows = speed_rows(results)
     col = {h: i for i, h in enumerate(headers)}
     base, build = rows
@@ -277,13 +301,19 @@ def test_chosen_rows_bring_the_builds_repeats_and_report_only_their_own_skips(pa
     """`ablate lm_head`: the build and its other engines run too (they set every decode interval); a row nobody asked
     for is neither run nor listed as skipped."""
     plan = tmp_path / "rep.toml"
-    plan.write_text(plan_file.read_text() + '\n[[row]]\nname = "gdn-twin"\nrestore = ["gdn"]\n'
-                    '\n[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n')
+    plan.write_text(
+        plan_file.read_text() + '\n[[row]]\nname = "gdn-twin"\nrestore = ["gdn"]\n'
+        '\n[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n'
+    )
     p = pairs["fused"]
-    results = run_ablate("lm_head", str(p["lowlatency"]), str(p["base"]), tmp_path / "out", str(plan), _settings(time_decode=False))
+    results = run_ablate(
+        "lm_head", str(p["lowlatency"]), str(p["base"]), tmp_path / "out", str(plan), _settings(time_decode=False)
+    )
     assert [v["name"] for v in results["variants"]] == ["build", "lm_head", "build-again"]
     assert results["variants"][2]["repeat_of"] == "build" and results["skipped"] == []
-    both = run_ablate("gdn,gdn-twin", str(p["lowlatency"]), str(p["base"]), tmp_path / "out2", str(plan), _settings(time_decode=False))
+    both = run_ablate(
+        "gdn,gdn-twin", str(p["lowlatency"]), str(p["base"]), tmp_path / "out2", str(plan), _settings(time_decode=False)
+    )
     assert [s["name"] for s in both["skipped"]] == ["gdn-twin"]
 
 
@@ -305,14 +335,17 @@ def test_compile_targets_fill_every_process_once_then_the_base_pass_gpu(monkeypa
         cuda_ids(("0", "2"))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--gpus", "0"], "two or more distinct CUDA device ids"),
-    (["--gpus", "0,0"], "two or more distinct CUDA device ids"),
-    (["--gpus", "0,x"], "two or more distinct CUDA device ids"),
-    (["--gpus", "0,1"], "apply to --backend vllm only"),
-    (["--backend", "vllm", "--gpus", "0,1", "--overlap-starts", "1"], "drop --overlap-starts"),
-    (["--backend", "vllm", "--gpus", "0,1", "--device", "cuda:0"], "drop --device"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpus", "0"], "two or more distinct CUDA device ids"),
+        (["--gpus", "0,0"], "two or more distinct CUDA device ids"),
+        (["--gpus", "0,x"], "two or more distinct CUDA device ids"),
+        (["--gpus", "0,1"], "apply to --backend vllm only"),
+        (["--backend", "vllm", "--gpus", "0,1", "--overlap-starts", "1"], "drop --overlap-starts"),
+        (["--backend", "vllm", "--gpus", "0,1", "--device", "cuda:0"], "drop --device"),
+    ],
+)
 def test_gpus_flag_refusals_are_one_line(args, message, tmp_path, capsys):
     from splicer.cli import main
 
@@ -333,7 +366,10 @@ def test_spread_lanes_a_gpu_that_cannot_serve_the_build_takes_no_rows_and_no_tim
     rows = [PlannedRow(Row(n, restore=[n]), [n], n) for n in ("gdn", "attention", "lm_head")]
     again = PlannedRow(Row("build-again", restore=[], repeat=True), [], "build")
     firsts, lasts, queue_rows, replaced = gpu_build_rows([build, *rows, again], ("0", "1"))
-    assert [f.row.name for f in firsts] == ["build", "build-gpu1"] and [x.row.name for x in lasts] == ["build-end-gpu0", "build-end-gpu1"]
+    assert [f.row.name for f in firsts] == ["build", "build-gpu1"] and [x.row.name for x in lasts] == [
+        "build-end-gpu0",
+        "build-end-gpu1",
+    ]
     assert replaced == [again] and queue_rows == rows
     ran, lock = [], threading.Lock()
 
@@ -370,10 +406,12 @@ def test_output_survives_a_stdout_that_is_not_utf8(finished, capsys):
         utf8.append(capsys.readouterr().out)
         assert not utf8[-1].isascii(), argv  # each output has symbols an ASCII stdout cannot hold
     marker = "----- next command -----"
-    code = ("import sys\nfrom splicer.cli import main\ncodes = []\n"
-            f"for argv in {commands!r}:\n"
-            f"    codes.append(main(argv)); print({marker!r}, flush=True)\n"
-            "sys.exit(max(codes))\n")
+    code = (
+        "import sys\nfrom splicer.cli import main\ncodes = []\n"
+        f"for argv in {commands!r}:\n"
+        f"    codes.append(main(argv)); print({marker!r}, flush=True)\n"
+        "sys.exit(max(codes))\n"
+    )
     env = dict(os.environ, PYTHONIOENCODING="ascii", PYTHONPATH=str(Path(__file__).parents[1]), HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env)
     assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode(errors="replace")

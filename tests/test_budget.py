@@ -13,8 +13,14 @@ from splicer.errors import SplicerError
 
 
 def _v(name, restored, kl, size, decode=None):
-    return {"name": name, "status": "ok", "restored": restored, "size_bytes": size, "decode_ms_per_token": decode,
-            "metrics": {"wiki-en": {"kl": kl, "positions": 100}}}
+    return {
+        "name": name,
+        "status": "ok",
+        "restored": restored,
+        "size_bytes": size,
+        "decode_ms_per_token": decode,
+        "metrics": {"wiki-en": {"kl": kl, "positions": 100}},
+    }
 
 
 def _results(*variants, class_layers=None):
@@ -25,14 +31,21 @@ def test_atoms_ratio_and_leave_one_out_error():
     """Reductions 0.2 (gdn@0), 0.1 (gdn@1), 0.3 (attention); rows restoring several reduce 0.9x their atoms' sum: the
     additivity is 0.9 within gdn (gdn@0-1) and 0.9 across classes (gdn@0 with attention). Each row is the only one of
     its kind, so predicted from the others it falls back to additive (1.00)."""
-    r = _results(_v("build", [], 1.0, 10e9, 10.0), _v("g0", ["gdn@0"], 0.8, 11e9, 11.0), _v("g1", ["gdn@1"], 0.9, 11e9, 11.0),
-                 _v("a", ["attention"], 0.7, 12e9, 12.0), _v("g01", ["gdn@0-1"], 1.0 - 0.9 * 0.3, 12e9, 12.0),
-                 _v("g0a", ["gdn@0", "attention"], 1.0 - 0.9 * 0.5, 13e9, 13.0))
+    r = _results(
+        _v("build", [], 1.0, 10e9, 10.0),
+        _v("g0", ["gdn@0"], 0.8, 11e9, 11.0),
+        _v("g1", ["gdn@1"], 0.9, 11e9, 11.0),
+        _v("a", ["attention"], 0.7, 12e9, 12.0),
+        _v("g01", ["gdn@0-1"], 1.0 - 0.9 * 0.3, 12e9, 12.0),
+        _v("g0a", ["gdn@0", "attention"], 1.0 - 0.9 * 0.5, 13e9, 13.0),
+    )
     m = fit(r)
     assert sorted(a.entry for a in m.atoms) == ["attention", "gdn@0", "gdn@1"]
     assert m.additivity.within == {"gdn": pytest.approx(0.9)} and m.additivity.across == pytest.approx(0.9)
     assert [(c["row"], round(c["predicted_kl"], 6), round(c["measured_kl"], 6)) for c in m.checks] == [
-        ("g01", 0.7, 0.73), ("g0a", 0.5, 0.55)]
+        ("g01", 0.7, 0.73),
+        ("g0a", 0.5, 0.55),
+    ]
     preds = {p.label: p for p in predictions(m)}
     assert preds["gdn@0-1,attention"].kl == pytest.approx(1.0 - 0.9 * (0.9 * 0.3 + 0.3))
     assert preds["gdn@0-1,attention"].size_gb == pytest.approx(14.0)  # sizes add exactly
@@ -44,8 +57,14 @@ def test_atoms_ratio_and_leave_one_out_error():
 def test_a_whole_class_row_is_a_union_of_its_layer_groups():
     """A sweep: gdn@0, gdn@1, gdn@2 are atoms; gdn@1-2 (leave one out) and gdn (whole, from class_layers) measure
     additivity instead of being atoms."""
-    r = _results(_v("build", [], 1.0, 10e9), _v("g0", ["gdn@0"], 0.9, 11e9), _v("g1", ["gdn@1"], 0.9, 11e9),
-                 _v("g2", ["gdn@2"], 0.9, 11e9), _v("no0", ["gdn@1-2"], 0.8, 12e9), _v("gdn", ["gdn"], 0.7, 13e9))
+    r = _results(
+        _v("build", [], 1.0, 10e9),
+        _v("g0", ["gdn@0"], 0.9, 11e9),
+        _v("g1", ["gdn@1"], 0.9, 11e9),
+        _v("g2", ["gdn@2"], 0.9, 11e9),
+        _v("no0", ["gdn@1-2"], 0.8, 12e9),
+        _v("gdn", ["gdn"], 0.7, 13e9),
+    )
     m = fit(r)
     assert sorted(a.entry for a in m.atoms) == ["gdn@0", "gdn@1", "gdn@2"]
     assert [c["row"] for c in m.checks] == ["no0", "gdn"] and m.additivity.within == {"gdn": pytest.approx(1.0)}
@@ -59,10 +78,13 @@ def test_no_multi_row_means_additivity_is_assumed_and_said(tmp_path, capsys):
     assert "additivity is assumed (1.00), not measured" in out and "gdn@0" in out and "| attention" not in out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max-decode-ms", "5"], "--max-decode-ms needs timed rows"),
-    (["--corpus", "chat"], "no scored build row on corpus 'chat'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-decode-ms", "5"], "--max-decode-ms needs timed rows"),
+        (["--corpus", "chat"], "no scored build row on corpus 'chat'"),
+    ],
+)
 def test_budget_refuses_what_the_results_cannot_answer(tmp_path, capsys, args, message):
     r = _results(_v("build", [], 1.0, 10e9), _v("g0", ["gdn@0"], 0.8, 11e9))
     (tmp_path / "results.json").write_text(json.dumps(r))
@@ -79,11 +101,17 @@ def test_no_single_rows_is_refused():
 def test_a_slope_is_not_fitted_from_atoms_whose_kl_changes_are_noise():
     """The whole-gdn row measures within-gdn additivity only when one of its groups changed KL significantly: from
     noise the slope would be a ratio of two noises (the decode slope of results/budget-h200 was -1.34 so)."""
+
     def noisy(v, significant):
         return dict(v, vs_build={"kl": {"pooled": {"significant": significant}}})
 
-    rows = [_v("build", [], 1.0, 10e9), _v("g0", ["gdn@0"], 0.999, 11e9), _v("g1", ["gdn@1"], 1.001, 11e9),
-            _v("g2", ["gdn@2"], 0.9995, 11e9), _v("gdn", ["gdn"], 1.002, 13e9)]
+    rows = [
+        _v("build", [], 1.0, 10e9),
+        _v("g0", ["gdn@0"], 0.999, 11e9),
+        _v("g1", ["gdn@1"], 1.001, 11e9),
+        _v("g2", ["gdn@2"], 0.9995, 11e9),
+        _v("gdn", ["gdn"], 1.002, 13e9),
+    ]
     m = fit(_results(*(noisy(v, False) if v["name"].startswith("g") else v for v in rows)))
     assert m.additivity.within == {} and m.additivity.unmeasurable == ("gdn",)
     assert fit(_results(*rows)).additivity.within["gdn"] == pytest.approx((1.0 - 1.002) / (0.001 - 0.001 + 0.0005))
@@ -97,8 +125,10 @@ def test_an_unreadable_budget_json_is_refused_not_overwritten(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "budget.json cannot be read" in err and len(err.strip().splitlines()) == 1
     assert (tmp_path / "budget.json").read_text() == "{not json"
-    for args, message in ((["--max-gb", "nan"], "--max-gb nan: give a finite number"),
-                          (["--corpus", "nope"], "--corpus 'nope': this folder scored wiki-en")):
+    for args, message in (
+        (["--max-gb", "nan"], "--max-gb nan: give a finite number"),
+        (["--corpus", "nope"], "--corpus 'nope': this folder scored wiki-en"),
+    ):
         (tmp_path / "budget.json").unlink(missing_ok=True)
         r["corpora"] = {"wiki-en": {}}
         (tmp_path / "results.json").write_text(json.dumps(r))

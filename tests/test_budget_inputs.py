@@ -21,22 +21,34 @@ from .conftest import tree_digest
 
 
 def _v(name, restored, kl, size, decode=None, **extra):
-    return {"name": name, "status": "ok", "restored": restored, "size_bytes": size, "decode_ms_per_token": decode,
-            "metrics": {"wiki-en": {"kl": kl, "positions": 100}}, **extra}
+    return {
+        "name": name,
+        "status": "ok",
+        "restored": restored,
+        "size_bytes": size,
+        "decode_ms_per_token": decode,
+        "metrics": {"wiki-en": {"kl": kl, "positions": 100}},
+        **extra,
+    }
 
 
 def _folder(tmp_path: Path, *variants, **top) -> Path:
     folder = tmp_path / "run"
     folder.mkdir(exist_ok=True)
-    (folder / "results.json").write_text(json.dumps({"variants": list(variants), "corpora": {"wiki-en": {}},
-                                                     "class_layers": {"gdn": [0, 1, 2], "attention": [3]}, **top}))
+    (folder / "results.json").write_text(
+        json.dumps(
+            {"variants": list(variants), "corpora": {"wiki-en": {}}, "class_layers": {"gdn": [0, 1, 2], "attention": [3]}, **top}
+        )
+    )
     return folder
 
 
 def _strict(path: Path):
     """JSON as any other reader takes it: NaN and infinities are not JSON."""
+
     def refuse(token):
         raise ValueError(f"{path} holds {token}, which is not JSON")
+
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
@@ -69,16 +81,25 @@ def _results_dir_is_a_folder(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["budget", "plot"])
-@pytest.mark.parametrize("make, message", [
-    (lambda t: _folder(t, *ROWS, _v("g1", ["gdn@1"], "0.5", 11e9)), "row 'g1': KL on wiki-en is '0.5', not a number"),
-    (lambda t: _folder(t, *ROWS, _v("g1", ["gdn@1"], -0.2, 11e9)), "row 'g1': KL on wiki-en is -0.2, below 0 (KL is never negative)"),
-    (lambda t: _folder(t, *ROWS, ["g1", 0.5]), "variants[3] is list, not a row (an object)"),
-    (lambda t: _folder(t, *ROWS, _v("g1", ["gdn@1"], 0.5, 11e9, decode=-3.0)), "row 'g1': decode_ms_per_token is -3, at or below 0"),
-    (_results_dir_is_a_folder, "results.json is a folder, not the results file"),
-    (lambda t: _folder(t, *ROWS, _v("g1", ["gdn@1"], None, 11e9)), "row 'g1': KL on wiki-en is missing"),
-    (lambda t: _folder(t, *ROWS, {**_v("g1", ["gdn@1"], 0.5, 11e9), "metrics": None}), "row 'g1': metrics is missing"),
-    (lambda t: _folder(t, *ROWS, _v("g0", ["gdn@1"], 0.5, 11e9)), "variants[3] is a second row named 'g0'"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda t: _folder(t, *ROWS, _v("g1", ["gdn@1"], "0.5", 11e9)), "row 'g1': KL on wiki-en is '0.5', not a number"),
+        (
+            lambda t: _folder(t, *ROWS, _v("g1", ["gdn@1"], -0.2, 11e9)),
+            "row 'g1': KL on wiki-en is -0.2, below 0 (KL is never negative)",
+        ),
+        (lambda t: _folder(t, *ROWS, ["g1", 0.5]), "variants[3] is list, not a row (an object)"),
+        (
+            lambda t: _folder(t, *ROWS, _v("g1", ["gdn@1"], 0.5, 11e9, decode=-3.0)),
+            "row 'g1': decode_ms_per_token is -3, at or below 0",
+        ),
+        (_results_dir_is_a_folder, "results.json is a folder, not the results file"),
+        (lambda t: _folder(t, *ROWS, _v("g1", ["gdn@1"], None, 11e9)), "row 'g1': KL on wiki-en is missing"),
+        (lambda t: _folder(t, *ROWS, {**_v("g1", ["gdn@1"], 0.5, 11e9), "metrics": None}), "row 'g1': metrics is missing"),
+        (lambda t: _folder(t, *ROWS, _v("g0", ["gdn@1"], 0.5, 11e9)), "variants[3] is a second row named 'g0'"),
+    ],
+)
 def test_a_bad_results_json_is_one_line_naming_row_and_field(tmp_path, capsys, command, make, message):
     folder = make(tmp_path)
     digest = tree_digest(folder)
@@ -91,8 +112,9 @@ def test_decode_predicted_at_or_below_zero_is_refused_and_said(tmp_path, capsys)
     """A loaded machine: each single-entry row timed 6 ms/token faster than a 10 ms build, so restoring both is
     'predicted' at -2 ms/token. No engine decodes in negative time: budget predicts no decode, says why, and refuses
     --max-decode-ms; budget.json holds no decode prediction."""
-    folder = _folder(tmp_path, _v("build", [], 1.0, 10e9, 10.0), _v("g0", ["gdn@0"], 0.8, 11e9, 4.0),
-                     _v("a", ["attention"], 0.7, 12e9, 4.0))
+    folder = _folder(
+        tmp_path, _v("build", [], 1.0, 10e9, 10.0), _v("g0", ["gdn@0"], 0.8, 11e9, 4.0), _v("a", ["attention"], 0.7, 12e9, 4.0)
+    )
     assert main(["budget", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "Decode not predicted" in out and "gdn@0,attention is predicted at -2.0 ms/token from a build at 10.0" in out
@@ -128,10 +150,14 @@ def test_a_combinations_decode_interval_counts_the_builds_mean_k_minus_1_times(t
 
     sd, df = 0.5, 3
     spread = {"engine_sd_ms": sd, "df": df}
-    folder = _folder(tmp_path, _timed("build", [], 1.0, 10e9, [10.0, 10.2], decode_vs_build=spread),
-                     _timed("build-again", [], 1.0, 10e9, [10.1, 10.3], repeat_of="build"),
-                     _timed("g0", ["gdn@0"], 0.8, 11e9, [11.0, 11.2]), _timed("a", ["attention"], 0.7, 12e9, [12.0, 12.4]),
-                     _timed("s", ["shared_expert"], 0.6, 13e9, [13.0, 13.2]))
+    folder = _folder(
+        tmp_path,
+        _timed("build", [], 1.0, 10e9, [10.0, 10.2], decode_vs_build=spread),
+        _timed("build-again", [], 1.0, 10e9, [10.1, 10.3], repeat_of="build"),
+        _timed("g0", ["gdn@0"], 0.8, 11e9, [11.0, 11.2]),
+        _timed("a", ["attention"], 0.7, 12e9, [12.0, 12.4]),
+        _timed("s", ["shared_expert"], 0.6, 13e9, [13.0, 13.2]),
+    )
     assert main(["budget", str(folder)]) == 0
     capsys.readouterr()
     [three] = [e for e in _strict(folder / "budget.json")["front"] if len(e["atoms"]) == 3]
@@ -158,8 +184,12 @@ def test_kl_intervals_of_predictions_stop_at_zero(tmp_path, capsys):
     e2 = 0.4 * (2 * torch.rand(80, generator=g, dtype=torch.float64) - 1)
     e2 += 0.01 - (e1 + e2).mean()  # the prediction g0 + a - build averages 0.01
     rows = {"build": build, "g0": 0.5 + e1, "a": 0.5 + e2}
-    folder = _folder(tmp_path, _v("build", [], float(build.mean()), 10e9), _v("g0", ["gdn@0"], float(rows["g0"].mean()), 11e9),
-                     _v("a", ["attention"], float(rows["a"].mean()), 12e9))
+    folder = _folder(
+        tmp_path,
+        _v("build", [], float(build.mean()), 10e9),
+        _v("g0", ["gdn@0"], float(rows["g0"].mean()), 11e9),
+        _v("a", ["attention"], float(rows["a"].mean()), 12e9),
+    )
     for name, kl in rows.items():
         (folder / "scores" / name).mkdir(parents=True)
         save_file({"kl_top": kl.float(), "seq_index": seq}, str(folder / "scores" / name / "wiki-en.safetensors"))
@@ -228,8 +258,12 @@ def test_plan_sweep_into_a_full_disk_is_one_line_and_leaves_nothing(pairs, tmp_p
     out_dir = tmp_path / "plans"
     out_dir.mkdir()
     _failing_writes(monkeypatch, out_dir, errno.ENOSPC)
-    assert main(["plan", "sweep", str(build), "--class", "gdn", "--groups", "2", "-o", str(out_dir / "sweep.toml"),
-                 "--from", "demo"]) == 2
+    assert (
+        main(
+            ["plan", "sweep", str(build), "--class", "gdn", "--groups", "2", "-o", str(out_dir / "sweep.toml"), "--from", "demo"]
+        )
+        == 2
+    )
     assert f"cannot write {out_dir / 'sweep.toml'}: no space left" in _one_line(capsys)
     assert list(out_dir.iterdir()) == [] and tree_digest(build) == before
 
@@ -316,8 +350,11 @@ def test_verified_rows_are_matched_by_what_they_restore_not_by_spelling(tmp_path
     import shutil
 
     folder = tmp_path / "budget-h200"
-    shutil.copytree(Path(__file__).parent.parent / "results" / "budget-h200", folder,
-                    ignore=shutil.ignore_patterns("logs.tgz", "*.png", "*.svg", "reanalysis", "before-verify"))
+    shutil.copytree(
+        Path(__file__).parent.parent / "results" / "budget-h200",
+        folder,
+        ignore=shutil.ignore_patterns("logs.tgz", "*.png", "*.svg", "reanalysis", "before-verify"),
+    )
     results = json.loads((folder / "results.json").read_text())
     assert not any("entries" in e for e in json.loads((folder / "budget.json").read_text())["verified"])
     assert main(["budget", str(folder)]) == 0
@@ -326,9 +363,14 @@ def test_verified_rows_are_matched_by_what_they_restore_not_by_spelling(tmp_path
     verified = json.loads((folder / "budget.json").read_text())["verified"]
     kl = {v["name"]: v["metrics"] for v in results["variants"]}
     assert len(verified) == 3 and all("measured" in e for e in verified)
-    assert all(e["measured"]["kl"] == pytest.approx(sum(m["kl"] * m["positions"] for m in kl[e["row"]].values())
-                                                    / sum(m["positions"] for m in kl[e["row"]].values()), rel=1e-9)
-               for e in verified)
+    assert all(
+        e["measured"]["kl"]
+        == pytest.approx(
+            sum(m["kl"] * m["positions"] for m in kl[e["row"]].values()) / sum(m["positions"] for m in kl[e["row"]].values()),
+            rel=1e-9,
+        )
+        for e in verified
+    )
 
 
 def test_kl_intervals_missing_for_too_few_sequences_say_so_not_that_scores_are_missing(tmp_path, capsys):
@@ -342,8 +384,12 @@ def test_kl_intervals_missing_for_too_few_sequences_say_so_not_that_scores_are_m
     seq = torch.arange(4).repeat_interleave(5)
     g = torch.Generator().manual_seed(2)
     rows = {"build": torch.ones(20), "g0": 0.8 + 0.1 * torch.rand(20, generator=g), "a": 0.7 + 0.1 * torch.rand(20, generator=g)}
-    folder = _folder(tmp_path, _v("build", [], 1.0, 10e9), _v("g0", ["gdn@0"], float(rows["g0"].mean()), 11e9),
-                     _v("a", ["attention"], float(rows["a"].mean()), 12e9))
+    folder = _folder(
+        tmp_path,
+        _v("build", [], 1.0, 10e9),
+        _v("g0", ["gdn@0"], float(rows["g0"].mean()), 11e9),
+        _v("a", ["attention"], float(rows["a"].mean()), 12e9),
+    )
     for name, kl in rows.items():
         (folder / "scores" / name).mkdir(parents=True)
         save_file({"kl_top": kl, "seq_index": seq}, str(folder / "scores" / name / "wiki-en.safetensors"))

@@ -33,8 +33,14 @@ new_tokens = 3
 warmup = 0
 runs = RUNS
 """
-ROWS = [("build", []), ("gdn-1", ["gdn@0"]), ("gdn-2", ["gdn@1-2"]), ("gdn", ["gdn"]), ("attention", ["attention"]),
-        ("build-again", [], True)]
+ROWS = [
+    ("build", []),
+    ("gdn-1", ["gdn@0"]),
+    ("gdn-2", ["gdn@1-2"]),
+    ("gdn", ["gdn"]),
+    ("attention", ["attention"]),
+    ("build-again", [], True),
+]
 
 
 def _plan_text(rows=ROWS, runs=2) -> str:
@@ -268,8 +274,24 @@ def test_ablate_runs_only_new_and_changed_rows_of_an_extended_plan(measured, tmp
         plan = tmp_path / "plan.toml"
         plan.write_text(_plan_text(rows))
         scored.clear()
-        assert main(["ablate", "all", str(measured["build"]), str(measured["base"]), "-o", str(folder), "--plan", str(plan),
-                     "--device", "cpu", "-q"]) == 0
+        assert (
+            main(
+                [
+                    "ablate",
+                    "all",
+                    str(measured["build"]),
+                    str(measured["base"]),
+                    "-o",
+                    str(folder),
+                    "--plan",
+                    str(plan),
+                    "--device",
+                    "cpu",
+                    "-q",
+                ]
+            )
+            == 0
+        )
         return _results(folder)
 
     before = _results(folder)
@@ -302,7 +324,9 @@ def test_a_same_named_row_defined_otherwise_is_not_taken_as_the_measurement(meas
     row = want["row"]
     results = _results(folder)
     build = _variants(results)["build"]
-    clash = dict(build, name=row, restored="base", metrics={"wiki-en": dict(build["metrics"]["wiki-en"], kl=0.0, kl_ci=[0.0, 0.0])})
+    clash = dict(
+        build, name=row, restored="base", metrics={"wiki-en": dict(build["metrics"]["wiki-en"], kl=0.0, kl_ci=[0.0, 0.0])}
+    )
     clash.pop("vs_build", None)
     results["variants"].append(clash)
     results["job"]["rows"][row] = {"base": True}
@@ -336,8 +360,7 @@ def test_a_same_named_row_defined_otherwise_is_not_taken_as_the_measurement(meas
     assert stale and "measured" not in stale[0] and "error_kl" not in stale[0]
 
 
-def test_a_verification_stopped_before_its_row_finished_is_resumed_under_other_limits(measured, tmp_path, capsys,
-                                                                                      monkeypatch):
+def test_a_verification_stopped_before_its_row_finished_is_resumed_under_other_limits(measured, tmp_path, capsys, monkeypatch):
     """Issue 30, 3: --verify interrupted (Ctrl-C) while its first row loads, before the row is in results.json; the
     rerun, with other limits, finishes that prediction first instead of choosing a new point."""
     from splicer.backends.torch_ref import TorchBackend
@@ -374,8 +397,7 @@ def test_a_verification_stopped_before_its_row_finished_is_resumed_under_other_l
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
-def test_verify_on_a_full_disk_or_read_only_folder_is_one_line_and_writes_nothing(measured, tmp_path, capsys, monkeypatch,
-                                                                                   code):
+def test_verify_on_a_full_disk_or_read_only_folder_is_one_line_and_writes_nothing(measured, tmp_path, capsys, monkeypatch, code):
     """Issue 30, 5: a write that fails (simulated: the tests may run as root, which ignores permission bits) is one
     line naming the file and the fix, and leaves DIR exactly as it was (no plan, no pending entry, no partial file)."""
     import os
@@ -396,7 +418,8 @@ def test_verify_on_a_full_disk_or_read_only_folder_is_one_line_and_writes_nothin
     assert len(err.strip().splitlines()) == 1 and f"cannot write {folder / 'budget-plan.toml'}" in err
     assert ("no space left" in err) if code == errno.ENOSPC else ("copy the folder somewhere writable" in err)
     assert tree_digest(folder) == digest and sorted(p.name for p in folder.iterdir()) == sorted(
-        p.name for p in measured["dir"].iterdir())
+        p.name for p in measured["dir"].iterdir()
+    )
 
 
 def test_a_verify_that_ablate_refuses_leaves_dir_as_it_was(measured, tmp_path, capsys):

@@ -17,8 +17,13 @@ from splicer.metrics import paired_comparison, summarize
 
 def _records(kl: torch.Tensor, seq: torch.Tensor, group: torch.Tensor | None = None) -> dict:
     n = kl.numel()
-    rec = {"seq_index": seq, "top1": torch.ones(n, dtype=torch.bool), "kl_top": kl, "tail": torch.zeros(n),
-           "dlogp": torch.zeros(n)}
+    rec = {
+        "seq_index": seq,
+        "top1": torch.ones(n, dtype=torch.bool),
+        "kl_top": kl,
+        "tail": torch.zeros(n),
+        "dlogp": torch.zeros(n),
+    }
     return rec if group is None else dict(rec, group=group)
 
 
@@ -43,8 +48,12 @@ def _clustered(gen: torch.Generator, groups: int, per_group: int, positions: int
     sequence sd 0.1, position sd 0.1; true mean 1."""
     seq = torch.arange(groups * per_group).repeat_interleave(positions)
     group = seq // per_group
-    kl = (1.0 + 0.3 * torch.randn(groups, generator=gen)[group] + 0.1 * torch.randn(groups * per_group, generator=gen)[seq]
-          + 0.1 * torch.randn(seq.numel(), generator=gen))
+    kl = (
+        1.0
+        + 0.3 * torch.randn(groups, generator=gen)[group]
+        + 0.1 * torch.randn(groups * per_group, generator=gen)[seq]
+        + 0.1 * torch.randn(seq.numel(), generator=gen)
+    )
     return kl, seq, group
 
 
@@ -92,11 +101,17 @@ def test_delta_top1_with_variant_ties_is_calibrated_and_no_tie_order_decides_it(
             top1 = []
             for v in variants:
                 vi, vl = _topk(v, order)
-                top1.append(position_records(base, {"topk_ids": vi, "topk_logprobs": vl, "target_logprobs": torch.zeros(n)},
-                                             corpus, None)["top1"].float())
+                top1.append(
+                    position_records(
+                        base, {"topk_ids": vi, "topk_logprobs": vl, "target_logprobs": torch.zeros(n)}, corpus, None
+                    )["top1"].float()
+                )
             cluster = torch.arange(sequences).repeat_interleave(per)
-            diffs.append(paired_comparison({"c": {"a": top1[0], "b": top1[1], "cluster": cluster, "weight": None}},
-                                           reps=300, seed=t)["pooled"])
+            diffs.append(
+                paired_comparison({"c": {"a": top1[0], "b": top1[1], "cluster": cluster, "weight": None}}, reps=300, seed=t)[
+                    "pooled"
+                ]
+            )
         assert diffs[0]["diff"] == diffs[1]["diff"] and diffs[0]["significant"] == diffs[1]["significant"], t
         rejected += diffs[0]["significant"]
     assert rejected / trials <= 0.09, rejected / trials

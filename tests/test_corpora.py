@@ -33,13 +33,15 @@ def test_chat_groups_are_nested_and_share_nothing_across_groups():
         by_group.setdefault(group(i), set()).add(p)
     assert all(len(ps) == 1 for ps in by_group.values())  # one business and one history per group
     assert len(by_group) == N_GROUPS
-    shared = [(b, h) for (b, h), in by_group.values()]
+    shared = [(b, h) for ((b, h),) in by_group.values()]
     assert len({b for b, _ in shared}) == N_GROUPS and all(h for _, h in shared)
     # across groups: no rules text and no history turn in common
     assert len({rules for _, rules, _ in GROUPS}) == N_GROUPS and len({role for role, _, _ in GROUPS}) == N_GROUPS
     turns = [t for _, h in shared for t in h]
     assert len(set(turns)) == len(turns)
-    assert {s.removeprefix(NAMES[i]).split(".")[0] for i, s in enumerate(systems)} == {f" here: you are {r}" for r, _, _ in GROUPS}
+    assert {s.removeprefix(NAMES[i]).split(".")[0] for i, s in enumerate(systems)} == {
+        f" here: you are {r}" for r, _, _ in GROUPS
+    }
     # every name distinct and opening its system prompt with its own character; every last user turn distinct
     assert len({s[0] for s in systems}) == len(convs)
     assert len({c[-1]["content"] for c in convs}) == len(convs)
@@ -59,8 +61,9 @@ def test_chat_prompts_share_only_the_template_header(pairs, history_turns):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(pairs["fused"]["base"]))
-    corpus = build_corpus({"name": "chat", "kind": "chat", "conversations": MAX_CONVERSATIONS, "history_turns": history_turns},
-                          tok, None, None)
+    corpus = build_corpus(
+        {"name": "chat", "kind": "chat", "conversations": MAX_CONVERSATIONS, "history_turns": history_turns}, tok, None, None
+    )
     seqs = corpus.sequences
     assert corpus.groups == [i % N_GROUPS for i in range(len(seqs))]
     assert Corpus.from_json(corpus.to_json()).groups == corpus.groups  # kept in the base pass's corpora.json
@@ -74,8 +77,10 @@ def test_chat_prompts_share_only_the_template_header(pairs, history_turns):
     assert zeros == [0] + [header - 1] * (len(seqs) - 1)
 
 
-HUB_SPECS = [{"name": "wiki-zh", "kind": "hub", "dataset": "wikimedia/wikipedia"},
-             {"name": "chat", "kind": "chat", "conversations": 4}]
+HUB_SPECS = [
+    {"name": "wiki-zh", "kind": "hub", "dataset": "wikimedia/wikipedia"},
+    {"name": "chat", "kind": "chat", "conversations": 4},
+]
 
 
 @pytest.fixture()
@@ -87,8 +92,11 @@ def without_datasets(monkeypatch):
 
 
 def test_hub_corpora_are_refused_offline_or_without_datasets(monkeypatch, without_datasets):
-    with pytest.raises(SplicerError, match=r"plan p reads a corpus from the Hub, wiki-zh \(wikimedia/wikipedia\), but the "
-                                           r"datasets package is not installed \(pip install datasets\); pass X"):
+    with pytest.raises(
+        SplicerError,
+        match=r"plan p reads a corpus from the Hub, wiki-zh \(wikimedia/wikipedia\), but the "
+        r"datasets package is not installed \(pip install datasets\); pass X",
+    ):
         check_hub_corpora(HUB_SPECS, "plan p", "pass X")
     monkeypatch.setitem(sys.modules, "datasets", types.ModuleType("datasets"))
     check_hub_corpora(HUB_SPECS, "plan p", "pass X")  # installed and online: read when the run gets there
@@ -100,7 +108,8 @@ def test_hub_corpora_are_refused_offline_or_without_datasets(monkeypatch, withou
 
 @pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE", "no datasets"])
 def test_score_and_plan_sweep_say_before_anything_runs_that_the_default_plan_needs_the_hub(
-        pairs, tmp_path, capsys, monkeypatch, without_datasets, offline):
+    pairs, tmp_path, capsys, monkeypatch, without_datasets, offline
+):
     if offline == "HF_HUB_OFFLINE":
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         monkeypatch.setitem(sys.modules, "datasets", types.ModuleType("datasets"))
@@ -109,8 +118,12 @@ def test_score_and_plan_sweep_say_before_anything_runs_that_the_default_plan_nee
     out = tmp_path / "out"
     assert main(["score", str(p["base"]), str(p["lowlatency"]), "-o", str(out), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "plan where-error-comes-from reads corpora from the Hub, wiki-zh (wikimedia/wikipedia), " \
-                               "wiki-en (Salesforce/wikitext)" in err[0] and "--corpus NAME=FILE" in err[0], err
+    assert (
+        len(err) == 1
+        and "plan where-error-comes-from reads corpora from the Hub, wiki-zh (wikimedia/wikipedia), wiki-en (Salesforce/wikitext)"
+        in err[0]
+        and "--corpus NAME=FILE" in err[0]
+    ), err
     assert not out.exists()
     sweep = tmp_path / "sweep.toml"
     assert main(["plan", "sweep", str(p["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(sweep)]) == 2
@@ -121,7 +134,10 @@ def test_score_and_plan_sweep_say_before_anything_runs_that_the_default_plan_nee
 
 
 def test_torch_threads_leave_the_busy_cores_to_others(tmp_path):
-    assert choose_threads(env={}, cores=2, others=2.1) == (1, "torch threads: 1 (2 cores, load 2.1; set SPLICER_THREADS to choose)")
+    assert choose_threads(env={}, cores=2, others=2.1) == (
+        1,
+        "torch threads: 1 (2 cores, load 2.1; set SPLICER_THREADS to choose)",
+    )
     assert choose_threads(env={}, cores=2, others=0.4)[0] == 2
     assert choose_threads(env={}, cores=16, others=3.6)[0] == 12
     assert choose_threads(env={}, cores=2, others=7.0)[0] == 1
@@ -132,9 +148,11 @@ def test_torch_threads_leave_the_busy_cores_to_others(tmp_path):
     with pytest.raises(SplicerError, match="SPLICER_THREADS='0' is not a whole number from 1 to 1024"):
         choose_threads(env={"SPLICER_THREADS": "0"})
     # A digit int() cannot read, and counts that overflow torch's C int or make OpenMP abort the process: one line each.
-    for env, message in (({"SPLICER_THREADS": "\u00b2"}, "SPLICER_THREADS='\u00b2' is not a whole number from 1 to 1024"),
-                         ({"SPLICER_THREADS": "99999999999"}, "SPLICER_THREADS='99999999999' is not a whole number from 1"),
-                         ({"OMP_NUM_THREADS": "99999999999"}, "OMP_NUM_THREADS='99999999999' is more than 1024 threads")):
+    for env, message in (
+        ({"SPLICER_THREADS": "\u00b2"}, "SPLICER_THREADS='\u00b2' is not a whole number from 1 to 1024"),
+        ({"SPLICER_THREADS": "99999999999"}, "SPLICER_THREADS='99999999999' is not a whole number from 1"),
+        ({"OMP_NUM_THREADS": "99999999999"}, "OMP_NUM_THREADS='99999999999' is more than 1024 threads"),
+    ):
         with pytest.raises(SplicerError, match=message):
             choose_threads(env=env)
     with pytest.raises(SplicerError, match="--threads 2147483647 is more than 1024 threads"):

@@ -101,8 +101,19 @@ def test_a_split_fused_group_is_refused(family_pairs, family, tmp_path, capsys):
     p = family_pairs[family]
     arch = get_architecture(json.loads((p["int4"] / "config.json").read_text()))
     shard, (fused, _) = next((s, g) for s, g in arch.fused_shards.items() if s.startswith("self_attn."))
-    code = main(["splice", "--restore", "attention", "--modules", r".*\." + re.escape(shard.split(".")[-1]),
-                 str(p["int4"]), str(p["base"]), "-o", str(tmp_path / "out")])
+    code = main(
+        [
+            "splice",
+            "--restore",
+            "attention",
+            "--modules",
+            r".*\." + re.escape(shard.split(".")[-1]),
+            str(p["int4"]),
+            str(p["base"]),
+            "-o",
+            str(tmp_path / "out"),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and fused.split(".")[-1] in err[0] and not (tmp_path / "out").exists()
 
@@ -141,11 +152,14 @@ def test_experts_only_build_of_the_moe_family_restores_to_the_base(family_pairs,
 def test_a_plan_row_naming_a_class_the_family_lacks_is_skipped_with_the_reason(family_pairs, tmp_path):
     p = family_pairs["llama"]
     plan = tmp_path / "plan.toml"
-    plan.write_text('name = "p"\ntop_k = 5\n[[corpus]]\nname = "r"\nkind = "random"\nchunk_tokens = 16\nmax_chunks = 2\n'
-                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n'
-                    '[[row]]\nname = "mlp"\nrestore = ["mlp"]\n')
-    code = main(["ablate", "all", str(p["int4"]), str(p["base"]), "-o", str(tmp_path / "run"), "--plan", str(plan), "-q",
-                 "--no-time"])
+    plan.write_text(
+        'name = "p"\ntop_k = 5\n[[corpus]]\nname = "r"\nkind = "random"\nchunk_tokens = 16\nmax_chunks = 2\n'
+        '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n'
+        '[[row]]\nname = "mlp"\nrestore = ["mlp"]\n'
+    )
+    code = main(
+        ["ablate", "all", str(p["int4"]), str(p["base"]), "-o", str(tmp_path / "run"), "--plan", str(plan), "-q", "--no-time"]
+    )
     assert code == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert {"name": "gdn", "reason": "llama has no class gdn"} in results["skipped"]
@@ -172,9 +186,14 @@ EXEMPT_FOLDERS = {"arch", "trained"}
 
 
 def _string_literals(tree: ast.AST):
-    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
-                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and n.body
-                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    docstrings = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
             yield node.lineno, node.value
@@ -203,15 +222,27 @@ def test_every_family_table_is_consistent():
 def test_resolve_rows_skips_with_a_reason_each_kind_of_row_it_cannot_run():
     from splicer.plan import Plan, Row, resolve_rows
 
-    rows = [Row("build", restore=[]), Row("gdn", restore=["gdn"]), Row("attention", restore=["attention"]),
-            Row("experts", restore=["experts"]), Row("all-but-mlp", keep=["mlp"]), Row("all", keep=[]),
-            Row("build-again", restore=[], repeat=True), Row("build-twice", restore=[]), Row("base", base=True)]
+    rows = [
+        Row("build", restore=[]),
+        Row("gdn", restore=["gdn"]),
+        Row("attention", restore=["attention"]),
+        Row("experts", restore=["experts"]),
+        Row("all-but-mlp", keep=["mlp"]),
+        Row("all", keep=[]),
+        Row("build-again", restore=[], repeat=True),
+        Row("build-twice", restore=[]),
+        Row("base", base=True),
+    ]
     plan = Plan("p", "", 5, [], None, rows, "test")
     rows.append(Row("gdn-and-mtp", restore=["gdn", "mtp"]))
     todo, skipped = resolve_rows(plan, "llama", ("attention", "mlp", "lm_head"), ["attention", "mlp"], [])
     assert [(p.row.name, p.restored, p.splice_name) for p in todo] == [
-        ("build", [], "build"), ("attention", ["attention"], "attention"), ("all", ["attention", "mlp"], "all"),
-        ("build-again", [], "build"), ("base", None, "base")]
+        ("build", [], "build"),
+        ("attention", ["attention"], "attention"),
+        ("all", ["attention", "mlp"], "all"),
+        ("build-again", [], "build"),
+        ("base", None, "base"),
+    ]
     reasons = {s["name"]: s["reason"] for s in skipped}
     assert reasons["gdn"] == "llama has no class gdn"
     assert reasons["gdn-and-mtp"] == "llama has no classes gdn, mtp"
@@ -224,8 +255,10 @@ def test_resolve_rows_skips_with_a_reason_each_kind_of_row_it_cannot_run():
 
 def test_the_demo_plan_on_a_dense_family_runs_its_classes_and_skips_the_rest(family_pairs, tmp_path):
     p = family_pairs["llama"]
-    assert main(["ablate", "all", str(p["int4"]), str(p["base"]), "-o", str(tmp_path / "run"), "--plan", "demo", "-q",
-                 "--no-time"]) == 0
+    assert (
+        main(["ablate", "all", str(p["int4"]), str(p["base"]), "-o", str(tmp_path / "run"), "--plan", "demo", "-q", "--no-time"])
+        == 0
+    )
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     ok = {v["name"]: v for v in results["variants"] if v["status"] == "ok"}
     assert {"build", "lm_head", "attention", "mlp", "all", "base"} <= set(ok)
@@ -268,8 +301,12 @@ def test_the_mtp_decoder_layer_is_its_own_class_and_restores_apart(family_pairs,
     assert not inspect_checkpoint(only_mtp)["lint"]["issues"]
     index = json.loads((only_mtp / "model.safetensors.index.json").read_text())["weight_map"]
     name = mtp + "self_attn.o_proj.weight"
-    with safe_open(str(only_mtp / index[name]), "pt") as a, safe_open(str(p["base"] / json.loads(
-            (p["base"] / "model.safetensors.index.json").read_text())["weight_map"][name]), "pt") as b:
+    with (
+        safe_open(str(only_mtp / index[name]), "pt") as a,
+        safe_open(
+            str(p["base"] / json.loads((p["base"] / "model.safetensors.index.json").read_text())["weight_map"][name]), "pt"
+        ) as b,
+    ):
         assert torch.equal(a.get_tensor(name), b.get_tensor(name))  # the base's BF16 tensor, byte for byte
 
 
@@ -286,8 +323,19 @@ def test_the_mtp_layer_follows_num_nextn_predict_layers_and_layers_names_it(fami
     with pytest.raises(SplicerError, match="num_nextn_predict_layers = 2"):
         get_architecture(dict(config, num_nextn_predict_layers=2))
     assert get_architecture(config).mtp_layer_index == n
-    code = main(["splice", "--restore", "attention", "--layers", str(n), str(family_pairs[family]["int4"]),
-                 str(family_pairs[family]["base"]), "-o", str(tmp_path / "out")])
+    code = main(
+        [
+            "splice",
+            "--restore",
+            "attention",
+            "--layers",
+            str(n),
+            str(family_pairs[family]["int4"]),
+            str(family_pairs[family]["base"]),
+            "-o",
+            str(tmp_path / "out"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code != 0 and f"layer {n} is the MTP head" in err and "--restore mtp" in err and not (tmp_path / "out").exists()
 
@@ -318,8 +366,15 @@ def test_additivity_leaves_the_mtp_head_out(tmp_path):
     def row(name, restored, kl):
         return {"name": name, "status": "ok", "restored": restored, "metrics": {"c": {"kl": kl, "positions": 10, "top1": 0.5}}}
 
-    results = {"variants": [row("build", [], 1.0), row("attention", ["attention"], 0.8), row("mlp", ["mlp"], 0.7),
-                            row("all-but-experts", ["attention", "mlp", "mtp"], 0.5)], "corpora": {"c": {}}}
+    results = {
+        "variants": [
+            row("build", [], 1.0),
+            row("attention", ["attention"], 0.8),
+            row("mlp", ["mlp"], 0.7),
+            row("all-but-experts", ["attention", "mlp", "mtp"], 0.5),
+        ],
+        "corpora": {"c": {}},
+    }
     text = render_markdown(results)
     assert "Additivity: the single-class KL reductions (attention, mlp) add up to 1.00×" in text
 
@@ -357,14 +412,39 @@ def test_tensors_of_another_family_are_named_by_inspect_and_refused_by_splice_an
     assert main(["inspect", str(pair["int4"])]) == 0
     report = capsys.readouterr().out
     assert "lint: no problems" not in report
-    assert re.search(r"model-type .*model_type 'llama', but \d+ of its tensors fit no class .*mlp\.experts\..* the tensors "
-                     r"fit qwen3_moe: set model_type to the checkpoint's own \(qwen3_moe\)", report), report
+    assert re.search(
+        r"model-type .*model_type 'llama', but \d+ of its tensors fit no class .*mlp\.experts\..* the tensors "
+        r"fit qwen3_moe: set model_type to the checkpoint's own \(qwen3_moe\)",
+        report,
+    ), report
     plan = tmp_path / "p.toml"
-    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 32\n'
-                    'max_chunks = 1\n[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "attention"\nrestore = ["attention"]\n')
-    for argv, out in ((["splice", "-q", "--restore", "attention", str(pair["int4"]), str(pair["base"]), "-o", str(tmp_path / "o")], tmp_path / "o"),
-                      (["ablate", "all", str(pair["int4"]), str(pair["base"]), "-o", str(tmp_path / "a"), "--plan", str(plan),
-                        "-q", "--no-time", "--device", "cpu"], tmp_path / "a")):
+    plan.write_text(
+        'name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 32\n'
+        'max_chunks = 1\n[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "attention"\nrestore = ["attention"]\n'
+    )
+    for argv, out in (
+        (
+            ["splice", "-q", "--restore", "attention", str(pair["int4"]), str(pair["base"]), "-o", str(tmp_path / "o")],
+            tmp_path / "o",
+        ),
+        (
+            [
+                "ablate",
+                "all",
+                str(pair["int4"]),
+                str(pair["base"]),
+                "-o",
+                str(tmp_path / "a"),
+                "--plan",
+                str(plan),
+                "-q",
+                "--no-time",
+                "--device",
+                "cpu",
+            ],
+            tmp_path / "a",
+        ),
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "fit qwen3_moe" in err[0] and "model_type 'llama'" in err[0], (argv[0], err)

@@ -104,8 +104,12 @@ def test_torch_backend_dequantizes_each_format(base_model, builds, kind):
     build.load(builds[kind])
     pb, pq = base_model["params"], dict(build.model.named_parameters())
     bound = FORMATS[kind][2]
-    for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.3.self_attn.q_proj.weight",
-                 "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.shared_expert.down_proj.weight"):
+    for name in (
+        "model.layers.0.linear_attn.in_proj_qkv.weight",
+        "model.layers.3.self_attn.q_proj.weight",
+        "model.layers.1.mlp.experts.gate_up_proj",
+        "model.layers.2.mlp.shared_expert.down_proj.weight",
+    ):
         rel = _rel(pq[name], pb[name])
         assert 0 < rel < (0.15 if kind == "mixed" and "experts" in name else bound), (name, rel)
     assert torch.equal(pq["model.layers.0.linear_attn.in_proj_a.weight"], pb["model.layers.0.linear_attn.in_proj_a.weight"])
@@ -125,7 +129,9 @@ def test_splice_each_class_of_each_format(pairs, builds, kind, tmp_path):
         assert all(not m.quantized for m in after.values() if m.cls == cls)
         assert all(m.quantized for n, m in list_modules(build).items() if m.quantized and m.cls != cls and n in after)
         assert _lint_issues(inspect_checkpoint(spliced), kind) == []
-        restored = next(n for n, m in after.items() if m.cls == cls and n in list_modules(build) and list_modules(build)[n].quantized)
+        restored = next(
+            n for n, m in after.items() if m.cls == cls and n in list_modules(build) and list_modules(build)[n].quantized
+        )
         with safe_open(str(out / spliced.weight_map[f"{restored}.weight"]), "pt") as f:
             got = f.get_tensor(f"{restored}.weight")
         assert got.dtype == torch.bfloat16 and not any(t.startswith(restored + ".weight_") for t in spliced.weight_map)
@@ -144,8 +150,19 @@ def test_all_restored_scores_as_the_base(pairs, base_model, builds, kind, tmp_pa
 
 @pytest.mark.parametrize("kind", FORMATS)
 def test_split_fused_group_is_refused_in_each_format(pairs, builds, kind, tmp_path, capsys):
-    code = main(["splice", "--restore", "attention", "--modules", r"q_proj$", str(builds[kind]), str(pairs["fused"]["base"]),
-                 "-o", str(tmp_path / "out")])
+    code = main(
+        [
+            "splice",
+            "--restore",
+            "attention",
+            "--modules",
+            r"q_proj$",
+            str(builds[kind]),
+            str(pairs["fused"]["base"]),
+            "-o",
+            str(tmp_path / "out"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "would split" in err and "qkv_proj" in err
     assert not (tmp_path / "out").exists()
@@ -177,6 +194,7 @@ def test_awq_layout_reads_back_through_compressed_tensors_and_autoawq_formula():
 
     def unpack(x):
         return ((x[:, :, None] >> shifts) & 15).reshape(x.shape[0], -1)[:, reverse]
+
     rows = torch.arange(256) // 64
     reference = ((unpack(t["qweight"]) - unpack(t["qzeros"])[rows]).float() * t["scales"].float()[rows]).t()
     assert torch.allclose(dequantize_awq(t, 64, torch.float32), reference, atol=1e-6)
@@ -228,22 +246,30 @@ def test_awq_empty_list_is_detected_by_vllm_and_spliced_into_a_full_list(pairs, 
     off, so it writes the modules stored unquantized too, by full name, and the result reads clean."""
     folder = _edit_quant_config(builds["awq"], tmp_path / "b", lambda qc: qc.update(modules_to_not_convert=None))
     details = [i["detail"] for i in _lint(folder, "awq") if i["naming"] == "vllm" and i["check"] != "more"]
-    assert any(d.startswith("model.language_model.layers.0.linear_attn.in_proj_qkv is stored packed but the config reads it as unquantized")
-               for d in details)
+    assert any(
+        d.startswith(
+            "model.language_model.layers.0.linear_attn.in_proj_qkv is stored packed but the config reads it as unquantized"
+        )
+        for d in details
+    )
     assert any(d.startswith("mtp.layers.0.mlp.experts.0.") and "stored BF16" in d for d in details)
     assert not any("self_attn" in d for d in details)
     out = tmp_path / "out"
     assert main(["splice", "--restore", "attention", str(folder), str(pairs["fused"]["base"]), "-o", str(out)]) == 0
     listed = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
     assert "model.language_model.layers.0.linear_attn.in_proj_a" in listed and "lm_head" in listed
-    assert "model.language_model.layers.3.self_attn.q_proj" in listed and "model.language_model.layers.0.linear_attn" not in listed
+    assert (
+        "model.language_model.layers.3.self_attn.q_proj" in listed and "model.language_model.layers.0.linear_attn" not in listed
+    )
     assert _lint(out, "awq") == []
 
 
 def test_native_fp8_ignored_layers_key_is_the_one_spliced(pairs, builds, tmp_path):
     """A build that lists under ignored_layers (vLLM's key; transformers takes it as an alias) gets its entries there."""
+
     def to_ignored_layers(qc):
         qc["ignored_layers"] = qc.pop("modules_to_not_convert")
+
     folder = _edit_quant_config(builds["fp8-native"], tmp_path / "b", to_ignored_layers)
     assert _lint(folder) == []
     out = tmp_path / "out"
@@ -278,7 +304,9 @@ def test_native_fp8_block_wider_than_a_small_dimension():
 
 def test_torch_backend_refuses_an_awq_layout_it_cannot_read(pairs, builds, tmp_path, capsys):
     folder = _edit_quant_config(builds["awq"], tmp_path / "b", lambda qc: qc.update(version="gemv"))
-    code = main(["score", str(pairs["fused"]["base"]), str(folder), "-o", str(tmp_path / "out"), "--backend", "torch", "--plan", "demo"])
+    code = main(
+        ["score", str(pairs["fused"]["base"]), str(folder), "-o", str(tmp_path / "out"), "--backend", "torch", "--plan", "demo"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "torch backend cannot read AWQ version 'gemv'" in err and len(err.strip().splitlines()) == 1
 
@@ -293,14 +321,17 @@ def test_native_fp8_two_lists_that_differ_are_reported(builds, tmp_path):
     assert "skip-lists-differ" in {i["check"] for i in _lint(folder)}
 
 
-@pytest.mark.parametrize("kind, edit, message", [
-    ("fp8-native", lambda qc: qc.update(activation_scheme="static"), "block FP8 needs activation_scheme 'dynamic'"),
-    ("fp8-native", lambda qc: qc.update(weight_block_size=[128]), "weight_block_size [128] is not two positive integers"),
-    ("fp8-native", lambda qc: qc.update(modules_to_not_convert="lm_head"), "must be a list of module names"),
-    ("awq", lambda qc: qc.update(bits=8), "AWQ bits 8"),
-    ("awq", lambda qc: qc.update(version="gemv"), "AWQ version 'gemv'"),
-    ("awq", lambda qc: qc.pop("zero_point"), "no zero_point"),
-])
+@pytest.mark.parametrize(
+    "kind, edit, message",
+    [
+        ("fp8-native", lambda qc: qc.update(activation_scheme="static"), "block FP8 needs activation_scheme 'dynamic'"),
+        ("fp8-native", lambda qc: qc.update(weight_block_size=[128]), "weight_block_size [128] is not two positive integers"),
+        ("fp8-native", lambda qc: qc.update(modules_to_not_convert="lm_head"), "must be a list of module names"),
+        ("awq", lambda qc: qc.update(bits=8), "AWQ bits 8"),
+        ("awq", lambda qc: qc.update(version="gemv"), "AWQ version 'gemv'"),
+        ("awq", lambda qc: qc.pop("zero_point"), "no zero_point"),
+    ],
+)
 def test_bad_skip_list_configs_are_refused(pairs, builds, tmp_path, capsys, kind, edit, message):
     """Configs vLLM's FP8 or AWQ loader would refuse: splice says so in one line and writes nothing."""
     folder = _edit_quant_config(builds[kind], tmp_path / "b", edit)
@@ -310,11 +341,14 @@ def test_bad_skip_list_configs_are_refused(pairs, builds, tmp_path, capsys, kind
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("qc, named", [
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
-    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_method 'modelopt'"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemv"}, "AWQ version 'gemv'"),
-])
+@pytest.mark.parametrize(
+    "qc, named",
+    [
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_method 'modelopt'"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemv"}, "AWQ version 'gemv'"),
+    ],
+)
 def test_inspect_says_plainly_which_formats_it_cannot_read(builds, tmp_path, capsys, qc, named):
     folder = _edit_quant_config(builds["w8a16"], tmp_path / "b", lambda old: (old.clear(), old.update(qc)))
     assert main(["inspect", str(folder)]) == 2
@@ -391,8 +425,11 @@ def test_a_build_splicer_cannot_read_is_left_to_vllm(pairs, builds, tmp_path, ba
     from splicer.errors import SplicerError
     from splicer.plan import add_checkpoints, load_plan
 
-    folder = _edit_quant_config(builds["w8a16"], tmp_path / "bnb", lambda qc: (qc.clear(), qc.update(
-        quant_method="bitsandbytes", load_in_4bit=True, bnb_4bit_quant_type="nf4")))
+    folder = _edit_quant_config(
+        builds["w8a16"],
+        tmp_path / "bnb",
+        lambda qc: (qc.clear(), qc.update(quant_method="bitsandbytes", load_in_4bit=True, bnb_4bit_quant_type="nf4")),
+    )
     plan = load_plan("demo", all_classes())
     add_checkpoints(plan, [f"bnb={folder}"])
     base = open_checkpoint(pairs["fused"]["base"], "base")
@@ -400,17 +437,27 @@ def test_a_build_splicer_cannot_read_is_left_to_vllm(pairs, builds, tmp_path, ba
         rows = open_checkpoint_rows(plan, {"bnb"}, base, AblateSettings(backend="vllm"))
         assert rows["bnb"].quantization_config["quant_method"] == "bitsandbytes"
     else:
-        with pytest.raises(SplicerError, match=r"row bnb: .*the torch backend cannot read quant_method 'bitsandbytes'; "
-                                               r"score it with --backend vllm"):
+        with pytest.raises(
+            SplicerError,
+            match=r"row bnb: .*the torch backend cannot read quant_method 'bitsandbytes'; "
+            r"score it with --backend vllm",
+        ):
             open_checkpoint_rows(plan, {"bnb"}, base, AblateSettings(backend="torch"))
 
 
-@pytest.mark.parametrize("kind, qc, stored", [
-    ("awq", {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "GPTQ or AWQ"),
-    ("fp8-native", {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}, "FP8"),
-])
+@pytest.mark.parametrize(
+    "kind, qc, stored",
+    [
+        ("awq", {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "GPTQ or AWQ"),
+        ("fp8-native", {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}, "FP8"),
+    ],
+)
 def test_a_config_of_another_format_than_the_tensors_is_named(builds, tmp_path, capsys, kind, qc, stored):
     folder = _edit_quant_config(builds[kind], tmp_path / "b", lambda old: (old.clear(), old.update(qc)))
     assert main(["inspect", str(folder)]) == 2
     err = capsys.readouterr().err
-    assert f"is stored as {stored}" in err and f"says quant_method {qc['quant_method']!r}" in err and len(err.strip().splitlines()) == 1
+    assert (
+        f"is stored as {stored}" in err
+        and f"says quant_method {qc['quant_method']!r}" in err
+        and len(err.strip().splitlines()) == 1
+    )

@@ -83,8 +83,17 @@ GROUPS = {
     "symlink": 20,
 }
 PIPE_CASES = ("inspect", "table", "splice")
-PACKED = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx", "qweight", "qzeros",
-          "scales", "g_idx")
+PACKED = (
+    "weight_packed",
+    "weight_scale",
+    "weight_shape",
+    "weight_zero_point",
+    "weight_g_idx",
+    "qweight",
+    "qzeros",
+    "scales",
+    "g_idx",
+)
 ROOT = Path(__file__).parents[1]
 
 # Cases that fail only in files the lead developer owns (checkpoint.py, safetensors_io.py, splice.py, ablate/,
@@ -145,20 +154,49 @@ def world(pairs, tmp_path_factory) -> World:
 
     root = tmp_path_factory.mktemp("fuzz")
     gptq = write_build(pairs["fused"]["base"], root / "gptq", "gptq-experts-g32")
-    builds = {"lowlatency": pairs["fused"]["lowlatency"], "experts-g32": pairs["fused"]["experts-g32"], "gptq": gptq,
-              "per-expert": pairs["per_expert"]["lowlatency"]}
-    bases = {"lowlatency": pairs["fused"]["base"], "experts-g32": pairs["fused"]["base"], "gptq": pairs["fused"]["base"],
-             "per-expert": pairs["per_expert"]["base"]}
+    builds = {
+        "lowlatency": pairs["fused"]["lowlatency"],
+        "experts-g32": pairs["fused"]["experts-g32"],
+        "gptq": gptq,
+        "per-expert": pairs["per_expert"]["lowlatency"],
+    }
+    bases = {
+        "lowlatency": pairs["fused"]["base"],
+        "experts-g32": pairs["fused"]["base"],
+        "gptq": pairs["fused"]["base"],
+        "per-expert": pairs["per_expert"]["base"],
+    }
     # One real ablate on the torch backend: the harness must accept a real finished run, and table/compare need one.
     plan = root / "real-plan.toml"
     plan.write_text(TINY_PLAN)
     results = root / "real-results"
-    rc = main(["ablate", "all", str(builds["lowlatency"]), str(bases["lowlatency"]), "-o", str(results), "-q", "--no-time",
-               "--device", "cpu", "--plan", str(plan)])
+    rc = main(
+        [
+            "ablate",
+            "all",
+            str(builds["lowlatency"]),
+            str(bases["lowlatency"]),
+            "-o",
+            str(results),
+            "-q",
+            "--no-time",
+            "--device",
+            "cpu",
+            "--plan",
+            str(plan),
+        ]
+    )
     assert rc == 0 and json.loads((results / "results.json").read_text())["variants"][1]["status"] == "ok"
     shared = sorted({*builds.values(), *bases.values()}, key=str)
-    w = World(root / "cases", builds, bases, results, root / "hf-home",
-              {str(p): tree_digest(p) for p in shared}, {str(p): _stat_fingerprint(p) for p in [*shared, results]})
+    w = World(
+        root / "cases",
+        builds,
+        bases,
+        results,
+        root / "hf-home",
+        {str(p): tree_digest(p) for p in shared},
+        {str(p): _stat_fingerprint(p) for p in [*shared, results]},
+    )
     w.work.mkdir()
     return w
 
@@ -246,8 +284,10 @@ class _Tensors:
             try:
                 return _shard_tensors(self.folder / self.wm[name])[name]
             except Exception as e:  # noqa: BLE001 - reported as a problem: splicer accepted what safetensors cannot read
-                raise AssertionError(f"{self.wm[name]} of {self.folder.name}, which splicer read, does not load with "
-                                     f"safetensors ({str(e).splitlines()[0][:120]})") from None
+                raise AssertionError(
+                    f"{self.wm[name]} of {self.folder.name}, which splicer read, does not load with "
+                    f"safetensors ({str(e).splitlines()[0][:120]})"
+                ) from None
         m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
         if not m:
             return None
@@ -260,8 +300,11 @@ class _Tensors:
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (a byte compare: torch.equal costs ~100x more on a busy CPU)."""
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and a.contiguous().view(torch.uint8).numpy().tobytes() == b.contiguous().view(torch.uint8).numpy().tobytes())
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.contiguous().view(torch.uint8).numpy().tobytes() == b.contiguous().view(torch.uint8).numpy().tobytes()
+    )
 
 
 def _verify_splice(out: Path, build: Path, base: Path) -> list[str]:
@@ -328,8 +371,12 @@ def _misreadings(folder: Path) -> set[tuple]:
     ckpt = open_checkpoint(folder, "checkpoint")
     modules = list_modules(ckpt)
     report = check(modules, ckpt.quantization_config, ckpt.arch)
-    out = {(naming, n) for naming in ("hf", "vllm") for n, r in getattr(report, naming).items()
-           if r.error or (r.group is not None) != modules[n].quantized}
+    out = {
+        (naming, n)
+        for naming in ("hf", "vllm")
+        for n, r in getattr(report, naming).items()
+        if r.error or (r.group is not None) != modules[n].quantized
+    }
     return out | {("disk", i["detail"]) for i in report.issues if i["check"] == "fused-shards-disagree"}
 
 
@@ -338,7 +385,9 @@ def _verify_ablate(out: Path) -> list[str]:
         results = json.loads((out / "results.json").read_text())
     except (OSError, ValueError) as e:
         return [f"results.json unreadable ({e.__class__.__name__})"]
-    bad = [f"row {v['name']}: {v.get('status')} {v.get('error', '')[:200]}" for v in results["variants"] if v.get("status") != "ok"]
+    bad = [
+        f"row {v['name']}: {v.get('status')} {v.get('error', '')[:200]}" for v in results["variants"] if v.get("status") != "ok"
+    ]
     if not (out / "table.md").is_file():
         bad.append("no table.md")
     return bad
@@ -446,14 +495,17 @@ def _model_builds(path: Path) -> list[str]:
     except (OSError, ValueError, SplicerError):
         return []  # refused (or not JSON at all): nothing reaches the backend
     try:
-        text_cfg = Qwen3_5MoeConfig(**{k: v for k, v in cfg.items()
-                                       if k not in ("quantization_config", "model_type", "transformers_version")}).text_config
+        text_cfg = Qwen3_5MoeConfig(
+            **{k: v for k, v in cfg.items() if k not in ("quantization_config", "model_type", "transformers_version")}
+        ).text_config
         text_cfg._attn_implementation = "sdpa"
         with torch.device("meta"):
             Qwen3_5MoeForCausalLM(text_cfg)
     except Exception as e:  # noqa: BLE001 - whatever transformers raises is what the base pass would crash with
-        return [f"check_config accepts it, but the torch backend cannot build the model: {e.__class__.__name__}: "
-                f"{str(e).splitlines()[0][:200] if str(e) else ''}"]
+        return [
+            f"check_config accepts it, but the torch backend cannot build the model: {e.__class__.__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}"
+        ]
     return []
 
 
@@ -482,16 +534,26 @@ class StubBackend:
         lp = torch.log_softmax(-torch.arange(top_k, dtype=torch.float32), 0)
         for seq in sequences:
             n = len(seq) - 1
-            yield SequenceScores(topk_ids=torch.arange(top_k, dtype=torch.int32).repeat(n, 1), topk_logprobs=lp.repeat(n, 1),
-                                 target_logprobs=lp[:1].repeat(n))
+            yield SequenceScores(
+                topk_ids=torch.arange(top_k, dtype=torch.int32).repeat(n, 1),
+                topk_logprobs=lp.repeat(n, 1),
+                target_logprobs=lp[:1].repeat(n),
+            )
 
     def generate(self, prompts, max_new_tokens, stop_ids):
         return [[7] * max_new_tokens for _ in prompts]
 
     def time_decode(self, prompt, new_tokens, warmup, runs):
         assert len(prompt) >= 1 and new_tokens >= 2 and runs >= 1 and warmup >= 0
-        return {**decode_spread([1.0 + i / 100 for i in range(runs)]), "ttft_ms": 1.0, "ttft_min_max": [1.0, 1.0],
-                "runs": runs, "warmup": warmup, "prompt_tokens": len(prompt), "new_tokens": new_tokens}
+        return {
+            **decode_spread([1.0 + i / 100 for i in range(runs)]),
+            "ttft_ms": 1.0,
+            "ttft_min_max": [1.0, 1.0],
+            "runs": runs,
+            "warmup": warmup,
+            "prompt_tokens": len(prompt),
+            "new_tokens": new_tokens,
+        }
 
     overlap_starts = 0
     precompile_slots = 0
@@ -529,8 +591,35 @@ def _stub_factory(name, device="auto", **options):
 # ---------------------------------------------------------------- JSON mutations
 
 
-OTHER_VALUES = [None, True, False, 0, -1, 1, 3, 2**31, 10**15, -(2**63), 2**64, 1.5, 0.0, -0.5, "x", "", "4", "Linear",
-                "re:(", [], ["x"], [1, 2], [None], {}, {"a": 1}, float("nan"), float("inf")]
+OTHER_VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    3,
+    2**31,
+    10**15,
+    -(2**63),
+    2**64,
+    1.5,
+    0.0,
+    -0.5,
+    "x",
+    "",
+    "4",
+    "Linear",
+    "re:(",
+    [],
+    ["x"],
+    [1, 2],
+    [None],
+    {},
+    {"a": 1},
+    float("nan"),
+    float("inf"),
+]
 
 
 def _paths(obj, prefix=()):
@@ -552,6 +641,7 @@ def _get(obj, path):
 
 def _dumps(obj, dup=None) -> str:
     """JSON text; dup = (path, value, first): the key at path is written twice (value first or last)."""
+
     def enc(o, here):
         if isinstance(o, dict):
             items = []
@@ -566,6 +656,7 @@ def _dumps(obj, dup=None) -> str:
         if isinstance(o, list):
             return "[" + ", ".join(enc(v, here + (i,)) for i, v in enumerate(o)) + "]"
         return json.dumps(o)
+
     return enc(obj, ())
 
 
@@ -619,7 +710,11 @@ def mutate_json(rng, obj, focus: list[tuple]) -> tuple[str, str]:
         key = rng.choice(["quantization_config", "text_config", "extra_field", path[-1]])
         parent[key] = rng.choice(OTHER_VALUES + [{"quant_method": "gptq", "bits": 4}])
         return _dumps(obj), f"{'.'.join(map(str, path[:-1] + (key,)))} set to {json.dumps(parent[key])[:40]}"
-    value = _near(rng, old) if op == "near" and present else rng.choice([v for v in OTHER_VALUES if not (type(v) is type(old) and v == old)])
+    value = (
+        _near(rng, old)
+        if op == "near" and present
+        else rng.choice([v for v in OTHER_VALUES if not (type(v) is type(old) and v == old)])
+    )
     if isinstance(parent, list) and not present:
         parent.append(value)
     else:
@@ -627,9 +722,17 @@ def mutate_json(rng, obj, focus: list[tuple]) -> tuple[str, str]:
     return _dumps(obj), f"{name} = {json.dumps(value)[:60]} (was {json.dumps(old)[:40]})"
 
 
-WHOLE_FILE = [(b"", "empty"), (b"[]", "a list"), (b'"x"', "a string"), (b"null", "null"), (b"{", "cut off"),
-              (b"\xff\xfe{}", "not UTF-8"), (b"\xef\xbb\xbf{}", "with a BOM"), (b"{}", "an empty object"),
-              (None, "a folder")]
+WHOLE_FILE = [
+    (b"", "empty"),
+    (b"[]", "a list"),
+    (b'"x"', "a string"),
+    (b"null", "null"),
+    (b"{", "cut off"),
+    (b"\xff\xfe{}", "not UTF-8"),
+    (b"\xef\xbb\xbf{}", "with a BOM"),
+    (b"{}", "an empty object"),
+    (None, "a folder"),
+]
 
 
 def _whole_file(rng, path: Path) -> str:
@@ -645,8 +748,12 @@ def _whole_file(rng, path: Path) -> str:
 # ---------------------------------------------------------------- case builders
 
 CT_RESTORES = ["gdn", "attention", "shared_expert", "lm_head", "experts", "all", "gdn,lm_head", "attention,experts"]
-RESTORES = {"lowlatency": CT_RESTORES, "per-expert": CT_RESTORES, "experts-g32": ["experts", "mtp", "all"],
-            "gptq": ["experts", "all"]}
+RESTORES = {
+    "lowlatency": CT_RESTORES,
+    "per-expert": CT_RESTORES,
+    "experts-g32": ["experts", "mtp", "all"],
+    "gptq": ["experts", "all"],
+}
 
 
 def _splice_argv(rng, build: Path, base: Path, out: Path, kind: str) -> list[str]:
@@ -691,18 +798,27 @@ def case_config(rng, world: World, d: Path, group: str) -> Scenario:
         build = folder
     out = d / "outs" / "OUT"
     if target == "build" and rng.random() < 0.2:
-        return Scenario(what, ["inspect", str(build)] + (["--json"] if rng.random() < 0.5 else []), "inspect",
-                        inputs=[folder], expect=expect if target == "build" else None, config=cfg_path)
-    return Scenario(what, _splice_argv(rng, build, base, out, kind), "splice", out, [folder], build, base, expect=expect,
-                    config=cfg_path)
+        return Scenario(
+            what,
+            ["inspect", str(build)] + (["--json"] if rng.random() < 0.5 else []),
+            "inspect",
+            inputs=[folder],
+            expect=expect if target == "build" else None,
+            config=cfg_path,
+        )
+    return Scenario(
+        what, _splice_argv(rng, build, base, out, kind), "splice", out, [folder], build, base, expect=expect, config=cfg_path
+    )
 
 
 def _relevant(rng, names: list[str], restore: str) -> str:
     """A tensor name, half of the time one of the restored classes' (so the mutation is on the splice's path)."""
     classes = set(restore.split(","))
+
     def cls(name):
         fused = QWEN3_5_MOE.fused_expert_parts(name)
         return "experts" if fused else QWEN3_5_MOE.module_class(name.rpartition(".")[0])
+
     hits = [n for n in names if "all" in classes or cls(n) in classes]
     return rng.choice(hits if hits and rng.random() < 0.5 else names)
 
@@ -720,8 +836,22 @@ def case_index(rng, world: World, d: Path, group: str) -> Scenario:
     wm = index["weight_map"]
     shards = sorted(set(wm.values()))
     t = _relevant(rng, sorted(wm), restore)
-    op = rng.choice(["value-type", "escape", "escape", "missing-shard", "extra-tensor", "drop-tensor", "dup", "move",
-                     "structure", "drop-index", "delete-shard", "whole"])
+    op = rng.choice(
+        [
+            "value-type",
+            "escape",
+            "escape",
+            "missing-shard",
+            "extra-tensor",
+            "drop-tensor",
+            "dup",
+            "move",
+            "structure",
+            "drop-index",
+            "delete-shard",
+            "whole",
+        ]
+    )
     text = None
     if op == "value-type":
         wm[t] = rng.choice([1, None, [], {}, True, "", 1.5])
@@ -755,8 +885,18 @@ def case_index(rng, world: World, d: Path, group: str) -> Scenario:
         wm[t] = "model-99999-of-99999.safetensors"
         what = f"weight_map[{t}] names a shard that does not exist"
     elif op == "extra-tensor":
-        extra = rng.choice([n for n in ("model.language_model.layers.0.extra.weight", t + "_copy", "lm_head.weight_packed",
-                                        "mtp.fc.weight_packed") if n not in wm])
+        extra = rng.choice(
+            [
+                n
+                for n in (
+                    "model.language_model.layers.0.extra.weight",
+                    t + "_copy",
+                    "lm_head.weight_packed",
+                    "mtp.fc.weight_packed",
+                )
+                if n not in wm
+            ]
+        )
         wm[extra] = rng.choice(shards)
         what = f"index lists {extra}, which no shard holds"
     elif op == "drop-tensor":
@@ -771,25 +911,49 @@ def case_index(rng, world: World, d: Path, group: str) -> Scenario:
         wm[t] = rng.choice([s for s in shards if s != wm[t]] or shards)
         what = f"weight_map puts {t} in the wrong shard"
     elif op == "structure":
-        key, value = rng.choice([("weight_map", []), ("weight_map", {}), ("weight_map", "x"), ("weight_map", None),
-                                 ("metadata", "x"), ("metadata", []), ("metadata", {"total_size": "x"}), ("metadata", None)])
+        key, value = rng.choice(
+            [
+                ("weight_map", []),
+                ("weight_map", {}),
+                ("weight_map", "x"),
+                ("weight_map", None),
+                ("metadata", "x"),
+                ("metadata", []),
+                ("metadata", {"total_size": "x"}),
+                ("metadata", None),
+            ]
+        )
         index[key] = value
         what = f"index {key} = {json.dumps(value)}"
     elif op == "drop-index":
         ipath.unlink()
         what = "index deleted"
-        return Scenario(f"index {kind} {target}: {what}", argv, "splice", out, [folder],
-                        *([build, folder] if target == "base" else [folder, base]), expect="refuse")
+        return Scenario(
+            f"index {kind} {target}: {what}",
+            argv,
+            "splice",
+            out,
+            [folder],
+            *([build, folder] if target == "base" else [folder, base]),
+            expect="refuse",
+        )
     elif op == "delete-shard":
         victim = wm[t]
         (folder / victim).unlink()
         what = f"shard {victim} deleted"
     else:
         what = _whole_file(rng, ipath)
-        return Scenario(f"index {kind} {target}: {what}", argv, "splice", out, [folder],
-                        *([build, folder] if target == "base" else [folder, base]), expect="refuse")
+        return Scenario(
+            f"index {kind} {target}: {what}",
+            argv,
+            "splice",
+            out,
+            [folder],
+            *([build, folder] if target == "base" else [folder, base]),
+            expect="refuse",
+        )
     ipath.write_text(text if text is not None else json.dumps(index))
-    b, s = ([build, folder] if target == "base" else [folder, base])
+    b, s = [build, folder] if target == "base" else [folder, base]
     # Every name in an index is checked, and a build's every shard is read; a base's shards only where they hold
     # restored weights (so a broken entry elsewhere in a base index may pass).
     always = {"value-type", "escape"} | ({"structure"} if what.startswith("index weight_map") else set())
@@ -803,7 +967,7 @@ def case_index(rng, world: World, d: Path, group: str) -> Scenario:
 def _read_shard(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def _write_shard(path: Path, header: dict, data: bytes, header_text: str | None = None) -> None:
@@ -832,8 +996,15 @@ def _tensors_of(header: dict, data: bytes) -> dict[str, tuple[str, list, bytes]]
     return out
 
 
-SAME_SIZE = {"BF16": ["F16", "I16", "U16"], "F16": ["BF16", "I16"], "F32": ["I32", "U32"], "I32": ["F32", "U32"],
-             "I64": ["F64", "U64"], "U8": ["I8", "BOOL"], "I8": ["U8"]}
+SAME_SIZE = {
+    "BF16": ["F16", "I16", "U16"],
+    "F16": ["BF16", "I16"],
+    "F32": ["I32", "U32"],
+    "I32": ["F32", "U32"],
+    "I64": ["F64", "U64"],
+    "U8": ["I8", "BOOL"],
+    "I8": ["U8"],
+}
 
 
 def _cast_blob(blob: bytes, src: str, dst: str) -> bytes:
@@ -849,7 +1020,7 @@ def case_header(rng, world: World, d: Path, group: str) -> Scenario:
     target = rng.choice(["build", "base"])
     folder = _clone(base if target == "base" else build, d / "in" / target)
     out = d / "outs" / "OUT"
-    b, s = ([build, folder] if target == "base" else [folder, base])
+    b, s = [build, folder] if target == "base" else [folder, base]
     argv = _splice_argv(rng, b, s, out, kind)
     restore = argv[2]
     wm = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
@@ -859,9 +1030,26 @@ def case_header(rng, world: World, d: Path, group: str) -> Scenario:
     meta = header.get("__metadata__")
     tensors = _tensors_of(header, data)
     dtype, shape, blob = tensors[t]
-    ops = ["dtype-same-size", "dtype-other-size", "dtype-unknown", "shape-same-bytes", "shape-bad", "offsets",
-           "swap-offsets", "dup-other-shard", "dup-key", "trailing", "gap", "hlen", "header-json", "truncate",
-           "drop-tensor", "extra-tensor", "empty-file", "listed-extra"]
+    ops = [
+        "dtype-same-size",
+        "dtype-other-size",
+        "dtype-unknown",
+        "shape-same-bytes",
+        "shape-bad",
+        "offsets",
+        "swap-offsets",
+        "dup-other-shard",
+        "dup-key",
+        "trailing",
+        "gap",
+        "hlen",
+        "header-json",
+        "truncate",
+        "drop-tensor",
+        "extra-tensor",
+        "empty-file",
+        "listed-extra",
+    ]
     if target == "build" and t.rpartition(".")[2] in PACKED:
         ops += ["plain-beside-packed"] * 2
     if target == "base":
@@ -893,8 +1081,19 @@ def case_header(rng, world: World, d: Path, group: str) -> Scenario:
         what += f"shape -> {json.dumps(new)}"
     elif op == "offsets":
         bgn, end = header[t]["data_offsets"]
-        new = rng.choice([[bgn + 2, end + 2], [bgn - 2, end - 2], [end, bgn], [bgn, end + 8], [float(bgn), float(end)],
-                          [bgn, 2**62], [bgn], [-8, end - bgn - 8], "x"])
+        new = rng.choice(
+            [
+                [bgn + 2, end + 2],
+                [bgn - 2, end - 2],
+                [end, bgn],
+                [bgn, end + 8],
+                [float(bgn), float(end)],
+                [bgn, 2**62],
+                [bgn],
+                [-8, end - bgn - 8],
+                "x",
+            ]
+        )
         header[t]["data_offsets"] = new
         what += f"data_offsets {[bgn, end]} -> {json.dumps(new)}"
     elif op == "swap-offsets":
@@ -917,8 +1116,16 @@ def case_header(rng, world: World, d: Path, group: str) -> Scenario:
             ot[t] = (dtype, shape, blob)
             nh, nd = _repack(ot, oh.get("__metadata__"))
             _write_shard(o, nh, nd)
-            return Scenario(what + f"also stored in {o.name}", argv, "splice", out, [folder], b, s,
-                            expect="refuse" if target == "build" else None)
+            return Scenario(
+                what + f"also stored in {o.name}",
+                argv,
+                "splice",
+                out,
+                [folder],
+                b,
+                s,
+                expect="refuse" if target == "build" else None,
+            )
         what += "(single shard) trailing bytes"
         data += b"\0" * 16
     elif op == "dup-key":
@@ -939,7 +1146,7 @@ def case_header(rng, world: World, d: Path, group: str) -> Scenario:
         pad = rng.choice([1, 8, 64])
         data += bytes(pad)
         pos = len(data)
-        for n in names[i + 1:]:
+        for n in names[i + 1 :]:
             dt, sh, bl = tensors[n]
             header[n] = {"dtype": dt, "shape": sh, "data_offsets": [pos, pos + len(bl)]}
             data += bl
@@ -951,8 +1158,16 @@ def case_header(rng, world: World, d: Path, group: str) -> Scenario:
         new = rng.choice([n + 8, n - 8, 0, 2**40, len(raw), 2**64 - 1])
         shard.unlink()
         shard.write_bytes(struct.pack("<Q", new) + raw[8:])
-        return Scenario(what + f"header length {n} -> {new}", argv, "splice", out, [folder], b, s,
-                        expect="refuse" if target == "build" else None)
+        return Scenario(
+            what + f"header length {n} -> {new}",
+            argv,
+            "splice",
+            out,
+            [folder],
+            b,
+            s,
+            expect="refuse" if target == "build" else None,
+        )
     elif op == "header-json":
         choice = rng.choice(["not-json", "list", "meta-list", "meta-int-values", "entry-list", "entry-missing-key"])
         if choice == "not-json":
@@ -994,8 +1209,16 @@ def case_header(rng, world: World, d: Path, group: str) -> Scenario:
         data, text = b"", None
         shard.unlink()
         shard.write_bytes(rng.choice([b"", b"\0" * 4, b"\0" * 8, struct.pack("<Q", 2) + b"{}"]))
-        return Scenario(what + "shard replaced by a stub file", argv, "splice", out, [folder], b, s,
-                        expect="refuse" if target == "build" else None)
+        return Scenario(
+            what + "shard replaced by a stub file",
+            argv,
+            "splice",
+            out,
+            [folder],
+            b,
+            s,
+            expect="refuse" if target == "build" else None,
+        )
     elif op == "base-float":
         new = rng.choice(["F32", "F16"] if dtype == "BF16" else ["BF16"])
         tensors[t] = (new, shape, _cast_blob(blob, dtype, new) if dtype in ("BF16", "F16", "F32") else blob)
@@ -1024,11 +1247,43 @@ BASE_PLAN = {
     "row": [{"name": "build", "restore": []}, {"name": "gdn", "restore": ["gdn"]}, {"name": "base", "base": True}],
 }
 # In-range values a plan may take (kept small: a valid plan runs).
-PLAN_VALID = {"top_k": [1, 20, 1000], "chunk_tokens": [2, 8], "max_chunks": [1, 3], "conversations": [1, 3],
-              "history_turns": [0, 4], "answer_tokens": [1, 3], "prompt_tokens": [1, 16], "new_tokens": [2, 3],
-              "warmup": [0, 1], "runs": [1, 2], "seed": [0, 2**63 - 1]}
-PLAN_BAD = [None, True, "8", 1.5, -1, 0, 10**6, 2**63, [], {}, [1], "", "../x", ".hidden", "a/b", " ", "gnd",
-            ["gdn", 3], "gdn", float("inf"), float("nan"), "1979-05-27T07:32:00Z"]
+PLAN_VALID = {
+    "top_k": [1, 20, 1000],
+    "chunk_tokens": [2, 8],
+    "max_chunks": [1, 3],
+    "conversations": [1, 3],
+    "history_turns": [0, 4],
+    "answer_tokens": [1, 3],
+    "prompt_tokens": [1, 16],
+    "new_tokens": [2, 3],
+    "warmup": [0, 1],
+    "runs": [1, 2],
+    "seed": [0, 2**63 - 1],
+}
+PLAN_BAD = [
+    None,
+    True,
+    "8",
+    1.5,
+    -1,
+    0,
+    10**6,
+    2**63,
+    [],
+    {},
+    [1],
+    "",
+    "../x",
+    ".hidden",
+    "a/b",
+    " ",
+    "gnd",
+    ["gdn", 3],
+    "gdn",
+    float("inf"),
+    float("nan"),
+    "1979-05-27T07:32:00Z",
+]
 
 
 def _toml_value(v) -> str:
@@ -1082,10 +1337,28 @@ def _plan_places(plan: dict) -> list[tuple]:
 
 
 # The JSON/TOML type each plan key must have (the spec, independent of how splicer checks it).
-PLAN_KINDS = {**{k: int for k in ("top_k", "chunk_tokens", "max_chunks", "conversations", "history_turns", "answer_tokens",
-                                  "prompt_tokens", "new_tokens", "warmup", "runs", "seed")},
-              **{k: str for k in ("name", "description", "kind", "text", "field")},
-              **{k: list for k in ("files", "restore", "keep")}, "base": bool, "repeat": bool}
+PLAN_KINDS = {
+    **{
+        k: int
+        for k in (
+            "top_k",
+            "chunk_tokens",
+            "max_chunks",
+            "conversations",
+            "history_turns",
+            "answer_tokens",
+            "prompt_tokens",
+            "new_tokens",
+            "warmup",
+            "runs",
+            "seed",
+        )
+    },
+    **{k: str for k in ("name", "description", "kind", "text", "field")},
+    **{k: list for k in ("files", "restore", "keep")},
+    "base": bool,
+    "repeat": bool,
+}
 
 
 def _effective(value):
@@ -1110,10 +1383,15 @@ def mutate_plan(rng) -> tuple[str, str, str | None, str | None]:
         return _toml(plan), f"{where} = {parent[key]!r} (in range)", "finish", None
     if op == "delete" and key in parent:
         del parent[key]
-        required = place in (("corpus",), ("row",)) or (place[0] == "timing" and len(place) == 2) or (
-            place[0] == "corpus" and key in ("name", "kind", "text")) or (place[0] == "row" and key in ("name", "restore", "base"))
+        required = (
+            place in (("corpus",), ("row",))
+            or (place[0] == "timing" and len(place) == 2)
+            or (place[0] == "corpus" and key in ("name", "kind", "text"))
+            or (place[0] == "row" and key in ("name", "restore", "base"))
+        )
         optional = place in (("name",), ("description",), ("top_k",), ("timing",)) or (
-            place[0] == "corpus" and key in ("max_chunks", "conversations", "history_turns", "answer_tokens"))
+            place[0] == "corpus" and key in ("max_chunks", "conversations", "history_turns", "answer_tokens")
+        )
         return _toml(plan), f"{where} deleted", "refuse" if required else "finish" if optional else None, None
     if op == "unknown":
         parent["colour"] = "red"
@@ -1123,18 +1401,22 @@ def mutate_plan(rng) -> tuple[str, str, str | None, str | None]:
     if op == "shape":
         choice = rng.choice(["corpus-table", "row-string", "timing-array", "no-rows", "rows-empty", "corpus-array-of-str"])
         if choice == "corpus-table":
-            text = _toml({k: v for k, v in plan.items() if k != "corpus"}) + "[corpus]\nname = \"x\"\nkind = \"chat\"\n"
+            text = _toml({k: v for k, v in plan.items() if k != "corpus"}) + '[corpus]\nname = "x"\nkind = "chat"\n'
             return text, "corpus given as one [corpus] table", "refuse", "corpus"
         if choice == "row-string":
-            return _toml(dict(plan, row="build")), "row = \"build\"", "refuse", "row"
+            return _toml(dict(plan, row="build")), 'row = "build"', "refuse", "row"
         if choice == "timing-array":
-            return (_toml({k: v for k, v in plan.items() if k != "timing"}) + "[[timing]]\nruns = 1\n", "timing as [[timing]]",
-                    "refuse", "timing")
+            return (
+                _toml({k: v for k, v in plan.items() if k != "timing"}) + "[[timing]]\nruns = 1\n",
+                "timing as [[timing]]",
+                "refuse",
+                "timing",
+            )
         if choice == "no-rows":
             return _toml({k: v for k, v in plan.items() if k != "row"}), "no rows", "refuse", "row"
         if choice == "rows-empty":
             return _toml(dict(plan, row=[])), "row = []", "refuse", "row"
-        return _toml(dict(plan, corpus=["wiki-en"])), "corpus = [\"wiki-en\"]", "refuse", "corpus"
+        return _toml(dict(plan, corpus=["wiki-en"])), 'corpus = ["wiki-en"]', "refuse", "corpus"
     value = rng.choice(PLAN_BAD)
     parent[key] = value
     got, want = _effective(value), PLAN_KINDS.get(key)
@@ -1153,8 +1435,16 @@ def case_plan(rng, world: World, d: Path, group: str) -> Scenario:
     plan.write_text(text)
     out = d / "outs" / "DIR"
     extra = [] if rng.random() < 0.5 else ["--no-time"]
-    return Scenario(f"plan: {what}", _ablate_argv(world.builds["lowlatency"], world.bases["lowlatency"], out, plan, *extra),
-                    "ablate", out, [plan], stub=True, expect=expect, mention=mention)
+    return Scenario(
+        f"plan: {what}",
+        _ablate_argv(world.builds["lowlatency"], world.bases["lowlatency"], out, plan, *extra),
+        "ablate",
+        out,
+        [plan],
+        stub=True,
+        expect=expect,
+        mention=mention,
+    )
 
 
 # -- corpus files
@@ -1167,21 +1457,34 @@ def _corpus_file(rng, folder: Path) -> tuple[Path, str, bool]:
     """(file, description, whether it is a valid corpus for the plan's 16-token chunks with field "text")."""
     good = json.dumps({"text": _LONG}).encode() + b"\n"
     jsonl = [
-        (b'{"text": 5}\n', "text is a number", False), (b'{"text": null}\n', "text is null", False),
-        (b'{"text": ["a", "b"]}\n', "text is a list", False), (b'{"text": {"a": 1}}\n', "text is an object", False),
-        (b'{"text": true}\n', "text is true", False), (b'{"txt": "hello"}\n', "no text field", False),
-        (b'["text"]\n', "a list record", False), (b'"just a string"\n', "a string record", False),
-        (b"{not json\n", "not JSON", False), (b"\xff\xfe{}\n", "not UTF-8", False), (b"", "empty", False),
-        (b"\n\n  \n", "blank lines", False), (b'{"text": "short"}\n', "too short for one chunk", False),
-        (good + b'{"text": 7}\n', "a good line, then a number on line 2", False), (good, "a good record", True),
+        (b'{"text": 5}\n', "text is a number", False),
+        (b'{"text": null}\n', "text is null", False),
+        (b'{"text": ["a", "b"]}\n', "text is a list", False),
+        (b'{"text": {"a": 1}}\n', "text is an object", False),
+        (b'{"text": true}\n', "text is true", False),
+        (b'{"txt": "hello"}\n', "no text field", False),
+        (b'["text"]\n', "a list record", False),
+        (b'"just a string"\n', "a string record", False),
+        (b"{not json\n", "not JSON", False),
+        (b"\xff\xfe{}\n", "not UTF-8", False),
+        (b"", "empty", False),
+        (b"\n\n  \n", "blank lines", False),
+        (b'{"text": "short"}\n', "too short for one chunk", False),
+        (good + b'{"text": 7}\n', "a good line, then a number on line 2", False),
+        (good, "a good record", True),
         (good + b"\n\n" + good, "good records with blank lines between", True),
         (json.dumps({"text": _LONG + "\ud800"}).encode() + b"\n", "a lone surrogate in the text", False),
         (b"[" * 50000 + b"\n", "deeply nested JSON", False),
         (json.dumps({"text": _LONG + "\u0000"}).encode() + b"\n", "a NUL in the text", True),
     ]
-    txt = [(b"", "empty", False), (b"   \n", "whitespace", False), ("Gr\u00f6\u00dfe".encode("latin-1"), "latin-1", False),
-           (_LONG.encode(), "good text", True), (b"\xef\xbb\xbf" + _LONG.encode(), "good text with a BOM", True),
-           (b"hi", "too short", False)]
+    txt = [
+        (b"", "empty", False),
+        (b"   \n", "whitespace", False),
+        ("Gr\u00f6\u00dfe".encode("latin-1"), "latin-1", False),
+        (_LONG.encode(), "good text", True),
+        (b"\xef\xbb\xbf" + _LONG.encode(), "good text with a BOM", True),
+        (b"hi", "too short", False),
+    ]
     if rng.random() < 0.65:
         data, what, ok = rng.choice(jsonl)
         path = folder / "c.jsonl"
@@ -1211,9 +1514,15 @@ def case_corpus(rng, world: World, d: Path, group: str) -> Scenario:
     plan_path = folder / "plan.toml"
     plan_path.write_text(_toml(plan))
     out = d / "outs" / "DIR"
-    return Scenario(f"corpus via {how}: {what}", _ablate_argv(world.builds["lowlatency"], world.bases["lowlatency"], out,
-                                                               plan_path, "--no-time", *argv_extra),
-                    "ablate", out, [folder], stub=True, expect="finish" if ok else "refuse")
+    return Scenario(
+        f"corpus via {how}: {what}",
+        _ablate_argv(world.builds["lowlatency"], world.bases["lowlatency"], out, plan_path, "--no-time", *argv_extra),
+        "ablate",
+        out,
+        [folder],
+        stub=True,
+        expect="finish" if ok else "refuse",
+    )
 
 
 # -- CLI values
@@ -1221,13 +1530,54 @@ def case_corpus(rng, world: World, d: Path, group: str) -> Scenario:
 
 R, F_, E = "refuse", "finish", None  # expected outcome of a CLI value (E: depends on the rest of the command)
 SPLICE_OPTIONS = {
-    "--layers": {"0-999999999": R, "-1": R, "3-1": R, "0,,1": R, "one": R, "1-": R, "-": R, "": R, " ": R, "0-3": E,
-                 "2": E, "4": R, "00": E, "0x1": R, "1_0": R, "\u0663": R, "999999999999999999999999": R, "1e3": R,
-                 "0-1-2": R, "0, 2": E},
-    "--modules": {"(": R, "[": R, "*": R, "a{2,1}": R, "(?P<x>": R, "\\": R, "(?<=a+)b": R, "layers\\.0\\.": E,
-                  "experts": E, "zzz": R, "": E, ".*": E, "(?i)GATE": E},
-    "--restore": {"": R, ",": R, "gdn,,attention": F_, "GDN": R, "all,gdn": R, "experts,experts": F_, "mtp": R,
-                  "visual": R, "gdn ": F_},
+    "--layers": {
+        "0-999999999": R,
+        "-1": R,
+        "3-1": R,
+        "0,,1": R,
+        "one": R,
+        "1-": R,
+        "-": R,
+        "": R,
+        " ": R,
+        "0-3": E,
+        "2": E,
+        "4": R,
+        "00": E,
+        "0x1": R,
+        "1_0": R,
+        "\u0663": R,
+        "999999999999999999999999": R,
+        "1e3": R,
+        "0-1-2": R,
+        "0, 2": E,
+    },
+    "--modules": {
+        "(": R,
+        "[": R,
+        "*": R,
+        "a{2,1}": R,
+        "(?P<x>": R,
+        "\\": R,
+        "(?<=a+)b": R,
+        "layers\\.0\\.": E,
+        "experts": E,
+        "zzz": R,
+        "": E,
+        ".*": E,
+        "(?i)GATE": E,
+    },
+    "--restore": {
+        "": R,
+        ",": R,
+        "gdn,,attention": F_,
+        "GDN": R,
+        "all,gdn": R,
+        "experts,experts": F_,
+        "mtp": R,
+        "visual": R,
+        "gdn ": F_,
+    },
 }
 ABLATE_OPTIONS = {
     "--batch-size": {"0": R, "-1": R, "x": R, "1.5": R, "2147483648": R, "1": F_, "3": F_, "": R},
@@ -1240,26 +1590,45 @@ ABLATE_OPTIONS = {
     "--engine-arg": {"": R, "x": R, "=1": R, "a=": R, "a={": R, "max_model_len=2048": R, "enforce_eager=true": R},
     "--engine-env": {"": R, "x": R, "=1": R, "A B=1": R, "VLLM_X=1": R, "CUDA_VISIBLE_DEVICES=0": R},
     # the torch backend runs on auto, cpu, cuda and cuda:N (cuda only where torch sees a GPU: none in CI)
-    "--device": {"tpu": R, "cuda:x": R, "": R, "cpu:0": R, "cuda": E, "cpu": F_, "cuda:99": R, "mps": R, "meta": R,
-                 "auto": F_},
+    "--device": {"tpu": R, "cuda:x": R, "": R, "cpu:0": R, "cuda": E, "cpu": F_, "cuda:99": R, "mps": R, "meta": R, "auto": F_},
     "--corpus": {"x": R, "=a": R, "a=": R, "wiki-en=/nonexistent.txt": R, "nosuch=file.txt": R, "wiki-en=": R},
     "--plan": {"": R, "/nonexistent.toml": R, "nosuch": R, "DIRPLAN": R},
     "--backend": {"vllm": R, "tf": R, "": R},
     "ROWS": {"": R, ",": R, "nosuch": R, "build,build": F_, "gdn": F_, " gdn , base ": R},
 }
 OTHER_COMMANDS = [
-    (["fixture", "OUT", "--seed", "-1"], R), (["fixture", "OUT", "--seed", "x"], R),
-    (["fixture", "OUT", "--seed", "2147483648"], R), (["fixture", "OUT", "--seed", "1.5"], R),
-    (["fixture", "OUT", "--builds", ","], R), (["fixture", "OUT", "--builds", "nosuch"], R),
-    (["fixture", "OUT", "--preset", "huge"], R), (["fixture", "OUT", "--experts-layout", "x"], R),
+    (["fixture", "OUT", "--seed", "-1"], R),
+    (["fixture", "OUT", "--seed", "x"], R),
+    (["fixture", "OUT", "--seed", "2147483648"], R),
+    (["fixture", "OUT", "--seed", "1.5"], R),
+    (["fixture", "OUT", "--builds", ","], R),
+    (["fixture", "OUT", "--builds", "nosuch"], R),
+    (["fixture", "OUT", "--preset", "huge"], R),
+    (["fixture", "OUT", "--experts-layout", "x"], R),
     # never `--device cuda` here: on a GPU machine that would draw the 22 GB stand-in
-    (["fixture", "OUT", "--full-dims", "--device", "tpu"], R), (["fixture", "OUT", "--full-dims", "--device", ""], R),
-    (["inspect", ""], R), (["inspect", "/"], R), (["inspect", "/dev/null"], R), (["inspect", "nobody/none"], R),
-    (["inspect", "BUILD", "--json"], F_), (["inspect", "BUILD", "--nope"], R),
-    (["table", "RESULTS", "--format", "xml"], R), (["table", "RESULTS", "--format", "csv"], F_), (["table", "/nonexistent"], R),
-    (["table", "BUILD"], R), (["table", "/dev/null"], R), (["compare", "RESULTS", "build", "nosuch"], R),
-    (["compare", "RESULTS", "build", "gdn"], F_), (["compare", "RESULTS", "gdn", "gdn"], E), (["compare", "RESULTS"], R),
-    (["splice"], R), (["splice", "--restore", "gdn"], R), (["ablate"], R), (["nope"], R), ([], R), (["--nope"], R),
+    (["fixture", "OUT", "--full-dims", "--device", "tpu"], R),
+    (["fixture", "OUT", "--full-dims", "--device", ""], R),
+    (["inspect", ""], R),
+    (["inspect", "/"], R),
+    (["inspect", "/dev/null"], R),
+    (["inspect", "nobody/none"], R),
+    (["inspect", "BUILD", "--json"], F_),
+    (["inspect", "BUILD", "--nope"], R),
+    (["table", "RESULTS", "--format", "xml"], R),
+    (["table", "RESULTS", "--format", "csv"], F_),
+    (["table", "/nonexistent"], R),
+    (["table", "BUILD"], R),
+    (["table", "/dev/null"], R),
+    (["compare", "RESULTS", "build", "nosuch"], R),
+    (["compare", "RESULTS", "build", "gdn"], F_),
+    (["compare", "RESULTS", "gdn", "gdn"], E),
+    (["compare", "RESULTS"], R),
+    (["splice"], R),
+    (["splice", "--restore", "gdn"], R),
+    (["ablate"], R),
+    (["nope"], R),
+    ([], R),
+    (["--nope"], R),
     (["ablate", "all", "-o", "OUTDIR", "--demo", "BUILD"], R),
 ]
 
@@ -1278,8 +1647,17 @@ def case_cli(rng, world: World, d: Path, group: str) -> Scenario:
             argv += [opt, value]
         if rng.random() < 0.7:
             argv.append("-q")
-        return Scenario(f"cli splice {opt} {value!r} (restore {restore})", argv, "splice", out, [], build, base,
-                        expect=expect, mention=opt if expect == R and opt != "--restore" else None)
+        return Scenario(
+            f"cli splice {opt} {value!r} (restore {restore})",
+            argv,
+            "splice",
+            out,
+            [],
+            build,
+            base,
+            expect=expect,
+            mention=opt if expect == R and opt != "--restore" else None,
+        )
     if roll < 0.75:
         opt = rng.choice(sorted(ABLATE_OPTIONS))
         value, expect = rng.choice(sorted(ABLATE_OPTIONS[opt].items()))
@@ -1316,8 +1694,9 @@ def case_cli(rng, world: World, d: Path, group: str) -> Scenario:
             argv[i] = build
         elif a == "RESULTS":
             argv[i] = world.results
-    return Scenario(f"cli {' '.join(map(str, argv))}", [str(a) for a in argv], command, Path(out) if out else None, [],
-                    expect=expect)
+    return Scenario(
+        f"cli {' '.join(map(str, argv))}", [str(a) for a in argv], command, Path(out) if out else None, [], expect=expect
+    )
 
 
 def case_output(rng, world: World, d: Path, group: str) -> Scenario:
@@ -1332,8 +1711,22 @@ def case_output(rng, world: World, d: Path, group: str) -> Scenario:
         return _ablate_output(rng, world, d, outs)
     out = outs / "OUT"
     restore = rng.choice(RESTORES[kind])
-    op = rng.choice(["empty-dir", "foreign-dir", "earlier-splice", "file", "symlink-to-dir", "inside-input",
-                     "is-input", "around-input", "missing-parent", "stale-lock", "held-lock", "stale-partial"])
+    op = rng.choice(
+        [
+            "empty-dir",
+            "foreign-dir",
+            "earlier-splice",
+            "file",
+            "symlink-to-dir",
+            "inside-input",
+            "is-input",
+            "around-input",
+            "missing-parent",
+            "stale-lock",
+            "held-lock",
+            "stale-partial",
+        ]
+    )
     inputs, keep, hold, expect = [], [], None, "refuse"
     b = build
     if op == "empty-dir":
@@ -1369,8 +1762,18 @@ def case_output(rng, world: World, d: Path, group: str) -> Scenario:
         (outs / ".OUT.splicer-partial" / "model-00001-of-00011.safetensors").write_bytes(b"half a shard")
         expect = "finish"
     argv = ["splice", "--restore", restore, str(b), str(base), "-o", str(out), "-q"] + (["--force"] if force else [])
-    sc = Scenario(f"output {op}{' --force' if force else ''} ({kind} {restore})", argv, "splice", out, inputs, b, base,
-                  expect=expect, keep=keep, hold=hold)
+    sc = Scenario(
+        f"output {op}{' --force' if force else ''} ({kind} {restore})",
+        argv,
+        "splice",
+        out,
+        inputs,
+        b,
+        base,
+        expect=expect,
+        keep=keep,
+        hold=hold,
+    )
     if op == "missing-parent":
         sc.watch = outs  # OUT's parent does not exist (and must not be created): watch the folder above it
     return sc
@@ -1462,9 +1865,18 @@ def case_symlink(rng, world: World, d: Path, group: str) -> Scenario:
     return Scenario(f"symlink {op} {kind} {target} ({argv[2]})", argv, "splice", out, [d / "in"], b, s_, expect=expect)
 
 
-BUILDERS = {"build-config": case_config, "gptq-config": case_config, "base-config": case_config, "index": case_index,
-            "header": case_header, "plan": case_plan, "corpus": case_corpus, "cli": case_cli, "output": case_output,
-            "symlink": case_symlink}
+BUILDERS = {
+    "build-config": case_config,
+    "gptq-config": case_config,
+    "base-config": case_config,
+    "index": case_index,
+    "header": case_header,
+    "plan": case_plan,
+    "corpus": case_corpus,
+    "cli": case_cli,
+    "output": case_output,
+    "symlink": case_symlink,
+}
 
 
 def _cases() -> list[tuple[str, str, int]]:
@@ -1492,7 +1904,10 @@ def test_fuzz(world, monkeypatch, capsys, case_id, group, seed):
     BY_GROUP[group][outcome] += 1
     if os.environ.get("SPLICER_FUZZ_TRACE"):  # one line per case: what was broken and what the CLI made of it
         with capsys.disabled():
-            print(f"\n{case_id} {outcome} {time.perf_counter() - t0:.2f}s {sc.what[:150]}" + (f"\n    {sc.said[:300]}" if sc.said else ""))
+            print(
+                f"\n{case_id} {outcome} {time.perf_counter() - t0:.2f}s {sc.what[:150]}"
+                + (f"\n    {sc.said[:300]}" if sc.said else "")
+            )
     if problems:
         reason = _lead_reason(sc.what)
         if reason:
@@ -1505,8 +1920,11 @@ def test_output_into_a_closed_pipe(world, tmp_path, command):
     """stdout closed by its reader (`splicer ... | head -0`): no traceback, nothing on stderr, exit 0 or 141, and a
     splice's output is whole. A real process: what matters happens when the interpreter flushes stdout at exit."""
     build, base = world.builds["lowlatency"], world.bases["lowlatency"]
-    argv = {"inspect": ["inspect", str(build)], "table": ["table", str(world.results)],
-            "splice": ["splice", "--restore", "gdn", str(build), str(base), "-o", str(tmp_path / "OUT"), "-q"]}[command]
+    argv = {
+        "inspect": ["inspect", str(build)],
+        "table": ["table", str(world.results)],
+        "splice": ["splice", "--restore", "gdn", str(build), str(base), "-o", str(tmp_path / "OUT"), "-q"],
+    }[command]
     r, w = os.pipe()
     os.close(r)
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")

@@ -31,8 +31,8 @@ def _unpack_by_hand(t: dict, bits: int = 4):
     g = k_dim // sc.shape[0]
     k = torch.arange(k_dim)
     n = torch.arange(n_dim)
-    q = (qw[k // per][:, n] >> (bits * (k % per))[:, None]) & (2 ** bits - 1)  # [K, N]
-    z = ((qz[:, n // per] >> (bits * (n % per))[None, :]) & (2 ** bits - 1)) + 1  # [K/g, N]
+    q = (qw[k // per][:, n] >> (bits * (k % per))[:, None]) & (2**bits - 1)  # [K, N]
+    z = ((qz[:, n // per] >> (bits * (n % per))[None, :]) & (2**bits - 1)) + 1  # [K/g, N]
     return (sc[k // g] * (q - z[k // g]).float()).t()  # [N, K]
 
 

@@ -53,7 +53,9 @@ def _seqs(n=6, length=96, vocab=2000, seed=0):
 
 
 def _kl_top1(base, var):
-    kl = torch.cat([kl_top_lumped(b.topk_logprobs, fill_missing(b.topk_ids, v.topk_ids, v.topk_logprobs)) for b, v in zip(base, var)])
+    kl = torch.cat(
+        [kl_top_lumped(b.topk_logprobs, fill_missing(b.topk_ids, v.topk_ids, v.topk_logprobs)) for b, v in zip(base, var)]
+    )
     top1 = torch.cat([(b.topk_ids[:, 0] == v.topk_ids[:, 0]) for b, v in zip(base, var)]).float()
     return kl.mean().item(), top1.mean().item()
 
@@ -67,8 +69,13 @@ def test_variant_loads_and_scores(gpu_pair, engine, variant):
     layers = engine.load_info()["layers"]
     print(variant, json.dumps(layers, indent=1))  # the kernels per layer land in the log
     if "error" not in layers:  # LLM.apply_model answered: check what vLLM made of the restored layers
-        expect_bf16 = {"attention": "self_attn.qkv_proj", "gdn": "linear_attn.in_proj_qkvz", "shared_expert": "shared_expert.gate_up_proj",
-                       "lm_head": "lm_head", "all": "linear_attn.in_proj_qkvz"}.get(variant)
+        expect_bf16 = {
+            "attention": "self_attn.qkv_proj",
+            "gdn": "linear_attn.in_proj_qkvz",
+            "shared_expert": "shared_expert.gate_up_proj",
+            "lm_head": "lm_head",
+            "all": "linear_attn.in_proj_qkvz",
+        }.get(variant)
         if expect_bf16:
             hits = {k: v for k, v in layers.items() if k.endswith(expect_bf16)}
             assert hits and all(v.startswith("Unquantized") for v in hits.values()), hits
@@ -92,14 +99,23 @@ def test_all_restored_scores_like_the_base(gpu_pair, engine):
     noise_kl, noise_top1 = _kl_top1(base_batched, base_single)
     all_kl, all_top1 = _kl_top1(base_batched, all_batched)
     build_kl, build_top1 = _kl_top1(base_batched, build)
-    print(f"noise KL {noise_kl:.3e} top1 {noise_top1:.4f} | all-restored KL {all_kl:.3e} top1 {all_top1:.4f} | build KL {build_kl:.3e} top1 {build_top1:.4f}")
+    print(
+        f"noise KL {noise_kl:.3e} top1 {noise_top1:.4f} | all-restored KL {all_kl:.3e} top1 {all_top1:.4f} | build KL {build_kl:.3e} top1 {build_top1:.4f}"
+    )
     assert all_kl <= 2 * noise_kl + 1e-4 and all_top1 >= noise_top1 - 0.01
     assert build_kl > 10 * max(all_kl, 1e-5)
 
 
 def test_split_fused_group_refused_before_vllm_and_by_vllm(gpu_pair, engine, tmp_path):
     with pytest.raises(SplicerError, match="would split"):
-        splice(str(gpu_pair["lowlatency"]), str(gpu_pair["base"]), tmp_path / "bad", "gdn", modules_regex=r"in_proj_qkv$", progress=False)
+        splice(
+            str(gpu_pair["lowlatency"]),
+            str(gpu_pair["base"]),
+            tmp_path / "bad",
+            "gdn",
+            modules_regex=r"in_proj_qkv$",
+            progress=False,
+        )
     # What vLLM does with such a checkpoint: hand-edit the gdn splice so only in_proj_qkv is ignored.
     import shutil
 

@@ -58,8 +58,13 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point else a,
-                                                                    b.view(torch.uint8) if b.dtype.is_floating_point else b)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.view(torch.uint8) if a.dtype.is_floating_point else a, b.view(torch.uint8) if b.dtype.is_floating_point else b
+        )
+    )
 
 
 @pytest.fixture
@@ -78,15 +83,21 @@ def models_dir(pairs, tmp_path):
 def test_force_over_the_folder_holding_the_inputs_is_refused(models_dir, capsys):
     before = _tree(models_dir)
     for extra in ([], ["--force"]):
-        _refused(["splice", "--restore", "gdn", models_dir / "build", models_dir / "base", "-o", models_dir, *extra], capsys,
-                 "contains an input folder")
+        _refused(
+            ["splice", "--restore", "gdn", models_dir / "build", models_dir / "base", "-o", models_dir, *extra],
+            capsys,
+            "contains an input folder",
+        )
     assert _tree(models_dir) == before
 
 
 def test_force_over_an_input_itself_is_refused(models_dir, capsys):
     before = _tree(models_dir)
-    _refused(["splice", "--restore", "gdn", models_dir / "build", models_dir / "base", "-o", models_dir / "base", "--force"],
-             capsys, "inside an input folder")
+    _refused(
+        ["splice", "--restore", "gdn", models_dir / "build", models_dir / "base", "-o", models_dir / "base", "--force"],
+        capsys,
+        "inside an input folder",
+    )
     assert _tree(models_dir) == before
 
 
@@ -95,7 +106,11 @@ def test_force_over_a_folder_splicer_did_not_write_is_refused(pairs, tmp_path, c
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep")
-    _refused(["splice", "--restore", "gdn", p["lowlatency"], p["base"], "-o", mine, "--force"], capsys, "not an output of splicer splice")
+    _refused(
+        ["splice", "--restore", "gdn", p["lowlatency"], p["base"], "-o", mine, "--force"],
+        capsys,
+        "not an output of splicer splice",
+    )
     assert (mine / "notes.txt").read_text() == "keep"
     afile = tmp_path / "afile"
     afile.write_text("keep")
@@ -116,8 +131,14 @@ def test_out_through_a_symlink_to_an_input_is_refused(models_dir, tmp_path, caps
     link = tmp_path / "link"
     link.symlink_to(models_dir / "build")
     before = _tree(models_dir)
-    _refused(["splice", "--restore", "gdn", models_dir / "build", models_dir / "base", "-o", link / "x"], capsys, "inside an input folder")
-    _refused(["splice", "--restore", "gdn", models_dir / "build", models_dir / "base", "-o", link, "--force"], capsys, "symbolic link")
+    _refused(
+        ["splice", "--restore", "gdn", models_dir / "build", models_dir / "base", "-o", link / "x"],
+        capsys,
+        "inside an input folder",
+    )
+    _refused(
+        ["splice", "--restore", "gdn", models_dir / "build", models_dir / "base", "-o", link, "--force"], capsys, "symbolic link"
+    )
     assert _tree(models_dir) == before
 
 
@@ -125,9 +146,16 @@ def test_ablate_into_or_around_an_input_is_refused(models_dir, tmp_path, capsys)
     plan = tmp_path / "plan.toml"
     plan.write_text(PLAN)
     before = _tree(models_dir)
-    for out, fragment in ((models_dir / "build", "inside an input folder"), (models_dir / "build" / "runs", "inside an input folder"),
-                          (models_dir, "contains an input folder")):
-        _refused(["ablate", "all", models_dir / "build", models_dir / "base", "-o", out, "-q", "--no-time", "--plan", plan], capsys, fragment)
+    for out, fragment in (
+        (models_dir / "build", "inside an input folder"),
+        (models_dir / "build" / "runs", "inside an input folder"),
+        (models_dir, "contains an input folder"),
+    ):
+        _refused(
+            ["ablate", "all", models_dir / "build", models_dir / "base", "-o", out, "-q", "--no-time", "--plan", plan],
+            capsys,
+            fragment,
+        )
     assert _tree(models_dir) == before
 
 
@@ -137,8 +165,11 @@ def test_ablate_into_a_folder_of_other_files_is_refused(pairs, tmp_path, capsys)
     other = tmp_path / "papers"
     other.mkdir()
     (other / "draft.md").write_text("keep")
-    _refused(["ablate", "all", pairs["fused"]["lowlatency"], pairs["fused"]["base"], "-o", other, "-q", "--no-time", "--plan", plan],
-             capsys, "did not write (no job.json)")
+    _refused(
+        ["ablate", "all", pairs["fused"]["lowlatency"], pairs["fused"]["base"], "-o", other, "-q", "--no-time", "--plan", plan],
+        capsys,
+        "did not write (no job.json)",
+    )
     assert sorted(x.name for x in other.iterdir()) == ["draft.md"]
 
 
@@ -241,7 +272,19 @@ def test_two_splices_to_one_out_at_once_never_leave_a_broken_out(pairs, tmp_path
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     for trial in range(3):
         out = tmp_path / f"out{trial}"
-        args = [sys.executable, "-m", "splicer", "splice", "-q", "--restore", "gdn", str(p["lowlatency"]), str(p["base"]), "-o", str(out)]
+        args = [
+            sys.executable,
+            "-m",
+            "splicer",
+            "splice",
+            "-q",
+            "--restore",
+            "gdn",
+            str(p["lowlatency"]),
+            str(p["base"]),
+            "-o",
+            str(out),
+        ]
         procs = [subprocess.Popen(args, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True) for _ in range(2)]
         results = [(q.wait(), q.stderr.read()) for q in procs]
         assert sum(code == 0 for code, _ in results) >= 1, results
@@ -264,7 +307,9 @@ def test_index_shard_names_must_be_files_in_the_folder(pairs, tmp_path, capsys, 
     shutil.copytree(p["base"], base)
     index = json.loads((build / "model.safetensors.index.json").read_text())
     victim = index["weight_map"]["model.language_model.embed_tokens.weight"]
-    base_shard = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]["model.language_model.embed_tokens.weight"]
+    base_shard = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"][
+        "model.language_model.embed_tokens.weight"
+    ]
     bad = name.format(shard=base_shard, abs=str(base / base_shard).lstrip("/"))
     index["weight_map"] = {k: (bad if v == victim else v) for k, v in index["weight_map"].items()}
     (build / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -328,8 +373,21 @@ def test_ablate_leaves_no_lock_and_logs_every_stage(pairs, tmp_path, capsys):
     plan = tmp_path / "plan.toml"
     plan.write_text(PLAN)
     out = tmp_path / "run"
-    code = main(["ablate", "all", str(pairs["fused"]["lowlatency"]), str(pairs["fused"]["base"]), "-o", str(out), "--no-time",
-                 "--device", "cpu", "--plan", str(plan)])
+    code = main(
+        [
+            "ablate",
+            "all",
+            str(pairs["fused"]["lowlatency"]),
+            str(pairs["fused"]["base"]),
+            "-o",
+            str(out),
+            "--no-time",
+            "--device",
+            "cpu",
+            "--plan",
+            str(plan),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 0
     assert not (out / ".lock").exists() and not any(x.name.endswith(".splicer-lock") for x in tmp_path.iterdir())
@@ -366,8 +424,13 @@ def test_output_into_a_closed_pipe_is_quiet(pairs):
     read, write = os.pipe()
     os.close(read)  # the reader is gone before anything is printed: every write raises EPIPE
     try:
-        r = subprocess.run([sys.executable, "-m", "splicer", "inspect", str(pairs["fused"]["lowlatency"])], stdout=write,
-                           stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        r = subprocess.run(
+            [sys.executable, "-m", "splicer", "inspect", str(pairs["fused"]["lowlatency"])],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )
     finally:
         os.close(write)
     assert r.returncode == 141 and r.stderr == "", r.stderr

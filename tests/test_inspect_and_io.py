@@ -47,8 +47,14 @@ def _lint(folder, tmp_path, edit):
 
 def test_lint_dead_ignore_entries(pairs, tmp_path):
     """Seed 000 shipped 60 entries like layers.N.linear_attn: no Linear has that name."""
-    lint = _lint(pairs["fused"]["lowlatency"], tmp_path, lambda qc: qc["ignore"].extend(
-        [f"model.language_model.layers.{i}.linear_attn" for i in range(3)] + ["model.language_model.layers.0.linear_attn.norm"]))
+    lint = _lint(
+        pairs["fused"]["lowlatency"],
+        tmp_path,
+        lambda qc: qc["ignore"].extend(
+            [f"model.language_model.layers.{i}.linear_attn" for i in range(3)]
+            + ["model.language_model.layers.0.linear_attn.norm"]
+        ),
+    )
     dead = [i for i in lint["issues"] if i["check"] == "dead-ignore"]
     assert len(dead) == 1 and dead[0]["detail"].startswith("4 ignore entries")
 
@@ -106,12 +112,22 @@ def _raw(tmp_path, header: dict, data: bytes = b"") -> str:
     return p
 
 
-@pytest.mark.parametrize("header,data,msg", [
-    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "overlap"),
-    ({"a": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 1 << 42]}}, b"", "truncated"),
-    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "declares"),
-    ({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 2]}}, b"\0" * 2, "invalid dtype"),
-])
+@pytest.mark.parametrize(
+    "header,data,msg",
+    [
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+            "overlap",
+        ),
+        ({"a": {"dtype": "F32", "shape": [1 << 40], "data_offsets": [0, 1 << 42]}}, b"", "truncated"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "declares"),
+        ({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 2]}}, b"\0" * 2, "invalid dtype"),
+    ],
+)
 def test_crafted_headers_refused(tmp_path, header, data, msg):
     with pytest.raises(SplicerError, match=msg):
         read_header(_raw(tmp_path, header, data))
@@ -129,11 +145,24 @@ def test_match_name_mirrors_compressed_tensors():
 
     from splicer.rules import match_name
 
-    names = ["lm_head", "model.language_model.layers.0.linear_attn.in_proj_qkv", "mtp.layers.0.mlp.experts.3.up_proj",
-             "model.visual.blocks.0.attn.qkv", "language_model.model.layers.3.self_attn.q_proj"]
-    targets = ["lm_head", "re:.*lm_head$", "Linear", r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$", "re:.*visual.*",
-               "model.language_model.layers.0.linear_attn.in_proj_qkv", r"re:(model\.language_model|language_model\.model)\.layers\.\d+\.self_attn\.(q|k|v|o)_proj$",
-               "re:layers", "re:.*layers\\.0\\."]
+    names = [
+        "lm_head",
+        "model.language_model.layers.0.linear_attn.in_proj_qkv",
+        "mtp.layers.0.mlp.experts.3.up_proj",
+        "model.visual.blocks.0.attn.qkv",
+        "language_model.model.layers.3.self_attn.q_proj",
+    ]
+    targets = [
+        "lm_head",
+        "re:.*lm_head$",
+        "Linear",
+        r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$",
+        "re:.*visual.*",
+        "model.language_model.layers.0.linear_attn.in_proj_qkv",
+        r"re:(model\.language_model|language_model\.model)\.layers\.\d+\.self_attn\.(q|k|v|o)_proj$",
+        "re:layers",
+        "re:.*layers\\.0\\.",
+    ]
     for n in names:
         for t in targets:
             assert match_name(n, t) == ct_match_name(n, t), (n, t)

@@ -21,8 +21,12 @@ def test_split_canonical_and_format():
     assert format_layers([7, 0, 1, 2, 4, 5]) == "0-2,4-5,7"
     assert canonical_entries(["attention@7,3", "gdn@2-3,0-1"], "x") == ["attention@3,7", "gdn@0-3"]
     assert canonical_entries(["gdn@0", "gdn"], "x") == ["gdn"]  # the whole class wins
-    for bad, message in (("gdn@", "is not a layer number"), ("gdn@3-1", "runs backwards"), ("gdn@a", "not a layer number"),
-                         ("9x@1", "not a class name")):
+    for bad, message in (
+        ("gdn@", "is not a layer number"),
+        ("gdn@3-1", "runs backwards"),
+        ("gdn@a", "not a layer number"),
+        ("9x@1", "not a class name"),
+    ):
         with pytest.raises(SplicerError, match=message):
             canonical_entries([bad], "row r")
 
@@ -52,12 +56,15 @@ def test_splice_restores_a_class_in_some_layers_only(pairs, tmp_path):
     assert json.loads((out / "splice.json").read_text())["restore"] == "gdn@0-1,attention"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--restore", "gdn@3"], "no quantized gdn module in those layers; this build has gdn in layers 0-2"),
-    (["--restore", "gdn@0-9"], "--restore gdn@0-9: layer 9 is out of range"),
-    (["--restore", "lm_head@1"], "lm_head has no decoder layers in this build"),
-    (["--restore", "gdn@0", "--layers", "1"], "--layers is given too"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--restore", "gdn@3"], "no quantized gdn module in those layers; this build has gdn in layers 0-2"),
+        (["--restore", "gdn@0-9"], "--restore gdn@0-9: layer 9 is out of range"),
+        (["--restore", "lm_head@1"], "lm_head has no decoder layers in this build"),
+        (["--restore", "gdn@0", "--layers", "1"], "--layers is given too"),
+    ],
+)
 def test_bad_layer_restores_are_refused(pairs, tmp_path, capsys, args, message):
     code, out = _splice(pairs, tmp_path, *args)
     err = capsys.readouterr().err
@@ -86,12 +93,26 @@ restore = ["gdn@1,0"]
 name = "two"
 restore = ["attention@3", "gdn@0-1"]
 """)
-    args = ["ablate", "all", str(pairs["fused"]["lowlatency"]), str(pairs["fused"]["base"]), "-o", str(tmp_path / "run"),
-            "--plan", str(plan), "--no-time", "--device", "cpu"]
+    args = [
+        "ablate",
+        "all",
+        str(pairs["fused"]["lowlatency"]),
+        str(pairs["fused"]["base"]),
+        "-o",
+        str(tmp_path / "run"),
+        "--plan",
+        str(plan),
+        "--no-time",
+        "--device",
+        "cpu",
+    ]
     assert main(args) == 0
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert {v["name"]: v["restored"] for v in results["variants"]} == {
-        "build": [], "gdn-early": ["gdn@0-1"], "two": ["gdn@0-1", "attention"]}
+        "build": [],
+        "gdn-early": ["gdn@0-1"],
+        "two": ["gdn@0-1", "attention"],
+    }
     spliced = tmp_path / "run" / "variants" / "two" / "splice.json"
     assert json.loads(spliced.read_text())["restore"] == "gdn@0-1,attention"
     stamp = spliced.stat().st_mtime_ns
@@ -110,8 +131,10 @@ def test_a_plan_keep_with_layers_is_refused(tmp_path):
     from splicer.plan import load_plan
 
     plan = tmp_path / "p.toml"
-    plan.write_text('name = "p"\ndescription = "d"\ntop_k = 20\n[[corpus]]\nname = "c"\nkind = "builtin"\ntext = "wiki-en"\n'
-                    '[[row]]\nname = "r"\nkeep = ["gdn@0"]\n')
+    plan.write_text(
+        'name = "p"\ndescription = "d"\ntop_k = 20\n[[corpus]]\nname = "c"\nkind = "builtin"\ntext = "wiki-en"\n'
+        '[[row]]\nname = "r"\nkeep = ["gdn@0"]\n'
+    )
     with pytest.raises(SplicerError, match="keep takes whole classes"):
         load_plan(str(plan), all_classes())
 
@@ -128,21 +151,63 @@ def test_plan_sweep_writes_group_leave_one_out_and_whole_rows(pairs, tmp_path, c
     from splicer.plan import load_plan
 
     out = tmp_path / "sweep.toml"
-    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "3", "-o", str(out),
-                 "--from", "demo"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "sweep",
+                str(pairs["fused"]["lowlatency"]),
+                "--class",
+                "gdn",
+                "--groups",
+                "3",
+                "-o",
+                str(out),
+                "--from",
+                "demo",
+            ]
+        )
+        == 0
+    )
     plan = load_plan(str(out), all_classes())
     assert [(r.name, r.restore, r.repeat) for r in plan.rows] == [
-        ("build", [], False), ("gdn-1", ["gdn@0"], False), ("gdn-2", ["gdn@1"], False), ("gdn-3", ["gdn@2"], False),
-        ("gdn-without-1", ["gdn@1-2"], False), ("gdn-without-2", ["gdn@0,2"], False), ("gdn-without-3", ["gdn@0-1"], False),
-        ("gdn", ["gdn"], False), ("build-again", [], True)]
+        ("build", [], False),
+        ("gdn-1", ["gdn@0"], False),
+        ("gdn-2", ["gdn@1"], False),
+        ("gdn-3", ["gdn@2"], False),
+        ("gdn-without-1", ["gdn@1-2"], False),
+        ("gdn-without-2", ["gdn@0,2"], False),
+        ("gdn-without-3", ["gdn@0-1"], False),
+        ("gdn", ["gdn"], False),
+        ("build-again", [], True),
+    ]
     assert plan.corpora == load_plan("demo", all_classes()).corpora
     two = tmp_path / "two.toml"
-    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(two),
-                 "--from", "demo"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "sweep",
+                str(pairs["fused"]["lowlatency"]),
+                "--class",
+                "gdn",
+                "--groups",
+                "2",
+                "-o",
+                str(two),
+                "--from",
+                "demo",
+            ]
+        )
+        == 0
+    )
     assert [r.name for r in load_plan(str(two), all_classes()).rows] == ["build", "gdn-1", "gdn-2", "gdn", "build-again"]
     capsys.readouterr()
-    for args, message in ((["--groups", "4"], "--groups 4: give 2 to 3"), (["--groups", "2", "--class", "lm_head"], "no quantized lm_head"),
-                          (["--groups", "2", "--class", "nope"], "--class 'nope'")):
+    for args, message in (
+        (["--groups", "4"], "--groups 4: give 2 to 3"),
+        (["--groups", "2", "--class", "lm_head"], "no quantized lm_head"),
+        (["--groups", "2", "--class", "nope"], "--class 'nope'"),
+    ):
         argv = ["plan", "sweep", str(pairs["fused"]["lowlatency"]), "-o", str(tmp_path / "x.toml"), "--from", "demo", *args]
         if "--class" not in args:
             argv += ["--class", "gdn"]
@@ -150,12 +215,44 @@ def test_plan_sweep_writes_group_leave_one_out_and_whole_rows(pairs, tmp_path, c
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
         assert not (tmp_path / "x.toml").exists()
-    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(two),
-                 "--from", "demo"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                "sweep",
+                str(pairs["fused"]["lowlatency"]),
+                "--class",
+                "gdn",
+                "--groups",
+                "2",
+                "-o",
+                str(two),
+                "--from",
+                "demo",
+            ]
+        )
+        == 2
+    )
     assert "exists" in capsys.readouterr().err
     inside = pairs["fused"]["lowlatency"] / "sweep.toml"
-    assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--class", "gdn", "--groups", "2", "-o", str(inside),
-                 "--from", "demo"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                "sweep",
+                str(pairs["fused"]["lowlatency"]),
+                "--class",
+                "gdn",
+                "--groups",
+                "2",
+                "-o",
+                str(inside),
+                "--from",
+                "demo",
+            ]
+        )
+        == 2
+    )
     assert "inside the build folder" in capsys.readouterr().err and not inside.exists()
 
 
@@ -169,19 +266,32 @@ def test_plan_entries_are_read_as_the_build_reads_them():
 
     layers = {"gdn": [0, 1, 2], "attention": [3], "experts": [0, 1, 2, 3]}
     quantized = ["gdn", "attention", "experts"]
-    todo, skipped = resolve_rows(plan(("a3", ["attention@3"]), ("a", ["attention"]), ("g03", ["gdn@0,3"]), ("g0", ["gdn@0"]),
-                                      ("g", ["gdn@0-2"])), "qwen3_5_moe", quantized + ["lm_head"], quantized, [], layers, 4)
+    todo, skipped = resolve_rows(
+        plan(("a3", ["attention@3"]), ("a", ["attention"]), ("g03", ["gdn@0,3"]), ("g0", ["gdn@0"]), ("g", ["gdn@0-2"])),
+        "qwen3_5_moe",
+        quantized + ["lm_head"],
+        quantized,
+        [],
+        layers,
+        4,
+    )
     assert [(t.row.name, t.restored) for t in todo] == [("a3", ["attention"]), ("g03", ["gdn@0"]), ("g", ["gdn"])]
     assert {s["name"]: s["reason"] for s in skipped} == {"a": "same variant as a3", "g0": "same variant as g03"}
-    for entry, message in (("gdn@3", "no quantized gdn module in those layers"), ("gdn@9", "layer 9 is out of range"),
-                           ("lm_head@0", "lm_head has no decoder layers")):
+    for entry, message in (
+        ("gdn@3", "no quantized gdn module in those layers"),
+        ("gdn@9", "layer 9 is out of range"),
+        ("lm_head@0", "lm_head has no decoder layers"),
+    ):
         with pytest.raises(SplicerError, match=message):
             resolve_rows(plan(("r", [entry])), "qwen3_5_moe", quantized + ["lm_head"], quantized + ["lm_head"], [], layers, 4)
 
 
 def test_plan_entries_that_are_empty_or_only_numbers_are_refused():
-    for entries, message in (([""], "an empty entry"), (["gdn@0", "3"], "'3' is not a class name"),
-                             (["gdn@0,attention"], "holds 2 entries")):
+    for entries, message in (
+        ([""], "an empty entry"),
+        (["gdn@0", "3"], "'3' is not a class name"),
+        (["gdn@0,attention"], "holds 2 entries"),
+    ):
         with pytest.raises(SplicerError, match=message):
             canonical_entries(entries, "row r")
 
@@ -189,16 +299,34 @@ def test_plan_entries_that_are_empty_or_only_numbers_are_refused():
 def test_splice_names_a_variant_as_the_build_reads_it(pairs, tmp_path):
     for spec, recorded in (("gdn@0,3", "gdn@0"), ("gdn@0-2", "gdn")):
         out = tmp_path / spec.replace(",", "_").replace("@", "_")
-        assert main(["splice", "-q", "--restore", spec, str(pairs["fused"]["lowlatency"]), str(pairs["fused"]["base"]),
-                     "-o", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "splice",
+                    "-q",
+                    "--restore",
+                    spec,
+                    str(pairs["fused"]["lowlatency"]),
+                    str(pairs["fused"]["base"]),
+                    "-o",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         assert json.loads((out / "splice.json").read_text())["restore"] == recorded
 
 
 def test_sweep_refuses_a_bad_template_and_a_class_in_one_layer(pairs, tmp_path, capsys):
     template = tmp_path / "t.toml"
     template.write_text('name = "t"\ndescription = "d"\ntop_k = 20\n[[row]]\nname = "b"\nrestore = []\n')
-    for args, message in ((["--class", "gdn", "--from", str(template)], f"plan {template} declares no [[corpus]]"),
-                          (["--class", "attention", "--from", "demo"], "attention quantized in one decoder layer only")):
-        assert main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--groups", "2", "-o", str(tmp_path / "s.toml"), *args]) == 2
+    for args, message in (
+        (["--class", "gdn", "--from", str(template)], f"plan {template} declares no [[corpus]]"),
+        (["--class", "attention", "--from", "demo"], "attention quantized in one decoder layer only"),
+    ):
+        assert (
+            main(["plan", "sweep", str(pairs["fused"]["lowlatency"]), "--groups", "2", "-o", str(tmp_path / "s.toml"), *args])
+            == 2
+        )
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "s.toml").exists()

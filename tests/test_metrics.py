@@ -87,9 +87,19 @@ def test_position_records_and_summary_by_hand():
     var_lp = torch.log_softmax(torch.randn(n, 50, generator=g), -1)
     targets = torch.tensor([6, 7, 8, 9, 2, 3, 4])
     bt, vt = base_lp.topk(20, -1), var_lp.topk(20, -1)
-    base = {"topk_ids": bt.indices, "topk_logprobs": bt.values, "lengths": torch.tensor([4, 3]),
-            "target_logprobs": base_lp.gather(1, targets[:, None])[:, 0], "full": base_lp}
-    var = {"topk_ids": vt.indices, "topk_logprobs": vt.values, "target_logprobs": var_lp.gather(1, targets[:, None])[:, 0], "full": var_lp}
+    base = {
+        "topk_ids": bt.indices,
+        "topk_logprobs": bt.values,
+        "lengths": torch.tensor([4, 3]),
+        "target_logprobs": base_lp.gather(1, targets[:, None])[:, 0],
+        "full": base_lp,
+    }
+    var = {
+        "topk_ids": vt.indices,
+        "topk_logprobs": vt.values,
+        "target_logprobs": var_lp.gather(1, targets[:, None])[:, 0],
+        "full": var_lp,
+    }
     rec = position_records(base, var, corpus, var_lp.gather(1, bt.indices))
     # answers: seq 0 tokens 8, 9 (predicted at positions 2, 3); seq 1 tokens 3, 4 (positions 1, 2 -> 5, 6 overall)
     assert rec["answer_mask"].tolist() == [False, False, True, True, False, True, True]
@@ -120,8 +130,16 @@ def test_hub_corpus_through_the_datasets_api(monkeypatch, pairs):
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     tok = AutoTokenizer.from_pretrained(str(pairs["fused"]["base"]))
-    spec = {"name": "wiki-en", "kind": "hub", "dataset": "Salesforce/wikitext", "config": "wikitext-2-raw-v1", "split": "test",
-            "field": "text", "chunk_tokens": 64, "max_chunks": 5}
+    spec = {
+        "name": "wiki-en",
+        "kind": "hub",
+        "dataset": "Salesforce/wikitext",
+        "config": "wikitext-2-raw-v1",
+        "split": "test",
+        "field": "text",
+        "chunk_tokens": 64,
+        "max_chunks": 5,
+    }
     c = build_corpus(spec, tok, 4096, None)
     assert asked == {"name": "Salesforce/wikitext", "config": "wikitext-2-raw-v1", "split": "test", "streaming": True}
     assert len(c.sequences) == 5 and all(len(s) == 64 for s in c.sequences)
@@ -159,7 +177,9 @@ def test_top1_agreement_is_symmetric_and_the_vocabulary_order_changes_nothing():
 
     assert torch.equal(top1_agreement(bi, bl, vi, vl), top1_agreement(vi, vl, bi, bl))  # symmetric
     # without ties it is plain argmax equality
-    plain = top1_agreement(torch.tensor([[3, 1]]), torch.tensor([[-0.1, -2.0]]), torch.tensor([[1, 3]]), torch.tensor([[-0.2, -1.0]]))
+    plain = top1_agreement(
+        torch.tensor([[3, 1]]), torch.tensor([[-0.1, -2.0]]), torch.tensor([[1, 3]]), torch.tensor([[-0.2, -1.0]])
+    )
     assert plain.tolist() == [False]
     # the rule reads the largest log-prob of each row, not the first column: a top-k listed in another order agrees alike
     perm = torch.randperm(bi.shape[1], generator=g)
@@ -182,8 +202,14 @@ def test_a_corpus_of_too_few_sequences_has_no_interval_and_the_interval_is_t_bas
     half = small_sample_half_width(se, 5)
     assert (hi - lo) / 2 == pytest.approx(half, rel=0.1) and lo < mean < hi
     # a grouped unit: 8 sequences in 2 groups are 2 units, too few (both counts reported)
-    rec = {"seq_index": torch.arange(8), "group": torch.arange(8) // 4, "top1": torch.ones(8, dtype=torch.bool),
-           "kl_top": vals, "tail": torch.zeros(8), "dlogp": torch.zeros(8)}
+    rec = {
+        "seq_index": torch.arange(8),
+        "group": torch.arange(8) // 4,
+        "top1": torch.ones(8, dtype=torch.bool),
+        "kl_top": vals,
+        "tail": torch.zeros(8),
+        "dlogp": torch.zeros(8),
+    }
     s = summarize(rec, reps=50)
     assert s["sequences"] == 8 and s["groups"] == 2 and s["kl_ci"] is None and s["top1_ci"] is None
 
@@ -196,13 +222,19 @@ def _chat_scores(corpus, seed):
     base_lp = torch.log_softmax(torch.randn(n, 50, generator=g), -1)
     targets = torch.cat([torch.tensor(s[1:]) for s in corpus.sequences])
     bt = base_lp.topk(20, -1)
-    base = {"topk_ids": bt.indices, "topk_logprobs": bt.values, "lengths": lengths,
-            "target_logprobs": base_lp.gather(1, targets[:, None])[:, 0]}
+    base = {
+        "topk_ids": bt.indices,
+        "topk_logprobs": bt.values,
+        "lengths": lengths,
+        "target_logprobs": base_lp.gather(1, targets[:, None])[:, 0],
+    }
     out = []
     for _ in range(2):
         # variants shifted per group, so that conversations of one group share their effect
         shift = torch.randn(max(corpus.groups) + 1, generator=g)[torch.tensor(corpus.groups)].repeat_interleave(lengths)
-        var_lp = torch.log_softmax(base_lp + torch.randn(n, 50, generator=g) * 0.3 + shift[:, None] * torch.randn(50, generator=g), -1)
+        var_lp = torch.log_softmax(
+            base_lp + torch.randn(n, 50, generator=g) * 0.3 + shift[:, None] * torch.randn(50, generator=g), -1
+        )
         vt = var_lp.topk(20, -1)
         var = {"topk_ids": vt.indices, "topk_logprobs": vt.values, "target_logprobs": var_lp.gather(1, targets[:, None])[:, 0]}
         out.append(position_records(base, var, corpus, var_lp.gather(1, bt.indices)))
@@ -232,9 +264,15 @@ def test_chat_score_records_carry_the_group_and_every_interval_resamples_groups(
     c = compare_scores(tmp_path, "a", "b", ["chat"], reps=400)
     for q in ("kl", "top1", "dnll"):
         assert c[q]["per_stratum"]["chat"]["clusters"] == 12 and c[q]["per_stratum"]["chat"]["unit"] == "groups", q
-    by = {unit: paired_comparison({"chat": {"a": a["kl_top"], "b": b["kl_top"], "cluster": a[unit], "weight": a["weight"]}},
-                                  reps=400)["per_stratum"]["chat"]["diff_ci"] for unit in ("group", "seq_index")}
-    assert c["kl"]["per_stratum"]["chat"]["diff_ci"] == pytest.approx(by["group"]) and by["group"] != pytest.approx(by["seq_index"])
+    by = {
+        unit: paired_comparison(
+            {"chat": {"a": a["kl_top"], "b": b["kl_top"], "cluster": a[unit], "weight": a["weight"]}}, reps=400
+        )["per_stratum"]["chat"]["diff_ci"]
+        for unit in ("group", "seq_index")
+    }
+    assert c["kl"]["per_stratum"]["chat"]["diff_ci"] == pytest.approx(by["group"]) and by["group"] != pytest.approx(
+        by["seq_index"]
+    )
     # budget's strata (the prediction against a measured row) resample the same groups
     from types import SimpleNamespace
 
@@ -244,7 +282,9 @@ def test_chat_score_records_carry_the_group_and_every_interval_resamples_groups(
     assert stratum["unit"] == "groups" and torch.equal(stratum["cluster"], a["group"])
     assert paired_comparison({"chat": stratum}, reps=400)["per_stratum"]["chat"]["clusters"] == 12
     for row, rec in (("a", a), ("b", b)):  # an old score file: no group
-        save_file({k: v.contiguous() for k, v in rec.items() if k != "group"}, str(tmp_path / "scores" / row / "chat.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in rec.items() if k != "group"}, str(tmp_path / "scores" / row / "chat.safetensors")
+        )
     old = compare_scores(tmp_path, "a", "b", ["chat"], reps=400)["kl"]["per_stratum"]["chat"]
     assert old["clusters"] == 24 and old["unit"] == "sequences" and old["diff_ci"] == pytest.approx(by["seq_index"])
     # fewer than MIN_SEQUENCES groups: no interval, and the reason names groups, not sequences

@@ -96,8 +96,20 @@ def _argv(command: str, w: dict, out: Path) -> list[str]:
     if command == "splice-from-cache":
         return ["splice", "-q", "--force", "--restore", "gdn", str(w["snapshot"]), str(w["base"]), "-o", str(out)]
     if command == "ablate":
-        return ["ablate", "all", str(w["build"]), str(w["base"]), "-o", str(out), "-q", "--no-time", "--device", "cpu",
-                "--plan", str(w["plan"])]
+        return [
+            "ablate",
+            "all",
+            str(w["build"]),
+            str(w["base"]),
+            "-o",
+            str(out),
+            "-q",
+            "--no-time",
+            "--device",
+            "cpu",
+            "--plan",
+            str(w["plan"]),
+        ]
     if command == "fixture-force":
         return ["fixture", str(out), "--builds", "experts-g32", "--force"]
     raise AssertionError(command)
@@ -105,13 +117,25 @@ def _argv(command: str, w: dict, out: Path) -> list[str]:
 
 # Where each command may finish: a fresh path, or (--force) an earlier output of the same command. Everything else
 # holds, is, or sits inside an input or someone's files, and must be refused.
-SUCCEEDS = {("splice", "new"), ("splice-force", "new"), ("splice-force", "old_splice"), ("splice-from-cache", "new"),
-            ("splice-from-cache", "old_splice"), ("ablate", "new"), ("fixture-force", "new"),
-            # models/build is no input of a splice from the cache copy: a new folder in it is just a new folder
-            ("splice-from-cache", "build/sub"), ("splice-from-cache", "link/sub")}
-CASES = [(c, p) for c in ("splice", "splice-force", "splice-from-cache", "ablate", "fixture-force") for p in PLACES
-         # the fixture has no inputs: inside models/ it is just a new folder, so only the refusals are its cases
-         if not (c == "fixture-force" and p in ("build/sub", "link/sub"))]
+SUCCEEDS = {
+    ("splice", "new"),
+    ("splice-force", "new"),
+    ("splice-force", "old_splice"),
+    ("splice-from-cache", "new"),
+    ("splice-from-cache", "old_splice"),
+    ("ablate", "new"),
+    ("fixture-force", "new"),
+    # models/build is no input of a splice from the cache copy: a new folder in it is just a new folder
+    ("splice-from-cache", "build/sub"),
+    ("splice-from-cache", "link/sub"),
+}
+CASES = [
+    (c, p)
+    for c in ("splice", "splice-force", "splice-from-cache", "ablate", "fixture-force")
+    for p in PLACES
+    # the fixture has no inputs: inside models/ it is just a new folder, so only the refusals are its cases
+    if not (c == "fixture-force" and p in ("build/sub", "link/sub"))
+]
 
 
 @pytest.mark.parametrize("command,place", CASES, ids=[f"{c}->{p}" for c, p in CASES])

@@ -16,15 +16,29 @@ def test_pareto_keeps_the_points_nothing_beats_on_both_axes():
 
 def _variant(name, kl, size, decode=None, repeat_of=None):
     metrics = {c: {"kl": kl, "kl_ci": [kl * 0.9, kl * 1.1], "top1": 0.5} for c in ("wiki-en", "chat")}
-    return {"name": name, "status": "ok", "restored": [], "size_bytes": size, "decode_ms_per_token": decode,
-            "timing": {"decode_iqr": [decode * 0.95, decode * 1.05]} if decode else None, "metrics": metrics,
-            "repeat_of": repeat_of}
+    return {
+        "name": name,
+        "status": "ok",
+        "restored": [],
+        "size_bytes": size,
+        "decode_ms_per_token": decode,
+        "timing": {"decode_iqr": [decode * 0.95, decode * 1.05]} if decode else None,
+        "metrics": metrics,
+        "repeat_of": repeat_of,
+    }
 
 
 def test_plot_writes_png_and_svg_and_links_them_once(tmp_path, capsys):
-    results = {"corpora": {"wiki-en": {}, "chat": {}}, "inputs": {"build": {"source": "/x/build"}},
-               "variants": [_variant("build", 0.8, 9e9, 10.0), _variant("gdn", 0.5, 9.5e9, 10.5),
-                            _variant("all", 0.0, 16e9, 14.0), _variant("build-again", 0.8, 9e9, 10.1, repeat_of="build")]}
+    results = {
+        "corpora": {"wiki-en": {}, "chat": {}},
+        "inputs": {"build": {"source": "/x/build"}},
+        "variants": [
+            _variant("build", 0.8, 9e9, 10.0),
+            _variant("gdn", 0.5, 9.5e9, 10.5),
+            _variant("all", 0.0, 16e9, 14.0),
+            _variant("build-again", 0.8, 9e9, 10.1, repeat_of="build"),
+        ],
+    }
     (tmp_path / "results.json").write_text(json.dumps(results))
     (tmp_path / "table.md").write_text("| table |\n")
     assert main(["plot", str(tmp_path)]) == 0
@@ -81,9 +95,13 @@ def _drawn_labels(monkeypatch):
     def recording_savefig(self, *args, **kwargs):
         renderer = self.canvas.get_renderer()
         self.canvas.draw()
-        seen.append({"labels": [(ax, t.get_text(), Text.get_window_extent(t, renderer)) for ax in self.axes for t in ax.texts],
-                     "texts": " ".join(t.get_text() for t in self.texts) + self._suptitle.get_text(),
-                     "dpi": self.dpi})
+        seen.append(
+            {
+                "labels": [(ax, t.get_text(), Text.get_window_extent(t, renderer)) for ax in self.axes for t in ax.texts],
+                "texts": " ".join(t.get_text() for t in self.texts) + self._suptitle.get_text(),
+                "dpi": self.dpi,
+            }
+        )
         return real_savefig(self, *args, **kwargs)
 
     monkeypatch.setattr(Figure, "savefig", recording_savefig)
@@ -97,8 +115,12 @@ def test_crowded_labels_do_not_overlap_each_other_or_a_marker(tmp_path, capsys, 
 
     from splicer.plot import write_plot
 
-    names = ["build"] + [f"gdn-{i}" for i in range(1, 6)] + [f"shared_expert-and-more-{i}" for i in range(4)] + \
-        [f"gdn.{i}-{i + 2}_{i + 4}-{i + 6}_{i + 8}-{i + 10}+attention+shared_expert" for i in range(5)]
+    names = (
+        ["build"]
+        + [f"gdn-{i}" for i in range(1, 6)]
+        + [f"shared_expert-and-more-{i}" for i in range(4)]
+        + [f"gdn.{i}-{i + 2}_{i + 4}-{i + 6}_{i + 8}-{i + 10}+attention+shared_expert" for i in range(5)]
+    )
     variants = []
     for i, name in enumerate(names):
         v = _variant(name, 0.18 * (1 + 0.002 * (i % 7)), 19.3e9 * (1 + 0.002 * (i % 5)), 4.38 * (1 + 0.002 * (i % 4)))
@@ -121,8 +143,9 @@ def test_crowded_labels_do_not_overlap_each_other_or_a_marker(tmp_path, capsys, 
             for corpus in ("wiki-en", "chat"):
                 if ax.get_ylabel().endswith(corpus):
                     cx, cy = ax.transData.transform((x, v["metrics"][corpus]["kl"]))
-                    assert not (box.x0 < cx + radius and cx - radius < box.x1 and box.y0 < cy + radius and cy - radius < box.y1), \
-                        "a label covers a marker"
+                    assert not (
+                        box.x0 < cx + radius and cx - radius < box.x1 and box.y0 < cy + radius and cy - radius < box.y1
+                    ), "a label covers a marker"
     # Long names are P1... on the plot and spelled out, with the row name, in the key
     assert "gdn layers 0-2,4-6,8-10 + attention + shared_expert" in drawn["texts"]
     assert all(name in drawn["texts"] for name in names if "." in name)
@@ -134,8 +157,11 @@ def test_a_variant_timed_on_two_engines_is_one_point_with_their_spread(tmp_path,
 
     from splicer.plot import write_plot
 
-    variants = [_variant("build", 0.8, 9e9, 10.0), _variant("gdn", 0.5, 9.5e9, 10.5),
-                _variant("build-again", 0.81, 9e9, 10.4, repeat_of="build")]
+    variants = [
+        _variant("build", 0.8, 9e9, 10.0),
+        _variant("gdn", 0.5, 9.5e9, 10.5),
+        _variant("build-again", 0.81, 9e9, 10.4, repeat_of="build"),
+    ]
     (tmp_path / "results.json").write_text(json.dumps({"corpora": {"wiki-en": {}}, "variants": variants}))
     bars = []
     real_errorbar = Axes.errorbar

@@ -20,9 +20,11 @@ def folder(tmp_path):
     """A results folder (the committed demo's results.json) with a README holding a stale report block and a table block."""
     (tmp_path / "run").mkdir()
     shutil.copy(DEMO / "results.json", tmp_path / "run" / "results.json")
-    (tmp_path / "README.md").write_text("# Run\n\nWords before.\n\n<!-- splicer:begin report run -->\nhand-typed 4.21 ms\n"
-                                        "<!-- splicer:end -->\n\nBetween.\n\n<!-- splicer:begin table run --format csv -->\n"
-                                        "<!-- splicer:end -->\nAfter.\n")
+    (tmp_path / "README.md").write_text(
+        "# Run\n\nWords before.\n\n<!-- splicer:begin report run -->\nhand-typed 4.21 ms\n"
+        "<!-- splicer:end -->\n\nBetween.\n\n<!-- splicer:begin table run --format csv -->\n"
+        "<!-- splicer:end -->\nAfter.\n"
+    )
     return tmp_path
 
 
@@ -38,8 +40,10 @@ def test_update_writes_each_block_as_the_command_prints_it_and_check_then_passes
     report = capsys.readouterr().out
     assert main(["table", str(folder / "run"), "--format", "csv"]) == 0
     table = capsys.readouterr().out
-    assert text == ("# Run\n\nWords before.\n\n<!-- splicer:begin report run -->\n" + report + "<!-- splicer:end -->\n\n"
-                    "Between.\n\n<!-- splicer:begin table run --format csv -->\n" + table + "<!-- splicer:end -->\nAfter.\n")
+    assert text == (
+        "# Run\n\nWords before.\n\n<!-- splicer:begin report run -->\n" + report + "<!-- splicer:end -->\n\n"
+        "Between.\n\n<!-- splicer:begin table run --format csv -->\n" + table + "<!-- splicer:end -->\nAfter.\n"
+    )
     assert main(["readme-blocks", str(md)]) == 0 and "2 blocks, current" in capsys.readouterr().out
     assert main(["readme-blocks", "--update", str(md)]) == 0 and "already current" in capsys.readouterr().out
     # one changed digit inside a block is found
@@ -47,14 +51,17 @@ def test_update_writes_each_block_as_the_command_prints_it_and_check_then_passes
     assert main(["readme-blocks", str(md)]) == 1
 
 
-@pytest.mark.parametrize("block, says", [
-    ("<!-- splicer:begin report run -->\nno end\n", "has no <!-- splicer:end -->"),
-    ("<!-- splicer:begin ablate all run -->\n<!-- splicer:end -->\n", "a block runs one of report, table, compare"),
-    ("<!-- splicer:begin report -->\n<!-- splicer:end -->\n", "a block runs one of"),
-    ("<!-- splicer:begin report 'run -->\n<!-- splicer:end -->\n", "cannot be read"),
-    ("<!-- splicer:begin report missing -->\n<!-- splicer:end -->\n", "splicer report missing (in"),
-    ("<!-- splicer:begin report run --help -->\n<!-- splicer:end -->\n", "must print results, not help"),
-])
+@pytest.mark.parametrize(
+    "block, says",
+    [
+        ("<!-- splicer:begin report run -->\nno end\n", "has no <!-- splicer:end -->"),
+        ("<!-- splicer:begin ablate all run -->\n<!-- splicer:end -->\n", "a block runs one of report, table, compare"),
+        ("<!-- splicer:begin report -->\n<!-- splicer:end -->\n", "a block runs one of"),
+        ("<!-- splicer:begin report 'run -->\n<!-- splicer:end -->\n", "cannot be read"),
+        ("<!-- splicer:begin report missing -->\n<!-- splicer:end -->\n", "splicer report missing (in"),
+        ("<!-- splicer:begin report run --help -->\n<!-- splicer:end -->\n", "must print results, not help"),
+    ],
+)
 def test_a_bad_block_is_one_line_and_the_file_is_left_as_it_was(folder, capsys, block, says):
     md = folder / "README.md"
     md.write_text("# Run\n\n" + block)

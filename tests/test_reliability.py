@@ -147,13 +147,32 @@ def _count_loads(monkeypatch):
 def test_killed_ablate_reruns_only_unfinished_rows(pairs, plan_file, tmp_path, monkeypatch):
     p = pairs["fused"]
     out = tmp_path / "run"
-    r = _cli("ablate", "all", p["lowlatency"], p["base"], "-o", out, "--plan", plan_file, "--no-time", "-q", "--device", "cpu",
-             env={"SPLICER_FAULT": "ablate:row-done#2"})
+    r = _cli(
+        "ablate",
+        "all",
+        p["lowlatency"],
+        p["base"],
+        "-o",
+        out,
+        "--plan",
+        plan_file,
+        "--no-time",
+        "-q",
+        "--device",
+        "cpu",
+        env={"SPLICER_FAULT": "ablate:row-done#2"},
+    )
     assert r.returncode == -9
     assert [v["name"] for v in json.loads((out / "results.json").read_text())["variants"]] == ["build", "gdn"]
     loads = _count_loads(monkeypatch)
-    res = run_ablate("all", str(p["lowlatency"]), str(p["base"]), out, str(plan_file),
-                     AblateSettings(device="cpu", progress=False, bootstrap=50, time_decode=False))
+    res = run_ablate(
+        "all",
+        str(p["lowlatency"]),
+        str(p["base"]),
+        out,
+        str(plan_file),
+        AblateSettings(device="cpu", progress=False, bootstrap=50, time_decode=False),
+    )
     assert loads == ["lm_head", "all", "base"]  # neither the base pass nor the two finished rows again
     assert [v["name"] for v in res["variants"]] == ["build", "gdn", "lm_head", "all", "base"]
     # each invocation says what it did and on which CPU (a resumed run may land on another machine)
@@ -201,8 +220,14 @@ def test_failed_splice_is_recorded_and_the_plan_goes_on(pairs, plan_file, tmp_pa
 
     monkeypatch.setattr(sp, "splice", refuse)
     p = pairs["fused"]
-    res = run_ablate("gdn,lm_head", str(p["lowlatency"]), str(p["base"]), tmp_path / "r", str(plan_file),
-                     AblateSettings(device="cpu", progress=False, bootstrap=50, time_decode=False))
+    res = run_ablate(
+        "gdn,lm_head",
+        str(p["lowlatency"]),
+        str(p["base"]),
+        tmp_path / "r",
+        str(plan_file),
+        AblateSettings(device="cpu", progress=False, bootstrap=50, time_decode=False),
+    )
     rows = {v["name"]: v for v in res["variants"]}
     assert rows["lm_head"]["status"] == "error" and rows["lm_head"]["error"] == "refused for the test"
     assert rows["gdn"]["status"] == "ok"
@@ -225,8 +250,24 @@ def test_untrusted_files_are_never_executed(pairs, tmp_path, plan_file):
     cfg = json.loads((build / "config.json").read_text())
     cfg["auto_map"] = {"AutoConfig": "evil.Config", "AutoModelForCausalLM": "evil.Model", "AutoTokenizer": ["evil.Tok", None]}
     (build / "config.json").write_text(json.dumps(cfg))
-    for args in (("inspect", build), ("splice", "-q", "--restore", "gdn", build, pairs["fused"]["base"], "-o", tmp_path / "o"),
-                 ("ablate", "gdn", build, pairs["fused"]["base"], "-o", tmp_path / "a", "--plan", plan_file, "--no-time", "-q", "--device", "cpu")):
+    for args in (
+        ("inspect", build),
+        ("splice", "-q", "--restore", "gdn", build, pairs["fused"]["base"], "-o", tmp_path / "o"),
+        (
+            "ablate",
+            "gdn",
+            build,
+            pairs["fused"]["base"],
+            "-o",
+            tmp_path / "a",
+            "--plan",
+            plan_file,
+            "--no-time",
+            "-q",
+            "--device",
+            "cpu",
+        ),
+    ):
         r = _cli(*args)
         assert r.returncode == 0, r.stderr
         assert not marker.exists(), args
@@ -238,7 +279,17 @@ def test_rerun_after_a_kill_resumes_from_finished_shards(pairs, tmp_path, refere
 
     p = pairs["fused"]
     out = tmp_path / "out"
-    killed = _cli("splice", "-q", "--restore", "gdn,lm_head", p["lowlatency"], p["base"], "-o", out, env={"SPLICER_FAULT": "splice:shard-written#2"})
+    killed = _cli(
+        "splice",
+        "-q",
+        "--restore",
+        "gdn,lm_head",
+        p["lowlatency"],
+        p["base"],
+        "-o",
+        out,
+        env={"SPLICER_FAULT": "splice:shard-written#2"},
+    )
     assert killed.returncode == -9
     written = []
     orig = sp.write_shard
@@ -247,7 +298,17 @@ def test_rerun_after_a_kill_resumes_from_finished_shards(pairs, tmp_path, refere
     assert record["shards"]["resumed"] == 2 and len(written) == record["shards"]["rewritten"] - 2
     assert _same(out, reference) and not (out / ".splice-progress.json").exists()
     # a partial folder from another plan is not reused
-    killed = _cli("splice", "-q", "--restore", "attention", p["lowlatency"], p["base"], "-o", tmp_path / "o2", env={"SPLICER_FAULT": "splice:before-rename"})
+    killed = _cli(
+        "splice",
+        "-q",
+        "--restore",
+        "attention",
+        p["lowlatency"],
+        p["base"],
+        "-o",
+        tmp_path / "o2",
+        env={"SPLICER_FAULT": "splice:before-rename"},
+    )
     written.clear()
     record = splice(str(p["lowlatency"]), str(p["base"]), tmp_path / "o2", "gdn,lm_head", progress=False)
     assert record["shards"]["resumed"] == 0 and _same(tmp_path / "o2", reference)
@@ -269,8 +330,14 @@ def test_a_run_record_starts_when_the_invocation_began_not_when_its_base_pass_en
     p = pairs["fused"]
     out = tmp_path / "run"
     t0 = time.time()
-    res = run_ablate("build", str(p["lowlatency"]), str(p["base"]), out, str(plan_file),
-                     AblateSettings(device="cpu", progress=False, bootstrap=20, time_decode=False))
+    res = run_ablate(
+        "build",
+        str(p["lowlatency"]),
+        str(p["base"]),
+        out,
+        str(plan_file),
+        AblateSettings(device="cpu", progress=False, bootstrap=20, time_decode=False),
+    )
     started = datetime.strptime(res["runs"][-1]["started"] + "+0000", "%Y-%m-%dT%H:%M:%SZ%z").timestamp()
     assert started <= t0 + 1.5  # at the start (whole seconds), not 3 s later after the base pass
 
@@ -307,7 +374,10 @@ def test_resume_does_not_depend_on_how_the_inputs_are_spelled(pairs, tmp_path, m
     before = tree_digest(work)
     out = tmp_path / "run"
     monkeypatch.chdir(work)
-    assert main(["ablate", "all", "build", "base", "-o", str(out), "--plan", "small.toml", "--no-time", "-q", "--device", "cpu"]) == 0
+    assert (
+        main(["ablate", "all", "build", "base", "-o", str(out), "--plan", "small.toml", "--no-time", "-q", "--device", "cpu"])
+        == 0
+    )
     first = json.loads((out / "results.json").read_text())
     assert first["job"]["build"]["source"] == str((work / "build").resolve())  # recorded by what it is
     elsewhere = tmp_path / "elsewhere"
@@ -317,15 +387,51 @@ def test_resume_does_not_depend_on_how_the_inputs_are_spelled(pairs, tmp_path, m
     loads = _count_loads(monkeypatch)
     capsys.readouterr()
     for build, base in ((work / "build", work / "base"), (Path("link/build"), Path("link/base"))):
-        assert main(["ablate", "all", str(build), str(base), "-o", str(out), "--plan", str(work / "small.toml"), "--no-time",
-                     "-q", "--device", "cpu"]) == 0
+        assert (
+            main(
+                [
+                    "ablate",
+                    "all",
+                    str(build),
+                    str(base),
+                    "-o",
+                    str(out),
+                    "--plan",
+                    str(work / "small.toml"),
+                    "--no-time",
+                    "-q",
+                    "--device",
+                    "cpu",
+                ]
+            )
+            == 0
+        )
     assert loads == []  # neither the base pass nor a finished row again
     assert "differs" not in capsys.readouterr().err
     again = json.loads((out / "results.json").read_text())
     assert [v["metrics"] for v in again["variants"]] == [v["metrics"] for v in first["variants"]]
     # one setting changed: every row again, and the line says which field and how
-    assert main(["ablate", "all", str(work / "build"), str(work / "base"), "-o", str(out), "--plan", str(work / "small.toml"),
-                 "--no-time", "-q", "--device", "cpu", "--batch-size", "2"]) == 0
+    assert (
+        main(
+            [
+                "ablate",
+                "all",
+                str(work / "build"),
+                str(work / "base"),
+                "-o",
+                str(out),
+                "--plan",
+                str(work / "small.toml"),
+                "--no-time",
+                "-q",
+                "--device",
+                "cpu",
+                "--batch-size",
+                "2",
+            ]
+        )
+        == 0
+    )
     err = [line for line in capsys.readouterr().err.splitlines() if "differs" in line]
     assert len(err) == 1 and "settings.batch_size: null -> 2" in err[0] and "build" not in err[0].split("(")[1], err
     assert loads == ["base", "build", "gdn"]
@@ -351,15 +457,31 @@ def test_a_run_with_failed_rows_exits_non_zero_and_says_so_last(pairs, tmp_path,
     plan.write_text(SMALL_PLAN + '[[row]]\nname = "lm_head"\nrestore = ["lm_head"]\n[[row]]\nname = "base"\nbase = true\n')
     before = {k: tree_digest(p[k]) for k in ("lowlatency", "base")}
     out = tmp_path / "run"
-    code = main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(out), "--plan", str(plan), "--no-time",
-                 "-q", "--device", "cpu"])
+    code = main(
+        [
+            "ablate",
+            "all",
+            str(p["lowlatency"]),
+            str(p["base"]),
+            "-o",
+            str(out),
+            "--plan",
+            str(plan),
+            "--no-time",
+            "-q",
+            "--device",
+            "cpu",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1
     assert err[-1].startswith("splicer: error: 2 of 4 rows failed: gdn, lm_head; see each row's error in "), err[-1]
     rows = {v["name"]: v for v in json.loads((out / "results.json").read_text())["variants"]}
     assert rows["build"]["status"] == rows["base"]["status"] == "ok" and rows["build"]["metrics"]["en"]["kl"] > 0
-    assert all(rows[n]["status"] == "error" and rows[n]["error"].startswith("no space left on the device holding")
-               for n in ("gdn", "lm_head"))
+    assert all(
+        rows[n]["status"] == "error" and rows[n]["error"].startswith("no space left on the device holding")
+        for n in ("gdn", "lm_head")
+    )
     assert "failed" in (out / "table.md").read_text() and not list(out.rglob("*.tmp"))
     assert not list((out / "variants").glob(".*partial*"))  # no half-written splice left behind
     assert {k: tree_digest(p[k]) for k in ("lowlatency", "base")} == before
@@ -384,8 +506,25 @@ def test_a_base_pass_on_a_full_disk_is_one_line_and_leaves_no_dir(pairs, tmp_pat
     plan.write_text(SMALL_PLAN)
     before = {k: tree_digest(p[k]) for k in ("lowlatency", "base")}
     out = tmp_path / "run"
-    assert main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(out), "--plan", str(plan), "--no-time",
-                 "-q", "--device", "cpu"]) == 2
+    assert (
+        main(
+            [
+                "ablate",
+                "all",
+                str(p["lowlatency"]),
+                str(p["base"]),
+                "-o",
+                str(out),
+                "--plan",
+                str(plan),
+                "--no-time",
+                "-q",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no space left on its device; free space there and run again" in err[0], err
     assert not out.exists() and {k: tree_digest(p[k]) for k in ("lowlatency", "base")} == before

@@ -93,14 +93,24 @@ def readme_numbers(text: str) -> list[dict]:
         if sign in ("−", "-"):
             value = -value
         decimals = len(digits.split(".")[1]) if "." in digits else 0
-        after = stripped[m.end():m.end() + 60]
+        after = stripped[m.end() : m.end() + 60]
         scales = [1.0]
         if PERCENT_AFTER.match(after):
             scales.append(100.0)
         line = stripped.count("\n", 0, m.start()) + 1
         ctx = text.splitlines()[line - 1].strip()
-        out.append({"text": sign + digits, "value": value, "decimals": decimals, "signed": sign in ("+", "−", "-"),
-                    "scales": scales, "line": line, "context": ctx[:160], "end": m.end(2)})
+        out.append(
+            {
+                "text": sign + digits,
+                "value": value,
+                "decimals": decimals,
+                "signed": sign in ("+", "−", "-"),
+                "scales": scales,
+                "line": line,
+                "context": ctx[:160],
+                "end": m.end(2),
+            }
+        )
     return out
 
 
@@ -133,8 +143,11 @@ class RawValues:
 
 
 def raw_texts(folder: Path) -> list[str]:
-    return [p.read_text(errors="replace") for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.suffix in RAW_SUFFIXES and p.name != "README.md"]
+    return [
+        p.read_text(errors="replace")
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.suffix in RAW_SUFFIXES and p.name != "README.md"
+    ]
 
 
 def missing_numbers(readme_text: str, raw: list[str]) -> list[dict]:
@@ -186,8 +199,11 @@ def _json_under(data, path: str):
             elif isinstance(n, dict) and key in n:
                 nxt.append(n[key])
             elif isinstance(n, list):
-                nxt += [n[int(key)]] if key.isdigit() and int(key) < len(n) else \
-                    [e for e in n if isinstance(e, dict) and e.get("name") == key]
+                nxt += (
+                    [n[int(key)]]
+                    if key.isdigit() and int(key) < len(n)
+                    else [e for e in n if isinstance(e, dict) and e.get("name") == key]
+                )
         nodes = nxt
     return nodes
 
@@ -225,7 +241,7 @@ def cited_text(md: Path, target: str, key: str | None) -> str | None:
 def _scope(lines: list[str], us: list[list[int]], line: int) -> str:
     """The text whose citations a number on LINE may use: its unit and the paragraph leading its list or table."""
     i = next(k for k, u in enumerate(us) if u[0] <= line <= u[1])
-    parts = ["\n".join(lines[us[i][0] - 1:us[i][1]])]
+    parts = ["\n".join(lines[us[i][0] - 1 : us[i][1]])]
     if not LIST_OR_ROW.match(lines[us[i][0] - 1].strip()):
         return parts[0]  # a paragraph stands on its own citations
     for u in reversed(us[:i]):
@@ -233,7 +249,7 @@ def _scope(lines: list[str], us: list[list[int]], line: int) -> str:
         if first.startswith("#"):
             break
         if not LIST_OR_ROW.match(first):
-            parts.append("\n".join(lines[u[0] - 1:u[1]]))
+            parts.append("\n".join(lines[u[0] - 1 : u[1]]))
             break
     return "\n".join(parts)
 
@@ -272,8 +288,9 @@ def uncited_numbers(md: Path, text: str, docs: bool = False) -> list[dict]:
 
 
 def _listing(found: list[dict]) -> str:
-    return "\n".join(f"  line {n['line']}: {n['text']}  cited: {', '.join(n['cited']) or 'nothing'}  ({n['context']})"
-                     for n in found)
+    return "\n".join(
+        f"  line {n['line']}: {n['text']}  cited: {', '.join(n['cited']) or 'nothing'}  ({n['context']})" for n in found
+    )
 
 
 @pytest.mark.parametrize("md", READMES + DOCS, ids=[str(p.relative_to(ROOT)) for p in READMES + DOCS])
@@ -289,40 +306,53 @@ def test_every_readme_number_is_in_a_cited_raw_file(readme):
     text = readme.read_text()
     if readme.parent.name in LEGACY:
         missing = missing_numbers(text, raw_texts(readme.parent))
-        assert not missing, f"{len(missing)} numbers of {readme.relative_to(ROOT)} are in none of its raw files:\n" + \
-            "\n".join(f"  line {n['line']}: {n['text']}  ({n['context']})" for n in missing)
+        assert not missing, f"{len(missing)} numbers of {readme.relative_to(ROOT)} are in none of its raw files:\n" + "\n".join(
+            f"  line {n['line']}: {n['text']}  ({n['context']})" for n in missing
+        )
         return
     found = uncited_numbers(readme, text)
-    assert not found, (f"{len(found)} numbers of {readme.relative_to(ROOT)} outside generated blocks match no raw value "
-                       f"of a source cited beside them (cite the file, or move the figure into a block):\n" + _listing(found))
+    assert not found, (
+        f"{len(found)} numbers of {readme.relative_to(ROOT)} outside generated blocks match no raw value "
+        f"of a source cited beside them (cite the file, or move the figure into a block):\n" + _listing(found)
+    )
 
 
 @pytest.mark.parametrize("md", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
 def test_docs_figures_match_the_results_they_cite(md):
     found = uncited_numbers(md, md.read_text(), docs=True)
-    assert not found, f"{len(found)} numbers of {md.relative_to(ROOT)} match nothing in the results they cite:\n" + _listing(found)
+    assert not found, f"{len(found)} numbers of {md.relative_to(ROOT)} match nothing in the results they cite:\n" + _listing(
+        found
+    )
 
 
 # What the rules catch: every number of the checked READMEs with its last digit changed, and made-up sentences.
+
 
 def _made_up(folder: Path) -> list[str]:
     """Made-up sentences in the README's own style, each citing the folder's largest raw file: five with invented
     figures, and two whose figures are real raw values of the folder that the cited file does not hold (a number that
     "matches some unrelated raw value", which the old rule let pass)."""
-    raws = sorted((p for p in folder.rglob("*") if p.is_file() and p.suffix in RAW_SUFFIXES and p.name != "README.md"),
-                  key=lambda p: (p.stat().st_size, str(p)))
+    raws = sorted(
+        (p for p in folder.rglob("*") if p.is_file() and p.suffix in RAW_SUFFIXES and p.name != "README.md"),
+        key=lambda p: (p.stat().st_size, str(p)),
+    )
     f = raws[-1].relative_to(folder).as_posix()
     cited = RawValues([raws[-1].read_text(errors="replace")])
-    elsewhere = [v for v in RawValues([p.read_text(errors="replace") for p in raws[:-1]]).unsigned
-                 if 1 < v < 1e4 and not cited.has({"value": round(v, 2), "decimals": 2, "signed": False, "scales": [1.0]})]
+    elsewhere = [
+        v
+        for v in RawValues([p.read_text(errors="replace") for p in raws[:-1]]).unsigned
+        if 1 < v < 1e4 and not cited.has({"value": round(v, 2), "decimals": 2, "signed": False, "scales": [1.0]})
+    ]
     a, b = (elsewhere[len(elsewhere) // 3], elsewhere[2 * len(elsewhere) // 3]) if len(elsewhere) > 2 else (7.31, 8.42)
-    return ["The build decoded at 4.217 ms/token on its second engine, 0.61 % slower than on its first.",
-            f"Restoring attention lowered KL by 3.4 % of the build's [−4.1, −2.7] (`{f}`).",
-            f"- The rows took 612 s in all, the base pass 187.3 s of it (`{f}`).",
-            f"From `{f}`:\n\n| row | KL | top-1 |\n|---|---|---|\n| extra | 0.2231 | 51.2 % |",
-            f"Each engine started in 47 to 83 s and loaded its weights in 21.6 s (`{f}`).",
-            f"The slowest row decoded at {a:.2f} ms/token (`{f}`).",
-            f"- Its engine took {b:.2f} s to start (`{f}`)."]
+    return [
+        "The build decoded at 4.217 ms/token on its second engine, 0.61 % slower than on its first.",
+        f"Restoring attention lowered KL by 3.4 % of the build's [−4.1, −2.7] (`{f}`).",
+        f"- The rows took 612 s in all, the base pass 187.3 s of it (`{f}`).",
+        f"From `{f}`:\n\n| row | KL | top-1 |\n|---|---|---|\n| extra | 0.2231 | 51.2 % |",
+        f"Each engine started in 47 to 83 s and loaded its weights in 21.6 s (`{f}`).",
+        f"The slowest row decoded at {a:.2f} ms/token (`{f}`).",
+        f"- Its engine took {b:.2f} s to start (`{f}`).",
+    ]
 
 
 def mutation_rates(readmes: list[Path]) -> dict:
@@ -359,8 +389,10 @@ def test_mutations_are_caught():
     checked = [p for p in READMES if p.parent.name not in LEGACY]
     r = mutation_rates(checked)
     d, s = r["digits"], r["sentences"]
-    report = (f"last-digit changes passing: new {d['new']}/{d['n']}, old {d['old']}/{d['n']}; "
-              f"made-up sentences passing: new {s['new']}/{s['n']}, old {s['old']}/{s['n']}")
+    report = (
+        f"last-digit changes passing: new {d['new']}/{d['n']}, old {d['old']}/{d['n']}; "
+        f"made-up sentences passing: new {s['new']}/{s['n']}, old {s['old']}/{s['n']}"
+    )
     assert d["n"] > 200 and s["n"] == 7 * len(checked), report
     assert d["new"] <= 0.12 * d["n"] and d["old"] >= 3 * d["new"], report
     assert s["new"] <= 0.05 * s["n"], report
@@ -388,9 +420,9 @@ def test_checker_finds_a_made_up_number():
 
 def test_checker_rounding_sign_and_percent():
     raw = ['{"d": -0.0184, "t": 4.09, "n": 12}', "wall 1,500 tokens"]
-    assert missing_numbers("−1.84 % and 1.84 %", raw) == []          # ×100, unsigned matches |v|
+    assert missing_numbers("−1.84 % and 1.84 %", raw) == []  # ×100, unsigned matches |v|
     assert [n["text"] for n in missing_numbers("+1.84 %", raw)] == ["+1.84"]  # an explicit sign must match
-    assert [n["text"] for n in missing_numbers("1.84 s", raw)] == ["1.84"]    # ×100 only for percentages
+    assert [n["text"] for n in missing_numbers("1.84 s", raw)] == ["1.84"]  # ×100 only for percentages
     assert missing_numbers("4.09 ms, 4.1 ms, 1,500 and 1500 tokens", raw) == []  # fewer decimals, separators
     assert [n["text"] for n in missing_numbers("4.10 ms", raw)] == ["4.10"]  # 4.09 is not 4.10
     assert [n["text"] for n in missing_numbers("12 s or 13 s", raw)] == ["13"]
@@ -398,12 +430,21 @@ def test_checker_rounding_sign_and_percent():
 
 
 def test_checker_exemptions():
-    text = ("# Run 3\nvLLM 0.26.0, torch 2.11.0+cu130, vLLM 0.31, transformers 5.17, on 2026-11-30 at 12:00, commit `7549721`.\n"
-            "Runs 1–3, seed 000, call 2, build #1, H200, INT4 g128, Qwen3.6-35B-A3B, x86_64, the 6th test.\n"
-            "```bash\nsplicer ablate --reps 99\n```\n[a link](https://example.com/42)\n<!-- run 4 goes here -->\n")
+    text = (
+        "# Run 3\nvLLM 0.26.0, torch 2.11.0+cu130, vLLM 0.31, transformers 5.17, on 2026-11-30 at 12:00, commit `7549721`.\n"
+        "Runs 1–3, seed 000, call 2, build #1, H200, INT4 g128, Qwen3.6-35B-A3B, x86_64, the 6th test.\n"
+        "```bash\nsplicer ablate --reps 99\n```\n[a link](https://example.com/42)\n<!-- run 4 goes here -->\n"
+    )
     assert _nums(text) == []
-    assert _nums("1,500-token prompt, 5.7–7.7 s, ±0.98 %, (−12 … +15 %), 3-D") == \
-        ["1,500", "5.7", "7.7", "±0.98", "−12", "+15", "3"]
+    assert _nums("1,500-token prompt, 5.7–7.7 s, ±0.98 %, (−12 … +15 %), 3-D") == [
+        "1,500",
+        "5.7",
+        "7.7",
+        "±0.98",
+        "−12",
+        "+15",
+        "3",
+    ]
 
 
 def test_checker_reads_a_folder_recursively_without_its_readme(tmp_path):

@@ -49,7 +49,11 @@ def base_per_expert(base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 def quantized_modules(tensors) -> set[str]:
@@ -65,12 +69,22 @@ def class_of(module: str) -> str:
 # vLLM-side names written out by hand (vLLM 0.26: hf_to_vllm_mapper + packed_modules_mapping),
 # so these checks do not depend on splicer's own name mapping.
 VLLM_SHARDS = {
-    "gdn": ["language_model.model.layers.0.linear_attn.in_proj_qkv", "language_model.model.layers.0.linear_attn.in_proj_z",
-            "language_model.model.layers.2.linear_attn.out_proj"],
-    "attention": ["language_model.model.layers.3.self_attn.q_proj", "language_model.model.layers.3.self_attn.k_proj",
-                  "language_model.model.layers.3.self_attn.v_proj", "language_model.model.layers.3.self_attn.o_proj"],
-    "shared_expert": ["language_model.model.layers.1.mlp.shared_expert.gate_proj", "language_model.model.layers.1.mlp.shared_expert.up_proj",
-                      "language_model.model.layers.3.mlp.shared_expert.down_proj"],
+    "gdn": [
+        "language_model.model.layers.0.linear_attn.in_proj_qkv",
+        "language_model.model.layers.0.linear_attn.in_proj_z",
+        "language_model.model.layers.2.linear_attn.out_proj",
+    ],
+    "attention": [
+        "language_model.model.layers.3.self_attn.q_proj",
+        "language_model.model.layers.3.self_attn.k_proj",
+        "language_model.model.layers.3.self_attn.v_proj",
+        "language_model.model.layers.3.self_attn.o_proj",
+    ],
+    "shared_expert": [
+        "language_model.model.layers.1.mlp.shared_expert.gate_proj",
+        "language_model.model.layers.1.mlp.shared_expert.up_proj",
+        "language_model.model.layers.3.mlp.shared_expert.down_proj",
+    ],
     "experts": ["language_model.model.layers.0.mlp.experts.0.gate_proj", "language_model.model.layers.3.mlp.experts.0.down_proj"],
     "lm_head": ["language_model.lm_head"],
 }
@@ -139,7 +153,11 @@ def test_splice_restores_exactly(pairs, tmp_path, layout, restore):
             assert vllm_ignored(n, ignore) == (cls in restored_classes), (cls, n)
     assert not vllm_ignored("mtp.layers.0.mlp.experts.0.gate_proj", [e for e in ignore if e != "re:.*mtp.*"])
     for e in ignore:
-        assert not e.startswith("re:") or e.endswith("$") or e in json.loads((p["lowlatency"] / "config.json").read_text())["quantization_config"]["ignore"]
+        assert (
+            not e.startswith("re:")
+            or e.endswith("$")
+            or e in json.loads((p["lowlatency"] / "config.json").read_text())["quantization_config"]["ignore"]
+        )
     if "lm_head" in restored_classes:
         assert all(not any("lm_head" in t for t in g["targets"]) for g in qc["config_groups"].values())
         assert "group_1" not in qc["config_groups"]  # it targeted only the head
@@ -177,7 +195,9 @@ def test_restoring_everything_gives_the_base(pairs, tmp_path):
     assert all(bit_equal(got[k], base[k]) for k in base)
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config
-    assert {k: v for k, v in config.items()} == {k: v for k, v in json.loads((p["lowlatency"] / "config.json").read_text()).items() if k != "quantization_config"}
+    assert {k: v for k, v in config.items()} == {
+        k: v for k, v in json.loads((p["lowlatency"] / "config.json").read_text()).items() if k != "quantization_config"
+    }
 
 
 def test_experts_only_build_all_restores_mtp_experts(pairs, tmp_path):
@@ -271,7 +291,10 @@ def test_hub_base_downloads_only_the_needed_shards(pairs, tmp_path, monkeypatch)
     assert shards_asked == needed  # one of the base's six shards
     assert sorted(q.name for q in snapshot.glob("*.safetensors")) == sorted(needed)
     base = base_per_expert(load_all(remote))
-    assert bit_equal(load_all(out)["model.language_model.layers.3.self_attn.q_proj.weight"], base["model.language_model.layers.3.self_attn.q_proj.weight"])
+    assert bit_equal(
+        load_all(out)["model.language_model.layers.3.self_attn.q_proj.weight"],
+        base["model.language_model.layers.3.self_attn.q_proj.weight"],
+    )
 
 
 def test_a_problem_the_build_already_has_does_not_block_other_splices(pairs, tmp_path):
@@ -296,7 +319,11 @@ def test_verify_refuses_a_config_that_misreads_a_restored_module(pairs, monkeypa
     import splicer.config_edit as ce
 
     orig = ce.ignore_entries
-    monkeypatch.setattr(ce, "ignore_entries", lambda *a: [e.replace(r"(model\.language_model|language_model\.model)", r"model\.language_model") for e in orig(*a)])
+    monkeypatch.setattr(
+        ce,
+        "ignore_entries",
+        lambda *a: [e.replace(r"(model\.language_model|language_model\.model)", r"model\.language_model") for e in orig(*a)],
+    )
     with pytest.raises(SplicerError, match="would be misread .*vllm naming"):
         splice(str(pairs["fused"]["lowlatency"]), str(pairs["fused"]["base"]), tmp_path / "out", "gdn", progress=False)
     assert not (tmp_path / "out").exists()

@@ -53,9 +53,9 @@ def test_stacked_quantization_equals_per_expert_quantization():
     w = (torch.randn(4 * 64, 256, generator=torch.Generator().manual_seed(0)) / 16).to(torch.bfloat16)
     stacked = quantize_weight(w, scheme)
     for e in range(4):
-        one = quantize_weight(w[e * 64:(e + 1) * 64].contiguous(), scheme)
-        assert torch.equal(one["weight_packed"], stacked["weight_packed"][e * 64:(e + 1) * 64])
-        assert torch.equal(one["weight_scale"], stacked["weight_scale"][e * 64:(e + 1) * 64])
+        one = quantize_weight(w[e * 64 : (e + 1) * 64].contiguous(), scheme)
+        assert torch.equal(one["weight_packed"], stacked["weight_packed"][e * 64 : (e + 1) * 64])
+        assert torch.equal(one["weight_scale"], stacked["weight_scale"][e * 64 : (e + 1) * 64])
 
 
 def test_quantized_base_needs_the_flag_and_cannot_restore_its_quantized_classes(standin, tmp_path, capsys):
@@ -75,13 +75,21 @@ def test_ablate_against_a_partly_quantized_reference(standin, tmp_path):
     from splicer.ablate import AblateSettings, run_ablate
 
     plan = tmp_path / "p.toml"
-    plan.write_text('name = "p"\n[[corpus]]\nname = "rnd"\nkind = "random"\nchunk_tokens = 48\nmax_chunks = 3\nseed = 1\n'
-                    '[timing]\nprompt_tokens = 24\nnew_tokens = 16\nwarmup = 1\nruns = 3\n'
-                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "experts-only"\nrestore = ["gdn", "attention", "shared_expert", "lm_head"]\n'
-                    '[[row]]\nname = "all"\nkeep = []\n[[row]]\nname = "experts"\nrestore = ["experts"]\n'
-                    '[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n')
-    res = run_ablate("all", str(standin["build"]), str(standin["reference"]), tmp_path / "out", str(plan),
-                     AblateSettings(progress=False, bootstrap=50, device="cpu", allow_quantized_base=True))
+    plan.write_text(
+        'name = "p"\n[[corpus]]\nname = "rnd"\nkind = "random"\nchunk_tokens = 48\nmax_chunks = 3\nseed = 1\n'
+        "[timing]\nprompt_tokens = 24\nnew_tokens = 16\nwarmup = 1\nruns = 3\n"
+        '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "experts-only"\nrestore = ["gdn", "attention", "shared_expert", "lm_head"]\n'
+        '[[row]]\nname = "all"\nkeep = []\n[[row]]\nname = "experts"\nrestore = ["experts"]\n'
+        '[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n'
+    )
+    res = run_ablate(
+        "all",
+        str(standin["build"]),
+        str(standin["reference"]),
+        tmp_path / "out",
+        str(plan),
+        AblateSettings(progress=False, bootstrap=50, device="cpu", allow_quantized_base=True),
+    )
     rows = {v["name"]: v for v in res["variants"]}
     assert list(rows) == ["build", "experts-only", "build-again"]
     assert {s["name"] for s in res["skipped"]} == {"all", "experts"}
@@ -94,8 +102,14 @@ def test_ablate_against_a_partly_quantized_reference(standin, tmp_path):
     table = (tmp_path / "out" / "table.md").read_text()
     assert "the build's 2 engines" in table and "which the base keeps quantized" in table
     with pytest.raises(Exception, match="allow-quantized-base"):
-        run_ablate("all", str(standin["build"]), str(standin["reference"]), tmp_path / "out2", str(plan),
-                   AblateSettings(progress=False, bootstrap=50, device="cpu"))
+        run_ablate(
+            "all",
+            str(standin["build"]),
+            str(standin["reference"]),
+            tmp_path / "out2",
+            str(plan),
+            AblateSettings(progress=False, bootstrap=50, device="cpu"),
+        )
     assert not (tmp_path / "out2").exists()
 
 
@@ -125,7 +139,9 @@ def _build_vs_base(root, spec):
     base = list(b.score(seqs, 20, batch_size=3))
     b.load(p["lowlatency"])
     var = list(b.score(seqs, 20, batch_size=3))
-    kl = torch.cat([kl_top_lumped(x.topk_logprobs, fill_missing(x.topk_ids, y.topk_ids, y.topk_logprobs)) for x, y in zip(base, var)])
+    kl = torch.cat(
+        [kl_top_lumped(x.topk_logprobs, fill_missing(x.topk_ids, y.topk_ids, y.topk_logprobs)) for x, y in zip(base, var)]
+    )
     return kl.mean().item()
 
 

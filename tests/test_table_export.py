@@ -54,8 +54,14 @@ def test_csv_holds_plain_numbers_from_results_json(committed):
         for q in ("top1", "kl"):
             assert {f"{q}_{c}", f"{q}_{c}_ci_low", f"{q}_{c}_ci_high"} <= set(columns)
     numeric = [c for c in columns if c not in TEXT | FLAGS]
-    assert {"size_gb", "decode_ms_per_token", "floor_ms_per_token", "decode_change_vs_build", "kl_change_vs_build",
-            "dnll_chat"} <= set(numeric)
+    assert {
+        "size_gb",
+        "decode_ms_per_token",
+        "floor_ms_per_token",
+        "decode_change_vs_build",
+        "kl_change_vs_build",
+        "dnll_chat",
+    } <= set(numeric)
     for row in rows:
         for col in numeric:
             # a plain decimal or nothing: no %, no thousands separator, no interval brackets, no exponent
@@ -111,12 +117,18 @@ def test_markdown_cells_are_the_exported_numbers_formatted(committed):
             assert cells[f"top-1 {c}"] == f"{100 * r[f'top1_{c}']:.1f} %" and cells[f"KL {c}"] == f"{r[f'kl_{c}']:.4f}"
         assert cells["dNLL"] == f"{r['dnll_chat']:+.4f}"
         assert cells["decode ms/tok"] == f"{r['decode_ms_per_token']:.2f}"
-        for col, key, scale, unit, quiet in (("Δ decode [95 %]", "decode_change", 100, " %", "not resolved"),
-                                             ("ΔKL, % of build's [95 %]", "kl_change", 100, " %", "n.s."),
-                                             ("Δtop-1 vs build, pp [95 %]", "top1_change", 100, "", "n.s.")):
+        for col, key, scale, unit, quiet in (
+            ("Δ decode [95 %]", "decode_change", 100, " %", "not resolved"),
+            ("ΔKL, % of build's [95 %]", "kl_change", 100, " %", "n.s."),
+            ("Δtop-1 vs build, pp [95 %]", "top1_change", 100, "", "n.s."),
+        ):
             x = r[f"{key}_vs_build"]
             flag = r["decode_change_resolved" if key == "decode_change" else f"{key}_significant"]
-            want = "" if x is None else fmt_change(x, r[f"{key}_ci_low"], r[f"{key}_ci_high"], scale, unit) + (f" {quiet}" if flag is False else "")
+            want = (
+                ""
+                if x is None
+                else fmt_change(x, r[f"{key}_ci_low"], r[f"{key}_ci_high"], scale, unit) + (f" {quiet}" if flag is False else "")
+            )
             assert cells[col] == want, (r["variant"], col)
 
 
@@ -189,8 +201,9 @@ def test_table_compare_and_report_refuse_a_broken_results_json_in_one_line(tmp_p
     assert "\n" not in err and "is not valid JSON" in err
 
 
-@pytest.mark.parametrize("run, warned", [("h200-fulldims/run-6", True), ("h200-fulldims/run-3-cold", True),
-                                         ("h200-fulldims/run-8", False)])
+@pytest.mark.parametrize(
+    "run, warned", [("h200-fulldims/run-6", True), ("h200-fulldims/run-3-cold", True), ("h200-fulldims/run-8", False)]
+)
 def test_timings_of_an_overlapped_run_carry_the_two_level_warning(tmp_path, run, warned):
     """Runs 6 (sleep mode) and 3 (no sleep mode) overlapped engine starts, run 8 timed serially: only 6 and 3 warn."""
     results = json.loads((RESULTS / run / "results.json").read_text())
@@ -212,7 +225,10 @@ def test_engine_environment_is_in_the_footnotes_the_cache_key_and_the_job(tmp_pa
     md = render(_write(tmp_path / "env", results))
     assert "Engine environment set for this run: VLLM_TRITON_FORCE_FIRST_CONFIG=1 (Triton autotuning off" in md
     backend, plan = SimpleNamespace(name="vllm"), SimpleNamespace(top_k=20, name="p", digest="d", settings_digest="s", rows=[])
-    plain, env = AblateSettings(backend="vllm"), AblateSettings(backend="vllm", engine_env={"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"})
+    plain, env = (
+        AblateSettings(backend="vllm"),
+        AblateSettings(backend="vllm", engine_env={"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}),
+    )
     keys = {base_cache(backend, plan, s, tmp_path, "b", []).name for s in (plain, env)}
     assert len(keys) == 2
     # The key of a run without --engine-env is the one computed before the option existed (commit 4cc9f23's formula).
@@ -220,7 +236,8 @@ def test_engine_environment_is_in_the_footnotes_the_cache_key_and_the_job(tmp_pa
     from splicer.ablate.common import parts_digest
 
     assert base_cache(backend, plan, plain, tmp_path, "b", []).name == "base-" + parts_digest(
-        BASE_PASS_VERSION, "b", [], [], 20, "vllm", "auto", None, {})
+        BASE_PASS_VERSION, "b", [], [], 20, "vllm", "auto", None, {}
+    )
     build = SimpleNamespace(header_digest=lambda: "h")
     jobs = [make_job(plan, [], "B", build, "R", "r", s)["settings"] for s in (plain, env)]
     assert "engine_env" not in jobs[0] and jobs[1]["engine_env"] == {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}

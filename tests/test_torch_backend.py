@@ -20,8 +20,12 @@ def test_build_weights_are_close_to_the_base(pairs):
     build.load(p["lowlatency"])
     pb, pq = dict(base.model.named_parameters()), dict(build.model.named_parameters())
     assert _rel(pq["lm_head.weight"], pb["lm_head.weight"]) < 0.02
-    for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.3.self_attn.q_proj.weight",
-                 "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.shared_expert.down_proj.weight"):
+    for name in (
+        "model.layers.0.linear_attn.in_proj_qkv.weight",
+        "model.layers.3.self_attn.q_proj.weight",
+        "model.layers.1.mlp.experts.gate_up_proj",
+        "model.layers.2.mlp.shared_expert.down_proj.weight",
+    ):
         assert 0.05 < _rel(pq[name], pb[name]) < 0.2, name
     assert torch.equal(pq["model.layers.0.linear_attn.in_proj_a.weight"], pb["model.layers.0.linear_attn.in_proj_a.weight"])
 
@@ -65,9 +69,11 @@ def test_vllm_prompt_logprobs_conversion():
 
     Lp = namedtuple("Lp", "logprob rank decoded_token")
     ids = [7, 3, 9]
-    plp = [None,
-           {5: Lp(-0.1, 1, None), 3: Lp(-2.5, 2, None), 8: Lp(-3.0, 3, None)},
-           {9: Lp(-7.0, 40, None), 4: Lp(-0.2, 1, None), 6: Lp(-1.9, 2, None), 2: Lp(-2.2, 3, None)}]
+    plp = [
+        None,
+        {5: Lp(-0.1, 1, None), 3: Lp(-2.5, 2, None), 8: Lp(-3.0, 3, None)},
+        {9: Lp(-7.0, 40, None), 4: Lp(-0.2, 1, None), 6: Lp(-1.9, 2, None), 2: Lp(-2.2, 3, None)},
+    ]
     s = scores_from_prompt_logprobs(ids, plp, top_k=3)
     assert s.topk_ids.tolist() == [[5, 3, 8], [4, 6, 2]]
     assert s.target_logprobs.tolist() == [-2.5, -7.0]
@@ -79,8 +85,21 @@ def test_vllm_backend_without_gpu_is_a_clear_error(pairs, tmp_path, capsys):
     from splicer.cli import main
 
     p = pairs["fused"]
-    code = main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(tmp_path / "o"), "--backend", "vllm", "-q",
-                 "--plan", "demo"])
+    code = main(
+        [
+            "ablate",
+            "all",
+            str(p["lowlatency"]),
+            str(p["base"]),
+            "-o",
+            str(tmp_path / "o"),
+            "--backend",
+            "vllm",
+            "-q",
+            "--plan",
+            "demo",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "vLLM backend needs" in err[0]
 
@@ -113,8 +132,12 @@ def test_cuda_kernel_advice_is_dropped_on_the_cpu_only():
     TorchBackend("cpu")
     assert _cuda_kernel_advice_on_cpu in logger.filters
     record = lambda msg: logging.LogRecord(logger.name, logging.WARNING, __file__, 0, msg, None, None)  # noqa: E731
-    assert not logger.filter(record("`chunk_gated_delta_rule` is falling back to its reference PyTorch implementation "
-                                    "because `flash-linear-attention` is not installed."))
+    assert not logger.filter(
+        record(
+            "`chunk_gated_delta_rule` is falling back to its reference PyTorch implementation "
+            "because `flash-linear-attention` is not installed."
+        )
+    )
     assert logger.filter(record("any other warning"))
 
 
@@ -135,7 +158,10 @@ def test_torch_backend_takes_the_thread_count_chosen_or_given(monkeypatch):
         monkeypatch.delenv("SPLICER_THREADS")
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         backend = TorchBackend("cpu")
-        assert backend.threads_note.startswith(f"torch threads: {torch.get_num_threads()} (") and " cores, load " in backend.threads_note
+        assert (
+            backend.threads_note.startswith(f"torch threads: {torch.get_num_threads()} (")
+            and " cores, load " in backend.threads_note
+        )
         TorchBackend("cpu", threads=2)
         assert torch.get_num_threads() == 2
     finally:

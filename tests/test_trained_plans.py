@@ -23,8 +23,26 @@ def test_gdn_layer_rows_from_splicer_sweep(tmp_path):
     pair = write_pair(tmp_path / "pair", FixtureSpec(), kinds=("lowlatency",))
     sweep = tmp_path / "sweep.toml"
     # The tiny fixture has 3 GDN layers: 3 groups = one layer each.
-    r = subprocess.run([sys.executable, "-m", "splicer", "plan", "sweep", str(pair["lowlatency"]), "--class", "gdn",
-                        "--groups", "3", "--from", str(TEMPLATE), "-o", str(sweep)], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "splicer",
+            "plan",
+            "sweep",
+            str(pair["lowlatency"]),
+            "--class",
+            "gdn",
+            "--groups",
+            "3",
+            "--from",
+            str(TEMPLATE),
+            "-o",
+            str(sweep),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     out = tmp_path / "plan0.toml"
     assert plans.main(["gdn-layers", str(TEMPLATE), str(sweep), str(out)]) == 0
@@ -32,8 +50,11 @@ def test_gdn_layer_rows_from_splicer_sweep(tmp_path):
     names = [row["name"] for row in plan["row"]]
     assert names[-1] == "build-again" and names[0] == "build"
     layer_rows = [row for row in plan["row"] if row["name"].startswith("gdn-layer")]
-    assert [(row["name"], row["restore"]) for row in layer_rows] == [("gdn-layer0", ["gdn@0"]), ("gdn-layer1", ["gdn@1"]),
-                                                                     ("gdn-layer2", ["gdn@2"])]
+    assert [(row["name"], row["restore"]) for row in layer_rows] == [
+        ("gdn-layer0", ["gdn@0"]),
+        ("gdn-layer1", ["gdn@1"]),
+        ("gdn-layer2", ["gdn@2"]),
+    ]
     assert len(names) == len(_template()["row"]) + 3 and len(set(names)) == len(names)
     assert plan["corpus"] == _template()["corpus"]
 
@@ -57,7 +78,10 @@ def test_seed_rows(tmp_path):
 def test_bad_plan_is_one_line(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("name = [")
-    r = subprocess.run([sys.executable, "-m", "splicer.trained.plans", "seed-rows", str(bad), str(tmp_path / "o.toml")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "splicer.trained.plans", "seed-rows", str(bad), str(tmp_path / "o.toml")],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot read plan" in r.stderr
     assert not (tmp_path / "o.toml").exists()

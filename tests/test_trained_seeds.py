@@ -7,8 +7,10 @@ from splicer.trained.seeds import compare
 
 
 def _results(**rows):
-    return {"variants": [{"name": "build"}] + [
-        {"name": n, "vs_build": {"kl": {"pooled": {"rel": r, "rel_ci": [lo, hi]}}}} for n, (r, lo, hi) in rows.items()]}
+    return {
+        "variants": [{"name": "build"}]
+        + [{"name": n, "vs_build": {"kl": {"pooled": {"rel": r, "rel_ci": [lo, hi]}}}} for n, (r, lo, hi) in rows.items()]
+    }
 
 
 def test_same_ranking():

@@ -55,8 +55,15 @@ def test_release_layout_with_trained_mtp(trained):
     names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.language_model.layers.0.mlp.experts.3.gate_proj.weight" in names
     assert not any(n.endswith("experts.gate_up_proj") for n in names)
-    for n in ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
-              "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.experts.0.down_proj.weight", "lm_head.weight"):
+    for n in (
+        "mtp.fc.weight",
+        "mtp.pre_fc_norm_embedding.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.norm.weight",
+        "mtp.layers.0.self_attn.q_proj.weight",
+        "mtp.layers.0.mlp.experts.0.down_proj.weight",
+        "lm_head.weight",
+    ):
         assert n in names
     from safetensors import safe_open
 
@@ -78,8 +85,21 @@ def test_report_has_baselines_and_samples(trained):
 
 
 def test_missing_data_is_one_line(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "splicer.trained.train", str(tmp_path / "nodata"), str(tmp_path / "o"),
-                        "--recipe", "tiny", "--device", "cpu"], capture_output=True, text=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "splicer.trained.train",
+            str(tmp_path / "nodata"),
+            str(tmp_path / "o"),
+            "--recipe",
+            "tiny",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and "splicer.trained.data" in p.stderr
     assert not (tmp_path / "o").exists()

@@ -64,8 +64,13 @@ def test_a_planted_kl_difference_of_a_few_percent_is_found():
 def test_pooled_estimate_is_position_weighted_and_weights_drop_positions():
     a1, b1 = torch.full((100,), 2.0), torch.full((100,), 1.0)
     a2, b2 = torch.full((10,), 0.0), torch.full((10,), 1.0)
-    r = paired_comparison({"big": {"a": a1, "b": b1, "cluster": torch.arange(100) // 10, "weight": None},
-                           "small": {"a": a2, "b": b2, "cluster": torch.arange(10) // 5, "weight": None}}, reps=200)
+    r = paired_comparison(
+        {
+            "big": {"a": a1, "b": b1, "cluster": torch.arange(100) // 10, "weight": None},
+            "small": {"a": a2, "b": b2, "cluster": torch.arange(10) // 5, "weight": None},
+        },
+        reps=200,
+    )
     assert abs(r["pooled"]["diff"] - (100 * 1.0 + 10 * -1.0) / 110) < 1e-12  # not the mean of the two corpus means
     w = torch.ones(100)
     w[:50] = 0  # e.g. positions of a shared prefix counted once, in an earlier conversation
@@ -126,11 +131,17 @@ def test_top1_counts_a_tie_among_the_base_maxima_as_agreement():
     from splicer.ablate import position_records
     from splicer.corpora import Corpus
 
-    base = {"lengths": torch.tensor([3]), "topk_ids": torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7]]),
-            "topk_logprobs": torch.tensor([[-1.0, -1.0, -2.0], [-1.0, -1.5, -2.0], [-1.0, -1.0, -1.0]]),
-            "target_logprobs": torch.zeros(3)}
-    var = {"topk_ids": torch.tensor([[6, 5, 7], [6, 5, 7], [8, 5, 6]]), "topk_logprobs": torch.tensor([[-1.0, -1.1, -2.0]] * 3),
-           "target_logprobs": torch.zeros(3)}
+    base = {
+        "lengths": torch.tensor([3]),
+        "topk_ids": torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7]]),
+        "topk_logprobs": torch.tensor([[-1.0, -1.0, -2.0], [-1.0, -1.5, -2.0], [-1.0, -1.0, -1.0]]),
+        "target_logprobs": torch.zeros(3),
+    }
+    var = {
+        "topk_ids": torch.tensor([[6, 5, 7], [6, 5, 7], [8, 5, 6]]),
+        "topk_logprobs": torch.tensor([[-1.0, -1.1, -2.0]] * 3),
+        "target_logprobs": torch.zeros(3),
+    }
     rec = position_records(base, var, Corpus("c", "text", [[0, 1, 2, 3]]), None)
     # 6 ties 5 at position 0 (agreement); 6 is below 5 at position 1 (not); 8 is no tied maximum at position 2 (not)
     assert rec["top1"].tolist() == [True, False, False] and rec["base_tie"].tolist() == [True, False, True]
@@ -149,12 +160,26 @@ def test_rows_get_decode_verdicts_from_every_engine_of_the_build(tmp_path):
 
         blocks = [ms * (1 + rng.gauss(0, 0.001)) for _ in range(7)]
         timing = decode_summary(blocks)
-        return {"name": name, "restored": [] if "build" in name else [name], "status": "ok", "metrics": {},
-                "decode_ms_per_token": timing["decode_ms_per_token"], "timing": timing, **extra}
+        return {
+            "name": name,
+            "restored": [] if "build" in name else [name],
+            "status": "ok",
+            "metrics": {},
+            "decode_ms_per_token": timing["decode_ms_per_token"],
+            "timing": timing,
+            **extra,
+        }
 
-    results = {"corpora": {}, "variants": [
-        row("build", 4.380), row("gdn", 4.380 * 1.03), row("build-middle", 4.384, repeat_of="build"),
-        row("attention", 4.381), row("build-again", 4.377, repeat_of="build")]}
+    results = {
+        "corpora": {},
+        "variants": [
+            row("build", 4.380),
+            row("gdn", 4.380 * 1.03),
+            row("build-middle", 4.384, repeat_of="build"),
+            row("attention", 4.381),
+            row("build-again", 4.377, repeat_of="build"),
+        ],
+    }
     attach(results, tmp_path)
     rows = {v["name"]: v for v in results["variants"]}
     engines = results["verdicts"]["build_engines"]
@@ -177,12 +202,24 @@ def test_spread_over_gpus_each_row_is_compared_with_the_build_on_its_own_gpu():
     from splicer.verdicts import build_engine_agreement, decode_vs_build
 
     def row(name, gpu, ms, repeat_of=None):
-        v = {"name": name, "status": "ok", "gpu": gpu, "timing": {"decode_ms_per_token": ms, "per_run_ms": [ms, ms * 1.0005, ms * 0.9995]}}
+        v = {
+            "name": name,
+            "status": "ok",
+            "gpu": gpu,
+            "timing": {"decode_ms_per_token": ms, "per_run_ms": [ms, ms * 1.0005, ms * 0.9995]},
+        }
         return dict(v, repeat_of=repeat_of) if repeat_of else v
 
-    results = {"variants": [row("build", "0", 4.000), row("gdn", "1", 4.400), row("lm_head", "1", 4.532),
-                            row("build-gpu1", "1", 4.400, "build"), row("build-end-gpu0", "0", 4.004, "build"),
-                            row("build-end-gpu1", "1", 4.404, "build")]}
+    results = {
+        "variants": [
+            row("build", "0", 4.000),
+            row("gdn", "1", 4.400),
+            row("lm_head", "1", 4.532),
+            row("build-gpu1", "1", 4.400, "build"),
+            row("build-end-gpu0", "0", 4.004, "build"),
+            row("build-end-gpu1", "1", 4.404, "build"),
+        ]
+    }
     gdn, head = decode_vs_build(results, "gdn"), decode_vs_build(results, "lm_head")
     assert gdn["gpu"] == "1" and gdn["engines"] == [1, 2] and gdn["df"] == 2
     assert abs(gdn["rel"]) < 0.001 and not gdn["resolved"]
@@ -217,9 +254,13 @@ def test_a_kl_zero_row_gets_the_verdict_of_the_interval_shown(tmp_path):
     pooled = kl["pooled"]
     assert pooled["diff_ci"][0] < 0 < pooled["diff_ci"][1] and pooled["significant"] is False
     assert pooled["rel_ci"] == pytest.approx([-1.0, -1.0]) and pooled["rel_significant"] is True
-    results = {"corpora": {"c": {"positions": 12}}, "variants": [
-        {"name": "build", "restored": [], "status": "ok", "metrics": {}},
-        {"name": "base", "restored": "base", "status": "ok", "metrics": {}, "vs_build": {"kl": kl, "top1": kl}}]}
+    results = {
+        "corpora": {"c": {"positions": 12}},
+        "variants": [
+            {"name": "build", "restored": [], "status": "ok", "metrics": {}},
+            {"name": "base", "restored": "base", "status": "ok", "metrics": {}, "vs_build": {"kl": kl, "top1": kl}},
+        ],
+    }
     rec = {r["variant"]: r for r in records(results)}["base"]
     assert rec["kl_change_significant"] is True and rec["top1_change_significant"] is False
     line = next(x for x in render_markdown(results).splitlines() if x.startswith("| base"))
@@ -254,9 +295,18 @@ def _score_file(folder, row, corpus, kl, top1, target):
 
     (folder / "scores" / row).mkdir(parents=True, exist_ok=True)
     n = kl.numel()
-    save_file({"seq_index": (torch.arange(n) // 10).int(), "kl_top": kl.float(), "top1": top1, "target": target,
-               "weight": torch.ones(n), "dlogp": torch.zeros(n), "tail": torch.zeros(n)},
-              str(folder / "scores" / row / f"{corpus}.safetensors"))
+    save_file(
+        {
+            "seq_index": (torch.arange(n) // 10).int(),
+            "kl_top": kl.float(),
+            "top1": top1,
+            "target": target,
+            "weight": torch.ones(n),
+            "dlogp": torch.zeros(n),
+            "tail": torch.zeros(n),
+        },
+        str(folder / "scores" / row / f"{corpus}.safetensors"),
+    )
 
 
 def _noise_run(tmp_path, again_shift):
@@ -269,9 +319,14 @@ def _noise_run(tmp_path, again_shift):
     _score_file(tmp_path, "build-again", "c", kl * (1 + again_shift), top1, target)
     _score_file(tmp_path, "gdn", "c", kl * 0.98 * torch.exp(0.01 * torch.randn(kl.shape, generator=gen)), top1, target)
     ok = {"status": "ok", "metrics": {}}
-    return {"corpora": {"c": {"positions": kl.numel()}}, "variants": [
-        dict(ok, name="build", restored=[]), dict(ok, name="gdn", restored=["gdn"]),
-        dict(ok, name="build-again", restored=[], repeat_of="build")]}
+    return {
+        "corpora": {"c": {"positions": kl.numel()}},
+        "variants": [
+            dict(ok, name="build", restored=[]),
+            dict(ok, name="gdn", restored=["gdn"]),
+            dict(ok, name="build-again", restored=[], repeat_of="build"),
+        ],
+    }
 
 
 def test_engine_noise_from_two_build_engines_is_folded_into_the_score_intervals(tmp_path):

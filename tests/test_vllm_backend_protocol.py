@@ -133,15 +133,23 @@ def test_startup_breakdown_reads_vllm_0_26_log_lines():
     from splicer.backends.vllm_logs import startup_breakdown
 
     # The format strings of vLLM 0.26.0 (default_loader.py, gpu_model_runner.py, monitor.py, core.py), filled in.
-    log = ("INFO [default_loader.py:431] Loading weights took 27.51 seconds\n"
-           "INFO [gpu_model_runner.py:5348] Model loading took 19.87 GiB memory and 30.123456 seconds\n"
-           "INFO [monitor.py:48] torch.compile took 47.02 s in total\n"
-           "INFO [monitor.py:81] Initial profiling/warmup run took 64.36 s\n"
-           "INFO [gpu_model_runner.py:6845] Graph capturing finished in 12 secs, took 0.45 GiB\n"
-           "INFO [core.py:341] init engine (profile, create kv cache, warmup model) took 201.50 s (compilation: 47.02 s)\n")
-    assert startup_breakdown(log) == {"weights_load_s": 27.51, "model_load_s": 30.123456, "weight_memory_gib": 19.87,
-                                      "compile_s": 47.02, "profiling_warmup_s": 64.36, "graph_capture_s": 12.0,
-                                      "init_engine_s": 201.5}
+    log = (
+        "INFO [default_loader.py:431] Loading weights took 27.51 seconds\n"
+        "INFO [gpu_model_runner.py:5348] Model loading took 19.87 GiB memory and 30.123456 seconds\n"
+        "INFO [monitor.py:48] torch.compile took 47.02 s in total\n"
+        "INFO [monitor.py:81] Initial profiling/warmup run took 64.36 s\n"
+        "INFO [gpu_model_runner.py:6845] Graph capturing finished in 12 secs, took 0.45 GiB\n"
+        "INFO [core.py:341] init engine (profile, create kv cache, warmup model) took 201.50 s (compilation: 47.02 s)\n"
+    )
+    assert startup_breakdown(log) == {
+        "weights_load_s": 27.51,
+        "model_load_s": 30.123456,
+        "weight_memory_gib": 19.87,
+        "compile_s": 47.02,
+        "profiling_warmup_s": 64.36,
+        "graph_capture_s": 12.0,
+        "init_engine_s": 201.5,
+    }
 
 
 def test_ablate_with_the_vllm_backend_path(pairs, fake_vllm, tmp_path, monkeypatch):
@@ -151,11 +159,19 @@ def test_ablate_with_the_vllm_backend_path(pairs, fake_vllm, tmp_path, monkeypat
     orig = fake_vllm.VllmBackend.__init__
     monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
     plan = tmp_path / "p.toml"
-    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 64\nmax_chunks = 2\n'
-                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "all"\nkeep = []\n')
+    plan.write_text(
+        'name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 64\nmax_chunks = 2\n'
+        '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "all"\nkeep = []\n'
+    )
     p = pairs["fused"]
-    res = run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path / "out", str(plan),
-                     AblateSettings(backend="vllm", progress=False, bootstrap=50, time_decode=False))
+    res = run_ablate(
+        "all",
+        str(p["lowlatency"]),
+        str(p["base"]),
+        tmp_path / "out",
+        str(plan),
+        AblateSettings(backend="vllm", progress=False, bootstrap=50, time_decode=False),
+    )
     rows = {v["name"]: v for v in res["variants"]}
     assert rows["all"]["status"] == "ok" and rows["all"]["metrics"]["en"]["top1"] == 1.0
     assert rows["all"]["metrics"]["en"]["kl"] == pytest.approx(0, abs=1e-6) and rows["all"]["metrics"]["en"]["kl_full"] is None
@@ -186,7 +202,9 @@ def test_kernel_probe_keeps_layers_that_differ():
     assert probe == {"layers.*.experts": "Method | Unquantized"}
     from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
 
-    assert kernels_by_class({"model.layers.*.mlp.experts": probe["layers.*.experts"]}, QWEN3_5_MOE) == {"experts": ["Method", "Unquantized"]}
+    assert kernels_by_class({"model.layers.*.mlp.experts": probe["layers.*.experts"]}, QWEN3_5_MOE) == {
+        "experts": ["Method", "Unquantized"]
+    }
 
 
 def test_with_overlapped_starts_every_engine_sleeps_once_started_and_is_woken_at_its_turn(pairs, fake_vllm, tmp_path):
@@ -252,8 +270,14 @@ def test_precompile_builds_engines_ahead_with_dummy_weights_and_ends_before_any_
         monkeypatch.delenv(var, raising=False)
     # Multithreaded weight loading for the rows: the lanes' dummy loader refuses any loader config, so they drop it.
     user_args = {"gpu_memory_utilization": 0.5, "model_loader_extra_config": {"enable_multithread_load": True}}
-    b = fake_vllm.VllmBackend(log_dir=tmp_path / "logs", require_cuda=False, precompile=2, cache_dir=tmp_path / "c",
-                              engine_args=user_args, engine_env={"FAKE_VLLM_ECHO": "from --engine-env"})
+    b = fake_vllm.VllmBackend(
+        log_dir=tmp_path / "logs",
+        require_cuda=False,
+        precompile=2,
+        cache_dir=tmp_path / "c",
+        engine_args=user_args,
+        engine_env={"FAKE_VLLM_ECHO": "from --engine-env"},
+    )
     assert b.precompile_slots == 2 and not b.sleep_between
     assert b.describe()["engine_env"] == {"FAKE_VLLM_ECHO": "from --engine-env"}
     p = pairs["fused"]
@@ -318,20 +342,29 @@ def test_ablate_with_precompile_scores_as_serial_and_times_every_row_alone(pairs
     orig = fake_vllm.VllmBackend.__init__
     monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
     plan = tmp_path / "p.toml"
-    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 2\n'
-                    '[timing]\nprompt_tokens = 16\nnew_tokens = 3\nwarmup = 0\nruns = 1\n'
-                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n'
-                    '[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n')
+    plan.write_text(
+        'name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 2\n'
+        "[timing]\nprompt_tokens = 16\nnew_tokens = 3\nwarmup = 0\nruns = 1\n"
+        '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n'
+        '[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n'
+    )
     p = pairs["fused"]
     runs = {}
     for n in (0, 2):
-        runs[n] = run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path / f"out-{n}", str(plan),
-                             AblateSettings(backend="vllm", progress=False, bootstrap=20, precompile=n,
-                                            engine_cache_dir=tmp_path / f"cache-{n}"))
+        runs[n] = run_ablate(
+            "all",
+            str(p["lowlatency"]),
+            str(p["base"]),
+            tmp_path / f"out-{n}",
+            str(plan),
+            AblateSettings(backend="vllm", progress=False, bootstrap=20, precompile=n, engine_cache_dir=tmp_path / f"cache-{n}"),
+        )
     serial, ahead = ({v["name"]: v for v in runs[n]["variants"]} for n in (0, 2))
     assert list(ahead) == ["build", "gdn", "build-again"]
     for name in serial:
-        assert ahead[name]["status"] == "ok" and ahead[name]["metrics"]["en"]["kl"] == pytest.approx(serial[name]["metrics"]["en"]["kl"], abs=1e-9)
+        assert ahead[name]["status"] == "ok" and ahead[name]["metrics"]["en"]["kl"] == pytest.approx(
+            serial[name]["metrics"]["en"]["kl"], abs=1e-9
+        )
         assert ahead[name]["engine"]["startup_breakdown"]["compile_s"] == 0  # every row's graphs came from the lanes
         assert ahead[name]["timing"]["state"] == "fresh engine, the only one on the GPU"
     assert serial["gdn"]["engine"]["startup_breakdown"]["compile_s"] > 0
@@ -377,17 +410,25 @@ def _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, modes):
 
         monkeypatch.setattr(fake_vllm.VllmBackend, name, logged)
     plan = tmp_path / "p.toml"
-    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 2\n'
-                    '[timing]\nprompt_tokens = 16\nnew_tokens = 3\nwarmup = 0\nruns = 1\n'
-                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n[[row]]\nname = "all"\nkeep = []\n')
+    plan.write_text(
+        'name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 2\n'
+        "[timing]\nprompt_tokens = 16\nnew_tokens = 3\nwarmup = 0\nruns = 1\n"
+        '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n[[row]]\nname = "all"\nkeep = []\n'
+    )
     p = pairs["fused"]
     runs, logs, splices = {}, {}, {}
     for mode in modes:
         events.clear()
         scored.clear()
         spliced.clear()
-        runs[mode] = run_ablate("all", str(p["lowlatency"]), str(p["base"]), tmp_path / f"out-{mode}", str(plan),
-                                AblateSettings(backend="vllm", progress=False, bootstrap=20, overlap_starts=mode))
+        runs[mode] = run_ablate(
+            "all",
+            str(p["lowlatency"]),
+            str(p["base"]),
+            tmp_path / f"out-{mode}",
+            str(plan),
+            AblateSettings(backend="vllm", progress=False, bootstrap=20, overlap_starts=mode),
+        )
         # one line per event, "score" where a score call began (several per row: corpora, the base's noise pass)
         merged = []
         for i, e in enumerate(events + [None]):
@@ -409,7 +450,9 @@ def test_ablate_with_overlapped_starts_gives_the_same_scores(pairs, fake_vllm, t
         b = {v["name"]: v for v in runs[mode]["variants"]}
         assert list(b) == list(a)
         for name in a:
-            assert b[name]["status"] == "ok" and a[name]["metrics"]["en"]["kl"] == pytest.approx(b[name]["metrics"]["en"]["kl"], abs=1e-9)
+            assert b[name]["status"] == "ok" and a[name]["metrics"]["en"]["kl"] == pytest.approx(
+                b[name]["metrics"]["en"]["kl"], abs=1e-9
+            )
         assert all(b[n]["engine"].get("prefetched") for n in ("build", "gdn", "all"))  # each started ahead of its turn
         # Overlapped starts time every engine after a sleep, and vLLM's sleep mode allows one engine per process:
         # one worker process per engine (the base's and three rows').
@@ -421,13 +464,36 @@ def test_ablate_with_overlapped_starts_gives_the_same_scores(pairs, fake_vllm, t
     # both of the group are timed, so that no row's timing waits behind a start begun after it was loaded.
     # Serial: each row scored, then timed (the order of the H200 run with a ±1 % noise band).
     assert [e if e == "score" or e[0] != "time" else "time" for e in logs[0]] == [
-        ("load", "base"), "score", ("load", "lowlatency"), "score", "time", ("load", "gdn"), "score", "time",
-        ("load", "all"), "score", "time"]
+        ("load", "base"),
+        "score",
+        ("load", "lowlatency"),
+        "score",
+        "time",
+        ("load", "gdn"),
+        "score",
+        "time",
+        ("load", "all"),
+        "score",
+        "time",
+    ]
     # With overlap the base's engine starts together with the first group (its start is the longest).
     assert [e if e == "score" or e[0] != "time" else "time" for e in logs[2]] == [
-        ("prefetch", "base"), ("prefetch", "lowlatency"), ("prefetch", "gdn"), ("load", "base"), "score",
-        ("load", "lowlatency"), "time", "score", ("load", "gdn"), "time", ("prefetch", "all"), "score", ("load", "all"),
-        "time", "score"]
+        ("prefetch", "base"),
+        ("prefetch", "lowlatency"),
+        ("prefetch", "gdn"),
+        ("load", "base"),
+        "score",
+        ("load", "lowlatency"),
+        "time",
+        "score",
+        ("load", "gdn"),
+        "time",
+        ("prefetch", "all"),
+        "score",
+        ("load", "all"),
+        "time",
+        "score",
+    ]
     for mode in (2,):
         assert runs[mode]["base_pass"]["engine"]["prefetched"]  # the base's engine came from the start at t=0
         # Every splice is made while the first engines start, before the base's engine is even collected.
@@ -502,7 +568,6 @@ def test_a_decode_estimate_that_is_not_positive_is_not_reported_as_a_time():
     assert one["decode_ms_per_token"] is None and one["per_run_ms"] == [] and one["method"].startswith("not resolved")
 
 
-
 def test_both_backends_offer_everything_the_backend_protocol_declares(fake_vllm, tmp_path):
     """ablate calls these without probing (no hasattr/getattr): each implementation must have every one."""
     from splicer.backends import Backend
@@ -517,7 +582,9 @@ def test_both_backends_offer_everything_the_backend_protocol_declares(fake_vllm,
     vllm.close()
 
 
-def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_row_at_a_time(pairs, fake_vllm, tmp_path, monkeypatch):
+def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_row_at_a_time(
+    pairs, fake_vllm, tmp_path, monkeypatch
+):
     """--gpus 0,1: the base pass on GPU 0 while both GPUs compile; then each GPU times the build first and last, the
     other rows go to whichever GPU is free; the build scores alike on both; rows are scored and timed one at a time over
     both GPUs; each row's decode is compared with the build on its own GPU. Interrupted (Ctrl-C in a lane, here raised by
@@ -544,16 +611,19 @@ def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_ro
             with lock:
                 spans.append((self.device, kind, t0, _time.perf_counter()))
             return out
+
         return run
 
     monkeypatch.setattr(fake_vllm.VllmBackend, "time_decode", logged(orig_time, "time"))
     monkeypatch.setattr(fake_vllm.VllmBackend, "score", logged(orig_score, "score"))
     plan = tmp_path / "p.toml"
-    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 2\n'
-                    '[timing]\nprompt_tokens = 16\nnew_tokens = 3\nwarmup = 0\nruns = 2\n'
-                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n'
-                    '[[row]]\nname = "attention"\nrestore = ["attention"]\n[[row]]\nname = "lm_head"\nrestore = ["lm_head"]\n'
-                    '[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n')
+    plan.write_text(
+        'name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 2\n'
+        "[timing]\nprompt_tokens = 16\nnew_tokens = 3\nwarmup = 0\nruns = 2\n"
+        '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n'
+        '[[row]]\nname = "attention"\nrestore = ["attention"]\n[[row]]\nname = "lm_head"\nrestore = ["lm_head"]\n'
+        '[[row]]\nname = "build-again"\nrestore = []\nrepeat = true\n'
+    )
     p = pairs["fused"]
     import json
 
@@ -614,7 +684,6 @@ def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_ro
     assert "each row compared with the build on its own GPU" in (tmp_path / "two" / "report.md").read_text()
 
 
-
 def test_a_base_the_engine_refuses_ends_ablate_in_one_line(pairs, fake_vllm, tmp_path, monkeypatch, capsys):
     """vLLM refuses the base (as an H200 refused a DeepSeek-V3-layout base whose MLA head size no prefill backend
     supports): `ablate` ends in the base pass with one line giving the engine's reason and the way out, exit 2, no
@@ -627,15 +696,34 @@ def test_a_base_the_engine_refuses_ends_ablate_in_one_line(pairs, fake_vllm, tmp
     monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, **dict(k, require_cuda=False)))
     p = pairs["fused"]
     plan = tmp_path / "p.toml"
-    plan.write_text('name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 32\nmax_chunks = 2\n'
-                    '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n')
+    plan.write_text(
+        'name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 32\nmax_chunks = 2\n'
+        '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "gdn"\nrestore = ["gdn"]\n'
+    )
     before = {k: tree_digest(p[k]) for k in ("lowlatency", "base")}
     why = "No valid attention backend found for cuda with head_size: 192 (fake)"
     monkeypatch.setenv("FAKE_VLLM_FAIL_ON", str(p["base"]))
     monkeypatch.setenv("FAKE_VLLM_FAIL_MESSAGE", why)
     out = tmp_path / "out"
-    assert main(["ablate", "all", str(p["lowlatency"]), str(p["base"]), "-o", str(out), "--plan", str(plan),
-                 "--backend", "vllm", "--no-time", "-q"]) == 2
+    assert (
+        main(
+            [
+                "ablate",
+                "all",
+                str(p["lowlatency"]),
+                str(p["base"]),
+                "-o",
+                str(out),
+                "--plan",
+                str(plan),
+                "--backend",
+                "vllm",
+                "--no-time",
+                "-q",
+            ]
+        )
+        == 2
+    )
     got = capsys.readouterr()
     assert "Traceback" not in got.err + got.out and got.out == ""
     lines = got.err.strip().splitlines()

@@ -49,8 +49,16 @@ def main(argv: list[str]) -> int:
     record["vllm"] = _vllm_says(detect)
     # The same tensors with the build's own list load: results/gpu-formats (score/, run-awq/).
     (out / "awq-detect.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({"vllm": record["vllm"]["outcome"], "error": record["vllm"].get("error"),
-                      "lint_vllm": [i["detail"][:120] for i in record["lint_vllm"]][:6]}, indent=1))
+    print(
+        json.dumps(
+            {
+                "vllm": record["vllm"]["outcome"],
+                "error": record["vllm"].get("error"),
+                "lint_vllm": [i["detail"][:120] for i in record["lint_vllm"]][:6],
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

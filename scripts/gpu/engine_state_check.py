@@ -41,7 +41,9 @@ def main() -> None:
     build = work / "pair" / "build"
     cfg = json.loads((build / "config.json").read_text())
     vocab = cfg.get("text_config", cfg)["vocab_size"]
-    prompt = torch.randint(vocab // 100, vocab - 1, (1500 if not fake else 24,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(
+        vocab // 100, vocab - 1, (1500 if not fake else 24,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     # The ablate's engine settings with --overlap-starts (fixed KV cache) and sleep mode, but sleeps and wakes by hand.
     args = {**OVERLAP_DEFAULTS, "enable_sleep_mode": True, "language_model_only": True}
     if not fake:
@@ -51,8 +53,9 @@ def main() -> None:
 
     def backend(name, sleep_mode=True):
         engine_args = args if sleep_mode else {k: v for k, v in args.items() if k != "enable_sleep_mode"}
-        return VllmBackend(engine_args=engine_args, log_dir=work / "engine-state" / "logs" / name, sleep_between=False,
-                           require_cuda=not fake)
+        return VllmBackend(
+            engine_args=engine_args, log_dir=work / "engine-state" / "logs" / name, sleep_between=False, require_cuda=not fake
+        )
 
     def state(label, b, note, reload=False, wake=True):
         entry = {"state": label, "note": note}
@@ -60,7 +63,9 @@ def main() -> None:
         try:
             if reload:
                 b.load(build)
-                entry["engine"] = {k: b.load_info().get(k) for k in ("pid", "startup_s", "compile_time_s", "retried_in_fresh_worker")}
+                entry["engine"] = {
+                    k: b.load_info().get(k) for k in ("pid", "startup_s", "compile_time_s", "retried_in_fresh_worker")
+                }
             if wake:
                 entry["sleep_s"] = b._call("sleep", timeout=600)
                 entry["wake_s"] = b._call("wake", timeout=600)
@@ -76,10 +81,17 @@ def main() -> None:
         t = entry.get("timing") or {}
         ms = t.get("per_run_ms") or []
         retried = (entry.get("engine") or {}).get("retried_in_fresh_worker")
-        print(f"{label}: {note}: " + (f"{sum(ms) / len(ms):.3f} ms/token mean of {len(ms)} blocks "
-                                       f"[{min(ms):.3f}-{max(ms):.3f}], pid {(entry.get('engine') or {}).get('pid')}"
-                                       if ms else entry.get("error", "no timing"))
-              + (f" (the load in P1 failed and was retried in a fresh process: {retried[:120]})" if retried else ""), flush=True)
+        print(
+            f"{label}: {note}: "
+            + (
+                f"{sum(ms) / len(ms):.3f} ms/token mean of {len(ms)} blocks "
+                f"[{min(ms):.3f}-{max(ms):.3f}], pid {(entry.get('engine') or {}).get('pid')}"
+                if ms
+                else entry.get("error", "no timing")
+            )
+            + (f" (the load in P1 failed and was retried in a fresh process: {retried[:120]})" if retried else ""),
+            flush=True,
+        )
 
     out.mkdir(parents=True, exist_ok=True)
     if "--second-wake" in sys.argv:

@@ -46,9 +46,13 @@ def check(engine: VllmBackend, folder: Path, arch, prompts: list[list[int]], bas
         row["spec_load_s"] = round(time.time() - t0, 1)
         with_mtp = engine.generate(prompts, 24, [])
         drafter = engine.drafter_layers()
-        row.update(ok=True, greedy_equal_with_mtp=with_mtp == greedy, drafter_layers=dict(sorted(drafter.items())),
-                   drafter_by_class=kernels_by_class(drafter, arch),
-                   spec_metrics=engine.engine_metrics("vllm:spec_decode"))
+        row.update(
+            ok=True,
+            greedy_equal_with_mtp=with_mtp == greedy,
+            drafter_layers=dict(sorted(drafter.items())),
+            drafter_by_class=kernels_by_class(drafter, arch),
+            spec_metrics=engine.engine_metrics("vllm:spec_decode"),
+        )
     except Exception as e:  # what vLLM raised is the finding
         row.update(ok=False, error=str(e)[-2000:])
     finally:
@@ -61,8 +65,12 @@ def main(argv: list[str]) -> int:
     work = Path(argv[0])
     families = argv[1:] or list(FAMILIES)
     base_args = {"enforce_eager": True, "gpu_memory_utilization": 0.3, "max_model_len": 512}  # nothing here is timed
-    engine = VllmBackend(engine_args=base_args, log_dir=work / "mtp-logs", cache_dir=work / "mtp-engine-cache",
-                         engine_env={"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"})
+    engine = VllmBackend(
+        engine_args=base_args,
+        log_dir=work / "mtp-logs",
+        cache_dir=work / "mtp-engine-cache",
+        engine_env={"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"},
+    )
     prompts = [list(range(5, 53)), list(range(300, 348))]
     report: dict = {"engine_args": base_args, "speculative_config": MTP}
     t_all = time.time()
@@ -70,8 +78,9 @@ def main(argv: list[str]) -> int:
     for family in families:
         pair = work / family
         if not (pair / "int4" / "config.json").exists():
-            subprocess.run([sys.executable, "-m", "splicer", "fixture", str(pair), "--family", family], check=True,
-                           capture_output=True)
+            subprocess.run(
+                [sys.executable, "-m", "splicer", "fixture", str(pair), "--family", family], check=True, capture_output=True
+            )
         restored = work / f"{family}-restore-mtp"
         if not restored.exists():
             splice(str(pair / "int4"), str(pair / "base"), restored, "mtp", progress=False)
@@ -79,8 +88,7 @@ def main(argv: list[str]) -> int:
         for name, folder in (("int4", pair / "int4"), ("restore-mtp", restored)):
             row = check(engine, folder, arch, prompts, base_args)
             report[f"{family}/{name}"] = row
-            print(family, name, json.dumps({k: v for k, v in row.items() if k != "drafter_layers"}, default=str),
-                  flush=True)
+            print(family, name, json.dumps({k: v for k, v in row.items() if k != "drafter_layers"}, default=str), flush=True)
             _save(out, report)
     engine.close()
     report["wall_s"] = round(time.time() - t_all, 1)

@@ -52,19 +52,33 @@ def main() -> int:
     splice(str(gp["gptq-experts-g32"]), str(gp["base"]), work / "gptq-experts-0-2", "experts", layers="0,2", progress=False)
     splice(str(gp["gptq-experts-g32"]), str(gp["base"]), work / "gptq-experts-all", "experts", progress=False)
     base_scores = None
-    for name, folder in (("base", gp["base"]), ("gptq-build", gp["gptq-experts-g32"]),
-                         ("gptq-experts-0-2-restored", work / "gptq-experts-0-2"), ("gptq-experts-all-restored", work / "gptq-experts-all")):
+    for name, folder in (
+        ("base", gp["base"]),
+        ("gptq-build", gp["gptq-experts-g32"]),
+        ("gptq-experts-0-2-restored", work / "gptq-experts-0-2"),
+        ("gptq-experts-all-restored", work / "gptq-experts-all"),
+    ):
         t0 = time.time()
         try:
             engine.load(folder)
             scores = list(engine.score(seqs, 20, batch_size=4))
             info = engine.load_info()
-            row = {"ok": True, "load_s": round(time.time() - t0, 1), "kernels_by_class": info.get("kernels_by_class"),
-                   "log_lines": info.get("kernel_log_lines"), "quantization_config": json.loads((Path(folder) / "config.json").read_text()).get("quantization_config")}
+            row = {
+                "ok": True,
+                "load_s": round(time.time() - t0, 1),
+                "kernels_by_class": info.get("kernels_by_class"),
+                "log_lines": info.get("kernel_log_lines"),
+                "quantization_config": json.loads((Path(folder) / "config.json").read_text()).get("quantization_config"),
+            }
             if base_scores is None:
                 base_scores = scores
             else:
-                kl = torch.cat([kl_top_lumped(b.topk_logprobs, fill_missing(b.topk_ids, v.topk_ids, v.topk_logprobs)) for b, v in zip(base_scores, scores)])
+                kl = torch.cat(
+                    [
+                        kl_top_lumped(b.topk_logprobs, fill_missing(b.topk_ids, v.topk_ids, v.topk_logprobs))
+                        for b, v in zip(base_scores, scores)
+                    ]
+                )
                 top1 = torch.cat([(b.topk_ids[:, 0] == v.topk_ids[:, 0]) for b, v in zip(base_scores, scores)]).float()
                 row.update(kl=round(kl.mean().item(), 5), top1=round(top1.mean().item(), 4))
         except Exception as e:
@@ -82,9 +96,17 @@ def main() -> int:
     prompts = [s[:48] for s in seqs[:2]]
     plain_args = dict(base_args)
     spec_args = dict(base_args, speculative_config=MTP, disable_log_stats=False)
-    for name, folder in (("004-build", ep["experts-g32"]), ("004-restore-mtp", work / "004-restore-mtp"),
-                         ("000-raw-export-no-mtp", ep["lowlatency-nomtp"]), ("000-restore-mtp", work / "000-restore-mtp")):
-        row = {"quantization_config_ignore": (json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}).get("ignore")}
+    for name, folder in (
+        ("004-build", ep["experts-g32"]),
+        ("004-restore-mtp", work / "004-restore-mtp"),
+        ("000-raw-export-no-mtp", ep["lowlatency-nomtp"]),
+        ("000-restore-mtp", work / "000-restore-mtp"),
+    ):
+        row = {
+            "quantization_config_ignore": (
+                json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
+            ).get("ignore")
+        }
         try:
             engine.engine_args = {**engine.engine_args, **plain_args}
             engine.engine_args.pop("speculative_config", None)
@@ -97,8 +119,13 @@ def main() -> int:
             row["spec_load_s"] = round(time.time() - t0, 1)
             with_mtp = engine.generate(prompts, 32, [])
             drafter = engine.drafter_layers()
-            row.update(ok=True, greedy_equal_with_mtp=with_mtp == greedy, drafter_layers=_classes_of(drafter),
-                       drafter_by_class=kernels_by_class(drafter, QWEN3_5_MOE), spec_metrics=engine.engine_metrics("vllm:spec_decode"))
+            row.update(
+                ok=True,
+                greedy_equal_with_mtp=with_mtp == greedy,
+                drafter_layers=_classes_of(drafter),
+                drafter_by_class=kernels_by_class(drafter, QWEN3_5_MOE),
+                spec_metrics=engine.engine_metrics("vllm:spec_decode"),
+            )
         except Exception as e:
             row.update(ok=False, error=str(e)[-2000:])
         finally:

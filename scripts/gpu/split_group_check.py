@@ -43,8 +43,13 @@ print("LOADED", llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1))[0].outpu
 
 
 def _splicer(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "splicer", *args], capture_output=True, text=True, cwd=cwd,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    return subprocess.run(
+        [sys.executable, "-m", "splicer", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
 
 
 def make_split(int4: Path, base: Path, out: Path, group: str = "self_attn.") -> dict:
@@ -62,8 +67,10 @@ def make_split(int4: Path, base: Path, out: Path, group: str = "self_attn.") -> 
     shard, (fused, shards) = next((s, g) for s, g in arch.fused_shards.items() if s.startswith(group))
     index = json.loads((int4 / "model.safetensors.index.json").read_text())
     quantized = {n: m for n, m in list_modules(ckpt).items() if m.quantized}
-    module = min((n for n in quantized if re.search(r"layers\.\d+\." + re.escape(shard) + "$", n) and not arch.is_mtp(n)),
-                 key=lambda m: arch.layer_index(m))
+    module = min(
+        (n for n in quantized if re.search(r"layers\.\d+\." + re.escape(shard) + "$", n) and not arch.is_mtp(n)),
+        key=lambda m: arch.layer_index(m),
+    )
     stored = {t.name for t in quantized[module].packed.values()}  # the module's tensors in its format
     base_index = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
     out.mkdir(parents=True)
@@ -84,8 +91,14 @@ def make_split(int4: Path, base: Path, out: Path, group: str = "self_attn.") -> 
     add_exclusions(config["quantization_config"], [module])
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return {"module": module, "shard": shard, "fused": fused, "shards": list(shards), "class": arch.module_class(module),
-            "format": quantized[module].scheme}
+    return {
+        "module": module,
+        "shard": shard,
+        "fused": fused,
+        "shards": list(shards),
+        "class": arch.module_class(module),
+        "format": quantized[module].scheme,
+    }
 
 
 def _vllm_says(folder: Path, timeout_s: int = 300) -> dict:
@@ -94,8 +107,13 @@ def _vllm_says(folder: Path, timeout_s: int = 300) -> dict:
     t0 = time.perf_counter()
     env = dict(os.environ, VLLM_TRITON_FORCE_FIRST_CONFIG="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     try:
-        p = subprocess.run([sys.executable, "-c", _VLLM_LOAD, str(folder), "1" if multimodal else "0"], capture_output=True, text=True,
-                           timeout=timeout_s, env=env)
+        p = subprocess.run(
+            [sys.executable, "-c", _VLLM_LOAD, str(folder), "1" if multimodal else "0"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         return {"outcome": "timeout", "seconds": timeout_s}
     lines = (p.stdout + p.stderr).splitlines()
@@ -107,9 +125,14 @@ def _vllm_says(folder: Path, timeout_s: int = 300) -> dict:
     # compressed-tensors: "Found a different quantization schemes for ..."; native FP8 / AWQ (is_layer_skipped):
     # "Detected some but not all shards of ... are quantized".
     refused = any("quantization schemes" in e or "not all shards" in e for e in errors)
-    return {"outcome": "loaded" if loaded else "refused" if refused else "failed", "exit": p.returncode, "loaded": loaded,
-            "error": errors[-1].strip() if errors else None, "last_lines": lines[-6:],
-            "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "outcome": "loaded" if loaded else "refused" if refused else "failed",
+        "exit": p.returncode,
+        "loaded": loaded,
+        "error": errors[-1].strip() if errors else None,
+        "last_lines": lines[-6:],
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def check_family(work: Path, family: str, vllm: bool) -> list[dict]:
@@ -129,10 +152,22 @@ def check_group(work: Path, family: str, build: Path, base: Path, group: str, vl
     split_dir = work / f"{tag}-split"
     shutil.rmtree(split_dir, ignore_errors=True)
     record = {"family": family, "build": build.name, **make_split(build, base, split_dir, group)}
-    refused = _splicer("splice", "--restore", record["class"], "--modules", re.escape(record["module"]),
-                       str(build), str(base), "-o", str(work / f"{tag}-refused"))
-    record["splice"] = {"exit": refused.returncode, "stderr": refused.stderr.strip(),
-                        "out_exists": (work / f"{tag}-refused").exists()}
+    refused = _splicer(
+        "splice",
+        "--restore",
+        record["class"],
+        "--modules",
+        re.escape(record["module"]),
+        str(build),
+        str(base),
+        "-o",
+        str(work / f"{tag}-refused"),
+    )
+    record["splice"] = {
+        "exit": refused.returncode,
+        "stderr": refused.stderr.strip(),
+        "out_exists": (work / f"{tag}-refused").exists(),
+    }
     lint = _splicer("inspect", str(split_dir), "--json")
     issues = json.loads(lint.stdout)["lint"]["issues"] if lint.returncode == 0 else [{"inspect_error": lint.stderr.strip()}]
     record["lint"] = issues  # expected: fused-shards-disagree (disk) and vllm-refuses (splicer's reading of vLLM's rule)
@@ -153,9 +188,18 @@ def main(argv: list[str]) -> int:
         for r in check_family(work, family, vllm):
             records.append(r)
             (out / "split-groups.json").write_text(json.dumps(records, indent=2) + "\n")  # what is done survives a timeout
-            print(family, r.get("module"), "splice exit", (r.get("splice") or {}).get("exit"),
-                  "lint", [i.get("check") for i in r.get("lint", [])],
-                  "vllm", (r.get("vllm") or {}).get("outcome"), (r.get("vllm") or {}).get("error"), flush=True)
+            print(
+                family,
+                r.get("module"),
+                "splice exit",
+                (r.get("splice") or {}).get("exit"),
+                "lint",
+                [i.get("check") for i in r.get("lint", [])],
+                "vllm",
+                (r.get("vllm") or {}).get("outcome"),
+                (r.get("vllm") or {}).get("error"),
+                flush=True,
+            )
     return 0
 
 

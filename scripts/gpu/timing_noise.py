@@ -39,26 +39,40 @@ def main() -> None:
     cfg = json.loads((build / "config.json").read_text())
     vocab = cfg.get("text_config", cfg)["vocab_size"]
     prompt = torch.randint(vocab // 100, vocab - 1, (1500,), generator=torch.Generator().manual_seed(0)).tolist()
-    args = {"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}, "language_model_only": True,
-            "gpu_memory_utilization": 0.5}
+    args = {
+        "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]},
+        "language_model_only": True,
+        "gpu_memory_utilization": 0.5,
+    }
     backend = VllmBackend(engine_args=args, log_dir=work / "noise" / "logs")
-    record = {"engine_args": backend.engine_args, "env": {k: os.environ.get(k) for k in ("VLLM_TRITON_FORCE_FIRST_CONFIG",)},
-              "device": torch.cuda.get_device_name(0), "engines": []}
+    record = {
+        "engine_args": backend.engine_args,
+        "env": {k: os.environ.get(k) for k in ("VLLM_TRITON_FORCE_FIRST_CONFIG",)},
+        "device": torch.cuda.get_device_name(0),
+        "engines": [],
+    }
     try:
         for label, folder, blocks in (("build #1", build, 3), ("build #2", build, 3), ("gdn", gdn, 2)):
             t0 = time.perf_counter()
             backend.load(folder)
             info = backend.load_info()
-            engine = {"label": label, "start_s": time.perf_counter() - t0,
-                      "startup_breakdown": info.get("startup_breakdown"), "blocks": []}
+            engine = {
+                "label": label,
+                "start_s": time.perf_counter() - t0,
+                "startup_breakdown": info.get("startup_breakdown"),
+                "blocks": [],
+            }
             for _ in range(blocks):
                 engine["blocks"].append(backend.time_decode(prompt, 64, 3, 7))
             backend.unload()
             record["engines"].append(engine)
             (out / "timing-noise.json").write_text(json.dumps(record, indent=1))
             for b in engine["blocks"]:
-                print(f"{label:9s} engine {_spread(b)}  wall {_spread(b.get('wall_diff') or {})}  ttft {b['ttft_ms']:.0f} "
-                      f"{[round(x) for x in b['ttft_min_max']]}", flush=True)
+                print(
+                    f"{label:9s} engine {_spread(b)}  wall {_spread(b.get('wall_diff') or {})}  ttft {b['ttft_ms']:.0f} "
+                    f"{[round(x) for x in b['ttft_min_max']]}",
+                    flush=True,
+                )
             print(f"{label}: engine start {engine['start_s']:.0f} s", flush=True)
     finally:
         backend.close()

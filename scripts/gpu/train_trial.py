@@ -1,5 +1,6 @@
 """On the GPU machine: a short run of splicer.trained.train's `small` recipe on the demo texts (no data stage needed),
 to see that it runs with the machine's transformers and how many tokens per second it trains."""
+
 import json
 import sys
 import time
@@ -25,8 +26,10 @@ for bs in (64,):
     r = T.recipe("small", steps=steps, batch_size=bs, max_seconds=120)
     t0 = time.time()
     model, rep = T.train(d, r, torch.device("cuda"), log=print)
-    print(f"batch {bs}: {rep['steps_done']} steps in {rep['train_seconds']} s; total incl. eval {time.time() - t0:.1f} s; "
-          f"peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; params {rep['parameters']:,}")
+    print(
+        f"batch {bs}: {rep['steps_done']} steps in {rep['train_seconds']} s; total incl. eval {time.time() - t0:.1f} s; "
+        f"peak mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB; params {rep['parameters']:,}"
+    )
     t1 = time.time()
     T.write_trained_base(work / f"base{bs}", d, model, rep, r)
     print(f"written in {time.time() - t1:.1f} s; held-out {rep['heldout']}")

@@ -16,6 +16,7 @@ OUT/BUILD for each build plus OUT/builds.json (recipe, versions, wall time, and 
 oneshot builds lose mtp.* (transformers does not load it); the lead restores it with `splicer splice --restore mtp`.
 Each build keeps BASE's tokenizer, chat template and generation config byte for byte.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,14 @@ BUILDS = ("gptq-w4a16-g128", "awq-experts", "rtn-g32-experts", "fp8-block", "nvf
 
 # Seed 000's ignore list (splicer.fixtures.LOWLATENCY_IGNORE): the vision tower, GDN's tiny a/b projections, the
 # router, the shared expert's gate and the MTP head stay BF16.
-LOWLATENCY_IGNORE = ["re:.*visual.*", r"re:.*linear_attn\.in_proj_a$", r"re:.*linear_attn\.in_proj_b$",
-                     r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$", "re:.*mtp.*"]
+LOWLATENCY_IGNORE = [
+    "re:.*visual.*",
+    r"re:.*linear_attn\.in_proj_a$",
+    r"re:.*linear_attn\.in_proj_b$",
+    r"re:.*mlp\.gate$",
+    r"re:.*shared_expert_gate$",
+    "re:.*mtp.*",
+]
 EXPERTS = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
 # Seed 000's quantized decoder Linears by name, for model_free_ptq: its "Linear" target matches every 2-D weight
 # by name alone (embeddings, conv1d, router included), so the selection is spelled out. No layer prefix: vLLM
@@ -43,11 +50,21 @@ LOWLATENCY_BODY = [
     EXPERTS,
 ]
 # Files a build must carry verbatim from BASE (transformers re-serialises tokenizer.json on save).
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-              "chat_template.json", "generation_config.json", "vocab.json", "merges.txt", "added_tokens.json",
-              "preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
-QPARAM_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
-                   "weight_global_scale")
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+)
+QPARAM_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight_global_scale")
 
 
 def fail(msg: str) -> None:
@@ -57,11 +74,11 @@ def fail(msg: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------- schemes
 
+
 def w4_group(group_size: int, targets: list[str], actorder: str | None = None):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size,
-                            actorder=actorder)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size, actorder=actorder)
     return QuantizationScheme(targets=targets, weights=args, format="pack-quantized")
 
 
@@ -83,15 +100,23 @@ def awq_expert_mappings():
     from llmcompressor.modifiers.transform.awq.mappings import AWQMapping
 
     return [
-        AWQMapping("re:.*post_attention_layernorm$",
-                   ["re:.*mlp.gate$", "re:.*mlp.experts.*.gate_proj$", "re:.*mlp.experts.*.up_proj$",
-                    "re:.*mlp.shared_expert_gate$", "re:.*mlp.shared_expert.gate_proj$",
-                    "re:.*mlp.shared_expert.up_proj$"]),
+        AWQMapping(
+            "re:.*post_attention_layernorm$",
+            [
+                "re:.*mlp.gate$",
+                "re:.*mlp.experts.*.gate_proj$",
+                "re:.*mlp.experts.*.up_proj$",
+                "re:.*mlp.shared_expert_gate$",
+                "re:.*mlp.shared_expert.gate_proj$",
+                "re:.*mlp.shared_expert.up_proj$",
+            ],
+        ),
         AWQMapping(r"re:.*mlp\.experts\.\d+\.up_proj$", [r"re:.*mlp\.experts\.\d+\.down_proj$"]),
     ]
 
 
 # ---------------------------------------------------------------------------------------------------- oneshot
+
 
 def calibration_dataset(tokenizer, calib: Path, samples: int, seq_len: int):
     from datasets import Dataset
@@ -102,11 +127,11 @@ def calibration_dataset(tokenizer, calib: Path, samples: int, seq_len: int):
             try:
                 texts.append(json.loads(line)["text"])
             except (ValueError, KeyError, TypeError):
-                fail(f"{calib}:{n} is not a {{\"text\": ...}} line; write one JSON object with a text field per line")
+                fail(f'{calib}:{n} is not a {{"text": ...}} line; write one JSON object with a text field per line')
         if len(texts) == samples:
             break
     if not texts:
-        fail(f"{calib} has no {{\"text\": ...}} lines")
+        fail(f'{calib} has no {{"text": ...}} lines')
     enc = tokenizer(texts, truncation=True, max_length=seq_len, add_special_tokens=False)
     return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}), len(texts)
 
@@ -135,10 +160,14 @@ def run_oneshot(base: Path, out: Path, recipe, args, dataset, n_samples: int) ->
     with load_quantizable_moe(cls):
         model = cls.from_pretrained(base, dtype=torch.bfloat16, device_map=None)
     tok = AutoTokenizer.from_pretrained(base)
-    calib = {} if dataset is None else dict(dataset=dataset, max_seq_length=args.seq_len,
-                                            num_calibration_samples=n_samples, shuffle_calibration_samples=False)
-    oneshot(model=model, processor=tok, recipe=recipe, moe_calibrate_all_experts=True,
-            sequential_offload_device="cpu", **calib)
+    calib = (
+        {}
+        if dataset is None
+        else dict(
+            dataset=dataset, max_seq_length=args.seq_len, num_calibration_samples=n_samples, shuffle_calibration_samples=False
+        )
+    )
+    oneshot(model=model, processor=tok, recipe=recipe, moe_calibrate_all_experts=True, sequential_offload_device="cpu", **calib)
     model.save_pretrained(out, save_compressed=True, max_shard_size="4GB")
 
 
@@ -146,8 +175,12 @@ def recipe_gptq(ignore_head: bool = False):
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    body = GPTQModifier(config_groups={"group_0": w4_group(128, ["Linear"], actorder="weight")},
-                        ignore=["lm_head", *LOWLATENCY_IGNORE], dampening_frac=0.01, actorder="weight")
+    body = GPTQModifier(
+        config_groups={"group_0": w4_group(128, ["Linear"], actorder="weight")},
+        ignore=["lm_head", *LOWLATENCY_IGNORE],
+        dampening_frac=0.01,
+        actorder="weight",
+    )
     # oneshot replaces lm_head's forward during calibration (disable_lm_head), so GPTQ would get no Hessian for it:
     # the INT8 head is round-to-nearest, as seed 000 applied it.
     head = QuantizationModifier(config_groups={"group_1": int8_head()}, ignore=LOWLATENCY_IGNORE)
@@ -158,9 +191,10 @@ def recipe_awq():
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
-    return [AWQModifier(mappings=awq_expert_mappings(), duo_scaling=True),
-            QuantizationModifier(config_groups={"group_0": w4_group(128, [EXPERTS])},
-                                 ignore=["lm_head", *LOWLATENCY_IGNORE])]
+    return [
+        AWQModifier(mappings=awq_expert_mappings(), duo_scaling=True),
+        QuantizationModifier(config_groups={"group_0": w4_group(128, [EXPERTS])}, ignore=["lm_head", *LOWLATENCY_IGNORE]),
+    ]
 
 
 def nvfp4_fused_groups() -> list[str]:
@@ -185,17 +219,18 @@ def nvfp4_fused_groups() -> list[str]:
 def recipe_nvfp4a16():
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    return [QuantizationModifier(config_groups={"group_0": preset("NVFP4A16", ["Linear"])},
-                                 ignore=["lm_head", *LOWLATENCY_IGNORE])]
+    return [
+        QuantizationModifier(config_groups={"group_0": preset("NVFP4A16", ["Linear"])}, ignore=["lm_head", *LOWLATENCY_IGNORE])
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------- model_free
 
+
 def run_model_free(base: Path, out: Path, scheme, ignore: list[str], device: str) -> None:
     from llmcompressor.entrypoints.model_free import model_free_ptq
 
-    model_free_ptq(model_stub=str(base), save_directory=str(out), scheme=scheme, ignore=ignore, max_workers=1,
-                   device=device)
+    model_free_ptq(model_stub=str(base), save_directory=str(out), scheme=scheme, ignore=ignore, max_workers=1, device=device)
 
 
 def preset(name: str, targets: list[str]):
@@ -205,6 +240,7 @@ def preset(name: str, targets: list[str]):
 
 
 # ---------------------------------------------------------------------------------------------------- checks
+
 
 def tensor_names(folder: Path) -> set[str]:
     index = folder / "model.safetensors.index.json"
@@ -265,26 +301,30 @@ def versions() -> dict:
 
 # ---------------------------------------------------------------------------------------------------- main
 
+
 def build_one(kind: str, base: Path, out: Path, args, calib_cache: dict) -> dict:
     if kind in ("gptq-w4a16-g128", "awq-experts"):
         if "ds" not in calib_cache:
             from transformers import AutoTokenizer
 
-            calib_cache["ds"] = calibration_dataset(AutoTokenizer.from_pretrained(base), args.calib, args.samples,
-                                                    args.seq_len)
+            calib_cache["ds"] = calibration_dataset(AutoTokenizer.from_pretrained(base), args.calib, args.samples, args.seq_len)
         ds, n = calib_cache["ds"]
         recipe = recipe_gptq() if kind == "gptq-w4a16-g128" else recipe_awq()
         run_oneshot(base, out, recipe, args, ds, n)
-        return {"entrypoint": "oneshot", "recipe": [r.model_dump(mode="json", exclude_none=True) if hasattr(r, "model_dump")
-                                                     else repr(r) for r in recipe],
-                "calibration": {"samples": n, "max_seq_length": args.seq_len, "moe_calibrate_all_experts": True}}
+        return {
+            "entrypoint": "oneshot",
+            "recipe": [r.model_dump(mode="json", exclude_none=True) if hasattr(r, "model_dump") else repr(r) for r in recipe],
+            "calibration": {"samples": n, "max_seq_length": args.seq_len, "moe_calibrate_all_experts": True},
+        }
     if kind == "nvfp4a16":
         groups = nvfp4_fused_groups()
         recipe = recipe_nvfp4a16()
         run_oneshot(base, out, recipe, args, None, 0)
-        return {"entrypoint": "oneshot (data-free)", "recipe": [r.model_dump(mode="json", exclude_none=True)
-                                                                for r in recipe],
-                "shared_global_scale_groups": groups}
+        return {
+            "entrypoint": "oneshot (data-free)",
+            "recipe": [r.model_dump(mode="json", exclude_none=True) for r in recipe],
+            "shared_global_scale_groups": groups,
+        }
     if kind == "rtn-g32-experts":
         scheme, ignore = w4_group(32, [EXPERTS]), []
         scheme.weights.observer = "minmax"  # seed 004's card; model_free_ptq turns it into static_minmax
@@ -315,7 +355,7 @@ def main(argv=None) -> int:
     if not (args.base / "config.json").exists():
         fail(f"{args.base} has no config.json; BASE must be a BF16 checkpoint folder")
     if any(k in kinds for k in ("gptq-w4a16-g128", "awq-experts")) and not args.calib.is_file():
-        fail(f"{args.calib} is not a file; CALIB_JSONL holds one {{\"text\": ...}} object per line")
+        fail(f'{args.calib} is not a file; CALIB_JSONL holds one {{"text": ...}} object per line')
     taken = [k for k in kinds if (args.out / k).exists()]
     if taken:
         fail(f"{', '.join(str(args.out / k) for k in taken)} already exist(s); remove or choose another OUT")
@@ -344,8 +384,7 @@ def main(argv=None) -> int:
         record["builds"][kind] = entry
         record_path.write_text(json.dumps(record, indent=2) + "\n")
         miss = entry["missing_base_tensors"]
-        print(f"== {kind}: {final} in {entry['wall_s']} s; {miss['count']} BASE tensors missing {miss['by_prefix']}",
-              flush=True)
+        print(f"== {kind}: {final} in {entry['wall_s']} s; {miss['count']} BASE tensors missing {miss['by_prefix']}", flush=True)
     return 0
 
 

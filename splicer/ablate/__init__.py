@@ -21,5 +21,16 @@ from .job import host_info, make_job, select_rows
 from .run import run_ablate
 from .scores import first_occurrence_weights, position_records
 
-__all__ = ["BASE_PASS_VERSION", "RESULTS", "AblateSettings", "base_cache", "base_pass", "first_occurrence_weights",
-           "host_info", "make_job", "position_records", "run_ablate", "select_rows"]
+__all__ = [
+    "BASE_PASS_VERSION",
+    "RESULTS",
+    "AblateSettings",
+    "base_cache",
+    "base_pass",
+    "first_occurrence_weights",
+    "host_info",
+    "make_job",
+    "position_records",
+    "run_ablate",
+    "select_rows",
+]

@@ -53,15 +53,32 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def base_cache(backend, plan: Plan, settings: AblateSettings, out: Path, base_digest: str, corpora: list[Corpus]) -> Path:
     """The folder of the base pass for these inputs and settings (done when it holds done.json)."""
-    key = parts_digest(BASE_PASS_VERSION, base_digest, [c.digest() for c in corpora], [c.spec for c in corpora], plan.top_k, backend.name,
-                  settings.device, settings.batch_size, settings.engine_args,
-                  # Only when set, so that caches made before --engine-env existed keep their key.
-                  *([settings.engine_env] if settings.engine_env else []))
+    key = parts_digest(
+        BASE_PASS_VERSION,
+        base_digest,
+        [c.digest() for c in corpora],
+        [c.spec for c in corpora],
+        plan.top_k,
+        backend.name,
+        settings.device,
+        settings.batch_size,
+        settings.engine_args,
+        # Only when set, so that caches made before --engine-env existed keep their key.
+        *([settings.engine_env] if settings.engine_env else []),
+    )
     return out / "cache" / f"base-{key}"
 
 
-def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, cache: Path,
-              tok, corpora: list[Corpus], chat_stop_tokens: tuple[str, ...] = ()) -> list[Corpus]:
+def base_pass(
+    backend,
+    base_root: Path,
+    plan: Plan,
+    settings: AblateSettings,
+    cache: Path,
+    tok,
+    corpora: list[Corpus],
+    chat_stop_tokens: tuple[str, ...] = (),
+) -> list[Corpus]:
     """Generate the base's chat answers and score the base (and a noise pass) once into cache (see base_cache);
     returns the corpora with the chat answers in them. An answer ends at the tokenizer's EOS or at one of the family's
     chat_stop_tokens the tokenizer knows."""
@@ -85,8 +102,13 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
     load_s = time.perf_counter() - t0
     engine_info = backend.load_info() or None
     unk = tok.unk_token_id
-    stop = sorted({t for t in (tok.eos_token_id, *(tok.convert_tokens_to_ids(s) for s in chat_stop_tokens))
-                   if isinstance(t, int) and t >= 0 and t != unk})
+    stop = sorted(
+        {
+            t
+            for t in (tok.eos_token_id, *(tok.convert_tokens_to_ids(s) for s in chat_stop_tokens))
+            if isinstance(t, int) and t >= 0 and t != unk
+        }
+    )
     for c in corpora:
         if c.kind == "chat":
             with stages.stage(f"base pass: chat answers {c.name} ({len(c.sequences)} conversations)"):
@@ -102,17 +124,33 @@ def base_pass(backend, base_root: Path, plan: Plan, settings: AblateSettings, ca
             want_full = c.positions() * vocab * 4 <= FULL_VOCAB_CACHE_LIMIT
         batch = pick_batch_size(settings, backend)
         with stages.stage(f"base pass: scoring {c.name} ({c.positions()} positions, then the noise pass)"):
-            scores = list(progress_bar(backend.score(c.sequences, plan.top_k, want_full=want_full, batch_size=batch),
-                                total=len(c.sequences), desc=f"base {c.name}", disable=not settings.progress or None, leave=False))
+            scores = list(
+                progress_bar(
+                    backend.score(c.sequences, plan.top_k, want_full=want_full, batch_size=batch),
+                    total=len(c.sequences),
+                    desc=f"base {c.name}",
+                    disable=not settings.progress or None,
+                    leave=False,
+                )
+            )
             _save_scores(cache / f"{c.name}.safetensors", scores)
             # Noise floor: the base scored again exactly as every row is scored (same order and batch size), so it
             # measures what the engine's own nondeterminism costs a row and nothing else (a pass batched differently
             # sat 12 % above a row holding the base's own tensors). Deterministic backends give 0.
-            noise = list(backend.score(c.sequences, plan.top_k, batch_size=batch,
-                                       gather_ids=[s.topk_ids for s in scores] if backend.exact_gather else None,
-                                       want_full=want_full))
-            _save_scores(cache / f"noise-{c.name}.safetensors", noise,
-                         {"gathered": torch.cat([n.gathered for n in noise])} if backend.exact_gather else None)
+            noise = list(
+                backend.score(
+                    c.sequences,
+                    plan.top_k,
+                    batch_size=batch,
+                    gather_ids=[s.topk_ids for s in scores] if backend.exact_gather else None,
+                    want_full=want_full,
+                )
+            )
+            _save_scores(
+                cache / f"noise-{c.name}.safetensors",
+                noise,
+                {"gathered": torch.cat([n.gathered for n in noise])} if backend.exact_gather else None,
+            )
         timings[f"score_{c.name}_s"] = time.perf_counter() - t0
     backend.unload()
     (cache / "corpora.json").write_text(json.dumps([c.to_json() for c in corpora]))
@@ -128,8 +166,10 @@ def _base_refused(e: Exception, backend: str) -> str:
         reason = f"{e.__class__.__name__}: {reason}".rstrip(": ")
     reason = reason if len(reason) <= 400 else reason[:397] + "..."
     other = " or ".join(f"--backend {b}" for b in BACKENDS if b != backend)
-    return (f"the base pass could not start: {reason}; every row is scored against the base, so nothing was run: make "
-            f"{backend} able to load it (another version or engine settings) or use {other}")
+    return (
+        f"the base pass could not start: {reason}; every row is scored against the base, so nothing was run: make "
+        f"{backend} able to load it (another version or engine settings) or use {other}"
+    )
 
 
 def _vocab_size(folder: Path) -> int:

@@ -49,8 +49,12 @@ def atomic_text(path: Path, text: str) -> None:
     file left."""
     from ..outputs import write_error, write_file
 
-    write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"), tmp=path.with_suffix(path.suffix + ".tmp"),
-               error=lambda e, p: write_error(e, p.parent))
+    write_file(
+        path,
+        lambda tmp: tmp.write_text(text, encoding="utf-8"),
+        tmp=path.with_suffix(path.suffix + ".tmp"),
+        error=lambda e, p: write_error(e, p.parent),
+    )
 
 
 def _jsonable(o):

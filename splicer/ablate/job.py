@@ -43,7 +43,9 @@ def _tokenizer(folder: Path):
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:  # transformers raises OSError/ValueError/...: all mean "no usable tokenizer"
-        raise SplicerError(f"cannot load a tokenizer from {folder} ({e.__class__.__name__}); the base needs tokenizer files") from None
+        raise SplicerError(
+            f"cannot load a tokenizer from {folder} ({e.__class__.__name__}); the base needs tokenizer files"
+        ) from None
     finally:
         log.removeFilter(_generic_config_warning)
 
@@ -92,25 +94,44 @@ def _row_definition(definition: dict) -> dict:
     return dict(definition, checkpoint=input_source(definition["checkpoint"])) if definition.get("checkpoint") else definition
 
 
-def make_job(plan: Plan, corpora: list[Corpus], build_src: str, build, base_src: str, base_digest: str,
-             settings: AblateSettings, out: Path | None = None) -> dict:
+def make_job(
+    plan: Plan,
+    corpora: list[Corpus],
+    build_src: str,
+    build,
+    base_src: str,
+    base_digest: str,
+    settings: AblateSettings,
+    out: Path | None = None,
+) -> dict:
     """What a results folder was made from (DIR/job.json): finished rows are kept on a rerun only under the same job.
 
     The tokenized corpora belong to it: rows scored on other positions (a corpus file edited, a new chat set) would
     otherwise be paired with the new ones."""
-    return {"tool": f"splicer {__version__}", "plan": plan.name, "plan_digest": plan.digest,
-            "plan_settings_digest": plan.settings_digest, "rows": {r.name: _row_definition(r.definition()) for r in plan.rows},
-            "corpora_digest": parts_digest([c.digest() for c in corpora]),
-            "build": input_entry(build_src, out, header_digest=build.header_digest()),
-            "base": input_entry(base_src, out, digest=base_digest),
-            "settings": {"backend": settings.backend, "device": settings.device, "batch_size": settings.batch_size,
-                         "engine_args": settings.engine_args, **({"engine_env": settings.engine_env} if settings.engine_env else {}),
-                         "allow_quantized_base": settings.allow_quantized_base,
-                         "overlap_starts": settings.overlap_starts, "rewake_before_timing": settings.rewake_before_timing,
-                         "time_decode": settings.time_decode,
-                         "corpus_overrides": {k: input_source(v) for k, v in settings.corpus_overrides.items()},
-                         # Rows spread over GPUs are named and compared per GPU: another spread is another job.
-                         **({"gpus": list(settings.gpus)} if settings.gpus else {})}}
+    return {
+        "tool": f"splicer {__version__}",
+        "plan": plan.name,
+        "plan_digest": plan.digest,
+        "plan_settings_digest": plan.settings_digest,
+        "rows": {r.name: _row_definition(r.definition()) for r in plan.rows},
+        "corpora_digest": parts_digest([c.digest() for c in corpora]),
+        "build": input_entry(build_src, out, header_digest=build.header_digest()),
+        "base": input_entry(base_src, out, digest=base_digest),
+        "settings": {
+            "backend": settings.backend,
+            "device": settings.device,
+            "batch_size": settings.batch_size,
+            "engine_args": settings.engine_args,
+            **({"engine_env": settings.engine_env} if settings.engine_env else {}),
+            "allow_quantized_base": settings.allow_quantized_base,
+            "overlap_starts": settings.overlap_starts,
+            "rewake_before_timing": settings.rewake_before_timing,
+            "time_decode": settings.time_decode,
+            "corpus_overrides": {k: input_source(v) for k, v in settings.corpus_overrides.items()},
+            # Rows spread over GPUs are named and compared per GPU: another spread is another job.
+            **({"gpus": list(settings.gpus)} if settings.gpus else {}),
+        },
+    }
 
 
 def select_rows(plan: Plan, rows_spec: str, quantized: list[str]) -> set[str]:
@@ -121,7 +142,9 @@ def select_rows(plan: Plan, rows_spec: str, quantized: list[str]) -> set[str]:
     wanted = [r.strip() for r in rows_spec.split(",") if r.strip()]
     bad = [w for w in wanted if w not in names]
     if bad or not wanted:
-        raise SplicerError(f"row {bad[0] if bad else '(none)'!r} is not in plan {plan.name}; its rows: {', '.join(r.name for r in plan.rows)}")
+        raise SplicerError(
+            f"row {bad[0] if bad else '(none)'!r} is not in plan {plan.name}; its rows: {', '.join(r.name for r in plan.rows)}"
+        )
     # The build row is every other row's reference, and its repeats (more engines of it) set the decode intervals.
     return {"build", *wanted, *(r.name for r in plan.rows if r.repeat and r.restored(quantized) == [])}
 
@@ -176,7 +199,7 @@ def same_measurements(a: dict | None, b: dict | None) -> bool:
     if not isinstance(a, dict) or not isinstance(b, dict) or "rows" not in a or "rows" not in b:
         return False
     a, b = _canonical(a), _canonical(b)
-    return ({k: v for k, v in a.items() if k not in ROW_KEYS_OF_JOB} == {k: v for k, v in b.items() if k not in ROW_KEYS_OF_JOB})
+    return {k: v for k, v in a.items() if k not in ROW_KEYS_OF_JOB} == {k: v for k, v in b.items() if k not in ROW_KEYS_OF_JOB}
 
 
 def _shown(value) -> str:
@@ -194,8 +217,11 @@ def job_differences(a: dict, b: dict) -> list[str]:
         if old == new:
             continue
         if isinstance(old, dict) and isinstance(new, dict):
-            out += [f"{k}.{f}: {_shown(old.get(f))} -> {_shown(new.get(f))}" for f in sorted(set(old) | set(new))
-                    if old.get(f) != new.get(f)]
+            out += [
+                f"{k}.{f}: {_shown(old.get(f))} -> {_shown(new.get(f))}"
+                for f in sorted(set(old) | set(new))
+                if old.get(f) != new.get(f)
+            ]
         else:
             out.append(f"{k}: {_shown(old)} -> {_shown(new)}")
     return out
@@ -225,20 +251,28 @@ def write_job(out: Path, job: dict, stages, extend_only: bool = False) -> tuple[
     alike = same_measurements(before, job)
     if extend_only and not alike:
         what = "; ".join(job_differences(before, job)) if isinstance(before, dict) else "no earlier job"
-        raise SplicerError(f"{out} was measured under another job ({what or 'written by an older splicer'}); rows added "
-                           "to it would not be comparable: run the plan again into a new folder")
+        raise SplicerError(
+            f"{out} was measured under another job ({what or 'written by an older splicer'}); rows added "
+            "to it would not be comparable: run the plan again into a new folder"
+        )
     if previous and not _same_inputs(before if isinstance(before, dict) else None, job):
         shutil.rmtree(out / "variants", ignore_errors=True)  # another build or base: every splice is stale
     atomic_json(out / "job.json", job)
     if not alike:
         if previous and previous.get("variants"):
             what = "; ".join(job_differences(before, job)) if isinstance(before, dict) else "no job recorded"
-            _notice(stages, f"the job differs from the one in {out} ({what or 'written by an older splicer'}): its "
-                            "finished rows are run again")
+            _notice(
+                stages,
+                f"the job differs from the one in {out} ({what or 'written by an older splicer'}): its "
+                "finished rows are run again",
+            )
         return {}, []
     was = {name: _row_definition(d) if isinstance(d, dict) else d for name, d in (before.get("rows") or {}).items()}
-    kept = {v["name"]: v for v in previous.get("variants", []) if v.get("status") == "ok"
-            and v["name"] in job["rows"] and was.get(v["name"]) == job["rows"][v["name"]]}
+    kept = {
+        v["name"]: v
+        for v in previous.get("variants", [])
+        if v.get("status") == "ok" and v["name"] in job["rows"] and was.get(v["name"]) == job["rows"][v["name"]]
+    }
     changed = [v["name"] for v in previous.get("variants", []) if v.get("status") == "ok" and v["name"] not in kept]
     if changed:
         _notice(stages, f"rows changed or no longer in the plan, not kept: {', '.join(changed)}")

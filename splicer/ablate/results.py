@@ -15,9 +15,19 @@ from .job import host_info, started_from_cli
 from .scores import noise_floor
 
 
-def new_results(job: dict, plan: Plan, corpora: list[Corpus], cache: Path, quantized: list[str], frozen: list[str],
-                skipped: list[dict], settings: AblateSettings, earlier_runs: list[dict], started: str,
-                given: dict | None = None) -> dict:
+def new_results(
+    job: dict,
+    plan: Plan,
+    corpora: list[Corpus],
+    cache: Path,
+    quantized: list[str],
+    frozen: list[str],
+    skipped: list[dict],
+    settings: AblateSettings,
+    earlier_runs: list[dict],
+    started: str,
+    given: dict | None = None,
+) -> dict:
     """results.json as a run starts: the base pass (read from its cache), the corpora, the rows skipped, and one entry
     per invocation that worked on this job (a resumed job has several), the rows still to come.
 
@@ -26,22 +36,41 @@ def new_results(job: dict, plan: Plan, corpora: list[Corpus], cache: Path, quant
     which keeps this machine's folders out of a table meant for a model card."""
     given = given or {}
     return {
-        "schema": 1, "base_pass": json.loads((cache / "done.json").read_text()), "job": job,
+        "schema": 1,
+        "base_pass": json.loads((cache / "done.json").read_text()),
+        "job": job,
         "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
         "top_k": plan.top_k,  # the KL columns are over the base's top-k: the table names k from here
-        "backend": None, "engine_version": None, "device": None,
+        "backend": None,
+        "engine_version": None,
+        "device": None,
         "inputs": {role: dict(job[role], **({"given": given[role]} if given.get(role) else {})) for role in ("build", "base")},
-        "corpora": {c.name: {"kind": c.kind, "sequences": len(c.sequences), "positions": c.positions(),
-                             "answer_tokens": (sum(len(s) - p for s, p in zip(c.sequences, c.prompt_lens)) if c.prompt_lens else None)}
-                    for c in corpora},
-        "quantized_classes": quantized, "base_quantized_classes": frozen, "noise_floor": noise_floor(cache, corpora, settings.bootstrap),
+        "corpora": {
+            c.name: {
+                "kind": c.kind,
+                "sequences": len(c.sequences),
+                "positions": c.positions(),
+                "answer_tokens": (sum(len(s) - p for s, p in zip(c.sequences, c.prompt_lens)) if c.prompt_lens else None),
+            }
+            for c in corpora
+        },
+        "quantized_classes": quantized,
+        "base_quantized_classes": frozen,
+        "noise_floor": noise_floor(cache, corpora, settings.bootstrap),
         "timing_settings": plan.timing if settings.time_decode else None,
         "bandwidth_bytes_per_s": settings.bandwidth_gbs * 1e9 if settings.bandwidth_gbs else None,
-        "variants": [], "skipped": skipped,
-        "runs": [*earlier_runs,
-                 {"started": started, "rows_run": [], "finished": False,
-                  "host": host_info(),
-                  "command": " ".join(shlex.quote(a) for a in ["splicer", *sys.argv[1:]]) if started_from_cli() else None}],
+        "variants": [],
+        "skipped": skipped,
+        "runs": [
+            *earlier_runs,
+            {
+                "started": started,
+                "rows_run": [],
+                "finished": False,
+                "host": host_info(),
+                "command": " ".join(shlex.quote(a) for a in ["splicer", *sys.argv[1:]]) if started_from_cli() else None,
+            },
+        ],
     }
 
 
@@ -52,8 +81,10 @@ def finish_results(results: dict, out: Path, backends, reps: int = 2000) -> None
 
     info = backends[0].describe()
     if len(backends) > 1:  # spread over GPUs: what differs per GPU
-        info["per_gpu"] = [{k: d.get(k) for k in ("cuda_device", "cpus", "precompile", "worker_starts")}
-                           for d in (b.describe() for b in backends)]
+        info["per_gpu"] = [
+            {k: d.get(k) for k in ("cuda_device", "cpus", "precompile", "worker_starts")}
+            for d in (b.describe() for b in backends)
+        ]
     results["backend"] = info.get("backend")
     results["engine_version"] = info.get("engine")
     results["device"] = info.get("device")

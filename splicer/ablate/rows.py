@@ -38,8 +38,18 @@ class RowSchedule:
     wait for it. With --precompile every row is spliced at the start and its engine compiled while the base pass runs.
     """
 
-    def __init__(self, run_list: list[PlannedRow], backend, build, build_src: str, base_root: Path, base_src: str, out: Path,
-                 settings: AblateSettings, compilers: list | None = None):
+    def __init__(
+        self,
+        run_list: list[PlannedRow],
+        backend,
+        build,
+        build_src: str,
+        base_root: Path,
+        base_src: str,
+        out: Path,
+        settings: AblateSettings,
+        compilers: list | None = None,
+    ):
         self.run_list, self.backend, self.settings = run_list, backend, settings
         self.build, self.build_src, self.base_root, self.base_src, self.out = build, build_src, base_root, base_src, out
         self.prepared: dict[str, tuple[Path, float]] = {}  # row -> (folder, seconds its splice took), made ahead
@@ -75,8 +85,15 @@ class RowSchedule:
             folder.parent.mkdir(parents=True, exist_ok=True)
             if not _splice_is_current(folder, self.build, restored):
                 with self.settings.stages.stage(f"{row.name}: splice {','.join(restored)}"):
-                    splice(str(self.build_src), str(self.base_src), folder, ",".join(restored), force=True, progress=False,
-                           allow_quantized_base=self.settings.allow_quantized_base)
+                    splice(
+                        str(self.build_src),
+                        str(self.base_src),
+                        folder,
+                        ",".join(restored),
+                        force=True,
+                        progress=False,
+                        allow_quantized_base=self.settings.allow_quantized_base,
+                    )
         return folder, time.perf_counter() - t0
 
     def prepare(self, item) -> bool:
@@ -162,22 +179,38 @@ class RowSchedule:
 def _checkpoint_record(ckpt) -> dict:
     """What a `checkpoint` row ran: its source and format, as results.json and the table name it."""
     qc = ckpt.quantization_config or {}
-    return {"source": ckpt.label, "quant_method": qc.get("quant_method"),
-            "format": checkpoint_format(qc),
-            "header_digest": ckpt.header_digest()}
+    return {
+        "source": ckpt.label,
+        "quant_method": qc.get("quant_method"),
+        "format": checkpoint_format(qc),
+        "header_digest": ckpt.header_digest(),
+    }
 
 
-def run_row(item: PlannedRow, schedule: RowSchedule, backend, cache: Path, corpora: list[Corpus], plan: Plan,
-            settings: AblateSettings, out: Path, gpu: str | None = None) -> dict:
+def run_row(
+    item: PlannedRow,
+    schedule: RowSchedule,
+    backend,
+    cache: Path,
+    corpora: list[Corpus],
+    plan: Plan,
+    settings: AblateSettings,
+    out: Path,
+    gpu: str | None = None,
+) -> dict:
     """One row: its folder, sizes, scores against the base pass and decode timing, as its results.json entry (status
     "error" with the reason when any step fails: one variant's failure must not end the plan). gpu: the CUDA id it
     ran on, in a run spread over GPUs."""
     row, restored, splice_name = item.row, item.restored, item.splice_name
-    entry = {"name": row.name, "restored": "checkpoint" if item.checkpoint else restored if restored is not None else "base",
-             **({"checkpoint": _checkpoint_record(schedule.checkpoints[row.name])} if item.checkpoint else {}),
-             **({"repeat_of": splice_name} if splice_name != row.name else {}),
-             **({"gpu": gpu} if gpu is not None else {}),
-             "status": "running", "elapsed": {}}
+    entry = {
+        "name": row.name,
+        "restored": "checkpoint" if item.checkpoint else restored if restored is not None else "base",
+        **({"checkpoint": _checkpoint_record(schedule.checkpoints[row.name])} if item.checkpoint else {}),
+        **({"repeat_of": splice_name} if splice_name != row.name else {}),
+        **({"gpu": gpu} if gpu is not None else {}),
+        "status": "running",
+        "elapsed": {},
+    }
     ahead = schedule.ahead
     measuring = []  # holds schedule.measuring once this row's engine has started
 
@@ -203,14 +236,18 @@ def run_row(item: PlannedRow, schedule: RowSchedule, backend, cache: Path, corpo
             if settings.time_decode and plan.timing:
                 t0 = time.perf_counter()
                 with settings.stages.stage(f"{row.name}: timing"):
-                    entry["timing"] = backend.time_decode(_timing_prompt(corpora, int(plan.timing["prompt_tokens"])),
-                                                          int(plan.timing["new_tokens"]), int(plan.timing["warmup"]),
-                                                          int(plan.timing["runs"]))
+                    entry["timing"] = backend.time_decode(
+                        _timing_prompt(corpora, int(plan.timing["prompt_tokens"])),
+                        int(plan.timing["new_tokens"]),
+                        int(plan.timing["warmup"]),
+                        int(plan.timing["runs"]),
+                    )
                 entry["elapsed"]["time_s"] = time.perf_counter() - t0
             schedule.start_ahead(index)
 
-        metrics, timings = score_variant(backend, folder, cache, corpora, plan, settings, out / "scores" / row.name,
-                                         before_scoring=start_measuring)
+        metrics, timings = score_variant(
+            backend, folder, cache, corpora, plan, settings, out / "scores" / row.name, before_scoring=start_measuring
+        )
         if not ahead:
             time_then_start_ahead()
         entry["metrics"] = metrics
@@ -229,9 +266,29 @@ def run_row(item: PlannedRow, schedule: RowSchedule, backend, cache: Path, corpo
     return entry
 
 
-def run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list, done: dict, cache: Path, corpora, tok,
-              plan: Plan, settings: AblateSettings, out: Path, base, job: dict, quantized, frozen, skipped, earlier_runs,
-              started: str, t_start: float, spread_plan, class_layers: dict | None = None) -> dict:
+def run_rows(
+    schedule: RowSchedule,
+    backends: list,
+    todo: list,
+    run_list: list,
+    done: dict,
+    cache: Path,
+    corpora,
+    tok,
+    plan: Plan,
+    settings: AblateSettings,
+    out: Path,
+    base,
+    job: dict,
+    quantized,
+    frozen,
+    skipped,
+    earlier_runs,
+    started: str,
+    t_start: float,
+    spread_plan,
+    class_layers: dict | None = None,
+) -> dict:
     """run_ablate under DIR's lock, from the base pass on: the base pass (splices and compiles beside it), each row
     (serially, or with --gpus one thread per GPU), results.json, table.md and report.md after every row.
     class_layers: class -> the decoder layers holding it quantized, recorded for `splicer budget`."""
@@ -240,8 +297,19 @@ def run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list, 
     with settings.stages.stage("base pass"):
         corpora = base_pass(backend, base.root, plan, settings, cache, tok, corpora, base.arch.chat_stop_tokens)
     schedule.wait_prepared()
-    results = new_results(job, plan, corpora, cache, quantized, frozen, skipped, settings, earlier_runs, started,
-                          given={"build": str(schedule.build_src), "base": str(schedule.base_src)})
+    results = new_results(
+        job,
+        plan,
+        corpora,
+        cache,
+        quantized,
+        frozen,
+        skipped,
+        settings,
+        earlier_runs,
+        started,
+        given={"build": str(schedule.build_src), "base": str(schedule.base_src)},
+    )
     results["class_layers"] = class_layers or {}  # what a whole-class row restores, layer by layer (splicer budget)
 
     def finish_precompile(on_backend, gpu=None) -> None:
@@ -264,8 +332,11 @@ def run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list, 
         with schedule.measuring:  # spread over GPUs: not while another row is timed
             results["variants"].append(entry)
             results["variants"].sort(key=lambda v: order.get(v["name"], len(order)))  # plan order, however finished
-            settings.stages.line(f"{entry['name']}: {entry['status']}" + (f" ({entry['error']})" if entry.get("error") else "")
-                                 + f", {len(results['runs'][-1]['rows_run']) + 1} of {len(run_list)} rows of this run")
+            settings.stages.line(
+                f"{entry['name']}: {entry['status']}"
+                + (f" ({entry['error']})" if entry.get("error") else "")
+                + f", {len(results['runs'][-1]['rows_run']) + 1} of {len(run_list)} rows of this run"
+            )
             results["runs"][-1]["rows_run"].append(entry["name"])
             results["runs"][-1]["elapsed_s"] = round(time.perf_counter() - t_start, 1)
             finish_results(results, out, backends, settings.bootstrap)
@@ -278,11 +349,15 @@ def run_rows(schedule: RowSchedule, backends: list, todo: list, run_list: list, 
     names = {it.row.name for it in run_list}
     if spread_plan:
         firsts, lasts, spread_rows = spread_plan
-        spread.run_rows_on_gpus(list(zip(settings.gpus, backends)),
-                                [it if it is not None and it.row.name in names else None for it in firsts],
-                                [it if it is not None and it.row.name in names else None for it in lasts],
-                                [it for it in spread_rows if it.row.name in names], run_one, record,
-                                before_rows=lambda on_backend, gpu: finish_precompile(on_backend, gpu))
+        spread.run_rows_on_gpus(
+            list(zip(settings.gpus, backends)),
+            [it if it is not None and it.row.name in names else None for it in firsts],
+            [it if it is not None and it.row.name in names else None for it in lasts],
+            [it for it in spread_rows if it.row.name in names],
+            run_one,
+            record,
+            before_rows=lambda on_backend, gpu: finish_precompile(on_backend, gpu),
+        )
     else:
         for item in run_list:
             record(item, run_one(item, backend))

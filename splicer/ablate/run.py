@@ -29,8 +29,11 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
 
     plan = load_plan(plan_name, all_classes())  # a plan may name any family's classes; rows this one lacks are skipped
     # Before a checkpoint is opened (or downloaded): a Hub corpus this process cannot read would fail after the base pass starts.
-    check_hub_corpora(override_corpora(plan, settings.corpus_overrides), f"plan {plan.name}",
-                      "pass --corpus NAME=FILE (a local .txt or .jsonl) for each, or a plan of local corpora (e.g. --plan demo)")
+    check_hub_corpora(
+        override_corpora(plan, settings.corpus_overrides),
+        f"plan {plan.name}",
+        "pass --corpus NAME=FILE (a local .txt or .jsonl) for each, or a plan of local corpora (e.g. --plan demo)",
+    )
     build = open_checkpoint(build_src, "build")
     from ..modules import list_modules
     from ..validate import validate_build
@@ -47,22 +50,38 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
 
         TorchBackend.check_readable(build, modules)  # the build row is loaded as stored: refused now, not as a failed row
     # Before the base is read (or downloaded).
-    out = check_output(out, [build.root, *local_folder(base_src), *(p for r in plan.rows if r.checkpoint for p in local_folder(r.checkpoint))],
-                       ABLATE, own=settings.own_inputs)
+    out = check_output(
+        out,
+        [build.root, *local_folder(base_src), *(p for r in plan.rows if r.checkpoint for p in local_folder(r.checkpoint))],
+        ABLATE,
+        own=settings.own_inputs,
+    )
     quantized = [c for c in build.arch.classes if any(m.quantized and m.cls == c for m in modules.values())]
     selected = select_rows(plan, rows_spec, quantized) | set(added)
-    options = ({"engine_args": settings.engine_args, "log_dir": out / "logs", "cache_dir": settings.engine_cache_dir,
-                "one_process": not settings.process_per_variant, "overlap_starts": settings.overlap_starts,
-                "rewake_before_timing": settings.rewake_before_timing, "precompile": settings.precompile,
-                "engine_env": settings.engine_env}
-               if settings.backend == "vllm" else {"threads": settings.threads})
+    options = (
+        {
+            "engine_args": settings.engine_args,
+            "log_dir": out / "logs",
+            "cache_dir": settings.engine_cache_dir,
+            "one_process": not settings.process_per_variant,
+            "overlap_starts": settings.overlap_starts,
+            "rewake_before_timing": settings.rewake_before_timing,
+            "precompile": settings.precompile,
+            "engine_env": settings.engine_env,
+        }
+        if settings.backend == "vllm"
+        else {"threads": settings.threads}
+    )
     if settings.gpus and settings.backend != "vllm":
         raise SplicerError("--gpus spreads rows over GPUs with the vLLM backend; add --backend vllm or drop --gpus")
     if settings.gpus:
         spread.check_gpus(settings.gpus, settings.overlap_starts)
     # One backend per GPU with --gpus (spread.py); the first runs the base pass.
-    backends = (spread.make_backends(settings, options, out / "logs") if settings.gpus
-                else [make_backend(settings.backend, settings.device, **options)])
+    backends = (
+        spread.make_backends(settings, options, out / "logs")
+        if settings.gpus
+        else [make_backend(settings.backend, settings.device, **options)]
+    )
     backend = backends[0]
     base = open_checkpoint(base_src, "base")
     from ..validate import validate_base
@@ -73,11 +92,13 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     from ..validate import quantized_layers
 
     class_layers = quantized_layers(modules, build.arch)
-    todo, skipped = resolve_rows(plan, family, build.arch.classes, quantized, frozen, class_layers,
-                                 build.text_config.get("num_hidden_layers"))
+    todo, skipped = resolve_rows(
+        plan, family, build.arch.classes, quantized, frozen, class_layers, build.text_config.get("num_hidden_layers")
+    )
     if settings.gpus:  # each GPU's own engines of the build replace the plan's extra ones (spread.py); refused before DIR changes
-        firsts, lasts, spread_rows, replaced = spread.gpu_build_rows(todo, settings.gpus,
-                                                                     timed=bool(settings.time_decode and plan.timing))
+        firsts, lasts, spread_rows, replaced = spread.gpu_build_rows(
+            todo, settings.gpus, timed=bool(settings.time_decode and plan.timing)
+        )
         todo = [firsts[0], *spread_rows, *(it for it in (*firsts[1:], *lasts) if it is not None)]
         skipped += [{"name": it.row.name, "reason": spread.SPREAD_REPEAT_REASON} for it in replaced]
         selected |= {it.row.name for it in (*firsts, *lasts) if it is not None}
@@ -107,9 +128,29 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         schedule = RowSchedule(run_list, backend, build, build_src, base_root, base_src, out, settings, compilers=backends)
         schedule.checkpoints = checkpoints
         try:
-            return run_rows(schedule, backends, todo, run_list, done, cache, corpora, tok, plan, settings, out, base, job,
-                             quantized, frozen, skipped, earlier_runs, started,
-                             t_start, (firsts, lasts, spread_rows) if settings.gpus else None, class_layers)
+            return run_rows(
+                schedule,
+                backends,
+                todo,
+                run_list,
+                done,
+                cache,
+                corpora,
+                tok,
+                plan,
+                settings,
+                out,
+                base,
+                job,
+                quantized,
+                frozen,
+                skipped,
+                earlier_runs,
+                started,
+                t_start,
+                (firsts, lasts, spread_rows) if settings.gpus else None,
+                class_layers,
+            )
         except BaseException:
             schedule.cancel()  # nothing is spliced or compiled into DIR once its lock is released
             raise

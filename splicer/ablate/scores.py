@@ -28,7 +28,7 @@ def first_occurrence_weights(sequences: list[list[int]], lengths: torch.Tensor) 
     for seq, n in zip(sequences, lengths.tolist()):
         shared = max((_common_prefix(seq, other) for other in seen), default=0)
         # position t (context seq[:t+1], target seq[t+1]) repeats an earlier one while t + 1 < shared
-        weights[start:start + max(0, min(shared - 1, n))] = 0
+        weights[start : start + max(0, min(shared - 1, n))] = 0
         seen.append(seq)
         start += n
     return weights
@@ -51,8 +51,11 @@ def position_records(base: dict, var: dict, corpus: Corpus, gathered: torch.Tens
     # BF16 logits tie often, on either side: top-1 agreement counts ties symmetrically (metrics.top1_agreement).
     tied = base["topk_logprobs"] == base["topk_logprobs"][:, :1]
     # The token each position predicts, so that `compare` can check two rows were scored on the same tokens.
-    target = torch.cat([torch.as_tensor(seq[1:1 + n], dtype=torch.int32)
-                        for seq, n in zip(corpus.sequences, lengths.tolist())]) if len(lengths) else torch.zeros(0, dtype=torch.int32)
+    target = (
+        torch.cat([torch.as_tensor(seq[1 : 1 + n], dtype=torch.int32) for seq, n in zip(corpus.sequences, lengths.tolist())])
+        if len(lengths)
+        else torch.zeros(0, dtype=torch.int32)
+    )
     rec = {
         "seq_index": seq_index.int(),
         "target": target,
@@ -72,14 +75,22 @@ def position_records(base: dict, var: dict, corpus: Corpus, gathered: torch.Tens
         start = 0
         for n, p in zip(lengths.tolist(), corpus.prompt_lens):
             # position t predicts token t+1: answer tokens sit at p .. len-1, predicted from p-1 .. len-2
-            mask[start + p - 1:start + n] = True
+            mask[start + p - 1 : start + n] = True
             start += n
         rec["answer_mask"] = mask
     return rec
 
 
-def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], plan: Plan, settings: AblateSettings,
-                  score_dir: Path, before_scoring=None) -> tuple[dict, dict]:
+def score_variant(
+    backend,
+    folder: Path,
+    cache: Path,
+    corpora: list[Corpus],
+    plan: Plan,
+    settings: AblateSettings,
+    score_dir: Path,
+    before_scoring=None,
+) -> tuple[dict, dict]:
     """Load folder's model and score it against the cached base pass; before_scoring runs once it is loaded."""
 
     metrics, timings = {}, {}
@@ -97,14 +108,28 @@ def score_variant(backend, folder: Path, cache: Path, corpora: list[Corpus], pla
         t0 = time.perf_counter()
         base = load_tensors(cache / f"{c.name}.safetensors")
         offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), base["lengths"]]), 0)
-        gather = [base["topk_ids"][offsets[i]:offsets[i + 1]] for i in range(len(c.sequences))] if backend.exact_gather else None
+        gather = (
+            [base["topk_ids"][offsets[i] : offsets[i + 1]] for i in range(len(c.sequences))] if backend.exact_gather else None
+        )
         with stages.stage(f"{score_dir.name}: scoring {c.name} ({c.positions()} positions)"):
-            scores = list(progress_bar(backend.score(c.sequences, plan.top_k, gather_ids=gather, want_full="full" in base,
-                                              batch_size=pick_batch_size(settings, backend)),
-                                total=len(c.sequences), desc=f"  {folder.name} {c.name}", disable=not settings.progress or None,
-                                leave=False))
+            scores = list(
+                progress_bar(
+                    backend.score(
+                        c.sequences,
+                        plan.top_k,
+                        gather_ids=gather,
+                        want_full="full" in base,
+                        batch_size=pick_batch_size(settings, backend),
+                    ),
+                    total=len(c.sequences),
+                    desc=f"  {folder.name} {c.name}",
+                    disable=not settings.progress or None,
+                    leave=False,
+                )
+            )
         var = {
-            "topk_ids": torch.cat([s.topk_ids for s in scores]), "topk_logprobs": torch.cat([s.topk_logprobs for s in scores]),
+            "topk_ids": torch.cat([s.topk_ids for s in scores]),
+            "topk_logprobs": torch.cat([s.topk_logprobs for s in scores]),
             "target_logprobs": torch.cat([s.target_logprobs for s in scores]),
         }
         if "full" in base:

@@ -98,8 +98,10 @@ class Architecture:
     hf_prefix_map: tuple[tuple[str, str], ...] = ()
     # Fused 3-D routed-expert tensors (HF's in-memory layout, and some bases on disk): name -> the per-expert
     # projections stacked in it, in row order (gate rows first in gate_up_proj).
-    fused_expert_shards: tuple[tuple[str, tuple[str, ...]], ...] = (("gate_up_proj", ("gate_proj", "up_proj")),
-                                                                     ("down_proj", ("down_proj",)))
+    fused_expert_shards: tuple[tuple[str, tuple[str, ...]], ...] = (
+        ("gate_up_proj", ("gate_proj", "up_proj")),
+        ("down_proj", ("down_proj",)),
+    )
     chat_stop_tokens: tuple[str, ...] = ()  # tokens that end an assistant turn in the family's chat template
     # vLLM layer names as its kernel probe reports them (layer numbers folded to *) -> splicer's classes.
     vllm_kernel_classes: tuple[tuple[str, str], ...] = ()
@@ -127,16 +129,22 @@ class Architecture:
         # get_spec_layer_idx_from_weight_name); 0 means no MTP layer, absent means the released 1.
         k = text.get("num_nextn_predict_layers", 1)
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise SplicerError(f"config.json: num_nextn_predict_layers = {json.dumps(k)}; it must be a whole number, "
-                               "0 for no MTP layer or 1 for one: fix config.json")
+            raise SplicerError(
+                f"config.json: num_nextn_predict_layers = {json.dumps(k)}; it must be a whole number, "
+                "0 for no MTP layer or 1 for one: fix config.json"
+            )
         if k == 0:
             return dataclasses.replace(self, no_mtp_reason="config.json says num_nextn_predict_layers = 0")
         if k != 1:
-            raise SplicerError(f"config.json: num_nextn_predict_layers = {k}; splicer reads one MTP layer "
-                               f"({self.decoder_roots[0][0]}.{n}), as DeepSeek-V3 and GLM-4.5 ship, not {k}: "
-                               "open an issue with the checkpoint")
+            raise SplicerError(
+                f"config.json: num_nextn_predict_layers = {k}; splicer reads one MTP layer "
+                f"({self.decoder_roots[0][0]}.{n}), as DeepSeek-V3 and GLM-4.5 ship, not {k}: "
+                "open an issue with the checkpoint"
+            )
         prefix = f"{self.decoder_roots[0][0]}.{n}."
-        return dataclasses.replace(self, mtp_prefix=prefix, class_patterns=(("mtp", re.escape(prefix) + ".+"),) + self.class_patterns)
+        return dataclasses.replace(
+            self, mtp_prefix=prefix, class_patterns=(("mtp", re.escape(prefix) + ".+"),) + self.class_patterns
+        )
 
     def transformers_model_type(self, model_type: str) -> str:
         """The model type transformers' Auto classes know this checkpoint's model type by."""
@@ -205,8 +213,9 @@ class Architecture:
         prefix, which = parts
         projs = dict(self.fused_expert_shards)[which]
         rows = t.shape[1] // len(projs)
-        return [(f"{prefix}.{e}.{p}.weight", t[e, i * rows:(i + 1) * rows]) for e in range(t.shape[0])
-                for i, p in enumerate(projs)]
+        return [
+            (f"{prefix}.{e}.{p}.weight", t[e, i * rows : (i + 1) * rows]) for e in range(t.shape[0]) for i, p in enumerate(projs)
+        ]
 
     def per_expert_shapes(self, tensor: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]] | None:
         """split_fused_experts on shapes alone."""
@@ -248,7 +257,7 @@ class Architecture:
     def to_vllm_name(self, name: str) -> str:
         for hf, vl in self.vllm_prefix_map:
             if name.startswith(hf):
-                return vl + name[len(hf):]
+                return vl + name[len(hf) :]
         return name
 
     def vllm_rename_entry(self, entry: str) -> str:
@@ -332,8 +341,7 @@ def family_mismatch(model_type, tensor_names) -> str | None:
     def fit(arch: Architecture) -> tuple[int, int]:
         """(tensors in a class, -classes of the table no tensor is in): more named, then fewer classes unused."""
         classes = {k: arch.tensor_class(k) for k in folded}
-        return (sum(n for k, n in folded.items() if classes[k] != "other"),
-                -len(set(arch.classes) - set(classes.values())))
+        return (sum(n for k, n in folded.items() if classes[k] != "other"), -len(set(arch.classes) - set(classes.values())))
 
     have = fit(labelled)[0]
     scored = [(fit(a), a) for a in families() if a is not labelled]
@@ -342,10 +350,12 @@ def family_mismatch(model_type, tensor_names) -> str | None:
         return None
     fitting = [a for f, a in scored if f == best]
     unnamed = [k for k in folded if labelled.tensor_class(k) == "other" and fitting[0].tensor_class(k) != "other"]
-    return (f"config.json says model_type {model_type!r}, but {sum(folded[k] for k in unnamed)} of its tensors fit no class of that "
-            f"family's table (e.g. {unnamed[0]}) and the tensors fit {' or '.join(a.name for a in fitting)}: set "
-            f"model_type to the checkpoint's own ({', '.join(t for a in fitting for t in a.model_types)}), as its "
-            "export wrote it")
+    return (
+        f"config.json says model_type {model_type!r}, but {sum(folded[k] for k in unnamed)} of its tensors fit no class of that "
+        f"family's table (e.g. {unnamed[0]}) and the tensors fit {' or '.join(a.name for a in fitting)}: set "
+        f"model_type to the checkpoint's own ({', '.join(t for a in fitting for t in a.model_types)}), as its "
+        "export wrote it"
+    )
 
 
 def get_architecture(config: dict) -> Architecture:
@@ -355,6 +365,5 @@ def get_architecture(config: dict) -> Architecture:
             return arch.bind(config)
     known = ", ".join(t for a in families() for t in a.model_types)
     raise SplicerError(
-        f"model_type {model_type!r} is not supported (supported: {known}); "
-        "add an architecture table under splicer/arch/"
+        f"model_type {model_type!r} is not supported (supported: {known}); add an architecture table under splicer/arch/"
     )

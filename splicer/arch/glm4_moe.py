@@ -31,8 +31,11 @@ GLM4_MOE = Architecture(
         ("mlp", _DEC + r"mlp\.(gate|up|down)_proj"),
     ),
     classes=("attention", "mlp", "shared_expert", "lm_head", "experts", "mtp"),
-    fused_shards={**ATTENTION_QKV, **MLP_GATE_UP,
-                  **fused_group("shared_experts.gate_up_proj", ("shared_experts.gate_proj", "shared_experts.up_proj"))},
+    fused_shards={
+        **ATTENTION_QKV,
+        **MLP_GATE_UP,
+        **fused_group("shared_experts.gate_up_proj", ("shared_experts.gate_proj", "shared_experts.up_proj")),
+    },
     vllm_packed_modules=MAIN_PACKED,
     vllm_mtp_packed_modules=MAIN_PACKED,  # the drafter shares the target's quant_config object (families §D)
     vllm_prefix_map=(),
@@ -48,7 +51,16 @@ GLM4_MOE = Architecture(
         ("attention", r".*\.self_attn\.(qkv_proj|o_proj)$"),
         ("mlp", r".*\.mlp\.(gate_up_proj|down_proj)$"),
     ),
-    shape_keys=("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
-                "first_k_dense_replace", "num_attention_heads", "num_key_value_heads", "head_dim", "attention_bias"),
+    shape_keys=(
+        "n_routed_experts",
+        "n_shared_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "first_k_dense_replace",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "attention_bias",
+    ),
     source="transformers 5.24 models/glm4_moe; vLLM 0.26.0 models/glm4_moe.py, glm4_moe_mtp.py",
 )

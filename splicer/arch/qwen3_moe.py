@@ -43,7 +43,15 @@ QWEN3_MOE = Architecture(
         ("attention", r".*\.self_attn\.(qkv_proj|o_proj)$"),
         ("mlp", r".*\.mlp\.(gate_up_proj|down_proj)$"),
     ),
-    shape_keys=("num_experts", "num_experts_per_tok", "moe_intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "mlp_only_layers", "decoder_sparse_step"),
+    shape_keys=(
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "mlp_only_layers",
+        "decoder_sparse_step",
+    ),
     source="transformers 5.24 models/qwen3_moe; vLLM 0.26.0 models/qwen3_moe.py",
 )

@@ -36,8 +36,11 @@ def decode_spread(per_token_ms: list[float]) -> dict:
     import statistics
 
     q = statistics.quantiles(per_token_ms, n=4) if len(per_token_ms) > 1 else [per_token_ms[0]] * 3
-    return {"decode_ms_per_token": statistics.median(per_token_ms), "decode_iqr": [q[0], q[2]],
-            "decode_min_max": [min(per_token_ms), max(per_token_ms)]}
+    return {
+        "decode_ms_per_token": statistics.median(per_token_ms),
+        "decode_iqr": [q[0], q[2]],
+        "decode_min_max": [min(per_token_ms), max(per_token_ms)],
+    }
 
 
 def decode_summary(per_run_ms: list[float]) -> dict:
@@ -75,8 +78,14 @@ class Backend(Protocol):
 
     def abort(self) -> None: ...  # end worker processes now, from another thread (an interrupt); close() still follows
 
-    def score(self, sequences: list[list[int]], top_k: int = 20, gather_ids: list[torch.Tensor] | None = None,
-              want_full: bool = False, batch_size: int = 4) -> Iterator[SequenceScores]: ...
+    def score(
+        self,
+        sequences: list[list[int]],
+        top_k: int = 20,
+        gather_ids: list[torch.Tensor] | None = None,
+        want_full: bool = False,
+        batch_size: int = 4,
+    ) -> Iterator[SequenceScores]: ...
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]: ...
 
@@ -131,8 +140,9 @@ THREADS_VARIABLE = "SPLICER_THREADS"
 MAX_THREADS = 1024  # torch takes a C int, and OpenMP allocates every thread's stack at once: a count far above any core count aborts the process
 
 
-def choose_threads(requested: int | None = None, env=None, cores: int | None = None,
-                   others: float | None = None) -> tuple[int, str]:
+def choose_threads(
+    requested: int | None = None, env=None, cores: int | None = None, others: float | None = None
+) -> tuple[int, str]:
     """torch's CPU thread count and why, as `torch threads: N (why)`.
 
     A count the user gave wins (requested, then SPLICER_THREADS, then OMP_NUM_THREADS). Otherwise the cores this
@@ -147,14 +157,20 @@ def choose_threads(requested: int | None = None, env=None, cores: int | None = N
     if env.get(THREADS_VARIABLE, "").strip():
         text = env[THREADS_VARIABLE].strip()
         if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_THREADS:
-            raise SplicerError(f"{THREADS_VARIABLE}={text[:20]!r} is not a whole number from 1 to {MAX_THREADS}; set it to "
-                               "a thread count or unset it")
+            raise SplicerError(
+                f"{THREADS_VARIABLE}={text[:20]!r} is not a whole number from 1 to {MAX_THREADS}; set it to "
+                "a thread count or unset it"
+            )
         return int(text), f"torch threads: {int(text)} (from {THREADS_VARIABLE})"
     omp = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    if omp.isascii() and omp.isdigit() and int(omp) >= 1:  # OpenMP's own setting (a nested list's first level); anything else OpenMP ignores too
+    if (
+        omp.isascii() and omp.isdigit() and int(omp) >= 1
+    ):  # OpenMP's own setting (a nested list's first level); anything else OpenMP ignores too
         if int(omp) > MAX_THREADS:
-            raise SplicerError(f"OMP_NUM_THREADS={omp[:20]!r} is more than {MAX_THREADS} threads; set it to a thread count, "
-                               f"or set {THREADS_VARIABLE} for splicer alone")
+            raise SplicerError(
+                f"OMP_NUM_THREADS={omp[:20]!r} is more than {MAX_THREADS} threads; set it to a thread count, "
+                f"or set {THREADS_VARIABLE} for splicer alone"
+            )
         return int(omp), f"torch threads: {int(omp)} (from OMP_NUM_THREADS)"
     cores = usable_cores() if cores is None else cores
     others = load_of_others(cores) if others is None else others

@@ -65,6 +65,7 @@ class TorchBackend:
     # ------------------------------------------------------------ loading
     def load(self, folder: Path) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
+
         try:
             from transformers.initialization import no_init_weights
         except ImportError:  # transformers < 5
@@ -73,7 +74,9 @@ class TorchBackend:
         self.unload()
         ckpt = open_checkpoint(folder, "checkpoint")
         arch = ckpt.arch
-        cfg_dict = {k: v for k, v in ckpt.config.items() if k not in ("quantization_config", "model_type", "transformers_version")}
+        cfg_dict = {
+            k: v for k, v in ckpt.config.items() if k not in ("quantization_config", "model_type", "transformers_version")
+        }
         # transformers' own config and causal-LM classes for the model type (the text model of a multimodal one).
         text_cfg = AutoConfig.for_model(arch.transformers_model_type(ckpt.config["model_type"]), **cfg_dict)
         if arch.text_config_key:
@@ -112,7 +115,9 @@ class TorchBackend:
             raw = self._dequantize(raw, schemes)
             for name, tensor in self._to_model_names(raw, arch).items():
                 if name not in params:
-                    raise SplicerError(f"{folder}: tensor {name} has no place in the text model; is this a {arch.name} checkpoint?")
+                    raise SplicerError(
+                        f"{folder}: tensor {name} has no place in the text model; is this a {arch.name} checkpoint?"
+                    )
                 p = params[name]
                 if tuple(p.shape) != tuple(tensor.shape):
                     raise SplicerError(f"{folder}: {name} is {list(tensor.shape)} but the config implies {list(p.shape)}")
@@ -121,7 +126,9 @@ class TorchBackend:
                 filled.add(name)
         missing = sorted(required - filled)
         if missing:
-            raise SplicerError(f"{folder}: no weights for {missing[0]} (and {len(missing) - 1} more); the checkpoint is incomplete")
+            raise SplicerError(
+                f"{folder}: no weights for {missing[0]} (and {len(missing) - 1} more); the checkpoint is incomplete"
+            )
         model.eval()
         self.model = model
         self.folder = Path(folder)
@@ -149,14 +156,18 @@ class TorchBackend:
         modules = {n: m for n, m in (modules if modules is not None else list_modules(ckpt)).items() if m.quantized}
         if qc.get("quant_method") == "gptq":
             if qc.get("checkpoint_format", "gptq") != "gptq":
-                raise SplicerError(f"{ckpt.label}: GPTQ checkpoint_format {qc.get('checkpoint_format')!r}; the torch backend reads v1 ('gptq') only")
+                raise SplicerError(
+                    f"{ckpt.label}: GPTQ checkpoint_format {qc.get('checkpoint_format')!r}; the torch backend reads v1 ('gptq') only"
+                )
             return {n: (m, m.bits) for n, m in modules.items()}
         if is_skip_list(qc):
             # One scheme for every quantized module: the config's, checked against what the tensors say.
             wrong = skip_list_mismatch(qc, modules)
             if wrong:
-                raise SplicerError(f"{ckpt.label}: {wrong.name} is stored as {wrong.scheme} but the config says "
-                                   f"{skip_list_scheme(qc)}; fix the config")
+                raise SplicerError(
+                    f"{ckpt.label}: {wrong.name} is stored as {wrong.scheme} but the config says "
+                    f"{skip_list_scheme(qc)}; fix the config"
+                )
             if qc["quant_method"] == "fp8":
                 scheme = native_fp8_scheme(qc.get("weight_block_size"))
                 return {n: (m, scheme) for n, m in modules.items()}
@@ -166,7 +177,9 @@ class TorchBackend:
         for name, m in modules.items():
             group = reader.reading(m).group
             if group is None:
-                raise SplicerError(f"{ckpt.label}: {name} is stored packed but quantization_config does not target it; fix the config (see splicer inspect)")
+                raise SplicerError(
+                    f"{ckpt.label}: {name} is stored packed but quantization_config does not target it; fix the config (see splicer inspect)"
+                )
             said = group_scheme(qc, group, m.shape[1])
             if said != m.scheme:
                 raise SplicerError(f"{ckpt.label}: {name} is stored as {m.scheme} but {group} says {said}; fix the config")
@@ -216,7 +229,7 @@ class TorchBackend:
         for name, t in out.items():
             for ckpt_prefix, model_prefix in arch.hf_prefix_map:
                 if name.startswith(ckpt_prefix):
-                    name = model_prefix + name[len(ckpt_prefix):]
+                    name = model_prefix + name[len(ckpt_prefix) :]
                     break
             renamed[name] = t
         return renamed
@@ -261,8 +274,9 @@ class TorchBackend:
         by_length = defaultdict(list)
         for i, seq in enumerate(sequences):
             by_length[len(seq)].append(i)
-        batches = sorted((idxs[s:s + batch_size] for idxs in by_length.values() for s in range(0, len(idxs), batch_size)),
-                         key=lambda b: b[0])
+        batches = sorted(
+            (idxs[s : s + batch_size] for idxs in by_length.values() for s in range(0, len(idxs), batch_size)), key=lambda b: b[0]
+        )
         for batch in batches:
             # Inference mode only around the forward pass, never across a yield: a generator suspended inside the
             # block would leave the caller's thread in inference mode (no autograd) until it is exhausted or closed.
@@ -278,8 +292,10 @@ class TorchBackend:
                     if gather_ids is not None:
                         gathered = lp.gather(1, gather_ids[i].to(self.device).long()).cpu()
                     results[i] = SequenceScores(
-                        topk_ids=top.indices.int().cpu(), topk_logprobs=top.values.cpu(),
-                        target_logprobs=lp.gather(1, target[:, None])[:, 0].cpu(), gathered=gathered,
+                        topk_ids=top.indices.int().cpu(),
+                        topk_logprobs=top.values.cpu(),
+                        target_logprobs=lp.gather(1, target[:, None])[:, 0].cpu(),
+                        gathered=gathered,
                         full=lp.cpu() if want_full else None,
                     )
             while next_out in results:  # every index lands in some batch, so this drains all of them
@@ -293,9 +309,14 @@ class TorchBackend:
         with torch.inference_mode():
             for prompt in prompts:
                 ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-                gen = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                     eos_token_id=list(stop_ids) or None, pad_token_id=(stop_ids or [0])[0])
-                outs.append(gen[0, len(prompt):].tolist())
+                gen = model.generate(
+                    input_ids=ids,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=list(stop_ids) or None,
+                    pad_token_id=(stop_ids or [0])[0],
+                )
+                outs.append(gen[0, len(prompt) :].tolist())
         return outs
 
     # ------------------------------------------------------------ timing
@@ -323,9 +344,13 @@ class TorchBackend:
             ttft.append(t1 * 1000)
             per_token.append((tn - t1) * 1000 / (new_tokens - 1))
         return {
-            **decode_summary(per_token), "ttft_ms": statistics.median(ttft),
-            "ttft_min_max": [min(ttft), max(ttft)], "runs": runs, "warmup": warmup,
-            "prompt_tokens": len(prompt), "new_tokens": new_tokens,
+            **decode_summary(per_token),
+            "ttft_ms": statistics.median(ttft),
+            "ttft_min_max": [min(ttft), max(ttft)],
+            "runs": runs,
+            "warmup": warmup,
+            "prompt_tokens": len(prompt),
+            "new_tokens": new_tokens,
             "method": "wall: (t(n) - t(1)) / (n - 1), wall clock around generate, batch 1",
         }
 
@@ -335,5 +360,11 @@ class TorchBackend:
         dev = str(self.device)
         if self.device.type == "cuda":
             dev = torch.cuda.get_device_name(self.device)
-        return {"backend": "torch", "engine": f"transformers {transformers.__version__}", "torch": torch.__version__,
-                "device": dev, "dtype": str(self.dtype).replace("torch.", ""), "threads": torch.get_num_threads()}
+        return {
+            "backend": "torch",
+            "engine": f"transformers {transformers.__version__}",
+            "torch": torch.__version__,
+            "device": dev,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads(),
+        }

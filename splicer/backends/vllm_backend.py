@@ -156,9 +156,17 @@ class _Worker:
         breakdown = startup_breakdown(text)
         if payload.get("compile_time_s") is not None:
             breakdown.setdefault("compile_s", payload["compile_time_s"])
-        return dict(payload, spawn_to_ready_s=time.perf_counter() - t0, worker_start_s=worker_start_s, log=str(log_path),
-                    startup_breakdown=breakdown, kernel_log_lines=sorted(set(lines)), engine_args=engine_args,
-                    one_process=b.one_process, kernels_by_class=kernels_by_class(payload.get("layers") or {}, arch_of(folder)))
+        return dict(
+            payload,
+            spawn_to_ready_s=time.perf_counter() - t0,
+            worker_start_s=worker_start_s,
+            log=str(log_path),
+            startup_breakdown=breakdown,
+            kernel_log_lines=sorted(set(lines)),
+            engine_args=engine_args,
+            one_process=b.one_process,
+            kernels_by_class=kernels_by_class(payload.get("layers") or {}, arch_of(folder)),
+        )
 
     def unload(self) -> None:
         if self.loaded:
@@ -191,13 +199,26 @@ class VllmBackend:
     name = "vllm"
     exact_gather = False
 
-    def __init__(self, device: str = "auto", engine_args: dict | None = None, log_dir: Path | None = None,
-                 start_timeout_s: float = 1800, require_cuda: bool = True, cache_dir: Path | None = None,
-                 one_process: bool = True, overlap_starts: int = 0, sleep_between: bool | None = None,
-                 rewake_before_timing: bool = False, precompile: int = 0, cpus: list[int] | None = None,
-                 engine_env: dict | None = None):
+    def __init__(
+        self,
+        device: str = "auto",
+        engine_args: dict | None = None,
+        log_dir: Path | None = None,
+        start_timeout_s: float = 1800,
+        require_cuda: bool = True,
+        cache_dir: Path | None = None,
+        one_process: bool = True,
+        overlap_starts: int = 0,
+        sleep_between: bool | None = None,
+        rewake_before_timing: bool = False,
+        precompile: int = 0,
+        cpus: list[int] | None = None,
+        engine_env: dict | None = None,
+    ):
         if importlib.util.find_spec("vllm") is None:
-            raise SplicerError("the vLLM backend needs vllm (pip install 'splicer[vllm]' on a GPU machine); use --backend torch here")
+            raise SplicerError(
+                "the vLLM backend needs vllm (pip install 'splicer[vllm]' on a GPU machine); use --backend torch here"
+            )
         if require_cuda and not torch.cuda.is_available():
             raise SplicerError("the vLLM backend needs a CUDA GPU and torch sees none; use --backend torch")
         overlap_starts = int(overlap_starts)  # True (the old flag) means one
@@ -209,13 +230,17 @@ class VllmBackend:
         if precompile < 0:
             raise SplicerError(f"--precompile {precompile}: give the number of processes that compile ahead (1 or more)")
         if precompile and overlap_starts:
-            raise SplicerError("--precompile and --overlap-starts are two ways to start engines ahead: choose one "
-                               "(--precompile keeps every timed engine alone on the GPU)")
+            raise SplicerError(
+                "--precompile and --overlap-starts are two ways to start engines ahead: choose one "
+                "(--precompile keeps every timed engine alone on the GPU)"
+            )
         defaults, self.env = default_engine_args()
         self.sleep_between = bool(overlap_starts) if sleep_between is None else bool(sleep_between)
         if rewake_before_timing and not self.sleep_between:
-            raise SplicerError("--rewake-before-timing sleeps and wakes the engine once more before its decode timing; "
-                               "it needs vLLM's sleep mode: add --overlap-starts")
+            raise SplicerError(
+                "--rewake-before-timing sleeps and wakes the engine once more before its decode timing; "
+                "it needs vLLM's sleep mode: add --overlap-starts"
+            )
         # On the H200 stand-in an engine timed right after its first wake sat at 4.10 or 4.38 ms/token from one engine
         # to the next, and one engine moved slow -> fast after a second sleep and wake (results/h200-fulldims,
         # engine-state): this option puts that second cycle before every timing.
@@ -223,8 +248,10 @@ class VllmBackend:
         self.engine_args = {**defaults, **(OVERLAP_DEFAULTS if overlap_starts else {}), **(engine_args or {})}
         if self.sleep_between:
             if self.engine_args.get("enable_sleep_mode") is False:
-                raise SplicerError("--overlap-starts times every engine after a sleep and wake (vLLM's sleep mode): "
-                                   "drop --engine-arg enable_sleep_mode=false, or time serially without --overlap-starts")
+                raise SplicerError(
+                    "--overlap-starts times every engine after a sleep and wake (vLLM's sleep mode): "
+                    "drop --engine-arg enable_sleep_mode=false, or time serially without --overlap-starts"
+                )
             self.engine_args["enable_sleep_mode"] = True
         if device.startswith("cuda:"):
             self.env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
@@ -250,7 +277,11 @@ class VllmBackend:
         self.cache_dir = cache_dir
         if cache_dir is not None:
             cache_dir = Path(cache_dir).resolve()
-            for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+            for var, sub in (
+                ("VLLM_CACHE_ROOT", "vllm"),
+                ("TRITON_CACHE_DIR", "triton"),
+                ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+            ):
                 if var not in os.environ:
                     self.env[var] = str(cache_dir / sub)
         # --engine-env: the user's variables for every engine process (its compiling lanes too), over splicer's.
@@ -369,8 +400,13 @@ class VllmBackend:
                 w.send_load(folder, t0, args)
                 info = w.finish_load()
                 w.unload()
-                rec = {"folder": str(folder), "startup_s": round(info["spawn_to_ready_s"], 1),
-                       "compile_s": info["startup_breakdown"].get("compile_s"), "log": info["log"], "error": None}
+                rec = {
+                    "folder": str(folder),
+                    "startup_s": round(info["spawn_to_ready_s"], 1),
+                    "compile_s": info["startup_breakdown"].get("compile_s"),
+                    "log": info["log"],
+                    "error": None,
+                }
             except Exception as e:  # a variant that cannot compile ahead compiles at its own start, as without lanes
                 w.stop()
                 rec = {"folder": str(folder), "startup_s": round(time.perf_counter() - t0, 1), "error": str(e)[:500]}
@@ -534,10 +570,22 @@ class VllmBackend:
             version = md.version("vllm")
         except Exception:
             version = "unknown"
-        return {"backend": "vllm", "engine": f"vllm {version}", "torch": torch.__version__,
-                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "engine_args": self.engine_args,
-                "cuda_device": self.device, "cpus": self.cpus,
-                "env": {k: v for k, v in self.env.items()}, "engine_env": self.engine_env, "python": sys.version.split()[0], "one_process": self.one_process,
-                "overlap_starts": self.overlap_starts, "worker_starts": self.worker_starts, "timing_state": self.timing_state,
-                "rewake_before_timing": self.rewake_before_timing, "precompile": self.precompile_slots,
-                "engine_cache_dir": str(self.cache_dir) if self.cache_dir is not None else "per-user defaults"}
+        return {
+            "backend": "vllm",
+            "engine": f"vllm {version}",
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "engine_args": self.engine_args,
+            "cuda_device": self.device,
+            "cpus": self.cpus,
+            "env": {k: v for k, v in self.env.items()},
+            "engine_env": self.engine_env,
+            "python": sys.version.split()[0],
+            "one_process": self.one_process,
+            "overlap_starts": self.overlap_starts,
+            "worker_starts": self.worker_starts,
+            "timing_state": self.timing_state,
+            "rewake_before_timing": self.rewake_before_timing,
+            "precompile": self.precompile_slots,
+            "engine_cache_dir": str(self.cache_dir) if self.cache_dir is not None else "per-user defaults",
+        }

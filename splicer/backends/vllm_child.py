@@ -151,8 +151,14 @@ def child_worker(conn, env: dict, log_path: str) -> None:
             compile_s = float(llm.llm_engine.vllm_config.compilation_config.compilation_time)
         except Exception:
             pass
-        info = {"vllm": vllm.__version__, "startup_s": startup, "import_s": import_s, "compile_time_s": compile_s,
-                "layers": layers, "pid": os.getpid()}
+        info = {
+            "vllm": vllm.__version__,
+            "startup_s": startup,
+            "import_s": import_s,
+            "compile_time_s": compile_s,
+            "layers": layers,
+            "pid": os.getpid(),
+        }
         if sleep_after:  # level 1: weights to CPU memory, KV cache dropped; the GPU is free for the engine serving now
             t = time.perf_counter()
             llm.sleep(level=1)
@@ -183,7 +189,7 @@ def child_worker(conn, env: dict, log_path: str) -> None:
             params = SamplingParams(**kw)
         out = []
         for s in range(0, len(seqs), chunk):
-            batch = seqs[s:s + chunk]
+            batch = seqs[s : s + chunk]
             res = llm.generate([TokensPrompt(prompt_token_ids=q) for q in batch], params, use_tqdm=False)
             out += [sequence_scores(q, r.prompt_logprobs, top_k) for q, r in zip(batch, res)]
         return out
@@ -227,8 +233,17 @@ def child_worker(conn, env: dict, log_path: str) -> None:
                 out[m.name] = getattr(m, "value", None) if not hasattr(m, "values") else list(m.values)
         return out
 
-    ops = {"load": load, "wake": wake, "sleep": sleep, "unload": unload, "score": score, "generate": generate, "time": time_decode,
-           "drafter_layers": drafter_layers, "metrics": metrics}
+    ops = {
+        "load": load,
+        "wake": wake,
+        "sleep": sleep,
+        "unload": unload,
+        "score": score,
+        "generate": generate,
+        "time": time_decode,
+        "drafter_layers": drafter_layers,
+        "metrics": metrics,
+    }
     conn.send(("started", {"import_s": import_s}))
     while True:
         msg = conn.recv()

@@ -39,8 +39,11 @@ OVERLAP_DEFAULTS = {"kv_cache_memory_bytes": 12 << 30, "gpu_memory_utilization":
 
 
 # Set by splicer itself from other options; --engine-env may not override them.
-_ENV_OWNED = {"CUDA_VISIBLE_DEVICES": "--gpus or --device cuda:N", "VLLM_ENABLE_V1_MULTIPROCESSING": "--process-per-variant",
-              "SPLICER_CPUS": "--gpus"}
+_ENV_OWNED = {
+    "CUDA_VISIBLE_DEVICES": "--gpus or --device cuda:N",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "--process-per-variant",
+    "SPLICER_CPUS": "--gpus",
+}
 
 
 def parse_engine_env(items: list[str] | None) -> dict:

@@ -51,8 +51,11 @@ def scores_from_flat_logprobs(prompt_ids: list[int], flat, top_k: int) -> Sequen
     lps = torch.tensor(flat.logprobs, dtype=torch.float32)[idx]
     if not torch.equal(ids[:, 0], torch.tensor(prompt_ids[1:], dtype=torch.long)):
         raise RuntimeError("vLLM's flat prompt logprobs do not start each position with the actual next token")
-    return SequenceScores(topk_ids=ids[:, 1:].to(torch.int32).contiguous(), topk_logprobs=lps[:, 1:].contiguous(),
-                          target_logprobs=lps[:, 0].contiguous())
+    return SequenceScores(
+        topk_ids=ids[:, 1:].to(torch.int32).contiguous(),
+        topk_logprobs=lps[:, 1:].contiguous(),
+        target_logprobs=lps[:, 0].contiguous(),
+    )
 
 
 def sequence_scores(prompt_ids, prompt_logprobs, top_k) -> SequenceScores:
@@ -76,8 +79,15 @@ ENGINE_METHOD = "engine: (last token time - first token time) / (n - 1), from vL
 WALL_METHOD = "wall: (t(n) - t(1)) / (n - 1), wall clock around LLM.generate, batch 1"
 
 
-def summarise_decode_runs(t1_s: list[float], tn_s: list[float], engine_step_s_runs: list[float | None], *,
-                          new_tokens: int, warmup: int, prompt_tokens: int) -> dict:
+def summarise_decode_runs(
+    t1_s: list[float],
+    tn_s: list[float],
+    engine_step_s_runs: list[float | None],
+    *,
+    new_tokens: int,
+    warmup: int,
+    prompt_tokens: int,
+) -> dict:
     """The timing entry of results.json from time_decode's runs (pure: the worker measures, this summarises).
 
     Per run: t1_s and tn_s are the wall seconds of a request generating 1 and new_tokens tokens, engine_step_s_runs
@@ -97,12 +107,21 @@ def summarise_decode_runs(t1_s: list[float], tn_s: list[float], engine_step_s_ru
     summary = decode_summary(per_token)
     if summary["decode_ms_per_token"] is None:
         median = f"{statistics.median(per_token):.4g} ms/token" if per_token else "no value (fewer than 2 new tokens or no runs)"
-        method = (f"not resolved: {method} gave a median of {median}, which is no measurement (decode steps shorter "
-                  "than the clock's noise); the per-run values are in per_run_ms")
+        method = (
+            f"not resolved: {method} gave a median of {median}, which is no measurement (decode steps shorter "
+            "than the clock's noise); the per-run values are in per_run_ms"
+        )
     ttft = [t * 1000 for t in t1_s]
-    out = {**summary, "ttft_ms": statistics.median(ttft) if ttft else None,
-           "ttft_min_max": [min(ttft), max(ttft)] if ttft else None,
-           "runs": runs, "warmup": warmup, "prompt_tokens": prompt_tokens, "new_tokens": n, "method": method}
+    out = {
+        **summary,
+        "ttft_ms": statistics.median(ttft) if ttft else None,
+        "ttft_min_max": [min(ttft), max(ttft)] if ttft else None,
+        "runs": runs,
+        "warmup": warmup,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": n,
+        "method": method,
+    }
     if use_engine:  # the old estimator beside it, from the same runs
         out["wall_diff"] = decode_summary(wall_diff)
     return out

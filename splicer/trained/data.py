@@ -63,13 +63,21 @@ PACKAGES = (
 @dataclass(frozen=True)
 class Recipe:
     """Sizes of everything; the defaults make the real data set, tests pass tiny ones."""
-    train_bytes: dict = field(default_factory=lambda: {
-        "en-dict": 12_000_000, "en-kernel": 12_000_000, "en-python": 10_000_000, "zh": None, "chat": 4_000_000})
-    heldout_bytes: dict = field(default_factory=lambda: {
-        "en-dict": 300_000, "en-kernel": 300_000, "en-python": 300_000, "zh": 150_000})
+
+    train_bytes: dict = field(
+        default_factory=lambda: {
+            "en-dict": 12_000_000,
+            "en-kernel": 12_000_000,
+            "en-python": 10_000_000,
+            "zh": None,
+            "chat": 4_000_000,
+        }
+    )
+    heldout_bytes: dict = field(
+        default_factory=lambda: {"en-dict": 300_000, "en-kernel": 300_000, "en-python": 300_000, "zh": 150_000}
+    )
     heldout_chat: int = 300
-    calib_docs: dict = field(default_factory=lambda: {
-        "en-dict": 128, "en-kernel": 128, "en-python": 128, "zh": 64, "chat": 64})
+    calib_docs: dict = field(default_factory=lambda: {"en-dict": 128, "en-kernel": 128, "en-python": 128, "zh": 64, "chat": 64})
     doc_max_bytes: int = 4000  # documents are packed from paragraphs up to this size
     calib_min_bytes: int = 1000
     calib_max_bytes: int = 4096
@@ -97,20 +105,24 @@ def log(msg: str) -> None:
 
 # --- reading a .deb --------------------------------------------------------------------------------------------------
 
+
 def find_debs(folder: Path) -> dict[str, Path]:
     folder = Path(folder)
     if not folder.is_dir():
-        raise SplicerError(f"--debs {folder}: no such folder; make it and fetch the packages there with "
-                           f"`apt-get download {' '.join(p.name for p in PACKAGES)}`")
+        raise SplicerError(
+            f"--debs {folder}: no such folder; make it and fetch the packages there with "
+            f"`apt-get download {' '.join(p.name for p in PACKAGES)}`"
+        )
     found = {}
     for pkg in PACKAGES:
         hits = sorted(folder.glob(f"{pkg.name}_*.deb"))
         if not hits:
-            raise SplicerError(f"{folder}: no {pkg.name}_*.deb (the {pkg.name} package); fetch it into that folder "
-                               f"with `apt-get download {pkg.name}`")
+            raise SplicerError(
+                f"{folder}: no {pkg.name}_*.deb (the {pkg.name} package); fetch it into that folder "
+                f"with `apt-get download {pkg.name}`"
+            )
         if len(hits) > 1:
-            raise SplicerError(f"{folder}: several {pkg.name} packages ({', '.join(h.name for h in hits)}); "
-                               "keep only one")
+            raise SplicerError(f"{folder}: several {pkg.name} packages ({', '.join(h.name for h in hits)}); keep only one")
         found[pkg.name] = hits[0]
     return found
 
@@ -121,10 +133,10 @@ def ar_members(blob: bytes, path: Path) -> dict[str, bytes]:
         raise SplicerError(f"{path}: not a Debian package (no ar header); fetch it again with apt-get download")
     out, pos = {}, 8
     while pos + 60 <= len(blob):
-        head = blob[pos:pos + 60]
+        head = blob[pos : pos + 60]
         name = head[:16].decode("ascii", "replace").strip().rstrip("/")
         size = int(head[48:58].decode("ascii").strip())
-        out[name] = blob[pos + 60:pos + 60 + size]
+        out[name] = blob[pos + 60 : pos + 60 + size]
         pos += 60 + size + (size & 1)
     return out
 
@@ -137,8 +149,10 @@ def _tar_bytes(members: dict[str, bytes], stem: str, path: Path) -> bytes:
             return lzma.decompress(data)
         if name == stem + ".tar.gz":
             return gzip.decompress(data)
-    raise SplicerError(f"{path}: no {stem}.tar, {stem}.tar.xz or {stem}.tar.gz inside (members: "
-                       f"{', '.join(members)}); fetch the package again with apt-get download")
+    raise SplicerError(
+        f"{path}: no {stem}.tar, {stem}.tar.xz or {stem}.tar.gz inside (members: "
+        f"{', '.join(members)}); fetch the package again with apt-get download"
+    )
 
 
 def read_deb(path: Path, wanted) -> tuple[dict, dict[str, bytes]]:
@@ -167,12 +181,49 @@ def read_deb(path: Path, wanted) -> tuple[dict, dict[str, bytes]]:
 _B64 = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
 # GCIDE's ASCII codes for letters it cannot type; the common ones outside pronunciations (which are dropped).
 _GCIDE_CHARS = {
-    "[ae]": "æ", "[AE]": "Æ", "[oe]": "œ", "[OE]": "Œ", "['e]": "é", "['E]": "É", "[`e]": "è", "['a]": "á",
-    "[`a]": "à", "['o]": "ó", "['i]": "í", "['u]": "ú", "[aum]": "ä", "[\"a]": "ä", "[\"o]": "ö", "[\"e]": "ë",
-    "[\"u]": "ü", "[\"i]": "ï", "[~n]": "ñ", "[,c]": "ç", "[^a]": "â", "[^e]": "ê", "[^i]": "î", "[^o]": "ô",
-    "[^u]": "û", "[=a]": "ā", "[=e]": "ē", "[imac]": "ī", "[=o]": "ō", "[=u]": "ū", "[a^]": "ă", "[e^]": "ĕ",
-    "[i^]": "ĭ", "[o^]": "ŏ", "[u^]": "ŭ", "[deg]": "°", "[sect]": "§", "[root]": "√", "[eth]": "ð",
-    "[thorn]": "þ", "[alpha]": "α", "[beta]": "β", "[yogh]": "ȝ",
+    "[ae]": "æ",
+    "[AE]": "Æ",
+    "[oe]": "œ",
+    "[OE]": "Œ",
+    "['e]": "é",
+    "['E]": "É",
+    "[`e]": "è",
+    "['a]": "á",
+    "[`a]": "à",
+    "['o]": "ó",
+    "['i]": "í",
+    "['u]": "ú",
+    "[aum]": "ä",
+    '["a]': "ä",
+    '["o]': "ö",
+    '["e]': "ë",
+    '["u]': "ü",
+    '["i]': "ï",
+    "[~n]": "ñ",
+    "[,c]": "ç",
+    "[^a]": "â",
+    "[^e]": "ê",
+    "[^i]": "î",
+    "[^o]": "ô",
+    "[^u]": "û",
+    "[=a]": "ā",
+    "[=e]": "ē",
+    "[imac]": "ī",
+    "[=o]": "ō",
+    "[=u]": "ū",
+    "[a^]": "ă",
+    "[e^]": "ĕ",
+    "[i^]": "ĭ",
+    "[o^]": "ŏ",
+    "[u^]": "ŭ",
+    "[deg]": "°",
+    "[sect]": "§",
+    "[root]": "√",
+    "[eth]": "ð",
+    "[thorn]": "þ",
+    "[alpha]": "α",
+    "[beta]": "β",
+    "[yogh]": "ȝ",
 }
 _GCIDE_CHAR_RE = re.compile("|".join(re.escape(k) for k in sorted(_GCIDE_CHARS, key=len, reverse=True)))
 _PRON_RE = re.compile(r"\s*\\[^\\\n]*\\(\s*\([^()\n]*\))?")  # \Ab"a*cus\ ([a^]b"[.a]*k[u^]s)
@@ -222,7 +273,7 @@ def gcide_entries(dict_dz: bytes, index: bytes) -> list[tuple[str, str]]:
             spans.add((_b64(parts[1]), _b64(parts[2])))
     out = []
     for off, n in sorted(spans):
-        raw = data[off:off + n].decode("utf-8", "replace")
+        raw = data[off : off + n].decode("utf-8", "replace")
         if "GNU General Public License" in raw and "GCIDE" in raw:  # the licence preamble entries
             continue
         headword, text = gcide_entry_text(raw)
@@ -266,8 +317,34 @@ def zh_item(kind: str, text: str) -> tuple:
 class _MainText(HTMLParser):
     """The text of a Sphinx page's main body (div role=main): block elements become paragraph breaks, <pre> keeps
     its whitespace (code kept as written), permalink marks and scripts are skipped."""
-    BLOCKS = {"p", "div", "section", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "li", "dt", "dd", "table", "tr",
-              "blockquote", "ul", "ol", "dl", "hr", "br", "figure", "aside", "caption", "th"}
+
+    BLOCKS = {
+        "p",
+        "div",
+        "section",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "h6",
+        "pre",
+        "li",
+        "dt",
+        "dd",
+        "table",
+        "tr",
+        "blockquote",
+        "ul",
+        "ol",
+        "dl",
+        "hr",
+        "br",
+        "figure",
+        "aside",
+        "caption",
+        "th",
+    }
 
     def __init__(self):
         super().__init__(convert_charrefs=True)
@@ -318,6 +395,7 @@ class _MainText(HTMLParser):
                 s = re.sub(r"[ \t\r\f\v]+", " ", re.sub(r"\s*\n\s*\n\s*", "\0", "".join(run)).replace("\n", " "))
                 out.append(re.sub(r" ?\0 ?", "\n\n", s).replace(" \n", "\n").replace("\n ", "\n"))
                 run.clear()
+
         for in_pre, s in self.parts:
             if in_pre:
                 flush()
@@ -337,6 +415,7 @@ def html_text(raw: bytes) -> str:
 
 
 # --- documents -------------------------------------------------------------------------------------------------------
+
 
 def _nbytes(s: str) -> int:
     return len(s.encode("utf-8"))
@@ -429,8 +508,9 @@ def extract(pkg: Package, path: Path, recipe: Recipe) -> Extracted:
     elif pkg.source == "en-kernel":
         root = f"usr/share/doc/{pkg.name}/Documentation/"
         used = [root + "**/*.rst[.gz]", root + "**/*.txt[.gz]"]
-        control, files = read_deb(path, lambda n: n == copyright_path or (
-            n.startswith(root) and n.endswith((".rst", ".rst.gz", ".txt", ".txt.gz"))))
+        control, files = read_deb(
+            path, lambda n: n == copyright_path or (n.startswith(root) and n.endswith((".rst", ".rst.gz", ".txt", ".txt.gz")))
+        )
         docs, text_bytes = [], 0
         for name in sorted(n for n in files if n != copyright_path):
             raw = files[name]
@@ -442,9 +522,17 @@ def extract(pkg: Package, path: Path, recipe: Recipe) -> Extracted:
         root = f"usr/share/doc/{pkg.name.removesuffix('-doc')}/html/"
         skip = ("genindex", "search.html", "py-modindex.html", "contents.html", "_")
         used = [root + "**/*.html (not genindex*, search, py-modindex, contents, _*/)"]
-        control, files = read_deb(path, lambda n: n == copyright_path or (
-            n.startswith(root) and n.endswith(".html") and not any(
-                part.startswith(skip) for part in n[len(root):].split("/"))))
+        control, files = read_deb(
+            path,
+            lambda n: (
+                n == copyright_path
+                or (
+                    n.startswith(root)
+                    and n.endswith(".html")
+                    and not any(part.startswith(skip) for part in n[len(root) :].split("/"))
+                )
+            ),
+        )
         docs, text_bytes = [], 0
         for name in sorted(n for n in files if n != copyright_path):
             text = html_text(files[name])
@@ -453,23 +541,27 @@ def extract(pkg: Package, path: Path, recipe: Recipe) -> Extracted:
     else:  # pragma: no cover - PACKAGES and this function go together
         raise AssertionError(pkg.source)
     if copyright_path not in files:
-        raise SplicerError(f"{path}: no {copyright_path} inside, so its licence is unknown; fetch the package "
-                           f"again with `apt-get download {pkg.name}`")
+        raise SplicerError(
+            f"{path}: no {copyright_path} inside, so its licence is unknown; fetch the package "
+            f"again with `apt-get download {pkg.name}`"
+        )
     count = len(files) - 1
     if count == 0:
-        raise SplicerError(f"{path}: none of the expected text files ({', '.join(used)}) inside; is this the "
-                           f"{pkg.name} package? Fetch it with `apt-get download {pkg.name}`")
+        raise SplicerError(
+            f"{path}: none of the expected text files ({', '.join(used)}) inside; is this the "
+            f"{pkg.name} package? Fetch it with `apt-get download {pkg.name}`"
+        )
     return Extracted(docs, used, count, text_bytes, control, files[copyright_path])
 
 
 def _need(files: dict, used: list, path: Path) -> None:
     missing = [u for u in used if u not in files]
     if missing:
-        raise SplicerError(f"{path}: {', '.join(missing)} missing inside; fetch the package again with apt-get "
-                           "download")
+        raise SplicerError(f"{path}: {', '.join(missing)} missing inside; fetch the package again with apt-get download")
 
 
 # --- splits ----------------------------------------------------------------------------------------------------------
+
 
 def split_source(docs: list[Doc], source: str, recipe: Recipe, seen: set) -> dict[str, list[Doc]]:
     """heldout, calib, train (and unused) of one source, taking documents in sha256 order; duplicates (by text) and
@@ -508,15 +600,27 @@ def split_source(docs: list[Doc], source: str, recipe: Recipe, seen: set) -> dic
 # --- chats -----------------------------------------------------------------------------------------------------------
 
 QUESTIONS = {
-    "word": ('What does the word "{w}" mean?', 'Define "{w}".', 'What is the meaning of "{w}"?',
-             'Look up "{w}" in the dictionary.', 'Can you give me the dictionary definition of "{w}"?',
-             '英文单词 "{w}" 是什么意思？'),
-    "fortune": ("Give me a fortune.", "Tell me a Chinese fortune.", "Say something wise, in Chinese.",
-                "给我一条格言。", "说一段有意思的话。"),
-    "tang": ("Tell me a Tang poem.", "Recite a poem from the Three Hundred Tang Poems.", "给我背一首唐诗。",
-             "来一首唐诗。"),
-    "manual": ('Debian 参考手册里“{w}”这一节说了什么？', 'What does the Debian reference manual (in Chinese) say about '
-               '"{w}"?', '请讲讲 Debian 参考手册中的“{w}”。'),
+    "word": (
+        'What does the word "{w}" mean?',
+        'Define "{w}".',
+        'What is the meaning of "{w}"?',
+        'Look up "{w}" in the dictionary.',
+        'Can you give me the dictionary definition of "{w}"?',
+        '英文单词 "{w}" 是什么意思？',
+    ),
+    "fortune": (
+        "Give me a fortune.",
+        "Tell me a Chinese fortune.",
+        "Say something wise, in Chinese.",
+        "给我一条格言。",
+        "说一段有意思的话。",
+    ),
+    "tang": ("Tell me a Tang poem.", "Recite a poem from the Three Hundred Tang Poems.", "给我背一首唐诗。", "来一首唐诗。"),
+    "manual": (
+        "Debian 参考手册里“{w}”这一节说了什么？",
+        'What does the Debian reference manual (in Chinese) say about "{w}"?',
+        "请讲讲 Debian 参考手册中的“{w}”。",
+    ),
     "song": ("Tell me a Song dynasty poem.", "Recite a Song poem for me.", "给我背一首宋诗。", "来一首宋诗。"),
 }
 
@@ -525,8 +629,9 @@ def _chat_items(docs: list[Doc], max_answer: int) -> list[tuple]:
     out = []
     for d in docs:
         for kind, key, answer in d.items:
-            if kind in ("word", "manual") and not (key and len(key) <= 40 and '"' not in key and (
-                    kind == "manual" or re.search(r"[A-Za-z]", key))):
+            if kind in ("word", "manual") and not (
+                key and len(key) <= 40 and '"' not in key and (kind == "manual" or re.search(r"[A-Za-z]", key))
+            ):
                 continue
             if 40 <= _nbytes(answer) <= max_answer:
                 out.append((kind, key, answer))
@@ -544,9 +649,18 @@ def chat_renderer():
     return lambda messages: template.render(messages=messages, add_generation_prompt=False)
 
 
-def make_chats(items: list[tuple], rng: random.Random, render, *, count: int | None = None,
-               total_bytes: int | None = None, turns=(1,), min_bytes: int = 0, max_bytes: int | None = None,
-               seen: set) -> list[tuple[str, list]]:
+def make_chats(
+    items: list[tuple],
+    rng: random.Random,
+    render,
+    *,
+    count: int | None = None,
+    total_bytes: int | None = None,
+    turns=(1,),
+    min_bytes: int = 0,
+    max_bytes: int | None = None,
+    seen: set,
+) -> list[tuple[str, list]]:
     """Conversations (rendered text, messages) asking about items, until count of them or total_bytes of text;
     each has rng.choice(turns) exchanges (more while under min_bytes), under max_bytes; dictionary words and
     Chinese texts alternate at random, and each item is used once before any is reused."""
@@ -587,6 +701,7 @@ def make_chats(items: list[tuple], rng: random.Random, render, *, count: int | N
 
 # --- tokenizer -------------------------------------------------------------------------------------------------------
 
+
 def train_tokenizer(folder: Path, texts: list[str], vocab_size: int) -> None:
     """Byte-level BPE like splicer.demo_tokenizer (same special tokens, saved through transformers), trained on
     texts (train.jsonl's, in its order)."""
@@ -599,8 +714,9 @@ def train_tokenizer(folder: Path, texts: list[str], vocab_size: int) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
@@ -613,6 +729,7 @@ def train_tokenizer(folder: Path, texts: list[str], vocab_size: int) -> None:
 
 
 # --- the command -----------------------------------------------------------------------------------------------------
+
 
 def _jsonl(path: Path, rows) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as f:
@@ -636,17 +753,30 @@ def build(out: Path, debs: Path, recipe: Recipe | None = None) -> dict:
         log(f"reading {path.name}")
         ex = extract(pkg, path, recipe)
         if pkg.licence_marker not in ex.copyright.decode("utf-8", "replace"):
-            raise SplicerError(f"{path}: its copyright file no longer says {pkg.licence_marker!r}, so its licence "
-                               f"may not be {pkg.licence}; check usr/share/doc/{pkg.name}/copyright and update "
-                               "PACKAGES in splicer/trained/data.py")
+            raise SplicerError(
+                f"{path}: its copyright file no longer says {pkg.licence_marker!r}, so its licence "
+                f"may not be {pkg.licence}; check usr/share/doc/{pkg.name}/copyright and update "
+                "PACKAGES in splicer/trained/data.py"
+            )
         extracted[pkg.source] = ex
-        packages.append({
-            "name": ex.control.get("Package", pkg.name), "version": ex.control.get("Version", "?"),
-            "licence": pkg.licence, "copyright_file": _copyright_path(pkg), "deb": path.name,
-            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "files_used": ex.files_used,
-            "file_count": ex.file_count, "text_bytes_extracted": ex.text_bytes, "source": pkg.source})
-        log(f"  {pkg.source}: {ex.file_count} files, {ex.text_bytes / 1e6:.1f} MB of text, {len(ex.docs)} documents "
-            f"({time.time() - t0:.0f} s)")
+        packages.append(
+            {
+                "name": ex.control.get("Package", pkg.name),
+                "version": ex.control.get("Version", "?"),
+                "licence": pkg.licence,
+                "copyright_file": _copyright_path(pkg),
+                "deb": path.name,
+                "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                "files_used": ex.files_used,
+                "file_count": ex.file_count,
+                "text_bytes_extracted": ex.text_bytes,
+                "source": pkg.source,
+            }
+        )
+        log(
+            f"  {pkg.source}: {ex.file_count} files, {ex.text_bytes / 1e6:.1f} MB of text, {len(ex.docs)} documents "
+            f"({time.time() - t0:.0f} s)"
+        )
 
     seen: set = set()
     splits = {s: split_source(extracted[s].docs, s, recipe, seen) for s in SOURCES}
@@ -656,11 +786,18 @@ def build(out: Path, debs: Path, recipe: Recipe | None = None) -> dict:
         items = _chat_items([d for s in ("en-dict", "zh") for d in splits[s][split]], 1500)
         rng = random.Random(seed)
         if split == "train":
-            chats[split] = make_chats(items, rng, render, total_bytes=recipe.train_bytes["chat"], turns=(1, 1, 2, 3),
-                                      seen=seen)
+            chats[split] = make_chats(items, rng, render, total_bytes=recipe.train_bytes["chat"], turns=(1, 1, 2, 3), seen=seen)
         elif split == "calib":
-            chats[split] = make_chats(items, rng, render, count=recipe.calib_docs["chat"], turns=(2,),
-                                      min_bytes=recipe.calib_min_bytes, max_bytes=recipe.calib_max_bytes, seen=seen)
+            chats[split] = make_chats(
+                items,
+                rng,
+                render,
+                count=recipe.calib_docs["chat"],
+                turns=(2,),
+                min_bytes=recipe.calib_min_bytes,
+                max_bytes=recipe.calib_max_bytes,
+                seen=seen,
+            )
         else:
             chats[split] = make_chats(items, rng, render, count=recipe.heldout_chat, seen=seen)
     log(f"chats: {', '.join(f'{k} {len(v)}' for k, v in chats.items())}")
@@ -683,14 +820,19 @@ def build(out: Path, debs: Path, recipe: Recipe | None = None) -> dict:
     (out / "licences").mkdir()
     for pkg in PACKAGES:
         (out / "licences" / f"{pkg.name}.copyright").write_bytes(extracted[pkg.source].copyright)
-    log(f"wrote train.jsonl ({len(train)} documents, {sum(_nbytes(r['text']) for r in train) / 1e6:.1f} MB), "
-        f"calib.jsonl ({len(calib)}), heldout/ ({time.time() - t0:.0f} s)")
+    log(
+        f"wrote train.jsonl ({len(train)} documents, {sum(_nbytes(r['text']) for r in train) / 1e6:.1f} MB), "
+        f"calib.jsonl ({len(calib)}), heldout/ ({time.time() - t0:.0f} s)"
+    )
 
     log(f"training the tokenizer (vocab {recipe.vocab_size})")
     train_tokenizer(out / "tokenizer", [r["text"] for r in train], recipe.vocab_size)
     tokenizer = tokenizer_report(out / "tokenizer", heldout, [t for t, _ in chats["heldout"]])
-    log(f"tokenizer: vocab {tokenizer['vocab_size']}, tokens/byte "
-        + ", ".join(f"{k} {v:.3f}" for k, v in tokenizer["tokens_per_byte"].items()) + f" ({time.time() - t0:.0f} s)")
+    log(
+        f"tokenizer: vocab {tokenizer['vocab_size']}, tokens/byte "
+        + ", ".join(f"{k} {v:.3f}" for k, v in tokenizer["tokens_per_byte"].items())
+        + f" ({time.time() - t0:.0f} s)"
+    )
 
     manifest = {
         "recipe_version": RECIPE_VERSION,
@@ -698,16 +840,23 @@ def build(out: Path, debs: Path, recipe: Recipe | None = None) -> dict:
         "splits": {
             "train": {**{s: _stats([r["text"] for r in train if r["source"] == s]) for s in (*SOURCES, "chat")}},
             "calib": {**{s: _stats([r["text"] for r in calib if r["source"] == s]) for s in (*SOURCES, "chat")}},
-            "heldout": {**{s: _stats([d.text for d in splits[s]["heldout"]]) for s in SOURCES},
-                        "chat": _stats([t for t, _ in chats["heldout"]])},
+            "heldout": {
+                **{s: _stats([d.text for d in splits[s]["heldout"]]) for s in SOURCES},
+                "chat": _stats([t for t, _ in chats["heldout"]]),
+            },
         },
         "unused_documents": {s: _stats([d.text for d in splits[s]["unused"]]) for s in SOURCES},
         "tokenizer": tokenizer,
-        "recipe": {"train_bytes": recipe.train_bytes, "heldout_bytes": recipe.heldout_bytes,
-                   "heldout_chat": recipe.heldout_chat, "calib_docs": recipe.calib_docs,
-                   "doc_max_bytes": recipe.doc_max_bytes, "split": "sha256 order of each document's text: "
-                   "held-out, then calibration (1-4 KB documents), then train up to its cap",
-                   "shuffle": "random.Random(0)"},
+        "recipe": {
+            "train_bytes": recipe.train_bytes,
+            "heldout_bytes": recipe.heldout_bytes,
+            "heldout_chat": recipe.heldout_chat,
+            "calib_docs": recipe.calib_docs,
+            "doc_max_bytes": recipe.doc_max_bytes,
+            "split": "sha256 order of each document's text: "
+            "held-out, then calibration (1-4 KB documents), then train up to its cap",
+            "shuffle": "random.Random(0)",
+        },
     }
     for pkg in packages:
         s = pkg["source"]
@@ -729,19 +878,23 @@ def tokenizer_report(folder: Path, heldout: dict[str, str], chat_texts: list[str
         round_trip[s] = tok.decode(ids, skip_special_tokens=False) == text
     if not round_trip.get("zh", True):
         raise AssertionError("the tokenizer does not round-trip the Chinese held-out text")
-    return {"vocab_size": tok.get_vocab_size(with_added_tokens=True), "tokens_per_byte": per_byte,
-            "round_trip": round_trip}
+    return {"vocab_size": tok.get_vocab_size(with_added_tokens=True), "tokens_per_byte": per_byte, "round_trip": round_trip}
 
 
 def write(out: Path, debs: Path, recipe: Recipe | None = None, force: bool = False) -> dict:
     """build() into a hidden sibling, then rename it to out: out appears whole or not at all."""
     out = Path(out)
     if out.exists() or out.is_symlink():
-        mine = out.is_dir() and (out / "manifest.json").is_file() and "recipe_version" in (
-            out / "manifest.json").read_text(encoding="utf-8", errors="replace")
+        mine = (
+            out.is_dir()
+            and (out / "manifest.json").is_file()
+            and "recipe_version" in (out / "manifest.json").read_text(encoding="utf-8", errors="replace")
+        )
         if not (force and mine):
-            raise SplicerError(f"{out} exists; choose another OUT" + (" or pass --force to replace it" if mine else
-                               " (it was not written by this command, so it is never replaced)"))
+            raise SplicerError(
+                f"{out} exists; choose another OUT"
+                + (" or pass --force to replace it" if mine else " (it was not written by this command, so it is never replaced)")
+            )
     if not out.parent.is_dir():
         raise SplicerError(f"{out.parent}: no such folder; make it first")
     tmp = out.parent / f".{out.name}.splicer-partial"
@@ -774,6 +927,7 @@ def main(argv: list[str] | None = None, recipe: Recipe | None = None) -> int:
         summary = ", ".join(f"{s} {v['bytes'] / 1e6:.1f} MB" for s, v in m["splits"]["train"].items())
         log(f"done: {args.out} (train: {summary})")
         return 0
+
     return exit_code(run)
 
 

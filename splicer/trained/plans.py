@@ -47,8 +47,10 @@ def gdn_layer_rows(template: dict, sweep: dict) -> dict:
             continue
         restore = row.get("restore", [])
         if len(restore) != 1 or "@" not in restore[0] or "," in restore[0].split("@", 1)[1]:
-            raise SplicerError(f"sweep row {name!r} restores {restore}, not one GDN layer; make the sweep with --groups equal "
-                               "to the number of GDN layers")
+            raise SplicerError(
+                f"sweep row {name!r} restores {restore}, not one GDN layer; make the sweep with --groups equal "
+                "to the number of GDN layers"
+            )
         layers.append(dict(row, name="gdn-layer" + restore[0].split("@", 1)[1]))
     if not layers:
         raise SplicerError("the sweep has no one-group rows (gdn-1, gdn-2, ...); make it with splicer plan sweep --class gdn")
@@ -86,6 +88,7 @@ def main(argv=None) -> int:
             print(USAGE, file=sys.stderr)
             return 2
         return 0
+
     return exit_code(run)
 
 

@@ -40,29 +40,37 @@ def compare(a: dict, b: dict, rows: tuple[str, ...] = DEFAULT_ROWS, names=("seed
     ka, kb = kl_changes(a, rows), kl_changes(b, rows)
     common = [r for r in rows if r in ka and r in kb]
     if len(common) < 2:
-        raise SplicerError(f"fewer than two of the rows {', '.join(rows)} have a KL change in both folders; "
-                           "run the single-class rows on both builds first")
+        raise SplicerError(
+            f"fewer than two of the rows {', '.join(rows)} have a KL change in both folders; "
+            "run the single-class rows on both builds first"
+        )
     rank_a = {r: i + 1 for i, r in enumerate(sorted(common, key=lambda r: ka[r][0]))}
     rank_b = {r: i + 1 for i, r in enumerate(sorted(common, key=lambda r: kb[r][0]))}
 
     def cell(k):
         return f"{100 * k[0]:+.1f} % [{100 * k[1]:+.1f}, {100 * k[2]:+.1f}]"
 
-    table = tabulate([[r, cell(ka[r]), rank_a[r], cell(kb[r]), rank_b[r]] for r in sorted(common, key=rank_a.get)],
-                     headers=["row", f"ΔKL {names[0]}", "rank", f"ΔKL {names[1]}", "rank"], tablefmt="github")
-    swaps = [(x, y) for i, x in enumerate(common) for y in common[i + 1:]
-             if (rank_a[x] - rank_a[y]) * (rank_b[x] - rank_b[y]) < 0]
+    table = tabulate(
+        [[r, cell(ka[r]), rank_a[r], cell(kb[r]), rank_b[r]] for r in sorted(common, key=rank_a.get)],
+        headers=["row", f"ΔKL {names[0]}", "rank", f"ΔKL {names[1]}", "rank"],
+        tablefmt="github",
+    )
+    swaps = [
+        (x, y) for i, x in enumerate(common) for y in common[i + 1 :] if (rank_a[x] - rank_a[y]) * (rank_b[x] - rank_b[y]) < 0
+    ]
     if not swaps:
         verdict = f"Both seeds rank the {len(common)} rows the same way."
     else:
         parts = []
         for x, y in swaps:
             resolved = [n for n, k in zip(names, (ka, kb)) if _apart(k[x], k[y])]
-            how = (f"resolved in {' and '.join(resolved)}" if resolved else "the intervals overlap in both seeds")
+            how = f"resolved in {' and '.join(resolved)}" if resolved else "the intervals overlap in both seeds"
             parts.append(f"{x} and {y} change places ({how})")
         verdict = "The seeds rank the rows differently: " + "; ".join(parts) + "."
-    return (f"{table}\n\nΔKL: the row's KL change against its own build, as a share of the build's KL, pooled over the "
-            f"corpora, with its 95 % interval; rank 1 removes the most KL. {verdict}\n")
+    return (
+        f"{table}\n\nΔKL: the row's KL change against its own build, as a share of the build's KL, pooled over the "
+        f"corpora, with its 95 % interval; rank 1 removes the most KL. {verdict}\n"
+    )
 
 
 def _load(folder: Path) -> dict:
@@ -85,6 +93,7 @@ def main(argv=None) -> int:
             raise SplicerError(f"--names {args.names!r}: give two names separated by a comma")
         sys.stdout.write(compare(_load(args.a), _load(args.b), tuple(args.rows.split(",")), names))
         return 0
+
     return exit_code(run)
 
 

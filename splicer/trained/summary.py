@@ -33,17 +33,46 @@ def summary(paths: list[Path]) -> str:
         for source, h in r["heldout"].items():
             if not h:
                 continue
-            rows.append([f"seed {r['recipe']['seed']}", source, h["tokens"], f"{h['loss']:.3f}", f"{h['bigram']:.3f}",
-                         f"{h['unigram']:.3f}", f"{h['bigram'] - h['loss']:.3f}", f"{h['mtp_loss']:.3f}",
-                         f"{100 * h['mtp_top1']:.1f} %"])
-    table = tabulate(rows, headers=["model", "held-out text", "tokens", "loss", "bigram", "unigram", "bigram - loss",
-                                    "MTP loss (t+2)", "MTP top-1 (t+2)"], tablefmt="github", disable_numparse=True)
-    runs = "; ".join(f"seed {r['recipe']['seed']}: {r['steps_done']} steps, {r['train_tokens_seen']:,} tokens seen of "
-                     f"{r['train_tokens']:,}, {r['train_seconds']} s, {r['parameters']:,} parameters" for r in reports)
+            rows.append(
+                [
+                    f"seed {r['recipe']['seed']}",
+                    source,
+                    h["tokens"],
+                    f"{h['loss']:.3f}",
+                    f"{h['bigram']:.3f}",
+                    f"{h['unigram']:.3f}",
+                    f"{h['bigram'] - h['loss']:.3f}",
+                    f"{h['mtp_loss']:.3f}",
+                    f"{100 * h['mtp_top1']:.1f} %",
+                ]
+            )
+    table = tabulate(
+        rows,
+        headers=[
+            "model",
+            "held-out text",
+            "tokens",
+            "loss",
+            "bigram",
+            "unigram",
+            "bigram - loss",
+            "MTP loss (t+2)",
+            "MTP top-1 (t+2)",
+        ],
+        tablefmt="github",
+        disable_numparse=True,
+    )
+    runs = "; ".join(
+        f"seed {r['recipe']['seed']}: {r['steps_done']} steps, {r['train_tokens_seen']:,} tokens seen of "
+        f"{r['train_tokens']:,}, {r['train_seconds']} s, {r['parameters']:,} parameters"
+        for r in reports
+    )
     samples = "\n".join(f"- {src}: `{text!r}`" for src, text in reports[0]["samples"].items())
-    return (f"{table}\n\nLoss in nats per token on the held-out text; bigram: interpolated with the unigram at the weight "
-            f"best on the held-out text itself. {runs}.\n\nGreedy samples, seed {reports[0]['recipe']['seed']} "
-            f"(prompt included):\n{samples}\n")
+    return (
+        f"{table}\n\nLoss in nats per token on the held-out text; bigram: interpolated with the unigram at the weight "
+        f"best on the held-out text itself. {runs}.\n\nGreedy samples, seed {reports[0]['recipe']['seed']} "
+        f"(prompt included):\n{samples}\n"
+    )
 
 
 def main(argv=None) -> int:
@@ -55,6 +84,7 @@ def main(argv=None) -> int:
     def run() -> int:
         sys.stdout.write(summary([Path(a) for a in args]))
         return 0
+
     return exit_code(run)
 
 

@@ -31,20 +31,68 @@ from ..errors import SplicerError, exit_code
 # 13 s per 1M tokens on one H200 alone (a 60-step trial: 76k tokens/s, 34.5 GiB peak); `tiny` is for tests.
 RECIPES = {
     "small": dict(
-        text=dict(vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2,
-                  linear_num_value_heads=4, moe_intermediate_size=256, shared_expert_intermediate_size=512,
-                  num_experts=32, num_experts_per_tok=4, max_position_embeddings=4096),
-        seq_len=512, batch_size=64, steps=400, lr=2e-3, min_lr_ratio=0.1, warmup=40, weight_decay=0.1,
-        grad_clip=1.0, mtp_weight=0.3, router_aux_weight=0.01, eval_windows=64, max_seconds=330, sample_tokens=40,
+        text=dict(
+            vocab_size=8192,
+            hidden_size=512,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=256,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            moe_intermediate_size=256,
+            shared_expert_intermediate_size=512,
+            num_experts=32,
+            num_experts_per_tok=4,
+            max_position_embeddings=4096,
+        ),
+        seq_len=512,
+        batch_size=64,
+        steps=400,
+        lr=2e-3,
+        min_lr_ratio=0.1,
+        warmup=40,
+        weight_decay=0.1,
+        grad_clip=1.0,
+        mtp_weight=0.3,
+        router_aux_weight=0.01,
+        eval_windows=64,
+        max_seconds=330,
+        sample_tokens=40,
     ),
     "tiny": dict(
-        text=dict(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-                  head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=1,
-                  linear_num_value_heads=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
-                  num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096),
-        seq_len=64, batch_size=4, steps=3, lr=1e-3, min_lr_ratio=0.1, warmup=1, weight_decay=0.1,
-        grad_clip=1.0, mtp_weight=0.3, router_aux_weight=0.01, eval_windows=2, max_seconds=120, sample_tokens=3,
+        text=dict(
+            vocab_size=512,
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=256,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=128,
+            num_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=4096,
+        ),
+        seq_len=64,
+        batch_size=4,
+        steps=3,
+        lr=1e-3,
+        min_lr_ratio=0.1,
+        warmup=1,
+        weight_decay=0.1,
+        grad_clip=1.0,
+        mtp_weight=0.3,
+        router_aux_weight=0.01,
+        eval_windows=2,
+        max_seconds=120,
+        sample_tokens=3,
     ),
 }
 RECIPE_VERSION = "trained-1"
@@ -53,7 +101,7 @@ SAMPLE_PROMPTS = [
     ("en-kernel", "The kernel"),
     ("en-python", "The function"),
     ("zh", "床前明月光"),
-    ("chat", "<|im_start|>user\nWhat does the word \"river\" mean?<|im_end|>\n<|im_start|>assistant\n"),
+    ("chat", '<|im_start|>user\nWhat does the word "river" mean?<|im_end|>\n<|im_start|>assistant\n'),
 ]
 
 
@@ -156,6 +204,7 @@ def router_balance_loss(router_logits: list[torch.Tensor], n_experts: int, top_k
 
 # --- data ---------------------------------------------------------------------------------------------------------
 
+
 def _load_tokenizer(data: Path):
     from transformers import AutoTokenizer
 
@@ -167,7 +216,7 @@ def _token_stream(tok, texts: list[str]) -> torch.Tensor:
     eot = tok.convert_tokens_to_ids("<|endoftext|>")
     ids: list[int] = []
     for start in range(0, len(texts), 1024):
-        for row in tok(texts[start:start + 1024], add_special_tokens=False)["input_ids"]:
+        for row in tok(texts[start : start + 1024], add_special_tokens=False)["input_ids"]:
             ids.extend(row)
             ids.append(eot)
     return torch.tensor(ids, dtype=torch.long)
@@ -187,7 +236,9 @@ def read_data(data: Path, tok) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if f.suffix == ".txt":
             heldout[f.stem] = _token_stream(tok, [f.read_text(encoding="utf-8")])
         elif f.suffix == ".jsonl":
-            heldout[f.stem] = _token_stream(tok, [json.loads(line)["text"] for line in f.read_text(encoding="utf-8").splitlines() if line])
+            heldout[f.stem] = _token_stream(
+                tok, [json.loads(line)["text"] for line in f.read_text(encoding="utf-8").splitlines() if line]
+            )
     return train, heldout
 
 
@@ -208,7 +259,7 @@ def ngram_baselines(train: torch.Tensor, heldout: torch.Tensor, vocab: int) -> d
 
 def _windows(stream: torch.Tensor, length: int, n: int, gen: torch.Generator) -> torch.Tensor:
     starts = torch.randint(0, len(stream) - length, (n,), generator=gen)
-    return torch.stack([stream[s:s + length] for s in starts.tolist()])
+    return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
 @torch.no_grad()
@@ -222,7 +273,7 @@ def evaluate(model: TrainedLM, stream: torch.Tensor, r: Recipe, device) -> dict:
     batch = stream[: n * length].view(n, length)
     nll = mtp_nll = mtp_hit = count = 0.0
     for i in range(0, n, r.batch_size):
-        ids = batch[i:i + r.batch_size].to(device)
+        ids = batch[i : i + r.batch_size].to(device)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits, mtp_logits, _ = model(ids)
         nll += F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:-1].flatten(), reduction="sum").item()
@@ -248,6 +299,7 @@ def greedy(model: TrainedLM, tok, prompt: str, n: int, device) -> str:
 
 # --- training -----------------------------------------------------------------------------------------------------
 
+
 def lr_at(step: int, r: Recipe) -> float:
     if step < r.warmup:
         return r.lr * (step + 1) / r.warmup
@@ -267,18 +319,27 @@ def train(data: Path, r: Recipe, device: torch.device, log=print) -> tuple[Train
     check_data(data)
     tok = _load_tokenizer(data)
     if len(tok) > r.text["vocab_size"]:
-        raise SplicerError(f"the tokenizer in {data} has {len(tok)} tokens, more than the recipe's vocab_size {r.text['vocab_size']}; "
-                           "remake the data with a smaller vocabulary or pick a recipe that fits")
+        raise SplicerError(
+            f"the tokenizer in {data} has {len(tok)} tokens, more than the recipe's vocab_size {r.text['vocab_size']}; "
+            "remake the data with a smaller vocabulary or pick a recipe that fits"
+        )
     t0 = time.time()
     train_ids, heldout = read_data(data, tok)
-    log(f"data: {len(train_ids):,} train tokens, held-out {', '.join(f'{k} {len(v):,}' for k, v in heldout.items())} "
-        f"({time.time() - t0:.1f} s)")
+    log(
+        f"data: {len(train_ids):,} train tokens, held-out {', '.join(f'{k} {len(v):,}' for k, v in heldout.items())} "
+        f"({time.time() - t0:.1f} s)"
+    )
     model = build_model(r).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": r.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=r.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": r.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=r.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=device.type == "cuda",
+    )
     gen = torch.Generator().manual_seed(r.seed)
     tc = model.config
     history, started, steps_done = [], time.time(), 0
@@ -303,10 +364,20 @@ def train(data: Path, r: Recipe, device: torch.device, log=print) -> tuple[Train
         steps_done = step + 1
         if step % 50 == 0 or step == r.steps - 1:
             elapsed = time.time() - started
-            history.append({"step": step, "loss": loss.item(), "mtp_loss": mtp_loss.item(), "router_aux": aux.item(),
-                            "lr": lr_at(step, r), "seconds": round(elapsed, 1)})
-            log(f"step {step}/{r.steps}: loss {loss.item():.3f} mtp {mtp_loss.item():.3f} aux {aux.item():.3f} "
-                f"({elapsed:.0f} s, {(step + 1) * r.batch_size * r.seq_len / max(elapsed, 1e-9):,.0f} tok/s)")
+            history.append(
+                {
+                    "step": step,
+                    "loss": loss.item(),
+                    "mtp_loss": mtp_loss.item(),
+                    "router_aux": aux.item(),
+                    "lr": lr_at(step, r),
+                    "seconds": round(elapsed, 1),
+                }
+            )
+            log(
+                f"step {step}/{r.steps}: loss {loss.item():.3f} mtp {mtp_loss.item():.3f} aux {aux.item():.3f} "
+                f"({elapsed:.0f} s, {(step + 1) * r.batch_size * r.seq_len / max(elapsed, 1e-9):,.0f} tok/s)"
+            )
         if time.time() - started > r.max_seconds:
             log(f"stopped at step {steps_done} of {r.steps}: the recipe's {r.max_seconds:.0f} s limit")
             break
@@ -319,10 +390,18 @@ def train(data: Path, r: Recipe, device: torch.device, log=print) -> tuple[Train
         held[name].update(ngram_baselines(train_ids, stream, vocab))
     samples = {src: greedy(model, tok, p, r.sample_tokens, device) for src, p in SAMPLE_PROMPTS}
     report = {
-        "recipe": asdict(r), "recipe_version": RECIPE_VERSION, "parameters": n_params, "steps_done": steps_done,
-        "train_tokens_seen": steps_done * r.batch_size * r.seq_len, "train_tokens": len(train_ids),
-        "train_seconds": round(train_seconds, 1), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "history": history, "heldout": held, "samples": samples,
+        "recipe": asdict(r),
+        "recipe_version": RECIPE_VERSION,
+        "parameters": n_params,
+        "steps_done": steps_done,
+        "train_tokens_seen": steps_done * r.batch_size * r.seq_len,
+        "train_tokens": len(train_ids),
+        "train_seconds": round(train_seconds, 1),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "history": history,
+        "heldout": held,
+        "samples": samples,
     }
     return model, report
 
@@ -351,7 +430,8 @@ def write_trained_base(out: Path, data: Path, model: TrainedLM, report: dict, r:
         shutil.copy2(f, tmp / f.name)
     (tmp / "README.md").write_text(
         f"Small qwen3_5_moe trained by splicer.trained (recipe {r.name}, seed {r.seed}) on text from Debian packages; "
-        "see train_report.json. Vision tower random and unused.\n")
+        "see train_report.json. Vision tower random and unused.\n"
+    )
     (tmp / "train_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     if out.exists():
         raise SplicerError(f"{out} appeared while training; pass a new OUT")
@@ -381,9 +461,12 @@ def main(argv=None) -> int:
         r = recipe(a.recipe, **over)
         model, report = train(a.data, r, torch.device(a.device), log=lambda s: print(s, flush=True))
         write_trained_base(a.out, a.data, model, report, r)
-        print(f"wrote {a.out}: held-out loss " + ", ".join(f"{k} {v['loss']:.3f} (bigram {v['bigram']:.3f})"
-                                                            for k, v in report["heldout"].items() if v))
+        print(
+            f"wrote {a.out}: held-out loss "
+            + ", ".join(f"{k} {v['loss']:.3f} (bigram {v['bigram']:.3f})" for k, v in report["heldout"].items() if v)
+        )
         return 0
+
     return exit_code(run)
 
 

@@ -54,8 +54,15 @@ DECODE_STEP_S = 0.05
 _SLEEP_MODE_ENGINES = 0  # engines built in this process with sleep mode on
 COMPILE_S = 0.2  # what a compile costs here when the cache has no entry for the engine
 # Engine arguments vLLM's compile-cache key leaves out (vllm/config/load.py and cache.py compute_hash).
-_NOT_IN_COMPILE_KEY = {"load_format", "kv_cache_memory_bytes", "gpu_memory_utilization", "enable_prefix_caching",
-                       "disable_log_stats", "max_logprobs", "model_loader_extra_config"}
+_NOT_IN_COMPILE_KEY = {
+    "load_format",
+    "kv_cache_memory_bytes",
+    "gpu_memory_utilization",
+    "enable_prefix_caching",
+    "disable_log_stats",
+    "max_logprobs",
+    "model_loader_extra_config",
+}
 
 
 @dataclass
@@ -72,8 +79,17 @@ class Logprob:
 
 
 class SamplingParams:
-    def __init__(self, max_tokens=16, prompt_logprobs=None, temperature=1.0, stop_token_ids=None, detokenize=True,
-                 min_tokens=0, ignore_eos=False, flat_logprobs=False):
+    def __init__(
+        self,
+        max_tokens=16,
+        prompt_logprobs=None,
+        temperature=1.0,
+        stop_token_ids=None,
+        detokenize=True,
+        min_tokens=0,
+        ignore_eos=False,
+        flat_logprobs=False,
+    ):
         self.max_tokens, self.prompt_logprobs, self.flat_logprobs = max_tokens, prompt_logprobs, flat_logprobs
         self.stop_token_ids = stop_token_ids or []
 
@@ -115,8 +131,10 @@ class LLM:
             raise ValueError("Model loader extra config is not supported for load format dummy (fake)")
         if os.environ.get("FAKE_VLLM_FAIL_ON") and os.environ["FAKE_VLLM_FAIL_ON"] in model:
             # FAKE_VLLM_FAIL_MESSAGE: another refusal (e.g. an attention layout no prefill backend supports)
-            raise ValueError(os.environ.get("FAKE_VLLM_FAIL_MESSAGE")
-                             or "Found a different quantization schemes for ['in_proj_qkv', 'in_proj_z'] (fake)")
+            raise ValueError(
+                os.environ.get("FAKE_VLLM_FAIL_MESSAGE")
+                or "Found a different quantization schemes for ['in_proj_qkv', 'in_proj_z'] (fake)"
+            )
         if os.environ.get("FAKE_VLLM_ECHO"):  # lets a test see which environment an engine process was given
             print(f"fake vllm engine for {os.path.basename(model)}: FAKE_VLLM_ECHO={os.environ['FAKE_VLLM_ECHO']}", flush=True)
         global _SLEEP_MODE_ENGINES
@@ -136,7 +154,9 @@ class LLM:
             self._ref.load(model)
         self.kwargs = kwargs
         compiled = _compile(model, kwargs)
-        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(compilation_time=compiled)))
+        self.llm_engine = SimpleNamespace(
+            vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(compilation_time=compiled))
+        )
         self.sleeping = False
         self.sleeps = self.wakes = 0
 
