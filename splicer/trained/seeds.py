@@ -17,6 +17,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from ..errors import SplicerError, exit_code
+from ..table import load_results
 
 DEFAULT_ROWS = ("lm_head", "gdn", "attention", "shared_expert")
 
@@ -73,12 +74,6 @@ def compare(a: dict, b: dict, rows: tuple[str, ...] = DEFAULT_ROWS, names=("seed
     )
 
 
-def _load(folder: Path) -> dict:
-    from ..table import load_results
-
-    return load_results(folder)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m splicer.trained.seeds", description=__doc__.split("\n\n")[0])
     p.add_argument("a", type=Path)
@@ -91,7 +86,7 @@ def main(argv=None) -> int:
         names = tuple(args.names.split(","))
         if len(names) != 2:
             raise SplicerError(f"--names {args.names!r}: give two names separated by a comma")
-        sys.stdout.write(compare(_load(args.a), _load(args.b), tuple(args.rows.split(",")), names))
+        sys.stdout.write(compare(load_results(args.a), load_results(args.b), tuple(args.rows.split(",")), names))
         return 0
 
     return exit_code(run)

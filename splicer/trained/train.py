@@ -18,7 +18,7 @@ import math
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,70 +26,56 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SplicerError, exit_code
+from ..fixtures import TEXT_PRESETS
 
-# Hyperparameters as data. `small` is the model the results come from: 400 steps of 64 x 512 tokens (13.1M tokens), about
-# 13 s per 1M tokens on one H200 alone (a 60-step trial: 76k tokens/s, 34.5 GiB peak); `tiny` is for tests.
+
+@dataclass
+class Recipe:
+    """Everything a training run is made from; `text` is the transformers text config's dimensions."""
+
+    name: str
+    text: dict
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+    warmup: int
+    eval_windows: int
+    max_seconds: float
+    sample_tokens: int  # greedy tokens per sample prompt in the report
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    mtp_weight: float = 0.3
+    router_aux_weight: float = 0.01
+    seed: int = 0
+
+
+# Hyperparameters as data. `small` is the model the results come from: the GPU fixture's dimensions (which vLLM 0.26
+# loaded on the H200) with twice the layers and experts, an 8,192-token vocabulary and a wider shared expert; 400 steps
+# of 64 x 512 tokens (13.1M tokens), about 13 s per 1M tokens on one H200 alone (a 60-step trial: 76k tokens/s,
+# 34.5 GiB peak). `tiny` (the tiny fixture's dimensions) is for tests.
 RECIPES = {
-    "small": dict(
-        text=dict(
-            vocab_size=8192,
-            hidden_size=512,
-            num_hidden_layers=8,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=256,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            moe_intermediate_size=256,
-            shared_expert_intermediate_size=512,
-            num_experts=32,
-            num_experts_per_tok=4,
-            max_position_embeddings=4096,
-        ),
+    "small": Recipe(
+        name="small",
+        text=dict(TEXT_PRESETS["gpu"], vocab_size=8192, num_hidden_layers=8, num_experts=32, shared_expert_intermediate_size=512),
         seq_len=512,
         batch_size=64,
         steps=400,
         lr=2e-3,
-        min_lr_ratio=0.1,
         warmup=40,
-        weight_decay=0.1,
-        grad_clip=1.0,
-        mtp_weight=0.3,
-        router_aux_weight=0.01,
         eval_windows=64,
         max_seconds=330,
         sample_tokens=40,
     ),
-    "tiny": dict(
-        text=dict(
-            vocab_size=512,
-            hidden_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=256,
-            linear_key_head_dim=128,
-            linear_value_head_dim=128,
-            linear_num_key_heads=1,
-            linear_num_value_heads=2,
-            moe_intermediate_size=128,
-            shared_expert_intermediate_size=128,
-            num_experts=8,
-            num_experts_per_tok=2,
-            max_position_embeddings=4096,
-        ),
+    "tiny": Recipe(
+        name="tiny",
+        text=dict(TEXT_PRESETS["tiny"], vocab_size=512),
         seq_len=64,
         batch_size=4,
         steps=3,
         lr=1e-3,
-        min_lr_ratio=0.1,
         warmup=1,
-        weight_decay=0.1,
-        grad_clip=1.0,
-        mtp_weight=0.3,
-        router_aux_weight=0.01,
         eval_windows=2,
         max_seconds=120,
         sample_tokens=3,
@@ -105,32 +91,10 @@ SAMPLE_PROMPTS = [
 ]
 
 
-@dataclass
-class Recipe:
-    name: str
-    text: dict
-    seq_len: int
-    batch_size: int
-    steps: int
-    lr: float
-    min_lr_ratio: float
-    warmup: int
-    weight_decay: float
-    grad_clip: float
-    mtp_weight: float
-    router_aux_weight: float
-    eval_windows: int
-    max_seconds: float
-    sample_tokens: int
-    seed: int = 0
-    overrides: dict = field(default_factory=dict)
-
-
 def recipe(name: str, **overrides) -> Recipe:
     if name not in RECIPES:
         raise SplicerError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
-    r = Recipe(name=name, **RECIPES[name])
-    return replace(r, **overrides)
+    return replace(RECIPES[name], **overrides)
 
 
 def fixture_spec(r: Recipe):
