@@ -98,7 +98,8 @@ if is_done ablate0 && ! is_done verify; then
   python3 -m splicer budget "$W/ablate0" --verify 3 -q > "$W/verify.txt" 2>&1 && done_mark verify || { stage "verify exit $?"; tail -5 "$W/verify.txt" | tee -a "$LOG"; }
 fi
 
-if is_done verify && ! is_done ablate1; then
+# Later stages do not wait on earlier ones succeeding: a failed timed stage still leaves the untimed ones their time.
+if ! is_done ablate1; then
   # Nothing is timed from here on, so the AWQ build (the slowest: a grid search per smoothed norm) runs beside.
   if [ ! -d "$W/seed0/awq-experts" ]; then
     rm -rf "$W/seed0/raw-awq"
@@ -111,7 +112,7 @@ if is_done verify && ! is_done ablate1; then
     "${CORPORA[@]}" "${ENGINE[@]}" --no-time -q > "$W/ablate1.log" 2>&1 && done_mark ablate1 || { stage "ablate1 exit $?"; tail -5 "$W/ablate1.log" | tee -a "$LOG"; }
 fi
 
-if is_done ablate1 && ! is_done score; then
+if ! is_done score; then
   if [ -f "$W/awq.pid" ]; then
     stage "waiting for the AWQ build"
     while kill -0 "$(cat "$W/awq.pid")" 2>/dev/null; do sleep 5; done
