@@ -17,8 +17,17 @@ def _cmd_inspect(args) -> int:
     from .checkpoint import open_checkpoint
     from .inspect import format_report, inspect_checkpoint
 
-    info = inspect_checkpoint(open_checkpoint(args.build, "checkpoint"))
-    print(json.dumps(info, indent=2) if args.json else format_report(info))
+    build = open_checkpoint(args.build, "checkpoint")
+    info = inspect_checkpoint(build)
+    text = None if args.json else format_report(info)
+    if args.base:
+        from .unquantized import compare_unquantized, format_summary, summary
+
+        base = open_checkpoint(args.base, "base")
+        info["unquantized_vs_base"] = summary(*compare_unquantized(build, base))
+        if text is not None:
+            text += "\n" + format_summary(info["unquantized_vs_base"], args.build, args.base)
+    print(json.dumps(info, indent=2) if args.json else text)
     return 0
 
 
@@ -44,12 +53,18 @@ def _cmd_splice(args) -> int:
         tokenizer_from_base=args.tokenizer_from_base,
         drop_dead_ignore=args.drop_dead_ignore,
         allow_quantized_base=args.allow_quantized_base,
+        unquantized_from_base=args.unquantized_from_base,
         stages=Stages(quiet=args.quiet),
     )
     s = record["shards"]
+    from_base = (
+        f"; {len(record['unquantized_from_base'])} unquantized tensors that differed took the base's values"
+        if args.unquantized_from_base
+        else ""
+    )
     print(
         f"wrote {args.out}: restored {record['restored_modules']} modules ({', '.join(record['restored_classes'])}); "
-        f"shards rewritten {s['rewritten']}, hard-linked {s['linked']}, copied {s['copied']}"
+        f"shards rewritten {s['rewritten']}, hard-linked {s['linked']}, copied {s['copied']}{from_base}"
     )
     return 0
 
@@ -462,6 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="classes, bits, bytes and config lint of a checkpoint")
     s.add_argument("build", metavar="BUILD", help="checkpoint folder or Hub repo id")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.add_argument(
+        "--base",
+        metavar="BASE",
+        help="also compare every tensor the checkpoint stores unquantized with this base's (reads those tensors of both)",
+    )
     s.set_defaults(func=_cmd_inspect)
 
     s = sub.add_parser("splice", help="restore module classes of BUILD to BF16 from BASE")
@@ -492,6 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--force", action="store_true", help="replace OUT if it exists and an earlier splice wrote it")
     s.add_argument("--allow-quantized-base", action="store_true", help=ALLOW_QUANTIZED_BASE_HELP)
+    s.add_argument(
+        "--unquantized-from-base",
+        action="store_true",
+        help="also give every tensor the build stores unquantized the base's values where they differ (a quantizer "
+        "that rounded norms, say; `splicer inspect BUILD --base BASE` lists them)",
+    )
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=_cmd_splice)
 

@@ -43,6 +43,38 @@ def _level(engines: dict) -> str:
     return "median of each engine's blocks" if engines.get("level") else "mean of each engine's blocks"
 
 
+def _residual_outside_classes(results: dict, variants: list[dict], build: dict | None) -> str | None:
+    """A row that restores every quantized class whole yet stays measurably away from the base: the build changed
+    tensors it did not quantize (a quantizer that rounds norms, say), and that error belongs to no class."""
+    from .verdicts import pooled_kl
+
+    classes = set(results.get("quantized_classes") or [])
+    nf = results.get("noise_floor") or {}
+    for v in variants:
+        restored = v.get("restored")
+        if not classes or not isinstance(restored, list) or any("@" in r for r in restored) or not classes <= set(restored):
+            continue
+        above = [
+            c
+            for c, m in (v.get("metrics") or {}).items()
+            if m.get("kl_ci") and m["kl_ci"][0] > (nf.get(c) or {}).get("kl", 0.0)
+        ]
+        if not above:
+            return None
+        rel = ((v.get("vs_build") or {}).get("kl") or {}).get("pooled") or {}
+        share = ""
+        if build and rel.get("rel") is not None and rel.get("rel_ci"):
+            lo, hi = (100 * (1 + x) for x in rel["rel_ci"])
+            share = f" ({100 * (1 + rel['rel']):.1f} % of the build's [{lo:.1f}, {hi:.1f}])"
+        return (
+            f"{v['name']} restores every quantized class and still leaves KL {pooled_kl(v):.4f}{share}, above the noise "
+            f"floor on {len(above)} of {len(v.get('metrics') or {})} corpora: the build differs from the base outside its "
+            "quantized modules, so that part of the error belongs to no class; `splicer inspect BUILD --base BASE` "
+            "lists the tensors and `splicer splice --unquantized-from-base` gives them the base's values."
+        )
+    return None
+
+
 def findings(results: dict) -> list[str]:
     """One sentence per finding, in the table's row order."""
     from .verdicts import engine_means_text, noise_text, per_gpu_engines_text, pooled_kl
@@ -92,6 +124,9 @@ def findings(results: dict) -> list[str]:
             what = "the base itself" if v["restored"] == "base" else "restores " + (", ".join(v["restored"]) or "nothing")
         if clauses:
             out.append(f"{v['name']} ({what}) against the build: " + "; ".join(clauses) + ".")
+    residual = _residual_outside_classes(results, variants, build)
+    if residual:
+        out.append(residual)
     for v in results.get("variants", []):
         if v.get("status") != "ok":
             out.append(f"{v['name']}: failed ({(v.get('error') or '').splitlines()[0][:120]}).")

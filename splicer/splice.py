@@ -40,6 +40,7 @@ from .progress import SILENT, Stages
 from .rules import check
 from .safetensors_io import ByteSource, CastSource, OutTensor, write_shard
 from .selection import format_layers
+from .unquantized import compare_unquantized, unquantized_names
 from .validate import (
     check_modules_regex,
     parse_layers,
@@ -72,6 +73,7 @@ class SplicePlan:
     restore_spec: str = ""  # the restore asked for, as splice.json records it (gdn@0-3,attention)
     float_dtype: str = "BF16"  # the dtype the build keeps its unquantized weights in; restored weights get it too
     dtype_cast: dict[str, int] = field(default_factory=dict)  # base dtype -> restored weights cast from it
+    unquantized_from_base: list[str] = field(default_factory=list)  # unquantized tensors whose values came from the base
 
 
 MTP_SHARD = "model-mtp.safetensors"
@@ -169,12 +171,13 @@ def open_base_for(
     add_mtp: bool = False,
     allow_quantized_base: bool = False,
     mtp_optional: bool = False,
+    also: set[str] = frozenset(),
 ) -> tuple[Checkpoint, bool]:
     """Open the base reading (and, for a Hub id, downloading) only the shards that hold what we restore; returns it
     and whether its MTP head is added (mtp_optional: not an error when the base has none, as for `--restore all`)."""
 
     def shards(wm: dict) -> set[str]:
-        tensors = set(_wanted_base_tensors(build, picked, wm).values())
+        tensors = set(_wanted_base_tensors(build, picked, wm).values()) | {t for t in also if t in wm}
         if add_mtp:
             tensors |= {t for t in wm if build.arch.is_mtp(t)}
         return {wm[t] for t in tensors}
@@ -199,6 +202,14 @@ def _from_base(info, float_dtype: str, casts: dict[str, int]) -> OutTensor:
     return OutTensor(info.name, info.dtype, info.shape, src)
 
 
+def _base_values(base_info, build_info) -> OutTensor:
+    """An unquantized tensor of the build, in its place, dtype and shape, with the base's values."""
+    src = ByteSource(base_info.path, base_info.start, base_info.nbytes)
+    if base_info.dtype != build_info.dtype:
+        src = CastSource(src, base_info.dtype, build_info.dtype)
+    return OutTensor(build_info.name, build_info.dtype, tuple(build_info.shape), src)
+
+
 def build_float_dtype(build: Checkpoint) -> str:
     """The float dtype most of the build's unquantized weights are stored in (BF16 for every build seen so far)."""
     counts: dict[str, int] = defaultdict(int)
@@ -218,7 +229,9 @@ def plan_splice(
     add_mtp: bool = False,
     tokenizer_from_base: bool = False,
     drop_dead_ignore: bool = False,
+    from_base: set[str] = frozenset(),
 ) -> SplicePlan:
+    """`from_base`: unquantized tensors of the build that take the base's values (`--unquantized-from-base`)."""
     base_modules = list_modules(base)
     plan = SplicePlan(build, base, classes, restore={}, base_modules=base_modules)
     float_dtype = plan.float_dtype = build_float_dtype(build)
@@ -247,7 +260,7 @@ def plan_splice(
         shard = build.weight_map[anchor.name]
         add_to_shard[shard].append(OutTensor(f"{name}.weight", dtype, tuple(shape), src))
     for shard, hdr in sorted(build.headers.items()):
-        if shard not in add_to_shard and not (set(hdr.tensors) & drop):
+        if shard not in add_to_shard and not (set(hdr.tensors) & (drop | from_base)):
             plan.shards_linked.append(shard)
             for t, info in hdr.tensors.items():
                 plan.weight_map[t] = shard
@@ -257,7 +270,10 @@ def plan_splice(
         # both then form long contiguous byte runs (a fused expert tensor is one run), copied in few calls.
         out: list[OutTensor] = []
         for t, info in sorted(hdr.tensors.items(), key=lambda kv: kv[1].start):
-            if t not in drop:
+            if t in from_base:
+                out.append(_base_values(base.tensor(t), info))
+                plan.unquantized_from_base.append(t)
+            elif t not in drop:
                 out.append(OutTensor(t, info.dtype, info.shape, ByteSource(info.path, info.start, info.nbytes)))
         out += sorted(add_to_shard.get(shard, []), key=lambda t: (str(t.source.path), t.source.start))
         plan.shards_rewritten[shard] = out
@@ -467,6 +483,7 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
         "mtp_tensors_added": len(plan.mtp_added),
         "files_from_base": sorted(plan.side_files),
         # Restored weights the base stores in another float dtype, cast to the build's (as vLLM casts on load).
+        "unquantized_from_base": sorted(plan.unquantized_from_base),
         "dtype_cast": ({"to": plan.float_dtype, "from": dict(sorted(plan.dtype_cast.items()))} if plan.dtype_cast else None),
         "ignore_dropped": plan.dropped_ignore,
         "inherited_lint": plan.inherited_lint[:20],
@@ -495,6 +512,7 @@ def splice(
     tokenizer_from_base: bool = False,
     drop_dead_ignore: bool = False,
     allow_quantized_base: bool = False,
+    unquantized_from_base: bool = False,
     stages: Stages = SILENT,
 ) -> dict:
     build = open_checkpoint(build_src, "build")
@@ -515,12 +533,16 @@ def splice(
         check_modules_regex(modules_regex),
         allow_empty=add_mtp,
     )
-    base, add_mtp = open_base_for(build, base_src, picked, add_mtp, allow_quantized_base, mtp_optional=restore.strip() == "all")
+    also = set(unquantized_names(build)) if unquantized_from_base else set()
+    base, add_mtp = open_base_for(
+        build, base_src, picked, add_mtp, allow_quantized_base, mtp_optional=restore.strip() == "all", also=also
+    )
+    from_base = {d.name for d in compare_unquantized(build, base)[1]} if unquantized_from_base else set()
     if not add_mtp and "mtp" in classes and not has_mtp:
         classes = [c for c in classes if c != "mtp"]
     inputs = [build.root, base.root]
     out = check_output(out, inputs, SPLICE, force)
-    plan = plan_splice(build, base, modules, picked, classes, add_mtp, tokenizer_from_base, drop_dead_ignore)
+    plan = plan_splice(build, base, modules, picked, classes, add_mtp, tokenizer_from_base, drop_dead_ignore, from_base)
     plan.restore_spec = ",".join(c if per_class.get(c) is None else f"{c}@{format_layers(per_class[c])}" for c in classes)
     plan.inherited_lint = verify_plan(plan, modules)
     with lock_output(out, SPLICE):

@@ -1,0 +1,138 @@
+"""A build whose unquantized tensors differ from the base: found by inspect --base, put back by splice
+--unquantized-from-base, and named by the report when restoring every class does not reach the base."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from splicer.checkpoint import INDEX_NAME, open_checkpoint
+from splicer.cli import main
+from splicer.report import findings
+from splicer.splice import splice
+from splicer.unquantized import compare_unquantized, pattern, summary
+
+NORM = "model.language_model.layers.0.input_layernorm.weight"
+
+
+def _offset_roundtrip(w: torch.Tensor) -> torch.Tensor:
+    """What an offset-norm calibration wrapper in BF16 does to a weight: to 1 + w and back, rounding both ways."""
+    return ((1.0 + w.float()).to(torch.bfloat16).float() - 1.0).to(torch.bfloat16)
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((folder / INDEX_NAME).read_text())
+    out = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        with safe_open(str(folder / shard), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def rounded_build(pairs, tmp_path_factory) -> tuple[Path, Path, str]:
+    """The per-expert lowlatency build with one layer norm rounded as llm-compressor 0.14 rounds offset norms, and
+    the final norm nudged; returns (build, base, the norm's name)."""
+    src, base = pairs["per_expert"]["lowlatency"], pairs["per_expert"]["base"]
+    out = tmp_path_factory.mktemp("rounded") / "build"
+    shutil.copytree(src, out)
+    index = json.loads((out / INDEX_NAME).read_text())["weight_map"]
+    name = next(n for n in index if n.endswith("layers.0.input_layernorm.weight"))
+    final = next(n for n in index if n.endswith("language_model.norm.weight"))
+    for shard in sorted({index[name], index[final]}):
+        with safe_open(str(out / shard), "pt") as f:
+            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        if name in tensors:
+            rounded = _offset_roundtrip(tensors[name])
+            assert not torch.equal(rounded, tensors[name]), "the fixture's norm must hold values the round trip changes"
+            tensors[name] = rounded
+        if final in tensors:
+            tensors[final] = tensors[final].clone()
+            tensors[final][0] += 0.5
+        (out / shard).unlink()  # the copy may share an inode with the fixture: write a new file, never through it
+        save_file(tensors, str(out / shard), metadata=meta)
+    return out, base, name
+
+
+def test_compare_finds_exactly_the_changed_tensors(rounded_build, pairs):
+    build, base, name = rounded_build
+    compared, diffs = compare_unquantized(open_checkpoint(build, "build"), open_checkpoint(base, "base"))
+    assert compared > 10
+    by_name = {d.name: d for d in diffs}
+    assert set(by_name) == {name, next(n for n in by_name if n.endswith("language_model.norm.weight"))}
+    final = next(d for n, d in by_name.items() if n != name)
+    assert final.elements_differing == 1 and final.max_abs_diff == pytest.approx(0.5, abs=0.01)
+    assert 0 < by_name[name].elements_differing <= by_name[name].elements
+    s = summary(compared, diffs)
+    assert s["differing"] == 2 and pattern(name) in s["by_pattern"]
+    # the untouched build: nothing differs
+    _, none = compare_unquantized(open_checkpoint(pairs["per_expert"]["lowlatency"], "build"), open_checkpoint(base, "base"))
+    assert none == []
+
+
+def test_splice_takes_base_values_only_when_asked(rounded_build, tmp_path):
+    build, base, name = rounded_build
+    base_t = _tensors(base)
+    plain = tmp_path / "plain"
+    splice(str(build), str(base), plain, "all", progress=False)
+    fixed = tmp_path / "fixed"
+    record = splice(str(build), str(base), fixed, "all", progress=False, unquantized_from_base=True)
+    plain_t, fixed_t = _tensors(plain), _tensors(fixed)
+    assert not torch.equal(plain_t[name], base_t[name])
+    assert len(record["unquantized_from_base"]) == 2 and name in record["unquantized_from_base"]
+    assert json.loads((fixed / "splice.json").read_text())["unquantized_from_base"] == record["unquantized_from_base"]
+    # Every class restored and the unquantized tensors from the base: every tensor the two share equals the base's.
+    shared = set(fixed_t) & set(base_t)
+    assert name in shared and len(shared) > 10
+    for k in shared:
+        assert torch.equal(fixed_t[k], base_t[k].to(fixed_t[k].dtype)), k
+
+
+def test_cli_inspect_base_lists_differences(rounded_build, pairs, capsys):
+    build, base, _ = rounded_build
+    assert main(["inspect", str(build), "--base", str(base)]) == 0
+    out = capsys.readouterr().out
+    assert "Unquantized tensors that differ from the base: 2 of" in out
+    assert "model.language_model.layers.N.input_layernorm.weight: 1 tensor(s)" in out
+    assert main(["inspect", str(pairs["per_expert"]["lowlatency"]), "--base", str(base), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["unquantized_vs_base"]["differing"] == 0 and info["unquantized_vs_base"]["compared"] > 10
+
+
+def _variant(name, restored, kl_lo, rel=-0.937, rel_ci=(-0.941, -0.934)):
+    metric = {"positions": 100, "kl": kl_lo * 1.2, "kl_ci": [kl_lo, kl_lo * 1.4], "top1": 0.99}
+    return {
+        "name": name,
+        "status": "ok",
+        "restored": restored,
+        "metrics": {"a": dict(metric), "b": dict(metric)},
+        "vs_build": {"kl": {"pooled": {"rel": rel, "rel_ci": list(rel_ci), "significant": True, "rel_significant": True}}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("restored", "kl_lo", "expected"),
+    [
+        (["gdn", "experts"], 4e-4, True),  # every quantized class, KL above the floor
+        (["gdn", "experts"], 0.0, False),  # every class, at the base
+        (["gdn"], 4e-4, False),  # not every class
+        (["gdn@0-2", "experts"], 4e-4, False),  # part of a class
+    ],
+)
+def test_report_names_error_outside_every_class(restored, kl_lo, expected):
+    build = _variant("build", [], 5e-3)
+    results = {
+        "quantized_classes": ["gdn", "experts"],
+        "noise_floor": {"a": {"kl": 0.0, "top1": 1.0}, "b": {"kl": 0.0, "top1": 1.0}},
+        "variants": [build, _variant("all", restored, kl_lo)],
+    }
+    text = " ".join(findings(results))
+    assert ("restores every quantized class and still leaves" in text) == expected
+    if expected:
+        assert "6.3 % of the build's [5.9, 6.6]" in text
