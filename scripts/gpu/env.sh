@@ -9,8 +9,8 @@ export SPLICER_GPU_ENGINE_ARGS='{"compilation_config": {"mode": 0, "cudagraph_mo
 
 # pack_scores ARCHIVE ROOT DIR...: every DIR/scores/ (per-position scores, DIR/scores/ROW/CORPUS.safetensors; paths
 # relative to ROOT) in one xz archive, so that a results folder's intervals can be recomputed (splicer compare, budget)
-# from what comes back. A device call brings back files of at most 16 MiB: a larger archive is removed, and the call's
-# output says so (the results README must then say its intervals cannot be recomputed).
+# from what comes back. A device call brings back files of at most 16 MiB: a larger archive is split into parts under
+# that size (ARCHIVE.part00, .part01, ...), which `cat` joins again.
 pack_scores() {
   local archive root=$2; archive=$(realpath -m "$1"); shift 2
   local dirs=(); for d in "$@"; do [ -d "$root/$d/scores" ] && dirs+=("$d/scores"); done
@@ -18,7 +18,10 @@ pack_scores() {
   ( cd "$root" && XZ_OPT=-6 tar cJf "$archive" "${dirs[@]}" )
   local size; size=$(stat -c %s "$archive" 2>/dev/null || echo 0)
   if [ "$size" -gt $((16 * 1024 * 1024 - 4096)) ]; then
-    echo "pack_scores: $(basename "$archive") is $size bytes, over the 16 MiB a call brings back: not returned"; rm -f "$archive"
+    # Parts under the limit; here: cat ARCHIVE.part* > ARCHIVE (the call's output lists them).
+    split -b 15m -d "$archive" "$archive.part" && rm -f "$archive"
+    echo "pack_scores: $(basename "$archive") is $size bytes, over the 16 MiB a call brings back: split into" \
+      "$(cd "$(dirname "$archive")" && ls "$(basename "$archive")".part* | tr '\n' ' ')(cat them back together)"
   else
     echo "pack_scores: $(basename "$archive") $size bytes (${dirs[*]})"
   fi

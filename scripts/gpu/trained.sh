@@ -68,6 +68,13 @@ sys.exit(0 if any(k.startswith('mtp.') for f in glob.glob(sys.argv[1]+'/*.safete
   fi
 }
 
+# inspect_vs_base SEED BUILD: what the build quantizes, and which of its unquantized tensors differ from the base.
+inspect_vs_base() {
+  local s=$1 b=$2 name; name=$(basename "$b")
+  case "$name" in base|raw|raw-*) return 0 ;; esac
+  python3 -m splicer inspect "$b" --base "$W/seed$s/base" --json > "$W/seed$s/inspect-$name.json" 2>> "$LOG" || stage "inspect failed for seed$s/$name"
+}
+
 if ! is_done builds; then
   stage "builds: llm-compressor GPTQ (both seeds), RTN g32, FP8 block, NVFP4A16 (seed 0); AWQ comes later, beside untimed work"
   rm -rf "$W/seed0/raw" "$W/seed1/raw" "$W/seed0/raw-other"
@@ -77,6 +84,7 @@ if ! is_done builds; then
   wait
   tail -n 2 "$W"/seed*/builds-*.log | tee -a "$LOG"
   for s in 0 1; do for b in "$W/seed$s"/raw/*/ "$W/seed$s"/raw-other/*/; do [ -d "$b" ] && restore_mtp $s "${b%/}"; done; done
+  for s in 0 1; do for b in "$W/seed$s"/*/; do inspect_vs_base $s "${b%/}"; done; done
   ls -d "$W"/seed*/*/ | tee -a "$LOG"
   done_mark builds
 fi
@@ -118,6 +126,7 @@ if ! is_done score; then
     while kill -0 "$(cat "$W/awq.pid")" 2>/dev/null; do sleep 5; done
     tail -n 2 "$W/seed0/builds-awq.log" | tee -a "$LOG"
     [ -d "$W/seed0/raw-awq/awq-experts" ] && restore_mtp 0 "$W/seed0/raw-awq/awq-experts"
+    [ -d "$W/seed0/awq-experts" ] && inspect_vs_base 0 "$W/seed0/awq-experts"
     rm -f "$W/awq.pid"
   fi
   stage "score: every seed-0 build against one base pass (no timing)"

@@ -24,6 +24,7 @@ collect() {
     [ -d "$W/$d/logs" ] && list+=("$d/logs")
   done
   for b in "$W"/seed*/raw*/builds.json; do [ -f "$b" ] && list+=("${b#$W/}"); done
+  for b in "$W"/seed*/inspect-*.json; do [ -f "$b" ] && list+=("${b#$W/}"); done
   for b in "$W"/seed*/*/config.json; do [ -f "$b" ] && list+=("${b#$W/}"); done
   { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c "import vllm, torch, transformers, compressed_tensors as ct; print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| compressed-tensors', ct.__version__)"
