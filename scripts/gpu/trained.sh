@@ -3,7 +3,8 @@
 #   data -> train (seeds 0 and 1 at once) -> builds by llm-compressor in its own site (GPTQ both seeds; RTN g32, FP8
 #   block, NVFP4A16 seed 0), the MTP head restored into any that dropped it -> ablate seed 0's GPTQ build (default rows
 #   + one row per GDN layer; timed, alone on the GPU) -> budget --verify 3 (timed) -> seed 1's class rows (untimed) beside
-#   the AWQ build -> every seed-0 build scored against one base pass (untimed). Table, report and plot are made from
+#   the AWQ build and the GPTQ builds re-made with gdn, attention or shared_expert left in BF16 -> every seed-0 build,
+#   and the splice of each of those classes, scored against one base pass (untimed). Table, report and plot are made from
 #   what comes back (results.json and the per-position scores), on any machine.
 # Started in the background (setsid) by `trained_call.sh start`, so it outlives one device call; later calls
 # (`trained_call.sh wait`) watch it and bring back what is finished. Everything lives under W=/tmp/trained.
@@ -29,6 +30,8 @@ PLAN=${PLAN:-ablations/trained-h200.toml}; GDN_GROUPS=${GDN_GROUPS:-6}
 # Calibration samples of 512 tokens: GPTQ 256 took 206 s for both seeds at once; AWQ at 256 passed layer 5 of 8 only after
 # 13 minutes (20 grid points of a few seconds per smoothed norm), so it takes fewer.
 GPTQ_SAMPLES=${GPTQ_SAMPLES:-256}; AWQ_SAMPLES=${AWQ_SAMPLES:-64}
+# Classes whose GPTQ build is re-made with the class left in BF16, scored beside the splice of that class.
+REQUANT_CLASSES=${REQUANT_CLASSES:-gdn attention shared_expert}
 D="$W/trained-data"
 CORPORA=()
 for c in en-dict en-kernel en-python zh chat; do CORPORA+=(--corpus "$c=$D/heldout/$c.txt"); done
@@ -114,6 +117,14 @@ if ! is_done ablate1; then
     $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw-awq" --builds awq-experts --samples "$AWQ_SAMPLES" --device $DEVICE > "$W/seed0/builds-awq.log" 2>&1 &
     echo $! > "$W/awq.pid"
   fi
+  # Beside it, the GPTQ build re-made with one class left in BF16, per class (splice against re-quantize).
+  for c in $REQUANT_CLASSES; do
+    [ -d "$W/seed0/gptq-w4a16-g128-keep-$c" ] && continue
+    rm -rf "$W/seed0/raw-keep-$c"
+    $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw-keep-$c" --builds "gptq-w4a16-g128-keep-$c" \
+      --samples "$GPTQ_SAMPLES" --device $DEVICE > "$W/seed0/builds-keep-$c.log" 2>&1 &
+    echo $! > "$W/keep-$c.pid"
+  done
   stage "ablate: seed 1 GPTQ build, class rows, no timing"
   python3 -m splicer.trained.plans seed-rows "$PLAN" "$W/plan1.toml.new" && mv "$W/plan1.toml.new" "$W/plan1.toml"
   python3 -m splicer ablate all "$W/seed1/gptq-w4a16-g128" "$W/seed1/base" -o "$W/ablate1" --plan "$W/plan1.toml" \
@@ -129,8 +140,23 @@ if ! is_done score; then
     [ -d "$W/seed0/awq-experts" ] && inspect_vs_base 0 "$W/seed0/awq-experts"
     rm -f "$W/awq.pid"
   fi
+  for c in $REQUANT_CLASSES; do
+    if [ -f "$W/keep-$c.pid" ]; then
+      stage "waiting for the GPTQ build without $c"
+      while kill -0 "$(cat "$W/keep-$c.pid")" 2>/dev/null; do sleep 5; done
+      tail -n 1 "$W/seed0/builds-keep-$c.log" | tee -a "$LOG"
+      b="$W/seed0/raw-keep-$c/gptq-w4a16-g128-keep-$c"
+      [ -d "$b" ] && restore_mtp 0 "$b" && inspect_vs_base 0 "$W/seed0/gptq-w4a16-g128-keep-$c"
+      rm -f "$W/keep-$c.pid"
+    fi
+    # The splice of the same class into the GPTQ build, scored beside the re-made build on the same positions.
+    [ -d "$W/seed0/splice-$c" ] || python3 -m splicer splice --restore "$c" "$G" "$W/seed0/base" -o "$W/seed0/splice-$c" -q >> "$LOG" 2>&1 \
+      || stage "splice --restore $c failed"
+  done
   stage "score: every seed-0 build against one base pass (no timing)"
-  builds=(); for b in gptq-w4a16-g128 awq-experts rtn-g32-experts fp8-block nvfp4a16; do [ -d "$W/seed0/$b" ] && builds+=("$W/seed0/$b"); done
+  builds=()
+  for b in gptq-w4a16-g128 awq-experts rtn-g32-experts fp8-block nvfp4a16; do [ -d "$W/seed0/$b" ] && builds+=("$W/seed0/$b"); done
+  for c in $REQUANT_CLASSES; do for b in "splice-$c" "gptq-w4a16-g128-keep-$c"; do [ -d "$W/seed0/$b" ] && builds+=("$W/seed0/$b"); done; done
   python3 -m splicer score "$W/seed0/base" "${builds[@]}" -o "$W/score0" --plan "$PLAN" "${CORPORA[@]}" \
     "${ENGINE[@]}" --no-time -q > "$W/score0.log" 2>&1 && done_mark score || { stage "score exit $?"; tail -5 "$W/score0.log" | tee -a "$LOG"; }
 fi

@@ -12,6 +12,7 @@ OUT/BUILD for each build plus OUT/builds.json (recipe, versions, wall time, and 
   fp8-block        model_free_ptq FP8_BLOCK on seed 000's module selection
   nvfp4a16         oneshot (data-free) NVFP4A16 on seed 000's module selection, with one global scale per group
                    vLLM fuses (see nvfp4_fused_groups)
+  gptq-w4a16-g128-keep-CLASS  gptq-w4a16-g128 re-made with CLASS (gdn, attention, shared_expert) left in BF16
 
 oneshot builds lose mtp.* (transformers does not load it); the lead restores it with `splicer splice --restore mtp`.
 Each build keeps BASE's tokenizer, chat template and generation config byte for byte.
@@ -26,7 +27,16 @@ import sys
 import time
 from pathlib import Path
 
-BUILDS = ("gptq-w4a16-g128", "awq-experts", "rtn-g32-experts", "fp8-block", "nvfp4a16")
+# The GPTQ build re-made with one class left in BF16 (in `ignore`): GPTQ fits each layer to the already-quantized
+# layers before it, so this differs from splicing that class back into gptq-w4a16-g128 (the splice measures the build
+# without the class's own error; the re-made build also re-fits everything after it).
+KEEP_CLASS = {
+    "gdn": r"re:.*linear_attn\.(in_proj_qkv|in_proj_z|out_proj)$",
+    "attention": r"re:.*self_attn\.(q_proj|k_proj|v_proj|o_proj)$",
+    "shared_expert": r"re:.*mlp\.shared_expert\.(gate_proj|up_proj|down_proj)$",
+}
+REQUANT = tuple(f"gptq-w4a16-g128-keep-{c}" for c in KEEP_CLASS)
+BUILDS = ("gptq-w4a16-g128", "awq-experts", "rtn-g32-experts", "fp8-block", "nvfp4a16", *REQUANT)
 
 # Seed 000's ignore list (splicer.fixtures.LOWLATENCY_IGNORE): the vision tower, GDN's tiny a/b projections, the
 # router, the shared expert's gate and the MTP head stay BF16.
@@ -171,13 +181,13 @@ def run_oneshot(base: Path, out: Path, recipe, args, dataset, n_samples: int) ->
     model.save_pretrained(out, save_compressed=True, max_shard_size="4GB")
 
 
-def recipe_gptq(ignore_head: bool = False):
+def recipe_gptq(keep: str | None = None):
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     body = GPTQModifier(
         config_groups={"group_0": w4_group(128, ["Linear"], actorder="weight")},
-        ignore=["lm_head", *LOWLATENCY_IGNORE],
+        ignore=["lm_head", *LOWLATENCY_IGNORE, *([KEEP_CLASS[keep]] if keep else [])],
         dampening_frac=0.01,
         actorder="weight",
     )
@@ -303,13 +313,16 @@ def versions() -> dict:
 
 
 def build_one(kind: str, base: Path, out: Path, args, calib_cache: dict) -> dict:
-    if kind in ("gptq-w4a16-g128", "awq-experts"):
+    if kind in ("gptq-w4a16-g128", "awq-experts", *REQUANT):
         if "ds" not in calib_cache:
             from transformers import AutoTokenizer
 
             calib_cache["ds"] = calibration_dataset(AutoTokenizer.from_pretrained(base), args.calib, args.samples, args.seq_len)
         ds, n = calib_cache["ds"]
-        recipe = recipe_gptq() if kind == "gptq-w4a16-g128" else recipe_awq()
+        if kind == "awq-experts":
+            recipe = recipe_awq()
+        else:
+            recipe = recipe_gptq(kind.removeprefix("gptq-w4a16-g128-keep-") if kind in REQUANT else None)
         run_oneshot(base, out, recipe, args, ds, n)
         return {
             "entrypoint": "oneshot",
@@ -354,7 +367,7 @@ def main(argv=None) -> int:
         fail(f"unknown build(s) {', '.join(unknown)}; choose from {', '.join(BUILDS)}")
     if not (args.base / "config.json").exists():
         fail(f"{args.base} has no config.json; BASE must be a BF16 checkpoint folder")
-    if any(k in kinds for k in ("gptq-w4a16-g128", "awq-experts")) and not args.calib.is_file():
+    if any(k in kinds for k in ("gptq-w4a16-g128", "awq-experts", *REQUANT)) and not args.calib.is_file():
         fail(f'{args.calib} is not a file; CALIB_JSONL holds one {{"text": ...}} object per line')
     taken = [k for k in kinds if (args.out / k).exists()]
     if taken:

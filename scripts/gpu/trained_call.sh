@@ -15,7 +15,7 @@ collect() {
   source scripts/gpu/env.sh
   local list=()
   for f in pipeline.log nohup.log seed0/train.log seed1/train.log seed0/base/train_report.json seed1/base/train_report.json \
-           seed0/builds-gptq.log seed1/builds-gptq.log seed0/builds-other.log seed0/builds-awq.log plan0.toml plan1.toml verify.txt \
+           seed0/builds-gptq.log seed1/builds-gptq.log seed0/builds-other.log seed0/builds-awq.log seed0/builds-keep-gdn.log seed0/builds-keep-attention.log seed0/builds-keep-shared_expert.log plan0.toml plan1.toml verify.txt \
            ablate0.log ablate1.log score0.log; do
     [ -f "$W/$f" ] && list+=("$f")
   done
