@@ -40,7 +40,7 @@ from .progress import SILENT, Stages
 from .rules import check
 from .safetensors_io import ByteSource, CastSource, OutTensor, write_shard
 from .selection import format_layers
-from .unquantized import compare_unquantized, unquantized_names
+from .unquantized import SMOOTHING_NOTE, changed_text, compare_unquantized, unquantized_names
 from .validate import (
     check_modules_regex,
     parse_layers,
@@ -537,7 +537,15 @@ def splice(
     base, add_mtp = open_base_for(
         build, base_src, picked, add_mtp, allow_quantized_base, mtp_optional=restore.strip() == "all", also=also
     )
-    from_base = {d.name for d in compare_unquantized(build, base)[1]} if unquantized_from_base else set()
+    diffs = compare_unquantized(build, base)[1] if unquantized_from_base else []
+    every_class_whole = all(per_class.get(m.cls, 0) is None for m in modules.values() if m.quantized)
+    if any(not d.rounding_only for d in diffs) and not (every_class_whole and not layers and not modules_regex):
+        raise SplicerError(
+            f"--unquantized-from-base: the build's unquantized tensors were {SMOOTHING_NOTE} ({changed_text(diffs)}); "
+            "the base's values would not fit the classes left quantized: use it only with --restore all and no --layers "
+            "or --modules, or leave it off"
+        )
+    from_base = {d.name for d in diffs}
     if not add_mtp and "mtp" in classes and not has_mtp:
         classes = [c for c in classes if c != "mtp"]
     inputs = [build.root, base.root]

@@ -6,6 +6,11 @@ too: llm-compressor 0.14's `oneshot` converts offset RMSNorms (`x * (1 + w)`: Qw
 Then restoring every quantized class does not give the base, and the remainder of the error lies outside any class.
 This module finds such tensors (same name and shape in both, stored unquantized in the build, other values) so that
 `inspect --base` can show them and `splice --unquantized-from-base` can copy them back.
+
+It also tells that rounding apart from a real change. AWQ and SmoothQuant fold a per-channel scale into a norm (or a
+previous Linear) and its inverse into the layers that read it, unquantized ones included (the router, the shared
+expert's gate): then a class spliced back from the base reads inputs scaled for the build's weights, and its restored
+values are not what the build would compute without its quantization error.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class TensorDifference:
     elements_differing: int
     elements: int
     max_abs_diff: float
+    rounding_only: bool  # equal to the base's BF16 round trip through 1 + w (an offset norm wrapped for calibration)
 
 
 def _read(info: TensorInfo) -> bytes:
@@ -79,6 +85,7 @@ def compare_unquantized(build: Checkpoint, base: Checkpoint) -> tuple[int, list[
         if torch.equal(av.view(-1).view(torch.uint8), bv.view(-1).view(torch.uint8)):
             continue
         differing = av != bv
+        roundtrip = ((1.0 + _values(a, ab).float()).to(bv.dtype).float() - 1.0).to(bv.dtype)
         diff = (av.double() - bv.double()).abs()
         out.append(
             TensorDifference(
@@ -88,6 +95,7 @@ def compare_unquantized(build: Checkpoint, base: Checkpoint) -> tuple[int, list[
                 elements_differing=int(differing.sum()),
                 elements=bv.numel(),
                 max_abs_diff=float(diff.max()) if bv.numel() else 0.0,
+                rounding_only=bv.dtype == torch.bfloat16 and torch.equal(roundtrip, bv),
             )
         )
     return compared, out
@@ -102,12 +110,30 @@ def summary(compared: int, diffs: list[TensorDifference]) -> dict:
     """For JSON: counts, and per name pattern the tensors, differing elements and largest difference."""
     groups: dict[str, dict] = {}
     for d in diffs:
-        g = groups.setdefault(pattern(d.name), {"tensors": 0, "elements_differing": 0, "elements": 0, "max_abs_diff": 0.0})
+        g = groups.setdefault(
+            pattern(d.name), {"tensors": 0, "elements_differing": 0, "elements": 0, "max_abs_diff": 0.0, "changed": 0}
+        )
         g["tensors"] += 1
+        g["changed"] += not d.rounding_only
         g["elements_differing"] += d.elements_differing
         g["elements"] += d.elements
         g["max_abs_diff"] = max(g["max_abs_diff"], d.max_abs_diff)
-    return {"compared": compared, "differing": len(diffs), "by_pattern": groups}
+    changed = sum(not d.rounding_only for d in diffs)
+    return {"compared": compared, "differing": len(diffs), "changed": changed, "by_pattern": groups}
+
+
+def changed_text(diffs: list[TensorDifference]) -> str:
+    """The tensors changed beyond rounding, for messages (the largest difference first)."""
+    changed = sorted((d for d in diffs if not d.rounding_only), key=lambda d: -d.max_abs_diff)
+    names = ", ".join(f"{d.name} (largest difference {d.max_abs_diff:.3g})" for d in changed[:2])
+    return f"{len(changed)} tensors, e.g. {names}"
+
+
+SMOOTHING_NOTE = (
+    "changed beyond rounding: a transform such as AWQ or SmoothQuant smoothing folds scales into these tensors and "
+    "their inverse into the layers that read them, so a class spliced back from the base reads inputs scaled for the "
+    "build's weights and its rows do not show the build without that class's error"
+)
 
 
 def format_summary(s: dict, build_label: str, base_label: str) -> str:
@@ -119,7 +145,11 @@ def format_summary(s: dict, build_label: str, base_label: str) -> str:
     ]
     for p, g in sorted(s["by_pattern"].items()):
         share = g["elements_differing"] / g["elements"] if g["elements"] else 0.0
+        how = "rounded as 1 + w in BF16 and back" if not g.get("changed") else f"{g['changed']} changed beyond rounding"
         lines.append(
-            f"  {p}: {g['tensors']} tensor(s), {100 * share:.1f} % of elements differ, largest |difference| {g['max_abs_diff']:.3g}"
+            f"  {p}: {g['tensors']} tensor(s), {100 * share:.1f} % of elements differ, largest |difference| "
+            f"{g['max_abs_diff']:.3g} ({how})"
         )
+    if s.get("changed"):
+        lines.append(f"Warning: {s['changed']} of them {SMOOTHING_NOTE}.")
     return "\n".join(lines)

@@ -136,3 +136,58 @@ def test_report_names_error_outside_every_class(restored, kl_lo, expected):
     assert ("restores every quantized class and still leaves" in text) == expected
     if expected:
         assert "6.3 % of the build's [5.9, 6.6]" in text
+
+
+@pytest.fixture(scope="module")
+def smoothed_build(pairs, tmp_path_factory) -> tuple[Path, Path]:
+    """The lowlatency build with an AWQ-like change: a post-attention norm and its layer's router scaled by s, 1/s."""
+    src, base = pairs["per_expert"]["lowlatency"], pairs["per_expert"]["base"]
+    out = tmp_path_factory.mktemp("smoothed") / "build"
+    shutil.copytree(src, out)
+    index = json.loads((out / INDEX_NAME).read_text())["weight_map"]
+    norm = next(n for n in index if n.endswith("layers.0.post_attention_layernorm.weight"))
+    router = next(n for n in index if n.endswith("layers.0.mlp.gate.weight"))
+    for shard in sorted({index[norm], index[router]}):
+        with safe_open(str(out / shard), "pt") as f:
+            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        s = torch.linspace(0.5, 2.0, tensors[norm].numel() if norm in tensors else tensors[router].shape[1])
+        if norm in tensors:
+            tensors[norm] = ((1 + tensors[norm].float()) / s - 1).to(tensors[norm].dtype)
+        if router in tensors:
+            tensors[router] = (tensors[router].float() * s).to(tensors[router].dtype)
+        (out / shard).unlink()
+        save_file(tensors, str(out / shard), metadata=meta)
+    return out, base
+
+
+def test_smoothing_is_told_from_rounding(rounded_build, smoothed_build):
+    build, base, _ = rounded_build
+    _, diffs = compare_unquantized(open_checkpoint(build, "build"), open_checkpoint(base, "base"))
+    # the rounded norm is rounding; the nudged final norm is a change
+    assert sorted(d.rounding_only for d in diffs) == [False, True]
+    sb, sbase = smoothed_build
+    _, diffs = compare_unquantized(open_checkpoint(sb, "build"), open_checkpoint(sbase, "base"))
+    assert len(diffs) == 2 and not any(d.rounding_only for d in diffs)
+    assert summary(0, diffs)["changed"] == 2
+
+
+def test_unquantized_from_base_refused_for_a_partial_restore_of_a_smoothed_build(smoothed_build, tmp_path, capsys):
+    build, base = smoothed_build
+    out = tmp_path / "out"
+    code = main(["splice", "--restore", "experts", str(build), str(base), "-o", str(out), "--unquantized-from-base", "-q"])
+    err = capsys.readouterr().err
+    assert code != 0 and not out.exists()
+    assert "changed beyond rounding" in err and "--restore all" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    # every class restored whole: allowed, and the result holds the base's values everywhere they share a name
+    assert main(["splice", "--restore", "all", str(build), str(base), "-o", str(out), "--unquantized-from-base", "-q"]) == 0
+    got, want = _tensors(out), _tensors(base)
+    for k in set(got) & set(want):
+        assert torch.equal(got[k], want[k].to(got[k].dtype)), k
+
+
+def test_inspect_warns_about_smoothing(smoothed_build, capsys):
+    build, base = smoothed_build
+    assert main(["inspect", str(build), "--base", str(base)]) == 0
+    out = capsys.readouterr().out
+    assert "Warning: 2 of them changed beyond rounding" in out
