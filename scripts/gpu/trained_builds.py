@@ -14,7 +14,8 @@ OUT/BUILD for each build plus OUT/builds.json (recipe, versions, wall time, and 
                    vLLM fuses (see nvfp4_fused_groups)
   gptq-w4a16-g128-keep-CLASS  gptq-w4a16-g128 re-made with CLASS (gdn, attention, shared_expert) left in BF16
 
-oneshot builds lose mtp.* (transformers does not load it); the lead restores it with `splicer splice --restore mtp`.
+llm-compressor 0.14.0.1's oneshot copies mtp.* from BASE itself (save_mtp_tensors_to_checkpoint; transformers does
+not load it); a build without it would get it back with `splicer splice --restore mtp` (trained.sh's restore_mtp).
 Each build keeps BASE's tokenizer, chat template and generation config byte for byte.
 """
 
