@@ -11,8 +11,10 @@
    scope fails, whatever the folder holds.
    README.md and docs/*.md: units that cite a results folder or file are checked so; other numbers there are the
    tool's own settings (95 % intervals, top-20), not measurements.
-   LEGACY folders (run histories written before this check) are still checked only against every raw file of their
-   folder (the old rule); they are listed by name below.
+   A folder's HISTORY.md (a run history moved out of its README) is checked the same way. LEGACY files (run histories
+   written before this check) are still checked only against every raw file of their folder (the old rule); they are
+   listed below. README.md and HISTORY.md are prose: never a raw source within their own folder (not for themselves,
+   not for each other); README.md and docs/*.md may cite a results folder's README or history, itself checked.
 
 A README number with d decimals matches a raw value v when v rounds to it at d decimals (|v - x| <= half a unit of its
 last digit): "4.34" matches 4.3449, "241" matches 241.0 but not 246. For a percentage (a "%" follows the number or the
@@ -142,12 +144,15 @@ class RawValues:
         return False
 
 
+PROSE = {"README.md", "HISTORY.md"}  # written about the data, not data: never a source for a figure
+
+
+def is_raw(p: Path) -> bool:
+    return p.is_file() and p.suffix in RAW_SUFFIXES and p.name not in PROSE
+
+
 def raw_texts(folder: Path) -> list[str]:
-    return [
-        p.read_text(errors="replace")
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.suffix in RAW_SUFFIXES and p.name != "README.md"
-    ]
+    return [p.read_text(errors="replace") for p in sorted(folder.rglob("*")) if is_raw(p)]
 
 
 def missing_numbers(readme_text: str, raw: list[str]) -> list[dict]:
@@ -158,9 +163,17 @@ def missing_numbers(readme_text: str, raw: list[str]) -> list[dict]:
 
 ROOT = RESULTS.parent
 READMES = sorted(RESULTS.glob("*/README.md"))
+HISTORIES = sorted(RESULTS.glob("*/HISTORY.md"))
+CHECKED = READMES + HISTORIES
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# Run histories written before the citation rule: still checked against every raw file of their folder.
-LEGACY = {"h200-fulldims"}
+# Run histories written before the citation rule (folder/file under results/): still checked against every raw file
+# of their folder.
+LEGACY = {"h200-fulldims/HISTORY.md"}
+
+
+def _name(md: Path) -> str:
+    return md.relative_to(RESULTS).as_posix()
+
 
 BLOCK = re.compile(r"<!-- splicer:begin .*?<!-- splicer:end -->", re.S)
 CITE = re.compile(r"`([\w./*-]+\.(?:json|csv|txt|log|md))(?::([\w.*-]+))?`|\]\(([^)\s#]+)(?:#[^)\s]*)?\)")
@@ -226,8 +239,8 @@ def cited_text(md: Path, target: str, key: str | None) -> str | None:
         return None
     if p.is_dir():
         return "\n".join(raw_texts(p))
-    if p.suffix not in RAW_SUFFIXES or p == md.resolve():
-        return None
+    if p.suffix not in RAW_SUFFIXES or (p.name in PROSE and p.parent == md.resolve().parent):
+        return None  # a README or history is no source for itself or its folder's other prose (docs may cite one)
     text = p.read_text(errors="replace")
     if key:
         try:
@@ -293,7 +306,7 @@ def _listing(found: list[dict]) -> str:
     )
 
 
-@pytest.mark.parametrize("md", READMES + DOCS, ids=[str(p.relative_to(ROOT)) for p in READMES + DOCS])
+@pytest.mark.parametrize("md", CHECKED + DOCS, ids=[str(p.relative_to(ROOT)) for p in CHECKED + DOCS])
 def test_every_generated_block_is_what_its_command_prints(md):
     from splicer.readme_blocks import stale_blocks
 
@@ -301,10 +314,10 @@ def test_every_generated_block_is_what_its_command_prints(md):
     assert not stale, "\n".join(stale) + "\n(run: splicer readme-blocks --update FILE)"
 
 
-@pytest.mark.parametrize("readme", READMES, ids=[p.parent.name for p in READMES])
+@pytest.mark.parametrize("readme", CHECKED, ids=[_name(p) for p in CHECKED])
 def test_every_readme_number_is_in_a_cited_raw_file(readme):
     text = readme.read_text()
-    if readme.parent.name in LEGACY:
+    if _name(readme) in LEGACY:
         missing = missing_numbers(text, raw_texts(readme.parent))
         assert not missing, f"{len(missing)} numbers of {readme.relative_to(ROOT)} are in none of its raw files:\n" + "\n".join(
             f"  line {n['line']}: {n['text']}  ({n['context']})" for n in missing
@@ -332,10 +345,7 @@ def _made_up(folder: Path) -> list[str]:
     """Made-up sentences in the README's own style, each citing the folder's largest raw file: five with invented
     figures, and two whose figures are real raw values of the folder that the cited file does not hold (a number that
     "matches some unrelated raw value", which the old rule let pass)."""
-    raws = sorted(
-        (p for p in folder.rglob("*") if p.is_file() and p.suffix in RAW_SUFFIXES and p.name != "README.md"),
-        key=lambda p: (p.stat().st_size, str(p)),
-    )
+    raws = sorted((p for p in folder.rglob("*") if is_raw(p)), key=lambda p: (p.stat().st_size, str(p)))
     f = raws[-1].relative_to(folder).as_posix()
     cited = RawValues([raws[-1].read_text(errors="replace")])
     elsewhere = [
@@ -386,7 +396,7 @@ def mutation_rates(readmes: list[Path]) -> dict:
 
 
 def test_mutations_are_caught():
-    checked = [p for p in READMES if p.parent.name not in LEGACY]
+    checked = [p for p in CHECKED if _name(p) not in LEGACY]
     r = mutation_rates(checked)
     d, s = r["digits"], r["sentences"]
     report = (
@@ -400,7 +410,14 @@ def test_mutations_are_caught():
 
 
 def test_there_are_results_readmes():
-    assert len(READMES) >= 4 and len(set(p.parent.name for p in READMES) - LEGACY) >= 4
+    assert len(READMES) >= 4 and len(set(_name(p) for p in READMES) - LEGACY) >= 4
+    assert set(LEGACY) <= set(_name(p) for p in CHECKED), "a LEGACY entry names no README.md or HISTORY.md"
+
+
+def test_every_moved_history_is_checked():
+    """Text moved out of a README into HISTORY.md keeps its figures under a rule, and in no folder is a source."""
+    assert HISTORIES, "results/h200-fulldims/HISTORY.md holds that folder's run history"
+    assert sorted(RESULTS.rglob("HISTORY.md")) == HISTORIES
 
 
 # the checker itself
@@ -455,3 +472,14 @@ def test_checker_reads_a_folder_recursively_without_its_readme(tmp_path):
     (tmp_path / "README.md").write_text("241 s in all, weights 24.7 s; 246 s was hand-typed.\n")
     missing = missing_numbers((tmp_path / "README.md").read_text(), raw_texts(tmp_path))
     assert [(n["text"], n["line"]) for n in missing] == [("246", 1)]
+
+
+def test_a_history_is_no_source_for_its_readme_nor_for_itself(tmp_path):
+    (tmp_path / "results.json").write_text('{"elapsed_s": 241.02}')
+    (tmp_path / "HISTORY.md").write_text("Run 1 took 241 s; the base pass 187 s.\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("The run took 241 s, the base pass 187 s ([HISTORY.md](HISTORY.md), `results.json`).\n")
+    assert [n["text"] for n in missing_numbers((tmp_path / "HISTORY.md").read_text(), raw_texts(tmp_path))] == ["187"]
+    assert [n["text"] for n in uncited_numbers(readme, readme.read_text())] == ["187"]
+    readme.write_text("The base pass took 187 s ([HISTORY.md](HISTORY.md)).\n")
+    assert [n["text"] for n in uncited_numbers(readme, readme.read_text())] == ["187"]
