@@ -55,9 +55,7 @@ def _residual_outside_classes(results: dict, variants: list[dict], build: dict |
         if not classes or not isinstance(restored, list) or any("@" in r for r in restored) or not classes <= set(restored):
             continue
         above = [
-            c
-            for c, m in (v.get("metrics") or {}).items()
-            if m.get("kl_ci") and m["kl_ci"][0] > (nf.get(c) or {}).get("kl", 0.0)
+            c for c, m in (v.get("metrics") or {}).items() if m.get("kl_ci") and m["kl_ci"][0] > (nf.get(c) or {}).get("kl", 0.0)
         ]
         if not above:
             return None

@@ -55,9 +55,7 @@ def unquantized_names(build: Checkpoint) -> list[str]:
     """Tensors the build stores as plain values: not a part of a quantized module, no quantization suffix."""
     quantized_parts = {t.name for m in list_modules(build).values() if m.quantized for t in m.packed.values()}
     return sorted(
-        n
-        for n in build.weight_map
-        if n not in quantized_parts and not any(n.endswith("." + s) for s in QUANT_SUFFIXES)
+        n for n in build.weight_map if n not in quantized_parts and not any(n.endswith("." + s) for s in QUANT_SUFFIXES)
     )
 
 
