@@ -125,6 +125,12 @@ def modules_after(
     return after
 
 
+def add_exclusions(qc: dict, entries: list[str]) -> None:
+    """Entries added to what keeps modules unquantized: `re:X` entries appended to `ignore` (compressed-tensors), `-:X`
+    rules put first in `dynamic` (GPTQ), or full names appended to the skip lists (native FP8, AWQ)."""
+    format_or_default(qc).add_exclusions(qc, entries)
+
+
 def exclusions(qc: dict) -> list[str]:
     """The entries that keep modules unquantized: `ignore` (compressed-tensors), `-:` rules of `dynamic` (GPTQ), or the
     skip list (native FP8, AWQ)."""

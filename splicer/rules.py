@@ -55,9 +55,7 @@ class Entries:
         return name in self.exact or any(p.match(name) for _, p in self.compiled)
 
 
-def record_dead(
-    report: Report, entries: list[tuple[str, str, str]], hf_names: set[str], vllm_names: set[str], what: str
-) -> None:
+def record_dead(report: Report, entries: list[tuple[str, str, str]], hf_names: set[str], vllm_names: set[str], what: str) -> None:
     """Entries (raw, as HF reads it, as vLLM reads it; `re:` or exact) that match no module name a reader tests.
 
     An entry only vLLM skips (e.g. mlp.gate, which vLLM never quantizes) is still needed by the HF-side reader;

@@ -26,6 +26,9 @@ class QuantFormat(ABC):
     read_as: str  # what splicer reads of it, as messages list it ("AWQ (gemm)")
     # inspect also reports what validate_config refuses (the loader's own requirements of the config itself)
     inspect_validates_config = False
+    # the JSON types and ranges of the quantization_config fields its readers read (config_schema.Field), checked when
+    # a checkpoint is opened
+    config_fields: tuple = ()
 
     # ------------------------------------------------------------ the config
     def unreadable(self, qc: dict) -> str | None:
@@ -46,6 +49,10 @@ class QuantFormat(ABC):
         }
         blocks.discard(())
         return next(iter(blocks)) if len(blocks) == 1 else None
+
+    def check_config_fields(self, qc: dict, where: str) -> None:
+        """Rules across the config_fields (each checked alone already), refused in one line when a checkpoint is opened."""
+        return None  # none for a format whose fields stand alone
 
     def validate_regexes(self, qc: dict, label: str) -> None:
         """Every regex the readers will compile: `re:` ignore entries and targets."""

@@ -15,6 +15,7 @@ import re
 
 from .. import config_edit
 from ..arch import Architecture
+from ..config_schema import COMPRESSED_TENSORS, QC, _key
 from ..errors import SplicerError
 from ..modules import Module
 from ..rules import Entries, Reading, fused_on_disk, match_name, readings_vs_storage, record_dead
@@ -148,6 +149,16 @@ def _targets_only_head(target: str, arch: Architecture) -> bool:
 class CompressedTensors(QuantFormat):
     quant_method = "compressed-tensors"
     read_as = "compressed-tensors (" + ", ".join(CT_FORMATS) + ")"
+    config_fields = COMPRESSED_TENSORS
+
+    def check_config_fields(self, qc, where):
+        for name, group in qc["config_groups"].items():
+            w = group.get("weights") or {}
+            if w.get("strategy") == "group" and w.get("group_size") is None:
+                raise SplicerError(
+                    f'{where}: config.json {QC}.config_groups.{_key(name)}.weights has strategy "group" but '
+                    "no group_size; fix config.json or restore it from the original checkpoint"
+                )
 
     def unreadable(self, qc: dict) -> str | None:
         groups = qc.get("config_groups") or {}
@@ -247,9 +258,7 @@ class CompressedTensors(QuantFormat):
         """Groups that no longer target a quantized module go; with none left (and no kv-cache scheme) the config
         goes too: a plain BF16 checkpoint."""
         qc = config["quantization_config"]
-        live = {
-            r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if r.group and after[n].quantized
-        }
+        live = {r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if r.group and after[n].quantized}
         for gname in list(qc["config_groups"]):
             if gname not in live or not qc["config_groups"][gname].get("targets"):
                 del qc["config_groups"][gname]

@@ -7,6 +7,7 @@ import re
 
 from .. import config_edit
 from ..arch import Architecture
+from ..config_schema import GPTQ, QC
 from ..errors import SplicerError
 from ..modules import Module
 from ..rules import Reading, fused_on_disk, readings_vs_storage, record_dead
@@ -82,6 +83,14 @@ class GptqVllmReader:
 class Gptq(QuantFormat):
     quant_method = "gptq"
     read_as = "GPTQ"
+    config_fields = GPTQ
+
+    def check_config_fields(self, qc, where):
+        if qc.get("group_size") == 0:
+            raise SplicerError(
+                f"{where}: config.json field {QC}.group_size is 0, but it should be -1 or a positive whole "
+                "number; fix config.json or restore it from the original checkpoint"
+            )
 
     def validate_regexes(self, qc, label):
         """`dynamic` rules too (`-:`/`+:`, or bare keys, which GPTQModel treats as positive rules)."""
