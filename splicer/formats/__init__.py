@@ -45,7 +45,8 @@ def registry() -> dict[str, QuantFormat]:
 
 def format_of(qc: dict | None) -> QuantFormat | None:
     """The format of a quantization_config (None: no config, or a quant_method splicer does not read)."""
-    return registry().get(qc.get("quant_method")) if qc else None
+    method = qc.get("quant_method") if qc else None
+    return registry().get(method) if isinstance(method, str) else None
 
 
 def format_or_default(qc: dict | None) -> QuantFormat:

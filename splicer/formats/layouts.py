@@ -1,4 +1,5 @@
-"""Storage layouts of quantized modules: which tensors a quantized Linear is stored as, in each format splicer reads.
+"""Storage layouts of quantized modules: which tensors a quantized Linear is stored as, in each format splicer reads
+(the formats themselves, one module per quantization_config dialect, are this package's other modules).
 
 One table, as the architecture tables are for names: everything else asks it which tensors belong to a quantized
 module (and are dropped when it is restored), which tensor marks a module as quantized, and how to read a module's
@@ -80,7 +81,7 @@ LAYOUTS = (
 )
 LAYOUT = {layout.name: layout for layout in LAYOUTS}
 # quant_method values whose layouts this table holds (a checkpoint of another method is read best effort, or refused
-# where reading matters: see unreadable)
+# where reading matters: see formats.unreadable)
 READ_QUANT_METHODS = tuple(dict.fromkeys(layout.quant_method for layout in LAYOUTS))
 
 # compressed-tensors formats splicer reads (a config group's own `format`, else the top-level one).

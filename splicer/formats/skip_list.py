@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import abstractmethod
 
 from ..arch import Architecture
 from ..errors import SplicerError
@@ -150,13 +151,13 @@ class SkipListFormat(QuantFormat):
         """The config keys a splice appends its entries to."""
         return ["modules_to_not_convert"]
 
+    @abstractmethod
     def scheme(self, qc: dict) -> str:
         """What the config says every quantized module is stored as, in the words of `Module.scheme`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def module_scheme(self, qc: dict, module: Module):
         """What the torch reference dequantizes a quantized module with."""
-        raise NotImplementedError
 
     def add_notes(self, qc: dict, report) -> None:
         """Issues and notes about the config itself, beyond how it reads per module."""
