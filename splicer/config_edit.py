@@ -1,5 +1,6 @@
 """config.json for a splice: the exclusion entries that make both readers (compressed-tensors / GPTQModel with HF names,
-vLLM with its own) load the restored modules unquantized, and the groups that no longer target anything removed.
+vLLM with its own) load the restored modules unquantized, and the groups that no longer target anything removed. Each
+format's own edit is its module's in splicer/formats/; the regexes that name modules under both namings are here.
 
 Edited as a plain dict: a pydantic round-trip through compressed-tensors 0.20 rejects fields that 0.17 wrote.
 """
@@ -12,8 +13,9 @@ from collections import defaultdict
 
 from .arch import Architecture
 from .checkpoint import Checkpoint
+from .formats import format_or_default
 from .modules import Module
-from .rules import check, is_gptq, is_skip_list, skip_list_keys
+from .rules import check
 
 
 def restored_config(
@@ -27,105 +29,22 @@ def restored_config(
     arch = build.arch
     config = json.loads(json.dumps(build.config))
     qc = config["quantization_config"]
-    if is_skip_list(qc):
-        # Native FP8 / AWQ list what stays unquantized. An empty list means "detect it" (vLLM's AWQ reads the dtypes,
-        # transformers' FP8 skips the head): once entries are added that stops, so the modules stored unquantized are
-        # listed too, by name.
-        if not any(qc.get(k) for k in skip_list_keys(qc)):
-            add_exclusions(
-                qc, skip_list_entries({n: m for n, m in modules.items() if not m.quantized and not arch.is_embedding(n)}, arch)
-            )
-        add_exclusions(qc, skip_list_entries(picked, arch))
-        if "lm_head" in picked and qc.get("lm_head"):
-            qc["lm_head"] = False
-    elif is_gptq(qc):
-        # vLLM and GPTQModel stop at the first `dynamic` rule that matches: the new `-:` rules go first. They name the
-        # restored modules and the vLLM layers those load into (fused names, the MoE prefix), under both namings.
-        units = {arch.atomic_unit(n) for n in picked}
-        names = dict(picked) | {u: Module(u, arch.module_class(u), shape=(0, 0)) for u in units}
-        universe = dict(modules)
-        for u in {arch.atomic_unit(n) for n, m in modules.items() if m.quantized}:
-            universe[u] = Module(u, arch.module_class(u), packed={"qweight": None}, shape=(0, 0))
-        add_exclusions(qc, ignore_entries(names, universe, arch))
-        if "lm_head" in picked:
-            qc["lm_head"] = False
-    else:
-        add_exclusions(qc, ignore_entries(picked, modules, arch))
-        if "lm_head" in picked:
-            # A group aimed at the head (re:.*lm_head$) would otherwise still claim it.
-            for g in qc["config_groups"].values():
-                g["targets"] = [t for t in g.get("targets") or [] if not _targets_only_head(t, arch)]
+    fmt = format_or_default(qc)
+    fmt.exclude_restored(qc, modules, picked, arch)
     after = modules_after(modules, picked, added)
     report = check(after, qc, arch)
     if added and any(r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if n in added):
         # the added BF16 MTP head must not be read as quantized
-        add_exclusions(qc, skip_list_entries(added, arch) if is_skip_list(qc) else [arch.mtp_ignore])
+        fmt.exclude_added(qc, added, arch)
         report = check(after, qc, arch)
     dropped = []
     if drop_dead:
         dropped = sorted(
-            set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", [])), key=exclusions(qc).index
+            set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", [])), key=fmt.exclusions(qc).index
         )
-        _remove_exclusions(qc, set(dropped))
-    if is_gptq(qc) or is_skip_list(qc):
-        if not any(m.quantized for m in after.values()):
-            del config["quantization_config"]
-        return config, dropped
-    live = {r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if r.group and after[n].quantized}
-    for gname in list(qc["config_groups"]):
-        if gname not in live or not qc["config_groups"][gname].get("targets"):
-            del qc["config_groups"][gname]
-    if not qc["config_groups"] and not qc.get("kv_cache_scheme"):
-        del config["quantization_config"]  # nothing is quantized any more: a plain BF16 checkpoint
+        fmt.remove_exclusions(qc, set(dropped))
+    fmt.drop_unused(config, report, after)
     return config, dropped
-
-
-def skip_list_entries(modules: dict[str, Module], arch: Architecture) -> list[str]:
-    """Full module names for a native FP8 / AWQ skip list, routed experts as their layer's `...mlp.experts`.
-
-    Neither reader takes regexes there: vLLM's FP8 loader wants the exact name (and skips a whole MoE layer for a name
-    under its experts), its AWQ loader a substring of the name, transformers a prefix up to a module boundary or a
-    suffix. A full name is read the same by all three, and a layer's experts are decided together anyway.
-    """
-    names = []
-    for name in modules:
-        parts = arch.expert_parts(name)
-        names.append(parts[0] if parts else name)
-    return list(dict.fromkeys(names))
-
-
-def add_exclusions(qc: dict, entries: list[str]) -> None:
-    """`re:X` entries appended to `ignore` (compressed-tensors), `-:X` rules put first in `dynamic` (GPTQ), or full
-    names appended to the skip lists (native FP8, AWQ)."""
-    if is_skip_list(qc):
-        for key in skip_list_keys(qc):
-            have = list(qc.get(key) or [])
-            qc[key] = have + [e for e in entries if e not in have]
-    elif is_gptq(qc):
-        rules = ["-:" + (e[3:] if e.startswith("re:") else re.escape(e) + "$") for e in entries]
-        old = qc.get("dynamic") or {}
-        qc["dynamic"] = {**{r: {} for r in rules if r not in old}, **old}
-    else:
-        qc["ignore"] = list(qc.get("ignore") or []) + [e for e in entries if e not in (qc.get("ignore") or [])]
-
-
-def _remove_exclusions(qc: dict, entries: set[str]) -> None:
-    if is_skip_list(qc):
-        for key in skip_list_keys(qc):
-            qc[key] = [e for e in qc.get(key) or [] if e not in entries]
-    elif is_gptq(qc):
-        qc["dynamic"] = {k: v for k, v in qc["dynamic"].items() if k not in entries}
-    else:
-        qc["ignore"] = [e for e in qc["ignore"] if e not in entries]
-
-
-def _targets_only_head(target: str, arch: Architecture) -> bool:
-    if not target.startswith("re:"):
-        return target in arch.lm_head_names
-    pat = re.compile(target[3:])
-    # A regex that also reaches a decoder module (e.g. re:.*proj$) is not the head's own group.
-    decoder_module = f"{arch.decoder_roots[0][0]}.0.{next(iter(arch.fused_shards))}" if arch.decoder_roots else None
-    return any(pat.match(n) for n in arch.lm_head_names) and not (decoder_module and pat.match(decoder_module))
 
 
 def _layered(arch: Architecture) -> re.Pattern:
@@ -206,9 +125,13 @@ def modules_after(
     return after
 
 
+def add_exclusions(qc: dict, entries: list[str]) -> None:
+    """Entries added to what keeps modules unquantized: `re:X` entries appended to `ignore` (compressed-tensors), `-:X`
+    rules put first in `dynamic` (GPTQ), or full names appended to the skip lists (native FP8, AWQ)."""
+    format_or_default(qc).add_exclusions(qc, entries)
+
+
 def exclusions(qc: dict) -> list[str]:
     """The entries that keep modules unquantized: `ignore` (compressed-tensors), `-:` rules of `dynamic` (GPTQ), or the
     skip list (native FP8, AWQ)."""
-    if is_skip_list(qc):
-        return list(dict.fromkeys(e for k in skip_list_keys(qc) for e in qc.get(k) or []))
-    return [k for k in qc.get("dynamic") or {} if k.startswith("-:")] if is_gptq(qc) else list(qc.get("ignore") or [])
+    return format_or_default(qc).exclusions(qc)

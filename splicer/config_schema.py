@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import SplicerError
+from .formats import format_of
 
 # JSON kinds, by the name messages use. bool is not an int here (Python's bool is), nor is 4.0.
 KINDS = {
@@ -202,8 +203,8 @@ VISION = tuple(
 
 QC = "quantization_config"
 QUANT = (F(f"{QC}.quant_method", "str", required=True),)
-
-# compressed-tensors: what rules.py, validate.py, config_edit.py and the torch backend's dequantizer read.
+# The fields each quantization format's readers read (its module in splicer/formats/ names its table as config_fields).
+# compressed-tensors: what its readers, its config edit and the torch backend's dequantizer read.
 COMPRESSED_TENSORS = (
     F(f"{QC}.format", "str|null"),
     F(f"{QC}.config_groups", "object", required=True),
@@ -228,7 +229,7 @@ COMPRESSED_TENSORS = (
     F(f"{QC}.version", "str|null"),
 )
 
-# GPTQ (GPTQModel / AutoGPTQ v1): what the GPTQ readers in rules.py, validate.py and config_edit.py read.
+# GPTQ (GPTQModel / AutoGPTQ v1): what the GPTQ readers and its config edit read.
 GPTQ = (
     F(f"{QC}.bits", "int", required=True, choices=(2, 3, 4, 8)),
     F(f"{QC}.group_size", "int", lo=-1, hi=DIM),  # -1: one group per input row (0 is refused below)
@@ -376,18 +377,10 @@ def check_config(config: dict, label: str) -> None:
     if qc is None:
         return
     check_fields(config, QUANT, where)
-    method = qc["quant_method"]
-    if method == "compressed-tensors":
-        check_fields(config, COMPRESSED_TENSORS, where)
-        _compressed_tensors_rules(qc, where)
-    elif method == "gptq":
-        check_fields(config, GPTQ, where)
-        if qc.get("group_size") == 0:
-            raise SplicerError(
-                f"{where}: config.json field {QC}.group_size is 0, but it should be -1 or a positive whole "
-                "number; fix config.json or restore it from the original checkpoint"
-            )
-    # Other methods are refused by name where a build or a base is validated.
+    fmt = format_of(qc)
+    if fmt is not None:  # other methods are refused by name where a build or a base is validated
+        check_fields(config, fmt.config_fields, where)
+        fmt.check_config_fields(qc, where)
 
 
 def _text_rules(text: dict, where: str, p: str) -> None:
@@ -410,16 +403,6 @@ def _text_rules(text: dict, where: str, p: str) -> None:
         a, b = text.get(heads), text.get(groups)
         if a is not None and b is not None and a % b:
             refuse(f"{p}{heads} ({a}) is not a multiple of {p}{groups} ({b})")
-
-
-def _compressed_tensors_rules(qc: dict, where: str) -> None:
-    for name, group in qc["config_groups"].items():
-        w = group.get("weights") or {}
-        if w.get("strategy") == "group" and w.get("group_size") is None:
-            raise SplicerError(
-                f'{where}: config.json {QC}.config_groups.{_key(name)}.weights has strategy "group" but '
-                "no group_size; fix config.json or restore it from the original checkpoint"
-            )
 
 
 __all__ = ["check_config", "check_fields", "check_value", "describe", "expect", "Field", "F", "KINDS", "MISSING"]

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from .arch.qwen3_5_moe import QWEN3_5_MOE
 from .awq import quantize_awq
 from .checkpoint import INDEX_NAME
-from .config_edit import skip_list_entries
+from .formats.skip_list import skip_list_entries
 from .gptq import quantize_gptq
 from .quantize import config_group, make_scheme, preset_scheme, quantize_native_fp8, quantize_weight
 

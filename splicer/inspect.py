@@ -7,9 +7,9 @@ from collections import defaultdict
 from .arch import family_mismatch
 from .checkpoint import Checkpoint
 from .errors import SplicerError
-from .formats import READ_METHODS, checkpoint_format, group_format, group_scheme, unreadable
+from .formats import checkpoint_format, format_of, format_or_default, group_format, group_scheme, read_methods, unreadable
 from .modules import list_modules
-from .rules import check, is_skip_list, validate_regexes
+from .rules import check
 
 
 def decode_fraction(ckpt: Checkpoint, tensor: str, shape) -> float:
@@ -43,11 +43,11 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
     if why:
         total = sum(info.nbytes for hdr in ckpt.headers.values() for info in hdr.tensors.values())
         raise SplicerError(
-            f"{ckpt.label}: splicer cannot read {why}: it reads {READ_METHODS}, so it reports no modules or "
+            f"{ckpt.label}: splicer cannot read {why}: it reads {read_methods()}, so it reports no modules or "
             f"sizes per class ({total / 1e9:.3f} GB of tensors in all); vLLM may still load it: score it "
             "with `splicer score BASE BUILD --backend vllm`"
         )
-    validate_regexes(qc, ckpt.label)
+    format_or_default(qc).validate_regexes(qc, ckpt.label)
     arch = ckpt.arch
     modules = list_modules(ckpt)
     per_class: dict[str, dict] = defaultdict(
@@ -75,7 +75,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
     report = check(modules, qc, arch, {n: info.dtype for hdr in ckpt.headers.values() for n, info in hdr.tensors.items()})
     if why := family_mismatch(ckpt.config.get("model_type"), ckpt.weight_map):
         report.issues.insert(0, {"check": "model-type", "naming": "hf", "detail": why})
-    if is_skip_list(qc):
+    if (fmt := format_of(qc)) and fmt.inspect_validates_config:
         # What vLLM's loader requires of the config itself (splice refuses these before writing anything).
         from .validate import validate_build
 

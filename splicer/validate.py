@@ -11,9 +11,8 @@ import re
 from .arch import Architecture, family_mismatch
 from .checkpoint import Checkpoint
 from .errors import SplicerError
-from .formats import CT_FORMATS, group_format, group_scheme, is_packed_tensor
+from .formats import format_or_default, is_packed_tensor, read_format
 from .modules import Module
-from .rules import HfReader, is_gptq, is_skip_list, skip_list_mismatch, skip_list_scheme, validate_regexes
 from .selection import DRAFTER_CLASS, check_serves, clip, entry_layers, layer_numbers, layers_read, split_restore
 
 
@@ -32,143 +31,13 @@ def validate_build(build: Checkpoint) -> None:
         raise SplicerError(
             f"build {build.label} has no quantization_config in config.json; it is not a quantized build (did you swap BUILD and BASE?)"
         )
-    if is_gptq(qc):
-        return _validate_gptq(build, qc)
-    if qc.get("quant_method") == "fp8":
-        return _validate_native_fp8(build, qc)
-    if qc.get("quant_method") == "awq":
-        return _validate_awq(build, qc)
-    if qc.get("quant_method") != "compressed-tensors":
-        raise SplicerError(
-            f"build {build.label} uses quant_method {qc.get('quant_method')!r}; splicer handles compressed-tensors "
-            f"({', '.join(CT_FORMATS)}), GPTQ, AWQ (gemm) and native FP8 builds"
-        )
-    if not isinstance(qc.get("config_groups"), dict) or not qc["config_groups"]:
-        raise SplicerError(
-            f"build {build.label}: quantization_config has no config_groups; the config is invalid, restore it from the original export"
-        )
-    formats = {group_format(qc, g) for g in qc["config_groups"].values()}
-    unknown = sorted(str(f) for f in formats if f not in CT_FORMATS)
-    if unknown:
-        raise SplicerError(
-            f"build {build.label} has format {unknown[0]}; splicer reads compressed-tensors {', '.join(CT_FORMATS)} "
-            "(give each config group its own format when the top-level one is mixed-precision)"
-        )
-    validate_regexes(qc, f"build {build.label}")
-    if not any(is_packed_tensor(t) for t in build.weight_map):
-        raise SplicerError(
-            f"build {build.label}: config.json says {sorted(formats)[0]} but no module is stored quantized (no weight_packed "
-            "or weight_scale); the shards do not belong to this config"
-        )
-
-
-def _validate_gptq(build: Checkpoint, qc: dict) -> None:
-    if qc.get("bits") not in (2, 3, 4, 8):
-        raise SplicerError(f"build {build.label}: GPTQ bits {qc.get('bits')!r} is not 2, 3, 4 or 8; the config is invalid")
-    validate_regexes(qc, f"build {build.label}")
-    if not any(t.endswith(".qweight") for t in build.weight_map):
-        raise SplicerError(
-            f"build {build.label}: config.json says gptq but no tensor is packed (no qweight); the shards do not belong to this config"
-        )
-
-
-def _validate_skip_list_entries(build: Checkpoint, qc: dict) -> None:
-    for key in ("ignored_layers", "modules_to_not_convert"):
-        value = qc.get(key)
-        if value is not None and (not isinstance(value, list) or not all(isinstance(e, str) for e in value)):
-            raise SplicerError(
-                f"build {build.label}: quantization_config.{key} must be a list of module names, not "
-                f"{json.dumps(value)[:60]}; fix config.json"
-            )
-
-
-def _validate_native_fp8(build: Checkpoint, qc: dict) -> None:
-    """What vLLM's Fp8Config.from_config requires of a native FP8 config, checked before anything is written."""
-    scheme = qc.get("activation_scheme")
-    if scheme not in ("static", "dynamic"):
-        raise SplicerError(
-            f"build {build.label}: a native FP8 config needs activation_scheme 'static' or 'dynamic', "
-            f"not {scheme!r}; fix config.json"
-        )
-    block = qc.get("weight_block_size")
-    if block is not None and (
-        not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)
-    ):
-        raise SplicerError(
-            f"build {build.label}: weight_block_size {json.dumps(block)} is not two positive integers; fix config.json"
-        )
-    if block is not None and scheme != "dynamic":
-        raise SplicerError(
-            f"build {build.label}: block FP8 needs activation_scheme 'dynamic' (vLLM refuses {scheme!r}); fix config.json"
-        )
-    _validate_skip_list_entries(build, qc)
-    if not any(t.endswith((".weight_scale_inv", ".weight_scale")) for t in build.weight_map):
-        raise SplicerError(
-            f"build {build.label}: config.json says fp8 but no module has a weight_scale_inv or weight_scale; "
-            "the shards do not belong to this config"
-        )
-
-
-def _validate_awq(build: Checkpoint, qc: dict) -> None:
-    """What vLLM's AutoAWQConfig reads (w_bit|bits, q_group_size|group_size, zero_point), for AutoAWQ's GEMM layout."""
-    bits, group = qc.get("w_bit", qc.get("bits")), qc.get("q_group_size", qc.get("group_size"))
-    if bits != 4:
-        raise SplicerError(f"build {build.label}: AWQ bits {bits!r}; vLLM and AutoAWQ's GEMM layout take 4-bit only")
-    if not isinstance(group, int) or group <= 0:
-        raise SplicerError(f"build {build.label}: AWQ group_size {group!r} is not a positive integer; fix config.json")
-    if "zero_point" not in qc:
-        raise SplicerError(f"build {build.label}: the AWQ config has no zero_point (vLLM requires it); fix config.json")
-    version = str(qc.get("version", "gemm")).lower()
-    if version != "gemm":
-        raise SplicerError(f"build {build.label}: AWQ version {qc.get('version')!r}; splicer reads AutoAWQ's gemm layout only")
-    _validate_skip_list_entries(build, qc)
-    if not any(t.endswith(".qweight") for t in build.weight_map):
-        raise SplicerError(
-            f"build {build.label}: config.json says awq but no tensor is packed (no qweight); the shards do not belong to this config"
-        )
+    read_format(qc, f"build {build.label}").validate_config(build, qc)
 
 
 def validate_schemes(build: Checkpoint, modules: dict[str, Module]) -> None:
     """Every packed module must agree with the config group that claims it (bits, group size dividing its input dim)."""
     qc = build.quantization_config
-    if is_gptq(qc):
-        if any(k.startswith("+:") for k in qc.get("dynamic") or {}):
-            return  # per-module overrides: bits and group size may differ by design
-        for name, m in sorted(modules.items()):
-            g = qc.get("group_size")
-            if m.quantized and ((m.bits, m.group_size) != (qc["bits"], g if g and g > 0 else m.shape[1])):
-                raise SplicerError(
-                    f"build {build.label}: {name} is stored as {m.bits}-bit g{m.group_size} but the config says "
-                    f"{qc['bits']}-bit g{g}; the config does not match the shards, re-export the build"
-                )
-        return
-    if is_skip_list(qc):
-        wrong = skip_list_mismatch(qc, modules)
-        if wrong:
-            raise SplicerError(
-                f"build {build.label}: {wrong.name} is stored as {wrong.scheme} but the config says "
-                f"{skip_list_scheme(qc)}; the config does not match the shards, re-export the build"
-            )
-        return
-    reader = HfReader(qc, build.arch)
-    for name, m in sorted(modules.items()):
-        if not m.quantized:
-            continue
-        group = reader.reading(m).group
-        if group is None:
-            continue  # reported by inspect's lint (stored packed, read as BF16)
-        size = (qc["config_groups"][group].get("weights") or {}).get("group_size")
-        if size and m.shape[1] % int(size):
-            raise SplicerError(
-                f"build {build.label}: {group} has group_size {size}, which does not divide the input dim {m.shape[1]} "
-                f"of {name}; the build is corrupt, re-export it"
-            )
-        said = group_scheme(qc, group, m.shape[1])
-        if said != m.scheme:
-            raise SplicerError(
-                f"build {build.label}: {name} is stored as {m.scheme} but {group} says {said}; "
-                "the config does not match the shards, re-export the build"
-            )
+    format_or_default(qc).validate_schemes(build, qc, modules)
 
 
 def validate_base(base: Checkpoint, build: Checkpoint, allow_quantized: bool = False) -> list[str]:

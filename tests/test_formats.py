@@ -461,3 +461,47 @@ def test_a_config_of_another_format_than_the_tensors_is_named(builds, tmp_path, 
         and f"says quant_method {qc['quant_method']!r}" in err
         and len(err.strip().splitlines()) == 1
     )
+
+
+def test_every_format_implements_the_interface_and_has_a_storage_layout():
+    """The registry holds one QuantFormat per quant_method, each with every method of the interface, and the layout
+    table and the registry name the same quant_methods (a format without a layout could not list its modules)."""
+    from splicer.formats import READ_QUANT_METHODS, registry
+    from splicer.formats.base import QuantFormat
+
+    formats = registry()
+    assert set(formats) == set(READ_QUANT_METHODS)
+    for method, fmt in formats.items():
+        assert isinstance(fmt, QuantFormat) and fmt.quant_method == method
+        assert not getattr(type(fmt), "__abstractmethods__", None), method
+
+
+@pytest.mark.parametrize("qc", [{"quant_method": "bitsandbytes"}, {"quant_method": "awq_marlin"}, {"quant_method": None}])
+def test_one_lookup_refuses_an_unknown_quant_method_naming_every_registered_format(qc):
+    from splicer.errors import SplicerError
+    from splicer.formats import read_format, registry
+
+    with pytest.raises(SplicerError) as err:
+        read_format(qc, "build b")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"build b uses quant_method {qc['quant_method']!r}; splicer handles ")
+    for fmt in registry().values():
+        assert fmt.read_as in message
+
+
+@pytest.mark.parametrize(
+    "qc, method",
+    [
+        ({"quant_method": "compressed-tensors", "config_groups": {}}, "compressed-tensors"),
+        ({"quant_method": "gptq", "bits": 4}, "gptq"),
+        ({"quant_method": "awq", "version": "gemm"}, "awq"),
+        ({"quant_method": "fp8"}, "fp8"),
+        ({}, "compressed-tensors"),  # no config: read as one that targets nothing
+        ({"quant_method": "bitsandbytes"}, "compressed-tensors"),
+    ],
+)
+def test_the_lookup_picks_the_format_by_quant_method(qc, method):
+    from splicer.formats import format_of, format_or_default
+
+    assert format_or_default(qc).quant_method == method
+    assert (format_of(qc) is None) == (qc.get("quant_method") not in ("compressed-tensors", "gptq", "awq", "fp8"))

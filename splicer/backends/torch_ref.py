@@ -141,52 +141,17 @@ class TorchBackend:
 
     @staticmethod
     def _module_schemes(ckpt, modules: dict | None = None) -> dict:
-        """Quantized module -> (its Module, what to dequantize it with), the scheme chosen the way compressed-tensors'
-        loader chooses it (exact name, then regex, then class target). Its model-free dequantizer instead takes the
-        first group in file order, which reads seed 000's INT8 head with the INT4 `Linear` group."""
-        from ..formats import group_format, group_scheme, unreadable
+        """Quantized module -> (its Module, what to dequantize it with), as the checkpoint's format reads its config
+        (formats.base.QuantFormat.torch_schemes)."""
+        from ..formats import format_or_default, unreadable
         from ..modules import list_modules
-        from ..quantize import native_fp8_scheme, scheme_from_group
-        from ..rules import HfReader, is_skip_list, skip_list_mismatch, skip_list_scheme
 
         qc = ckpt.quantization_config
         why = unreadable(qc)
         if why:
             raise SplicerError(f"{ckpt.label}: the torch backend cannot read {why}; score it with --backend vllm")
         modules = {n: m for n, m in (modules if modules is not None else list_modules(ckpt)).items() if m.quantized}
-        if qc.get("quant_method") == "gptq":
-            if qc.get("checkpoint_format", "gptq") != "gptq":
-                raise SplicerError(
-                    f"{ckpt.label}: GPTQ checkpoint_format {qc.get('checkpoint_format')!r}; the torch backend reads v1 ('gptq') only"
-                )
-            return {n: (m, m.bits) for n, m in modules.items()}
-        if is_skip_list(qc):
-            # One scheme for every quantized module: the config's, checked against what the tensors say.
-            wrong = skip_list_mismatch(qc, modules)
-            if wrong:
-                raise SplicerError(
-                    f"{ckpt.label}: {wrong.name} is stored as {wrong.scheme} but the config says "
-                    f"{skip_list_scheme(qc)}; fix the config"
-                )
-            if qc["quant_method"] == "fp8":
-                scheme = native_fp8_scheme(qc.get("weight_block_size"))
-                return {n: (m, scheme) for n, m in modules.items()}
-            return {n: (m, m.group_size) for n, m in modules.items()}
-        reader = HfReader(qc, ckpt.arch)
-        out = {}
-        for name, m in modules.items():
-            group = reader.reading(m).group
-            if group is None:
-                raise SplicerError(
-                    f"{ckpt.label}: {name} is stored packed but quantization_config does not target it; fix the config (see splicer inspect)"
-                )
-            said = group_scheme(qc, group, m.shape[1])
-            if said != m.scheme:
-                raise SplicerError(f"{ckpt.label}: {name} is stored as {m.scheme} but {group} says {said}; fix the config")
-            g = qc["config_groups"][group]
-            scheme = scheme_from_group({**g, "format": group_format(qc, g)})
-            out[name] = (m, scheme)
-        return out
+        return format_or_default(qc).torch_schemes(ckpt, qc, modules)
 
     def _dequantize(self, raw: dict, schemes: dict) -> dict:
         from ..awq import dequantize_awq

@@ -1,4 +1,5 @@
-"""Storage layouts of quantized modules: which tensors a quantized Linear is stored as, in each format splicer reads.
+"""Storage layouts of quantized modules: which tensors a quantized Linear is stored as, in each format splicer reads
+(the formats themselves, one module per quantization_config dialect, are this package's other modules).
 
 One table, as the architecture tables are for names: everything else asks it which tensors belong to a quantized
 module (and are dropped when it is restored), which tensor marks a module as quantized, and how to read a module's
@@ -80,7 +81,7 @@ LAYOUTS = (
 )
 LAYOUT = {layout.name: layout for layout in LAYOUTS}
 # quant_method values whose layouts this table holds (a checkpoint of another method is read best effort, or refused
-# where reading matters: see unreadable)
+# where reading matters: see formats.unreadable)
 READ_QUANT_METHODS = tuple(dict.fromkeys(layout.quant_method for layout in LAYOUTS))
 
 # compressed-tensors formats splicer reads (a config group's own `format`, else the top-level one).
@@ -171,50 +172,3 @@ def group_scheme(qc: dict, group_name: str, in_features: int | None = None) -> s
     """What config group `group_name` says its modules are stored as, in the words of `Module.scheme`."""
     group = qc["config_groups"][group_name]
     return scheme_label_from_args(group_format(qc, group), group.get("weights") or {}, in_features)
-
-
-def checkpoint_format(qc: dict | None) -> str | None:
-    """The storage format a quantization_config names, in a word: compressed-tensors' `format`, GPTQ's
-    `checkpoint_format`, AWQ's `version` (gemm), native FP8's block size (or per-tensor)."""
-    qc = qc or {}
-    if qc.get("quant_method") == "fp8":
-        block = qc.get("weight_block_size")
-        return f"block{block[0]}x{block[1]}" if block else "per-tensor"
-    return qc.get("format") or qc.get("checkpoint_format") or qc.get("version")
-
-
-READ_METHODS = "compressed-tensors (" + ", ".join(CT_FORMATS) + "), GPTQ, AWQ (gemm) and native FP8"
-
-
-def unreadable(qc: dict | None) -> str | None:
-    """Why splicer cannot read a checkpoint's quantized modules (None: it can). Other formats store modules under
-    names and layouts this table does not know (bitsandbytes' `weight.absmax`, ModelOpt's `weight_scale_2`, ...), so
-    their modules, schemes and per-class sizes would be wrong rather than missing."""
-    qc = qc or {}
-    method = qc.get("quant_method")
-    if not qc or method in ("gptq", "fp8"):
-        return None
-    if method == "awq":
-        version = str(qc.get("version", "gemm")).lower()
-        return None if version == "gemm" else f"AWQ version {qc.get('version')!r} (splicer reads gemm)"
-    if method == "compressed-tensors":
-        groups = qc.get("config_groups") or {}
-        bad = sorted({str(group_format(qc, g)) for g in groups.values() if group_format(qc, g) not in CT_FORMATS})
-        return f"compressed-tensors format {bad[0]}" if bad else None
-    return f"quant_method {method!r}"
-
-
-def config_block(qc: dict | None) -> tuple[int, int] | None:
-    """The one FP8 block size a config states (native FP8's weight_block_size, or the block_structure every
-    compressed-tensors block group shares); None when there is none or several."""
-    qc = qc or {}
-    if qc.get("quant_method") == "fp8":
-        b = qc.get("weight_block_size")
-        return (int(b[0]), int(b[1])) if isinstance(b, list) and len(b) == 2 else None
-    blocks = {
-        tuple((g.get("weights") or {}).get("block_structure") or ())
-        for g in (qc.get("config_groups") or {}).values()
-        if isinstance(g, dict) and (g.get("weights") or {}).get("strategy") == "block"
-    }
-    blocks.discard(())
-    return next(iter(blocks)) if len(blocks) == 1 else None

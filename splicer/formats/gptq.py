@@ -1,0 +1,172 @@
+"""GPTQ as GPTQModel / AutoGPTQ write it (`quant_method: gptq`): every Linear of the decoder is quantized, `dynamic`
+rules exclude (`-:REGEX`) or override (`+:REGEX`) per module."""
+
+from __future__ import annotations
+
+import re
+
+from .. import config_edit
+from ..arch import Architecture
+from ..config_schema import GPTQ, QC
+from ..errors import SplicerError
+from ..modules import Module
+from ..rules import Reading, fused_on_disk, readings_vs_storage, record_dead
+from .base import QuantFormat
+
+
+def _dynamic_negative(qc: dict) -> list[tuple[str, re.Pattern]]:
+    return [(k, re.compile(k[2:])) for k in (qc.get("dynamic") or {}) if k.startswith("-:")]
+
+
+class GptqHfReader:
+    """GPTQModel's view (HF names): every Linear of a decoder or MTP layer is quantized unless a `-:` rule of
+    `dynamic` re.matches its name; lm_head only with `lm_head: true`."""
+
+    def __init__(self, qc: dict, arch: Architecture):
+        self.arch, self.qc = arch, qc
+        self.negative = _dynamic_negative(qc)
+
+    def reading(self, module: Module) -> Reading:
+        name = module.name
+        if any(p.match(name) for _, p in self.negative):
+            return Reading(None)
+        cls = self.arch.module_class(name)
+        if cls == "lm_head":
+            return Reading("gptq" if self.qc.get("lm_head") else None)
+        if cls == "other" or self.arch.vllm_layer(name).kind in ("unquantized", "embedding"):
+            return Reading(None)
+        return Reading("gptq")
+
+
+class GptqVllmReader:
+    """vLLM's GPTQ / GPTQ-Marlin view (`quantization/utils/gptq_utils.py`). Linear layers: quantized when the
+    checkpoint holds packed tensors for them (vLLM scans it into `modules_in_block_to_quantize` and matches by
+    substring; shards of a fused layer must agree) and no `-:` rule of `dynamic` re.matches the layer's vLLM name.
+    MoE layers: quantized unless a `-:` rule matches the `...mlp.experts` prefix (the scan does not cover them)."""
+
+    def __init__(self, qc: dict, arch: Architecture, modules: dict[str, Module]):
+        self.arch, self.qc = arch, qc
+        self.negative = _dynamic_negative(qc)
+        self.quantized = [arch.to_vllm_name(n) if not arch.is_mtp(n) else n for n, m in modules.items() if m.quantized]
+        self.tested: set[str] = set()
+        self._cache: dict[str, Reading] = {}
+
+    def _excluded(self, prefix: str) -> bool:
+        self.tested.add(prefix)
+        return any(p.match(prefix) for _, p in self.negative)
+
+    def _scanned(self, prefix: str) -> bool:
+        return any(q in prefix for q in self.quantized)
+
+    def reading(self, module: Module) -> Reading:
+        layer = self.arch.vllm_layer(module.name)
+        if layer.kind in ("unquantized", "embedding"):
+            return Reading(None)
+        if layer.name in self._cache:
+            return self._cache[layer.name]
+        if layer.kind == "moe":
+            reading = Reading(None if self._excluded(layer.name) else "gptq")
+        elif layer.kind == "lm_head" and not self.qc.get("lm_head"):
+            reading = Reading(None)
+        else:
+            shards = self.arch.vllm_shards_of(layer)
+            states = {s: self._scanned(s) for s in shards}
+            if len(set(states.values())) > 1:
+                reading = Reading(None, error=f"Detected some but not all shards of {layer.name} are quantized")
+            else:
+                quantized = next(iter(states.values())) and not self._excluded(layer.name)
+                reading = Reading("gptq" if quantized else None)
+        self._cache[layer.name] = reading
+        return reading
+
+
+class Gptq(QuantFormat):
+    quant_method = "gptq"
+    read_as = "GPTQ"
+    config_fields = GPTQ
+
+    def check_config_fields(self, qc, where):
+        if qc.get("group_size") == 0:
+            raise SplicerError(
+                f"{where}: config.json field {QC}.group_size is 0, but it should be -1 or a positive whole "
+                "number; fix config.json or restore it from the original checkpoint"
+            )
+
+    def validate_regexes(self, qc, label):
+        """`dynamic` rules too (`-:`/`+:`, or bare keys, which GPTQModel treats as positive rules)."""
+        for key in qc.get("dynamic") or {}:
+            try:
+                re.compile(key[2:] if key[:2] in ("-:", "+:") else key)
+            except re.error as e:
+                raise SplicerError(f"{label}: dynamic rule {key[:60]!r} is not a valid regex ({e}); fix config.json") from None
+        super().validate_regexes(qc, label)
+
+    def validate_config(self, build, qc):
+        if qc.get("bits") not in (2, 3, 4, 8):
+            raise SplicerError(f"build {build.label}: GPTQ bits {qc.get('bits')!r} is not 2, 3, 4 or 8; the config is invalid")
+        self.validate_regexes(qc, f"build {build.label}")
+        if not any(t.endswith(".qweight") for t in build.weight_map):
+            raise SplicerError(
+                f"build {build.label}: config.json says gptq but no tensor is packed (no qweight); the shards do not belong to this config"
+            )
+
+    def validate_schemes(self, build, qc, modules):
+        if any(k.startswith("+:") for k in qc.get("dynamic") or {}):
+            return  # per-module overrides: bits and group size may differ by design
+        for name, m in sorted(modules.items()):
+            g = qc.get("group_size")
+            if m.quantized and ((m.bits, m.group_size) != (qc["bits"], g if g and g > 0 else m.shape[1])):
+                raise SplicerError(
+                    f"build {build.label}: {name} is stored as {m.bits}-bit g{m.group_size} but the config says "
+                    f"{qc['bits']}-bit g{g}; the config does not match the shards, re-export the build"
+                )
+
+    def check(self, modules, qc, arch, report, tensor_dtypes=None):
+        hr, vr = GptqHfReader(qc, arch), GptqVllmReader(qc, arch, modules)
+        for name in sorted(modules):
+            report.hf[name] = hr.reading(modules[name])
+            report.vllm[name] = vr.reading(modules[name])
+        readings_vs_storage(modules, report)
+        fused_on_disk(modules, arch, report)
+        # `-:X` rules are re.match'ed against HF names by GPTQModel and against vLLM names, unrenamed, by vLLM.
+        rules = [(k, "re:" + k[2:], "re:" + k[2:]) for k in (qc.get("dynamic") or {}) if k.startswith("-:")]
+        record_dead(report, rules, set(modules), vr.tested, "dynamic exclusions")
+        bits = {(m.bits, m.group_size) for m in modules.values() if m.quantized}
+        want = (qc.get("bits"), qc.get("group_size"))
+        if bits and bits != {want}:
+            report.add("scheme-mismatch", "hf", f"config says {want[0]}-bit g{want[1]}, tensors are {sorted(bits)}")
+        return report
+
+    def exclude_restored(self, qc, modules, picked, arch):
+        # vLLM and GPTQModel stop at the first `dynamic` rule that matches: the new `-:` rules go first. They name the
+        # restored modules and the vLLM layers those load into (fused names, the MoE prefix), under both namings.
+        units = {arch.atomic_unit(n) for n in picked}
+        names = dict(picked) | {u: Module(u, arch.module_class(u), shape=(0, 0)) for u in units}
+        universe = dict(modules)
+        for u in {arch.atomic_unit(n) for n, m in modules.items() if m.quantized}:
+            universe[u] = Module(u, arch.module_class(u), packed={"qweight": None}, shape=(0, 0))
+        self.add_exclusions(qc, config_edit.ignore_entries(names, universe, arch))
+        if "lm_head" in picked:
+            qc["lm_head"] = False
+
+    def add_exclusions(self, qc, entries):
+        """`-:X` rules, put first in `dynamic`."""
+        rules = ["-:" + (e[3:] if e.startswith("re:") else re.escape(e) + "$") for e in entries]
+        old = qc.get("dynamic") or {}
+        qc["dynamic"] = {**{r: {} for r in rules if r not in old}, **old}
+
+    def remove_exclusions(self, qc, entries):
+        qc["dynamic"] = {k: v for k, v in qc["dynamic"].items() if k not in entries}
+
+    def exclusions(self, qc):
+        return [k for k in qc.get("dynamic") or {} if k.startswith("-:")]
+
+    def torch_schemes(self, ckpt, qc, modules):
+        if qc.get("checkpoint_format", "gptq") != "gptq":
+            raise SplicerError(
+                f"{ckpt.label}: GPTQ checkpoint_format {qc.get('checkpoint_format')!r}; the torch backend reads v1 ('gptq') only"
+            )
+        return {n: (m, m.bits) for n, m in modules.items()}
+
+
+FORMAT = Gptq()
