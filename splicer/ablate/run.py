@@ -23,7 +23,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
     """`splicer ablate`: the run made and checked (prepare_run), then under DIR's lock: the job record, the base pass
     (cached in DIR/cache), each row (run_row: its folder from RowSchedule, scores in DIR/scores/ROW, timing),
     results.json, table.md and report.md rewritten after every row. A rerun of the same job keeps the finished rows."""
-    run = prepare_run(rows_spec, build_src, base_src, out, plan_name, settings)
+    run = prepare_run(rows_spec, build_src, base_src, out=out, plan_name=plan_name, settings=settings)
     out, stages = run.out, run.stages
     base_digest = run.base.header_digest()
     tok, corpora = prepare_corpora(run.base.root, run.plan, settings)
@@ -70,7 +70,9 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             raise
 
 
-def prepare_run(rows_spec: str, build_src: str, base_src: str, out: Path, plan_name: str, settings: AblateSettings) -> AblateRun:
+def prepare_run(
+    rows_spec: str, build_src: str, base_src: str, *, out: Path, plan_name: str, settings: AblateSettings
+) -> AblateRun:
     """The run, checked before DIR changes: the plan, the inputs (validated, DIR not inside them), the rows resolved
     for the build's family and the rows asked for, the backends."""
     from ..arch import all_classes
