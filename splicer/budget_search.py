@@ -45,25 +45,23 @@ VERIFY_PLAN = "budget-plan.toml"
 def _settings_from_job(job: dict, results: dict, progress: bool, own_inputs: tuple = ()):
     """DIR's own run settings, so that the verified rows are measured exactly as the rest."""
     from .ablate import AblateSettings
+    from .backends import options_type
 
     st = job.get("settings") or {}
     bw = results.get("bandwidth_bytes_per_s")
+    backend = st.get("backend", "torch")
     return AblateSettings(
-        backend=st.get("backend", "torch"),
+        backend=backend,
         device=st.get("device", "auto"),
         time_decode=st.get("time_decode", True),
         corpus_overrides=st.get("corpus_overrides") or {},
         batch_size=st.get("batch_size"),
-        engine_args=st.get("engine_args") or {},
-        engine_env=st.get("engine_env") or {},
         allow_quantized_base=bool(st.get("allow_quantized_base")),
-        overlap_starts=st.get("overlap_starts") or 0,
-        rewake_before_timing=bool(st.get("rewake_before_timing")),
-        gpus=tuple(st.get("gpus") or ()),
         bandwidth_gbs=bw / 1e9 if bw else None,
         progress=progress,
         extend_only=True,
         own_inputs=own_inputs,
+        backend_options=options_type(backend).from_job(st),
     )
 
 

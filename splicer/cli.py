@@ -134,17 +134,34 @@ def _cmd_fixture(args) -> int:
     return 0
 
 
-def _gpu_list(text: str) -> tuple[str, ...]:
-    """--gpus 0,1 -> ("0", "1"), checked as run_ablate checks it (spread.check_gpus)."""
-    from .spread import check_gpus
+def _backend_options(args) -> dict:
+    """The backend options the user set, by the option names the backends take (backends.backend_options checks them,
+    each backend its own)."""
+    from .backends.vllm_engine_args import parse_engine_args, parse_engine_env
 
-    ids = tuple(g.strip() for g in text.split(",") if g.strip())
-    check_gpus(ids, 0)
-    return ids
+    engine_args = parse_engine_args(args.engine_arg)
+    for flag in ("tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "moe_backend"):
+        if getattr(args, flag) is not None:
+            engine_args[flag] = getattr(args, flag)
+    if args.language_model_only:
+        engine_args["language_model_only"] = True
+    given = {
+        "threads": args.threads,
+        "engine_args": engine_args,
+        "engine_env": parse_engine_env(args.engine_env),
+        "engine_cache_dir": args.engine_cache_dir,
+        "process_per_variant": args.process_per_variant,
+        "overlap_starts": args.overlap_starts,
+        "rewake_before_timing": args.rewake_before_timing,
+        "precompile": args.precompile,
+        "gpus": tuple(g.strip() for g in args.gpus.split(",") if g.strip()) if args.gpus else None,
+    }
+    return {k: v for k, v in given.items() if v or (k == "gpus" and v is not None)}
 
 
 def _cmd_ablate(args) -> int:
     from .ablate import AblateSettings, run_ablate
+    from .backends import backend_options
 
     overrides = {}
     for item in args.corpus or []:
@@ -152,62 +169,10 @@ def _cmd_ablate(args) -> int:
         if not sep or not name or not path:
             raise SplicerError(f"--corpus {item!r} should be NAME=FILE (a .txt or .jsonl file)")
         overrides[name] = path
-    from .backends.vllm_engine_args import parse_engine_args, parse_engine_env
-
-    engine_args = parse_engine_args(args.engine_arg)
-    engine_env = parse_engine_env(args.engine_env)
-    for flag in ("tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "moe_backend"):
-        if getattr(args, flag) is not None:
-            engine_args[flag] = getattr(args, flag)
-    if args.language_model_only:
-        engine_args["language_model_only"] = True
-    gpus = _gpu_list(args.gpus) if args.gpus else ()
-    if (
-        args.overlap_starts
-        or args.precompile
-        or args.process_per_variant
-        or args.engine_cache_dir
-        or args.rewake_before_timing
-        or args.gpus
-    ) and args.backend != "vllm":
-        raise SplicerError(
-            "--gpus, --overlap-starts, --precompile, --rewake-before-timing, --process-per-variant and "
-            "--engine-cache-dir apply to --backend vllm only"
-        )
-    if gpus:  # before --demo writes its pair into DIR
-        from .spread import check_gpus
-
-        check_gpus(gpus, args.overlap_starts)
-    if gpus and args.device != "auto":
-        raise SplicerError(f"--gpus {args.gpus} and --device {args.device}: --gpus names the GPUs; drop --device")
-    if args.threads and args.backend != "torch":
-        raise SplicerError(
-            "--threads sets the torch backend's CPU threads; vLLM's engine processes take their share of the cores themselves"
-        )
-    if (engine_args or engine_env) and args.backend != "vllm":
-        raise SplicerError("engine options (--engine-arg, --engine-env, --max-model-len, ...) apply to --backend vllm only")
-    settings = AblateSettings(
-        backend=args.backend,
-        device=args.device,
-        time_decode=not args.no_time,
-        corpus_overrides=overrides,
-        batch_size=args.batch_size,
-        progress=not args.quiet,
-        allow_quantized_base=args.allow_quantized_base,
-        process_per_variant=args.process_per_variant,
-        overlap_starts=args.overlap_starts,
-        precompile=args.precompile,
-        engine_cache_dir=args.engine_cache_dir,
-        rewake_before_timing=args.rewake_before_timing,
-        gpus=gpus,
-        engine_args=engine_args,
-        engine_env=engine_env,
-        bandwidth_gbs=args.bandwidth_gbs,
-        threads=args.threads,
-        add_checkpoints=tuple(args.add),
-    )
+    options = backend_options(args.backend, _backend_options(args), args.device)  # before --demo writes its pair into DIR
     from .outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
 
+    device, own_inputs = args.device, ()
     if args.demo:
         if args.build or args.base:
             raise SplicerError("--demo builds its own tiny pair; drop BUILD and BASE, or drop --demo")
@@ -219,14 +184,27 @@ def _cmd_ablate(args) -> int:
 
         load_plan(plan, all_classes())  # a bad --plan is refused before the pair is written
         pair_dir = Path(args.out).absolute() / "demo-pair"
-        settings.own_inputs = (pair_dir,)
-        out = check_output(args.out, [], ABLATE, own=settings.own_inputs)
-        if args.device == "auto":
-            settings.device = "cpu"
+        own_inputs = (pair_dir,)
+        out = check_output(args.out, [], ABLATE, own=own_inputs)
+        if device == "auto":
+            device = "cpu"
     else:
         if not (args.build and args.base):
             raise SplicerError("ablate needs BUILD and BASE (or --demo)")
         out, plan = args.out, args.plan or "where-error-comes-from"
+    settings = AblateSettings(
+        backend=args.backend,
+        device=device,
+        time_decode=not args.no_time,
+        corpus_overrides=overrides,
+        batch_size=args.batch_size,
+        progress=not args.quiet,
+        allow_quantized_base=args.allow_quantized_base,
+        bandwidth_gbs=args.bandwidth_gbs,
+        add_checkpoints=tuple(args.add),
+        own_inputs=own_inputs,
+        backend_options=options,
+    )
     with removed_on_refusal(Path(out).absolute()):
         if args.demo:
             if not (pair_dir / FIXTURE.record).exists():

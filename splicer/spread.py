@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from pathlib import Path
 
 from .errors import SplicerError
 from .plan import PlannedRow, Row
@@ -55,18 +54,14 @@ def core_shares(n: int) -> list[list[int]]:
     return [cores[k * len(cores) // n : (k + 1) * len(cores) // n] for k in range(n)]
 
 
-def make_backends(settings, options: dict, log_dir: Path) -> list:
-    """One vLLM backend per GPU, the first runs the base pass; --precompile's N processes are spread over the GPUs,
-    the first (which holds the base pass's engine too) getting the fewest."""
-    from .backends import make_backend
-
-    ids, shares = cuda_ids(settings.gpus), core_shares(len(settings.gpus))
+def make_backends(gpus: tuple[str, ...], precompile: int, make) -> list:
+    """One backend per GPU, the first runs the base pass: make(device, gpu, precompile, cpus) with the GPU's CUDA
+    device, its --gpus id, its share of --precompile's N processes (the first GPU, which holds the base pass's engine
+    too, gets the fewest) and its share of the cores."""
+    ids, shares = cuda_ids(gpus), core_shares(len(gpus))
     n = len(ids)
-    lanes = [settings.precompile // n + (1 if k >= n - settings.precompile % n else 0) for k in range(n)]
-    return [
-        make_backend("vllm", f"cuda:{cuda}", **dict(options, log_dir=log_dir / f"gpu{gpu}", precompile=lanes[k], cpus=shares[k]))
-        for k, (gpu, cuda) in enumerate(zip(settings.gpus, ids))
-    ]
+    lanes = [precompile // n + (1 if k >= n - precompile % n else 0) for k in range(n)]
+    return [make(f"cuda:{cuda}", gpu, lanes[k], shares[k]) for k, (gpu, cuda) in enumerate(zip(gpus, ids))]
 
 
 def compile_targets(lanes: list[int]):
@@ -82,7 +77,7 @@ def compile_targets(lanes: list[int]):
 
 
 def check_gpus(gpus: tuple[str, ...], overlap_starts: int) -> None:
-    """What --gpus accepts (the CLI checks the same before anything starts; this guards other callers of run_ablate)."""
+    """What --gpus accepts, and what it cannot go with (checked where the vLLM backend's options are made)."""
     if len(gpus) < 2 or len(set(gpus)) != len(gpus) or not all(str(g).isdigit() for g in gpus):
         raise SplicerError(
             f"--gpus {','.join(map(str, gpus))}: give two or more distinct CUDA device ids, e.g. --gpus 0,1 "

@@ -418,3 +418,25 @@ def test_output_survives_a_stdout_that_is_not_utf8(finished, capsys):
     got = r.stdout.decode("ascii").split(marker + "\n")
     assert got[:3] == [text.encode("ascii", errors=HANDLER).decode("ascii") for text in utf8] and got[3] == ""
     assert tree_digest(out) == before
+
+
+def test_settings_are_fixed_for_the_run_and_the_backend_options_are_the_backends_own():
+    """A run's settings cannot change while it runs; a backend's options are made, checked and recorded by the
+    backend (job.json's settings read back for `budget --verify` give the same options), and options of one backend
+    are refused for another."""
+    import dataclasses
+
+    from splicer.backends import backend_options, options_type
+
+    settings = AblateSettings(device="cpu")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.device = "cuda"
+    assert settings.backend_options == options_type("torch")()
+    vllm = backend_options("vllm", {"gpus": ("0", "1"), "engine_env": {"A": "1"}, "engine_args": {"max_model_len": 64}})
+    assert vllm.context_length() == 64 and vllm.gpus == ("0", "1")
+    assert options_type("vllm").from_job(vllm.job_settings()).job_settings() == vllm.job_settings()
+    assert vllm.job_settings()["gpus"] == ["0", "1"] and "gpus" not in options_type("vllm")().job_settings()
+    with pytest.raises(SplicerError, match="options of the vllm backend given for --backend torch"):
+        AblateSettings(backend_options=vllm)
+    with pytest.raises(SplicerError, match="unknown backend 'tpu'"):
+        AblateSettings(backend="tpu")

@@ -218,6 +218,7 @@ def test_engine_environment_is_in_the_footnotes_the_cache_key_and_the_job(tmp_pa
     from types import SimpleNamespace
 
     from splicer.ablate import AblateSettings, base_cache, make_job
+    from splicer.backends.vllm_backend import VllmOptions
 
     results = json.loads((RESULTS / "h200-fulldims/run-10/results.json").read_text())
     assert "Engine environment" not in render(_write(tmp_path / "plain", results))
@@ -227,19 +228,21 @@ def test_engine_environment_is_in_the_footnotes_the_cache_key_and_the_job(tmp_pa
     backend, plan = SimpleNamespace(name="vllm"), SimpleNamespace(top_k=20, name="p", digest="d", settings_digest="s", rows=[])
     plain, env = (
         AblateSettings(backend="vllm"),
-        AblateSettings(backend="vllm", engine_env={"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}),
+        AblateSettings(backend="vllm", backend_options=VllmOptions(engine_env={"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"})),
     )
-    keys = {base_cache(backend, plan, s, tmp_path, "b", []).name for s in (plain, env)}
+    keys = {base_cache(plan, s, backend=backend, out=tmp_path, base_digest="b", corpora=[]).name for s in (plain, env)}
     assert len(keys) == 2
     # The key of a run without --engine-env is the one computed before the option existed (commit 4cc9f23's formula).
     from splicer.ablate import BASE_PASS_VERSION
     from splicer.ablate.common import parts_digest
 
-    assert base_cache(backend, plan, plain, tmp_path, "b", []).name == "base-" + parts_digest(
+    assert base_cache(plan, plain, backend=backend, out=tmp_path, base_digest="b", corpora=[]).name == "base-" + parts_digest(
         BASE_PASS_VERSION, "b", [], [], 20, "vllm", "auto", None, {}
     )
     build = SimpleNamespace(header_digest=lambda: "h")
-    jobs = [make_job(plan, [], "B", build, "R", "r", s)["settings"] for s in (plain, env)]
+    jobs = [
+        make_job(plan, s, corpora=[], build_src="B", build=build, base_src="R", base_digest="r")["settings"] for s in (plain, env)
+    ]
     assert "engine_env" not in jobs[0] and jobs[1]["engine_env"] == {"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}
 
 

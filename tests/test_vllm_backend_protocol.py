@@ -357,7 +357,12 @@ def test_ablate_with_precompile_scores_as_serial_and_times_every_row_alone(pairs
             str(p["base"]),
             tmp_path / f"out-{n}",
             str(plan),
-            AblateSettings(backend="vllm", progress=False, bootstrap=20, precompile=n, engine_cache_dir=tmp_path / f"cache-{n}"),
+            AblateSettings(
+                backend="vllm",
+                progress=False,
+                bootstrap=20,
+                backend_options=fake_vllm.VllmOptions(precompile=n, engine_cache_dir=tmp_path / f"cache-{n}"),
+            ),
         )
     serial, ahead = ({v["name"]: v for v in runs[n]["variants"]} for n in (0, 2))
     assert list(ahead) == ["build", "gdn", "build-again"]
@@ -427,7 +432,9 @@ def _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, modes):
             str(p["base"]),
             tmp_path / f"out-{mode}",
             str(plan),
-            AblateSettings(backend="vllm", progress=False, bootstrap=20, overlap_starts=mode),
+            AblateSettings(
+                backend="vllm", progress=False, bootstrap=20, backend_options=fake_vllm.VllmOptions(overlap_starts=mode)
+            ),
         )
         # one line per event, "score" where a score call began (several per row: corpora, the base's noise pass)
         merged = []
@@ -629,7 +636,8 @@ def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_ro
 
     import splicer.ablate.rows as ablate_mod  # where the rows stage calls run_row
 
-    settings = dict(backend="vllm", progress=False, bootstrap=20, gpus=("0", "1"), precompile=3, engine_cache_dir=tmp_path / "c2")
+    options = fake_vllm.VllmOptions(gpus=("0", "1"), precompile=3, engine_cache_dir=tmp_path / "c2")
+    settings = dict(backend="vllm", progress=False, bootstrap=20, backend_options=options)
     real_run_row, calls = ablate_mod.run_row, []
 
     def interrupted_third(*a, **k):

@@ -1,5 +1,8 @@
 """`splicer ablate`: splice each row of a plan, score it against the base, time it, write results.json.
 
+One invocation is one AblateRun (common.py), made once by run.prepare_run from the arguments, the settings
+(AblateSettings, the backend's own options inside) and the plan; no stage changes it.
+
 Stages under DIR, a module each (run.py is the straight line through them); what each writes, and who reads it:
   job.py        job.json                     inputs (with header digests), plan, corpora digest, backend settings;
                                              kept in results.json too, where a rerun finds the finished rows of the
@@ -16,7 +19,7 @@ Stages under DIR, a module each (run.py is the straight line through them); what
 """
 
 from .base_pass import BASE_PASS_VERSION, base_cache, base_pass
-from .common import RESULTS, AblateSettings
+from .common import RESULTS, AblateRun, AblateSettings
 from .job import host_info, make_job, select_rows
 from .run import run_ablate
 from .scores import first_occurrence_weights, position_records
@@ -24,6 +27,7 @@ from .scores import first_occurrence_weights, position_records
 __all__ = [
     "BASE_PASS_VERSION",
     "RESULTS",
+    "AblateRun",
     "AblateSettings",
     "base_cache",
     "base_pass",

@@ -16,7 +16,7 @@ from ..corpora import Corpus
 from ..errors import SplicerError
 from ..outputs import write_file
 from ..plan import Plan
-from .common import AblateSettings, atomic_json, parts_digest, pick_batch_size, progress_bar
+from .common import AblateRun, AblateSettings, atomic_json, parts_digest, pick_batch_size, progress_bar
 
 FULL_VOCAB_CACHE_LIMIT = 1 << 30  # keep the base's full log-softmax only while it fits in 1 GiB
 
@@ -51,7 +51,7 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def base_cache(backend, plan: Plan, settings: AblateSettings, out: Path, base_digest: str, corpora: list[Corpus]) -> Path:
+def base_cache(plan: Plan, settings: AblateSettings, *, backend, out: Path, base_digest: str, corpora: list[Corpus]) -> Path:
     """The folder of the base pass for these inputs and settings (done when it holds done.json)."""
     key = parts_digest(
         BASE_PASS_VERSION,
@@ -62,28 +62,18 @@ def base_cache(backend, plan: Plan, settings: AblateSettings, out: Path, base_di
         backend.name,
         settings.device,
         settings.batch_size,
-        settings.engine_args,
-        # Only when set, so that caches made before --engine-env existed keep their key.
-        *([settings.engine_env] if settings.engine_env else []),
+        *settings.backend_options.cache_key(),
     )
     return out / "cache" / f"base-{key}"
 
 
-def base_pass(
-    backend,
-    base_root: Path,
-    plan: Plan,
-    settings: AblateSettings,
-    cache: Path,
-    tok,
-    corpora: list[Corpus],
-    chat_stop_tokens: tuple[str, ...] = (),
-) -> list[Corpus]:
+def base_pass(run: AblateRun, *, cache: Path, tok, corpora: list[Corpus]) -> list[Corpus]:
     """Generate the base's chat answers and score the base (and a noise pass) once into cache (see base_cache);
     returns the corpora with the chat answers in them. An answer ends at the tokenizer's EOS or at one of the family's
     chat_stop_tokens the tokenizer knows."""
+    backend, base_root, plan, settings, stages = run.backend, run.base.root, run.plan, run.settings, run.stages
+    chat_stop_tokens = run.base.arch.chat_stop_tokens
     done = cache / "done.json"
-    stages = settings.stages
     if done.exists():
         stages.line("base pass: cached")
         return [Corpus.from_json(c) for c in json.loads((cache / "corpora.json").read_text())]

@@ -7,36 +7,85 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from ..progress import SILENT, Stages
+from ..errors import SplicerError
+from ..plan import Plan
+from ..progress import Stages
 
 RESULTS = "results.json"
 
 
-@dataclass
+@dataclass(frozen=True)
 class AblateSettings:
+    """How `ablate` measures, as the command line (or `budget --verify`, from a job) gave it; never changed during a
+    run. What only one backend takes is that backend's own options (backend_options: backends.BackendOptions)."""
+
     backend: str = "torch"
     device: str = "auto"
     time_decode: bool = True
     corpus_overrides: dict[str, str] = field(default_factory=dict)
     batch_size: int | None = None  # sequences per forward / per engine call; None: the backend's default
-    engine_args: dict = field(default_factory=dict)
-    engine_env: dict = field(default_factory=dict)  # vllm: environment variables for every engine process (--engine-env)
     bandwidth_gbs: float | None = None  # memory bandwidth for the decode floor column (H200: 4800)
-    threads: int | None = None  # torch: CPU threads (--threads); None: SPLICER_THREADS, OMP_NUM_THREADS or the free cores
     bootstrap: int = 1000
     progress: bool = True
-    process_per_variant: bool = False  # vllm: a fresh worker process per variant instead of one for the run
-    overlap_starts: int = 0  # vllm: engines started ahead (in spare workers) while the current one scores
-    rewake_before_timing: bool = False  # vllm with overlap: one more sleep and wake right before each decode timing
-    precompile: int = 0  # vllm: processes that compile every variant's engine while the base pass runs (rows stay serial)
-    gpus: tuple = ()  # vllm: CUDA ids to spread the rows over (two or more); () = one GPU
     allow_quantized_base: bool = False  # a stand-in reference that keeps some classes quantized (see validate_base)
-    engine_cache_dir: Path | None = None  # vllm: compile/Triton/Inductor caches; None: their per-user defaults
     add_checkpoints: tuple = ()  # `--add NAME=DIR`: other checkpoints of the model, scored as plan rows of their own
     extend_only: bool = False  # `budget --verify`: rows added to DIR's job, refused unless the job measures as DIR's
     own_inputs: tuple = ()  # input folders this run wrote inside DIR itself (the demo's pair), which DIR may hold
-    stages: Stages = field(default=SILENT, repr=False)  # stage lines (stderr off a terminal, and DIR/ablate.log)
+    backend_options: Any = None  # the backend's options (backends.backend_options); None: its defaults
+
+    def __post_init__(self):
+        from ..backends import options_type
+
+        kind = options_type(self.backend)  # an unknown backend is refused here
+        if self.backend_options is None:
+            object.__setattr__(self, "backend_options", kind())
+        elif self.backend_options.backend != self.backend:
+            raise SplicerError(
+                f"options of the {self.backend_options.backend} backend given for --backend {self.backend}; "
+                f"make them with backends.backend_options({self.backend!r}, ...)"
+            )
+
+
+@dataclass(frozen=True)
+class AblateRun:
+    """One `ablate` invocation, made once (run.prepare_run) from the command's arguments, the settings and the plan,
+    before DIR's lock: the inputs, opened and checked, the rows this run knows (resolved for the build's family, in
+    plan order) and which of them were asked for, the backends and where stage lines go. No stage changes it; what a
+    stage makes (the job, the base pass, each row's results) it returns."""
+
+    rows_spec: str  # ROWS as given: "all" or a comma list
+    build_src: str  # the inputs as given (the table's caption shows them so)
+    base_src: str
+    out: Path  # DIR, as check_output gives it
+    settings: AblateSettings
+    plan: Plan
+    build: Any  # the Checkpoints
+    base: Any
+    checkpoints: dict  # row name -> the opened Checkpoint of a selected `checkpoint` row
+    quantized: list  # the build's quantized classes
+    frozen: list  # the base's quantized classes (a stand-in reference)
+    class_layers: dict  # class -> the decoder layers holding it quantized (for `splicer budget`)
+    todo: list  # every row of the plan the build's family has, in order (PlannedRow)
+    selected: frozenset  # the rows asked for (with the build, its repeats and, spread over GPUs, each GPU's build rows)
+    skipped: list  # {"name", "reason"} of the rows asked for that cannot run
+    spread: tuple | None  # with --gpus: (each GPU's first build row, each GPU's last, the other rows) (spread.py)
+    backends: tuple  # one, or one per GPU; the first runs the base pass
+    stages: Stages  # stage lines (stderr off a terminal, and DIR/ablate.log)
+
+    @property
+    def backend(self):
+        return self.backends[0]
+
+    @property
+    def options(self):
+        return self.settings.backend_options
+
+    @property
+    def inputs(self) -> list:
+        """The folders the run reads, which DIR must not be inside."""
+        return [self.build.root, self.base.root, *(c.root for c in self.checkpoints.values())]
 
 
 def atomic_json(path: Path, data) -> None:

@@ -55,7 +55,7 @@ def prepare_corpora(base_root: Path, plan: Plan, settings: AblateSettings):
     specs = override_corpora(plan, settings.corpus_overrides)
     tok = _tokenizer(base_root)
     cfg = json.loads((Path(base_root) / "config.json").read_text())
-    context = settings.engine_args.get("max_model_len") or cfg.get("text_config", cfg).get("max_position_embeddings")
+    context = settings.backend_options.context_length() or cfg.get("text_config", cfg).get("max_position_embeddings")
     return tok, [build_corpus(s, tok, context, Path.cwd()) for s in specs]
 
 
@@ -94,20 +94,47 @@ def _row_definition(definition: dict) -> dict:
     return dict(definition, checkpoint=input_source(definition["checkpoint"])) if definition.get("checkpoint") else definition
 
 
+# The order of job.json's settings (those of the backend's options among them, backends.BackendOptions.job_settings).
+_SETTINGS_ORDER = (
+    "backend",
+    "device",
+    "batch_size",
+    "engine_args",
+    "engine_env",
+    "allow_quantized_base",
+    "overlap_starts",
+    "rewake_before_timing",
+    "time_decode",
+    "corpus_overrides",
+    "gpus",
+)
+
+
 def make_job(
     plan: Plan,
+    settings: AblateSettings,
+    *,
     corpora: list[Corpus],
     build_src: str,
     build,
     base_src: str,
     base_digest: str,
-    settings: AblateSettings,
     out: Path | None = None,
 ) -> dict:
     """What a results folder was made from (DIR/job.json): finished rows are kept on a rerun only under the same job.
 
     The tokenized corpora belong to it: rows scored on other positions (a corpus file edited, a new chat set) would
     otherwise be paired with the new ones."""
+    fields = {
+        "backend": settings.backend,
+        "device": settings.device,
+        "batch_size": settings.batch_size,
+        "allow_quantized_base": settings.allow_quantized_base,
+        "time_decode": settings.time_decode,
+        "corpus_overrides": {k: input_source(v) for k, v in settings.corpus_overrides.items()},
+        **settings.backend_options.job_settings(),
+    }
+    order = {k: i for i, k in enumerate(_SETTINGS_ORDER)}
     return {
         "tool": f"splicer {__version__}",
         "plan": plan.name,
@@ -117,20 +144,7 @@ def make_job(
         "corpora_digest": parts_digest([c.digest() for c in corpora]),
         "build": input_entry(build_src, out, header_digest=build.header_digest()),
         "base": input_entry(base_src, out, digest=base_digest),
-        "settings": {
-            "backend": settings.backend,
-            "device": settings.device,
-            "batch_size": settings.batch_size,
-            "engine_args": settings.engine_args,
-            **({"engine_env": settings.engine_env} if settings.engine_env else {}),
-            "allow_quantized_base": settings.allow_quantized_base,
-            "overlap_starts": settings.overlap_starts,
-            "rewake_before_timing": settings.rewake_before_timing,
-            "time_decode": settings.time_decode,
-            "corpus_overrides": {k: input_source(v) for k, v in settings.corpus_overrides.items()},
-            # Rows spread over GPUs are named and compared per GPU: another spread is another job.
-            **({"gpus": list(settings.gpus)} if settings.gpus else {}),
-        },
+        "settings": dict(sorted(fields.items(), key=lambda kv: order.get(kv[0], len(order)))),
     }
 
 

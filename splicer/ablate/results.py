@@ -9,32 +9,20 @@ import sys
 from pathlib import Path
 
 from ..corpora import Corpus
-from ..plan import Plan
-from .common import RESULTS, AblateSettings, atomic_json, atomic_text
+from .common import RESULTS, AblateRun, atomic_json, atomic_text
 from .job import host_info, started_from_cli
 from .scores import noise_floor
 
 
-def new_results(
-    job: dict,
-    plan: Plan,
-    corpora: list[Corpus],
-    cache: Path,
-    quantized: list[str],
-    frozen: list[str],
-    skipped: list[dict],
-    settings: AblateSettings,
-    earlier_runs: list[dict],
-    started: str,
-    given: dict | None = None,
-) -> dict:
+def new_results(run: AblateRun, *, job: dict, corpora: list[Corpus], cache: Path, earlier_runs: list[dict], started: str) -> dict:
     """results.json as a run starts: the base pass (read from its cache), the corpora, the rows skipped, and one entry
     per invocation that worked on this job (a resumed job has several), the rows still to come.
 
-    given: the build and base as this invocation was given them. The job names inputs by their real paths (so that a
-    rerun compares what they are, not how they were spelled); the table's caption shows them as the user wrote them,
-    which keeps this machine's folders out of a table meant for a model card."""
-    given = given or {}
+    The build and base are recorded as this invocation was given them too ("given"). The job names inputs by their
+    real paths (so that a rerun compares what they are, not how they were spelled); the table's caption shows them as
+    the user wrote them, which keeps this machine's folders out of a table meant for a model card."""
+    plan, settings = run.plan, run.settings
+    given = {"build": str(run.build_src), "base": str(run.base_src)}
     return {
         "schema": 1,
         "base_pass": json.loads((cache / "done.json").read_text()),
@@ -54,13 +42,13 @@ def new_results(
             }
             for c in corpora
         },
-        "quantized_classes": quantized,
-        "base_quantized_classes": frozen,
+        "quantized_classes": run.quantized,
+        "base_quantized_classes": run.frozen,
         "noise_floor": noise_floor(cache, corpora, settings.bootstrap),
         "timing_settings": plan.timing if settings.time_decode else None,
         "bandwidth_bytes_per_s": settings.bandwidth_gbs * 1e9 if settings.bandwidth_gbs else None,
         "variants": [],
-        "skipped": skipped,
+        "skipped": run.skipped,
         "runs": [
             *earlier_runs,
             {

@@ -15,9 +15,9 @@ from ..checkpoint import open_checkpoint
 from ..corpora import Corpus
 from ..errors import SplicerError
 from ..formats import checkpoint_format
-from ..plan import Plan, PlannedRow
+from ..plan import PlannedRow
 from .base_pass import base_pass
-from .common import AblateSettings, folder_bytes, progress_bar
+from .common import AblateRun, folder_bytes, progress_bar
 from .results import finish_results, new_results
 from .scores import score_variant
 
@@ -38,25 +38,20 @@ class RowSchedule:
     wait for it. With --precompile every row is spliced at the start and its engine compiled while the base pass runs.
     """
 
-    def __init__(
-        self,
-        run_list: list[PlannedRow],
-        backend,
-        build,
-        build_src: str,
-        base_root: Path,
-        base_src: str,
-        out: Path,
-        settings: AblateSettings,
-        compilers: list | None = None,
-    ):
-        self.run_list, self.backend, self.settings = run_list, backend, settings
-        self.build, self.build_src, self.base_root, self.base_src, self.out = build, build_src, base_root, base_src, out
+    def __init__(self, run: AblateRun, run_list: list[PlannedRow]):
+        self.run, self.run_list, self.backend = run, run_list, run.backend
+        self.build, self.build_src, self.base_root, self.base_src, self.out = (
+            run.build,
+            run.build_src,
+            run.base.root,
+            run.base_src,
+            run.out,
+        )
         self.prepared: dict[str, tuple[Path, float]] = {}  # row -> (folder, seconds its splice took), made ahead
         self.started_ahead: set[int] = set()
-        self.ahead = backend.overlap_starts  # engines the backend can start ahead (vLLM with --overlap-starts)
+        self.ahead = run.backend.overlap_starts  # engines the backend can start ahead (vLLM with --overlap-starts)
         # The backends whose processes compile ahead: the base pass's own, or with --gpus every GPU's (spread.py).
-        self.compilers = compilers or [backend]
+        self.compilers = run.backends
         self._preparing: threading.Thread | None = None  # splices and compile queueing, beside the base pass
         self._preparing_error: BaseException | None = None
         self._cancel = threading.Event()
@@ -64,7 +59,6 @@ class RowSchedule:
         # Rows spread over GPUs score and time one at a time (spread.py): a row on one GPU is measured while the others
         # at most start engines, on their own GPUs and cores. With one GPU it is never contended.
         self.measuring = threading.Lock()
-        self.checkpoints: dict[str, object] = {}  # row name -> the opened Checkpoint of a `checkpoint` row (run.py)
 
     def folder(self, item: PlannedRow) -> tuple[Path, float]:
         """The row's folder and the seconds its splice took now (0 when made ahead or not needed)."""
@@ -75,7 +69,7 @@ class RowSchedule:
 
         t0 = time.perf_counter()
         if item.checkpoint:
-            folder = self.checkpoints[row.name].root
+            folder = self.run.checkpoints[row.name].root
         elif restored is None:
             folder = self.base_root
         elif not restored:
@@ -84,7 +78,7 @@ class RowSchedule:
             folder = self.out / "variants" / splice_name
             folder.parent.mkdir(parents=True, exist_ok=True)
             if not _splice_is_current(folder, self.build, restored):
-                with self.settings.stages.stage(f"{row.name}: splice {','.join(restored)}"):
+                with self.run.stages.stage(f"{row.name}: splice {','.join(restored)}"):
                     splice(
                         str(self.build_src),
                         str(self.base_src),
@@ -92,7 +86,7 @@ class RowSchedule:
                         ",".join(restored),
                         force=True,
                         progress=False,
-                        allow_quantized_base=self.settings.allow_quantized_base,
+                        allow_quantized_base=self.run.settings.allow_quantized_base,
                     )
         return folder, time.perf_counter() - t0
 
@@ -136,7 +130,7 @@ class RowSchedule:
         # Compiling ahead hides behind the base pass; with the base pass cached (a resumed run) it would only hold up
         # the rows (run 10's second call: 61.5 s), so the rows compile their own engines then.
         self.compile_ahead = base_pending
-        if any(b.precompile_slots for b in self.compilers) or self.settings.gpus:
+        if any(b.precompile_slots for b in self.compilers) or self.run.spread:
             # Every row's engine is compiled ahead while the base pass runs (which is never timed, so engines may share
             # the GPU then); the lanes end before the first row starts, so each row's engine still starts, scores and
             # is timed alone, and only reads its compiled graphs from the engine's cache. Spread over GPUs, every
@@ -189,23 +183,23 @@ def _checkpoint_record(ckpt) -> dict:
 
 def run_row(
     item: PlannedRow,
+    *,
+    run: AblateRun,
     schedule: RowSchedule,
     backend,
     cache: Path,
     corpora: list[Corpus],
-    plan: Plan,
-    settings: AblateSettings,
-    out: Path,
     gpu: str | None = None,
 ) -> dict:
     """One row: its folder, sizes, scores against the base pass and decode timing, as its results.json entry (status
     "error" with the reason when any step fails: one variant's failure must not end the plan). gpu: the CUDA id it
     ran on, in a run spread over GPUs."""
+    plan, settings = run.plan, run.settings
     row, restored, splice_name = item.row, item.restored, item.splice_name
     entry = {
         "name": row.name,
         "restored": "checkpoint" if item.checkpoint else restored if restored is not None else "base",
-        **({"checkpoint": _checkpoint_record(schedule.checkpoints[row.name])} if item.checkpoint else {}),
+        **({"checkpoint": _checkpoint_record(run.checkpoints[row.name])} if item.checkpoint else {}),
         **({"repeat_of": splice_name} if splice_name != row.name else {}),
         **({"gpu": gpu} if gpu is not None else {}),
         "status": "running",
@@ -235,7 +229,7 @@ def run_row(
             # while it scores; without, after scoring, as in the serial H200 run whose noise band was ±1 %.
             if settings.time_decode and plan.timing:
                 t0 = time.perf_counter()
-                with settings.stages.stage(f"{row.name}: timing"):
+                with run.stages.stage(f"{row.name}: timing"):
                     entry["timing"] = backend.time_decode(
                         _timing_prompt(corpora, int(plan.timing["prompt_tokens"])),
                         int(plan.timing["new_tokens"]),
@@ -246,7 +240,13 @@ def run_row(
             schedule.start_ahead(index)
 
         metrics, timings = score_variant(
-            backend, folder, cache, corpora, plan, settings, out / "scores" / row.name, before_scoring=start_measuring
+            run,
+            backend,
+            folder,
+            cache=cache,
+            corpora=corpora,
+            score_dir=run.out / "scores" / row.name,
+            before_scoring=start_measuring,
         )
         if not ahead:
             time_then_start_ahead()
@@ -267,72 +267,52 @@ def run_row(
 
 
 def run_rows(
+    run: AblateRun,
+    *,
     schedule: RowSchedule,
-    backends: list,
-    todo: list,
-    run_list: list,
-    done: dict,
-    cache: Path,
-    corpora,
-    tok,
-    plan: Plan,
-    settings: AblateSettings,
-    out: Path,
-    base,
     job: dict,
-    quantized,
-    frozen,
-    skipped,
-    earlier_runs,
+    done: dict,
+    earlier_runs: list,
+    cache: Path,
+    tok,
+    corpora: list[Corpus],
     started: str,
     t_start: float,
-    spread_plan,
-    class_layers: dict | None = None,
 ) -> dict:
     """run_ablate under DIR's lock, from the base pass on: the base pass (splices and compiles beside it), each row
-    (serially, or with --gpus one thread per GPU), results.json, table.md and report.md after every row.
-    class_layers: class -> the decoder layers holding it quantized, recorded for `splicer budget`."""
-    backend = backends[0]
+    (serially, or with --gpus one thread per GPU), results.json, table.md and report.md after every row. job, done and
+    earlier_runs: this invocation's job and what an earlier run of it left (write_job); started and t_start: when this
+    invocation began."""
+    backend, backends, settings, stages, out = run.backend, run.backends, run.settings, run.stages, run.out
+    run_list = schedule.run_list
     schedule.before_base_pass(base_pending=not (cache / "done.json").exists())
-    with settings.stages.stage("base pass"):
-        corpora = base_pass(backend, base.root, plan, settings, cache, tok, corpora, base.arch.chat_stop_tokens)
+    with stages.stage("base pass"):
+        corpora = base_pass(run, cache=cache, tok=tok, corpora=corpora)
     schedule.wait_prepared()
-    results = new_results(
-        job,
-        plan,
-        corpora,
-        cache,
-        quantized,
-        frozen,
-        skipped,
-        settings,
-        earlier_runs,
-        started,
-        given={"build": str(schedule.build_src), "base": str(schedule.base_src)},
-    )
-    results["class_layers"] = class_layers or {}  # what a whole-class row restores, layer by layer (splicer budget)
+    results = new_results(run, job=job, corpora=corpora, cache=cache, earlier_runs=earlier_runs, started=started)
+    results["class_layers"] = run.class_layers  # what a whole-class row restores, layer by layer (splicer budget)
 
     def finish_precompile(on_backend, gpu=None) -> None:
         # Spread over GPUs, each GPU's thread waits for its own compiling processes only.
         if on_backend.precompile_slots:
             where = f"gpu {gpu}: " if gpu is not None else ""
-            with settings.stages.stage(f"{where}compiling ahead: waiting for the last engines to compile"):
+            with stages.stage(f"{where}compiling ahead: waiting for the last engines to compile"):
                 records = on_backend.finish_precompile()
             with schedule.measuring:
                 results["runs"][-1].setdefault("precompiled", []).extend(records)
 
-    if not settings.gpus:
+    if not run.spread:
         finish_precompile(backend)
     # Finished in an earlier run of the same job: kept, chosen or not.
-    results["variants"] += [done[it.row.name] for it in todo if it.row.name in done]
+    results["variants"] += [done[it.row.name] for it in run.todo if it.row.name in done]
     bar = progress_bar(total=len(run_list), desc="ablate", disable=not settings.progress or None)
-    order = {it.row.name: k for k, it in enumerate(todo)}
+    order = {it.row.name: k for k, it in enumerate(run.todo)}
 
     def record(item, entry: dict) -> None:
         with schedule.measuring:  # spread over GPUs: not while another row is timed
             results["variants"].append(entry)
             results["variants"].sort(key=lambda v: order.get(v["name"], len(order)))  # plan order, however finished
-            settings.stages.line(
+            stages.line(
                 f"{entry['name']}: {entry['status']}"
                 + (f" ({entry['error']})" if entry.get("error") else "")
                 + f", {len(results['runs'][-1]['rows_run']) + 1} of {len(run_list)} rows of this run"
@@ -344,13 +324,13 @@ def run_rows(
         faults.point("ablate:row-done")
 
     def run_one(item, on_backend, gpu=None) -> dict:
-        return run_row(item, schedule, on_backend, cache, corpora, plan, settings, out, gpu=gpu)
+        return run_row(item, run=run, schedule=schedule, backend=on_backend, cache=cache, corpora=corpora, gpu=gpu)
 
     names = {it.row.name for it in run_list}
-    if spread_plan:
-        firsts, lasts, spread_rows = spread_plan
+    if run.spread:
+        firsts, lasts, spread_rows = run.spread
         spread.run_rows_on_gpus(
-            list(zip(settings.gpus, backends)),
+            list(zip(run.options.gpus, backends)),
             [it if it is not None and it.row.name in names else None for it in firsts],
             [it if it is not None and it.row.name in names else None for it in lasts],
             [it for it in spread_rows if it.row.name in names],

@@ -10,9 +10,8 @@ import torch
 
 from ..corpora import Corpus
 from ..metrics import fill_missing, kl_full, kl_top_lumped, summarize, top1_agreement
-from ..plan import Plan
 from .base_pass import load_tensors, write_tensors
-from .common import AblateSettings, pick_batch_size, progress_bar
+from .common import AblateRun, pick_batch_size, progress_bar
 
 
 def first_occurrence_weights(sequences: list[list[int]], lengths: torch.Tensor) -> torch.Tensor:
@@ -82,19 +81,12 @@ def position_records(base: dict, var: dict, corpus: Corpus, gathered: torch.Tens
 
 
 def score_variant(
-    backend,
-    folder: Path,
-    cache: Path,
-    corpora: list[Corpus],
-    plan: Plan,
-    settings: AblateSettings,
-    score_dir: Path,
-    before_scoring=None,
+    run: AblateRun, backend, folder: Path, *, cache: Path, corpora: list[Corpus], score_dir: Path, before_scoring=None
 ) -> tuple[dict, dict]:
     """Load folder's model and score it against the cached base pass; before_scoring runs once it is loaded."""
-
+    plan, settings = run.plan, run.settings
     metrics, timings = {}, {}
-    stages = settings.stages
+    stages = run.stages
     t0 = time.perf_counter()
     with stages.stage(f"{score_dir.name}: engine start"):
         backend.load(folder)

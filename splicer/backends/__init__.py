@@ -96,6 +96,36 @@ class Backend(Protocol):
     def describe(self) -> dict: ...
 
 
+class BackendOptions(Protocol):
+    """A backend's own options (its options_type): built once from what the user gave, checked where they are made,
+    never changed during a run. Everything `ablate` asks of them, so that no stage outside splicer/backends/ needs a
+    backend's name."""
+
+    backend: str  # the backend's name (make_backend's)
+    gpus: tuple  # the GPUs the rows are spread over (spread.py); () for one device
+
+    @classmethod
+    def option_names(cls) -> set[str]: ...  # the options it takes, as backend_options is given them
+
+    @classmethod
+    def refused_elsewhere(cls, given: dict) -> str: ...  # the line for these of its options given to another backend
+
+    @classmethod
+    def from_job(cls, settings: dict): ...  # the options a job.json's settings record (budget --verify reruns them)
+
+    def check_device(self, device: str) -> None: ...  # a --device these options cannot go with is refused
+
+    def job_settings(self) -> dict: ...  # its fields of job.json's settings
+
+    def cache_key(self) -> list: ...  # its part of the base pass's cache key
+
+    def context_length(self) -> int | None: ...  # the engine's context length, when the options set one
+
+    def check_loadable(self, ckpt, modules: dict | None = None) -> None: ...  # refuse, in one line, what it cannot load
+
+    def make_backends(self, device: str, log_dir: Path) -> list[Backend]: ...  # the run's backends; the first does the base pass
+
+
 def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
     """The cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (a container's `--cpus`)."""
     try:
@@ -195,6 +225,35 @@ def torch_threads_note() -> str | None:
 
 
 BACKENDS = ("torch", "vllm")  # make_backend's names
+
+
+def options_type(name: str) -> type:
+    """The options class of backend NAME: what that backend takes beyond a device (fields), checks (on construction) and
+    records (job.json, the base pass's cache key); every other stage reads a backend's options through it."""
+    if name == "torch":
+        from .torch_ref import TorchOptions
+
+        return TorchOptions
+    if name == "vllm":
+        from .vllm_backend import VllmOptions
+
+        return VllmOptions
+    raise SplicerError(f"unknown backend {name!r}; choose {' or '.join(BACKENDS)}")
+
+
+def backend_options(name: str, given: dict, device: str = "auto"):
+    """The options of backend NAME from those the user gave (option -> value, only those set). An option of another
+    backend is checked as that backend checks it (so a bad value says what it should be), then refused with that
+    backend's line; the chosen backend's options check their combinations, and the device, where they are made."""
+    chosen = options_type(name)
+    for other in map(options_type, BACKENDS):
+        owned = {k: v for k, v in given.items() if k in other.option_names()}
+        if other is not chosen and owned:
+            other(**owned)
+            raise SplicerError(other.refused_elsewhere(owned))
+    options = chosen(**given)
+    options.check_device(device)
+    return options
 
 
 def make_backend(name: str, device: str = "auto", **options) -> Backend:

@@ -14,6 +14,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -333,3 +334,47 @@ class TorchBackend:
             "dtype": str(self.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(),
         }
+
+
+@dataclass(frozen=True)
+class TorchOptions:
+    """The torch backend's options (backends.BackendOptions): its CPU threads (--threads; None: choose_threads picks)."""
+
+    threads: int | None = None
+
+    backend = "torch"
+    gpus = ()  # one device: rows are never spread
+
+    @classmethod
+    def option_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    @classmethod
+    def refused_elsewhere(cls, given: dict) -> str:
+        return "--threads sets the torch backend's CPU threads; vLLM's engine processes take their share of the cores themselves"
+
+    @classmethod
+    def from_job(cls, settings: dict) -> TorchOptions:
+        return cls()  # the thread count changes no measurement: a job does not record it
+
+    def check_device(self, device: str) -> None:
+        pass  # pick_device refuses a device the backend cannot run on, when it starts
+
+    def job_settings(self) -> dict:
+        # What a job of this backend recorded before options were the backend's own: kept, so that its jobs still resume.
+        return {"engine_args": {}, "overlap_starts": 0, "rewake_before_timing": False}
+
+    def cache_key(self) -> list:
+        return [{}]  # as job_settings: the key the base pass's cache had before
+
+    def context_length(self) -> int | None:
+        return None
+
+    def check_loadable(self, ckpt, modules: dict | None = None) -> None:
+        if ckpt.quantization_config:  # the build and checkpoint rows are loaded as stored: refused now, not as a failed row
+            TorchBackend.check_readable(ckpt, modules)
+
+    def make_backends(self, device: str, log_dir: Path) -> list:
+        from . import make_backend
+
+        return [make_backend(self.backend, device, threads=self.threads)]

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -38,7 +39,15 @@ from .vllm_child import child_worker
 from .vllm_engine_args import OVERLAP_DEFAULTS, default_engine_args, parse_engine_args, parse_engine_env
 from .vllm_logs import KERNEL_LINE, arch_of, kernels_by_class, startup_breakdown
 
-__all__ = ["VllmBackend", "OVERLAP_DEFAULTS", "default_engine_args", "parse_engine_args", "parse_engine_env", "kernels_by_class"]
+__all__ = [
+    "VllmBackend",
+    "VllmOptions",
+    "OVERLAP_DEFAULTS",
+    "default_engine_args",
+    "parse_engine_args",
+    "parse_engine_env",
+    "kernels_by_class",
+]
 
 
 class _Worker:
@@ -177,6 +186,145 @@ class _Worker:
             self.loaded = False
 
 
+def check_engine_options(
+    *, overlap_starts: int, one_process: bool, precompile: int, rewake_before_timing: bool, sleep_between: bool, engine_args: dict
+) -> None:
+    """The combinations of the vLLM backend's options it refuses, each in one line: checked where its options are made
+    (VllmOptions) and where a backend is made from them."""
+    if overlap_starts < 0:
+        raise SplicerError(f"--overlap-starts {overlap_starts}: give the number of engines to start ahead (1 or more)")
+    if overlap_starts and not one_process:
+        raise SplicerError("--overlap-starts needs one worker per engine slot; drop --process-per-variant")
+    if precompile < 0:
+        raise SplicerError(f"--precompile {precompile}: give the number of processes that compile ahead (1 or more)")
+    if precompile and overlap_starts:
+        raise SplicerError(
+            "--precompile and --overlap-starts are two ways to start engines ahead: choose one "
+            "(--precompile keeps every timed engine alone on the GPU)"
+        )
+    if rewake_before_timing and not sleep_between:
+        raise SplicerError(
+            "--rewake-before-timing sleeps and wakes the engine once more before its decode timing; "
+            "it needs vLLM's sleep mode: add --overlap-starts"
+        )
+    if sleep_between and engine_args.get("enable_sleep_mode") is False:
+        raise SplicerError(
+            "--overlap-starts times every engine after a sleep and wake (vLLM's sleep mode): "
+            "drop --engine-arg enable_sleep_mode=false, or time serially without --overlap-starts"
+        )
+
+
+# Options that only schedule the vLLM backend's engines (the others are the engines' own arguments and environment).
+_SCHEDULING = ("gpus", "overlap_starts", "precompile", "rewake_before_timing", "process_per_variant", "engine_cache_dir")
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """The vLLM backend's options (backends.BackendOptions), checked as they are made: the engine arguments and
+    environment (--engine-arg and its shorthands, --engine-env), its caches (--engine-cache-dir), how engines are
+    started (--process-per-variant, --overlap-starts, --rewake-before-timing, --precompile) and the GPUs the rows are
+    spread over (--gpus, spread.py)."""
+
+    engine_args: dict = field(default_factory=dict)
+    engine_env: dict = field(default_factory=dict)
+    engine_cache_dir: Path | None = None
+    process_per_variant: bool = False
+    overlap_starts: int = 0
+    rewake_before_timing: bool = False
+    precompile: int = 0
+    gpus: tuple | None = None  # None or (): one GPU
+
+    backend = "vllm"
+
+    def __post_init__(self):
+        if self.gpus is not None:  # given, even empty (--gpus ,): two or more ids
+            from ..spread import check_gpus
+
+            check_gpus(tuple(self.gpus), self.overlap_starts)
+        object.__setattr__(self, "gpus", tuple(self.gpus or ()))
+        check_engine_options(
+            overlap_starts=int(self.overlap_starts),
+            one_process=not self.process_per_variant,
+            precompile=int(self.precompile),
+            rewake_before_timing=self.rewake_before_timing,
+            sleep_between=bool(self.overlap_starts),
+            engine_args=self.engine_args,
+        )
+
+    @classmethod
+    def option_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    @classmethod
+    def refused_elsewhere(cls, given: dict) -> str:
+        if any(k in given for k in _SCHEDULING):
+            return (
+                "--gpus, --overlap-starts, --precompile, --rewake-before-timing, --process-per-variant and "
+                "--engine-cache-dir apply to --backend vllm only"
+            )
+        return "engine options (--engine-arg, --engine-env, --max-model-len, ...) apply to --backend vllm only"
+
+    @classmethod
+    def from_job(cls, settings: dict) -> VllmOptions:
+        return cls(
+            engine_args=settings.get("engine_args") or {},
+            engine_env=settings.get("engine_env") or {},
+            overlap_starts=settings.get("overlap_starts") or 0,
+            rewake_before_timing=bool(settings.get("rewake_before_timing")),
+            gpus=tuple(settings["gpus"]) if settings.get("gpus") else None,
+        )
+
+    def check_device(self, device: str) -> None:
+        if self.gpus and device != "auto":
+            raise SplicerError(f"--gpus {','.join(self.gpus)} and --device {device}: --gpus names the GPUs; drop --device")
+
+    def job_settings(self) -> dict:
+        return {
+            "engine_args": self.engine_args,
+            **({"engine_env": self.engine_env} if self.engine_env else {}),
+            "overlap_starts": self.overlap_starts,
+            "rewake_before_timing": self.rewake_before_timing,
+            # Rows spread over GPUs are named and compared per GPU: another spread is another job.
+            **({"gpus": list(self.gpus)} if self.gpus else {}),
+        }
+
+    def cache_key(self) -> list:
+        # The environment only when set, so that caches made before --engine-env existed keep their key.
+        return [self.engine_args, *([self.engine_env] if self.engine_env else [])]
+
+    def context_length(self) -> int | None:
+        return self.engine_args.get("max_model_len")
+
+    def check_loadable(self, ckpt, modules: dict | None = None) -> None:
+        pass  # vLLM loads a format or refuses it when the row's engine starts: that row fails, the others run
+
+    def make_backends(self, device: str, log_dir: Path) -> list:
+        from . import make_backend
+
+        options = {
+            "engine_args": self.engine_args,
+            "log_dir": log_dir,
+            "cache_dir": self.engine_cache_dir,
+            "one_process": not self.process_per_variant,
+            "overlap_starts": self.overlap_starts,
+            "rewake_before_timing": self.rewake_before_timing,
+            "precompile": self.precompile,
+            "engine_env": self.engine_env,
+        }
+        if not self.gpus:
+            return [make_backend(self.backend, device, **options)]
+        from .. import spread
+
+        # One backend per GPU (spread.py), each logging into its own folder.
+        return spread.make_backends(
+            self.gpus,
+            self.precompile,
+            lambda cuda, gpu, precompile, cpus: make_backend(
+                self.backend, cuda, **dict(options, log_dir=log_dir / f"gpu{gpu}", precompile=precompile, cpus=cpus)
+            ),
+        )
+
+
 class VllmBackend:
     """vLLM engines in a long-lived child process (in-process engine core), one engine per variant at a time.
 
@@ -222,36 +370,23 @@ class VllmBackend:
         if require_cuda and not torch.cuda.is_available():
             raise SplicerError("the vLLM backend needs a CUDA GPU and torch sees none; use --backend torch")
         overlap_starts = int(overlap_starts)  # True (the old flag) means one
-        if overlap_starts < 0:
-            raise SplicerError(f"--overlap-starts {overlap_starts}: give the number of engines to start ahead (1 or more)")
-        if overlap_starts and not one_process:
-            raise SplicerError("--overlap-starts needs one worker per engine slot; drop --process-per-variant")
         precompile = int(precompile)
-        if precompile < 0:
-            raise SplicerError(f"--precompile {precompile}: give the number of processes that compile ahead (1 or more)")
-        if precompile and overlap_starts:
-            raise SplicerError(
-                "--precompile and --overlap-starts are two ways to start engines ahead: choose one "
-                "(--precompile keeps every timed engine alone on the GPU)"
-            )
-        defaults, self.env = default_engine_args()
         self.sleep_between = bool(overlap_starts) if sleep_between is None else bool(sleep_between)
-        if rewake_before_timing and not self.sleep_between:
-            raise SplicerError(
-                "--rewake-before-timing sleeps and wakes the engine once more before its decode timing; "
-                "it needs vLLM's sleep mode: add --overlap-starts"
-            )
+        check_engine_options(
+            overlap_starts=overlap_starts,
+            one_process=one_process,
+            precompile=precompile,
+            rewake_before_timing=rewake_before_timing,
+            sleep_between=self.sleep_between,
+            engine_args=engine_args or {},
+        )
+        defaults, self.env = default_engine_args()
         # On the H200 stand-in an engine timed right after its first wake sat at 4.10 or 4.38 ms/token from one engine
         # to the next, and one engine moved slow -> fast after a second sleep and wake (results/h200-fulldims,
         # engine-state): this option puts that second cycle before every timing.
         self.rewake_before_timing = bool(rewake_before_timing)
         self.engine_args = {**defaults, **(OVERLAP_DEFAULTS if overlap_starts else {}), **(engine_args or {})}
         if self.sleep_between:
-            if self.engine_args.get("enable_sleep_mode") is False:
-                raise SplicerError(
-                    "--overlap-starts times every engine after a sleep and wake (vLLM's sleep mode): "
-                    "drop --engine-arg enable_sleep_mode=false, or time serially without --overlap-starts"
-                )
             self.engine_args["enable_sleep_mode"] = True
         if device.startswith("cuda:"):
             self.env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
