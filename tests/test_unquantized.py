@@ -191,3 +191,36 @@ def test_inspect_warns_about_smoothing(smoothed_build, capsys):
     assert main(["inspect", str(build), "--base", str(base)]) == 0
     out = capsys.readouterr().out
     assert "Warning: 2 of them changed beyond rounding" in out
+
+
+SMALL_PLAN = """name = "smoothing-warning"
+description = "one spliced row, untimed"
+top_k = 20
+
+[[corpus]]
+name = "wiki-en"
+kind = "builtin"
+text = "wiki-en"
+chunk_tokens = 16
+max_chunks = 2
+
+[[row]]
+name = "build"
+restore = []
+
+[[row]]
+name = "gdn"
+restore = ["gdn"]
+"""
+
+
+@pytest.mark.parametrize("smoothed", [True, False])
+def test_ablate_log_warns_about_a_smoothed_build(smoothed, smoothed_build, pairs, tmp_path):
+    build, base = smoothed_build if smoothed else (pairs["per_expert"]["lowlatency"], pairs["per_expert"]["base"])
+    plan = tmp_path / "plan.toml"
+    plan.write_text(SMALL_PLAN)
+    out = tmp_path / "run"
+    args = ["ablate", "all", str(build), str(base), "-o", str(out), "--plan", str(plan), "--device", "cpu", "--no-time", "-q"]
+    assert main(args) == 0
+    log = (out / "ablate.log").read_text()
+    assert ("warning: the build's unquantized tensors were changed beyond rounding" in log) == smoothed

@@ -34,6 +34,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         stages.line(f"ablate {rows_spec} of plan {run.plan.name}: {build_src} against {base_src} into {out}")
         if note := getattr(run.backend, "threads_note", None):  # a backend that runs torch on the CPU says its thread count
             stages.line(note)
+        if warning := smoothing_warning(run):
+            stages.line(warning)
         job = make_job(
             run.plan,
             settings,
@@ -68,6 +70,22 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         except BaseException:
             schedule.cancel()  # nothing is spliced or compiled into DIR once its lock is released
             raise
+
+
+def smoothing_warning(run: AblateRun) -> str | None:
+    """A build whose unquantized tensors changed beyond rounding (smoothing folded in): its spliced rows do not mean
+    what the table says, so the log says so before any row runs."""
+    from ..unquantized import SMOOTHING_NOTE, changed_text, compare_unquantized
+
+    if not any(r.restore or r.keep is not None for r in run.plan.rows if r.name in run.selected):
+        return None
+    diffs = compare_unquantized(run.build, run.base)[1]
+    if all(d.rounding_only for d in diffs):
+        return None
+    return (
+        f"warning: the build's unquantized tensors were {SMOOTHING_NOTE} ({changed_text(diffs)}); "
+        "`splicer inspect BUILD --base BASE` lists them"
+    )
 
 
 def prepare_run(
