@@ -14,8 +14,9 @@ from functools import cached_property
 from pathlib import Path
 
 from .arch import Architecture, get_architecture
-from .config_schema import check_config
+from .config_schema import QC, check_common_fields, check_fields
 from .errors import SplicerError
+from .formats.registry import format_of
 from .safetensors_io import ShardHeader, TensorInfo, headers_digest, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -138,6 +139,17 @@ def _resolve_hub(repo_id: str, role: str, wanted_files) -> Path:
         raise SplicerError(
             f"{role} {repo_id} could not be fetched ({e.__class__.__name__}); check your network or pass a local folder"
         ) from None
+
+
+def check_config(config: dict, label: str) -> None:
+    """Refuse a config.json whose fields have another JSON type or range than splicer and its readers expect: the
+    fields every checkpoint's config has (config_schema), then those its quantization format's readers read."""
+    check_common_fields(config, label)
+    qc = config.get(QC)
+    fmt = format_of(qc)
+    if fmt is not None:  # other methods are refused by name where a build or a base is validated
+        check_fields(config, fmt.config_fields, label)
+        fmt.check_config_fields(qc, label)
 
 
 def open_checkpoint(source: str | Path, role: str, wanted_files=None, shards: set[str] | None = None) -> Checkpoint:

@@ -8,6 +8,9 @@ of range, and a few cross-field rules, each refused with one line naming the fie
 
 Fields that are absent are fine unless marked required: transformers fills in its defaults, and every reader in
 splicer treats them as absent. `null` is accepted only where the table says so.
+
+The fields of each quantization format are its module's `config_fields` (the tables below); checkpoint.check_config
+looks the format up and checks them after the rest.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import re
 from dataclasses import dataclass
 
 from .errors import SplicerError
-from .formats import format_of
 
 # JSON kinds, by the name messages use. bool is not an int here (Python's bool is), nor is 4.0.
 KINDS = {
@@ -304,7 +306,8 @@ def _in_range(f: Field, v) -> bool:
     return math.isfinite(v)  # JSON has no NaN or Infinity, but Python's json reads them
 
 
-def _key(k: str) -> str:
+def path_key(k: str) -> str:
+    """An object key as a dotted path names it: quoted as JSON unless it is a plain word."""
     return k if k.replace("_", "").replace("-", "").isalnum() and k.isascii() else json.dumps(k)
 
 
@@ -318,7 +321,7 @@ def _resolve(root, parts: list[str], prefix: str):
     head, rest = parts[0], parts[1:]
     if head == "*":
         for k, v in root.items():
-            yield from _resolve(v, rest, f"{prefix}.{_key(k)}" if prefix else _key(k))
+            yield from _resolve(v, rest, f"{prefix}.{path_key(k)}" if prefix else path_key(k))
     elif head in root:
         yield from _resolve(root[head], rest, f"{prefix}.{head}" if prefix else head)
     elif not rest:
@@ -365,8 +368,9 @@ def check_fields(config: dict, fields, where: str, prefix: str = "") -> None:
             check_value(f, value, where, f"config.json field {path}", CONFIG_FIX)
 
 
-def check_config(config: dict, label: str) -> None:
-    """Refuse a config.json whose fields have another JSON type or range than splicer and its readers expect."""
+def check_common_fields(config: dict, label: str) -> None:
+    """Refuse a config.json whose fields other than its quantization format's (checkpoint.check_config checks those,
+    through the format's config_fields) have another JSON type or range than splicer and its readers expect."""
     where = label
     check_fields(config, TOP, where)
     check_fields(config, VISION, where)
@@ -377,10 +381,6 @@ def check_config(config: dict, label: str) -> None:
     if qc is None:
         return
     check_fields(config, QUANT, where)
-    fmt = format_of(qc)
-    if fmt is not None:  # other methods are refused by name where a build or a base is validated
-        check_fields(config, fmt.config_fields, where)
-        fmt.check_config_fields(qc, where)
 
 
 def _text_rules(text: dict, where: str, p: str) -> None:
@@ -405,4 +405,15 @@ def _text_rules(text: dict, where: str, p: str) -> None:
             refuse(f"{p}{heads} ({a}) is not a multiple of {p}{groups} ({b})")
 
 
-__all__ = ["check_config", "check_fields", "check_value", "describe", "expect", "Field", "F", "KINDS", "MISSING"]
+__all__ = [
+    "check_common_fields",
+    "check_fields",
+    "check_value",
+    "describe",
+    "expect",
+    "Field",
+    "F",
+    "KINDS",
+    "MISSING",
+    "path_key",
+]

@@ -7,7 +7,8 @@ from collections import defaultdict
 from .arch import family_mismatch
 from .checkpoint import Checkpoint
 from .errors import SplicerError
-from .formats import checkpoint_format, format_of, format_or_default, group_format, group_scheme, read_methods, unreadable
+from .formats.layouts import group_format, group_scheme
+from .formats.registry import checkpoint_format, format_of, format_or_default, read_methods, unreadable
 from .modules import list_modules
 from .rules import check
 

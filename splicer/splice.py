@@ -33,8 +33,9 @@ from .config_edit import (
     restored_config,
 )
 from .errors import SplicerError
-from .formats import LAYOUT, QUANT_SUFFIXES
-from .modules import Module, list_modules, weight_source
+from .formats.layouts import LAYOUT, QUANT_SUFFIXES
+from .module import Module
+from .modules import list_modules, weight_source
 from .outputs import PARTIAL_SUFFIX, SPLICE, check_output, local_folder, lock_output, replace_dir, sibling, write_error
 from .progress import SILENT, Stages
 from .rules import check

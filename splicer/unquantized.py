@@ -22,7 +22,7 @@ import torch
 
 from .checkpoint import Checkpoint, load_shard_header
 from .dtypes import torch_dtype
-from .formats import QUANT_SUFFIXES
+from .formats.layouts import QUANT_SUFFIXES
 from .modules import list_modules
 from .safetensors_io import TensorInfo
 

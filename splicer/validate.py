@@ -11,8 +11,9 @@ import re
 from .arch import Architecture, family_mismatch
 from .checkpoint import Checkpoint
 from .errors import SplicerError
-from .formats import format_or_default, is_packed_tensor, read_format
-from .modules import Module
+from .formats.layouts import is_packed_tensor
+from .formats.registry import format_or_default, read_format
+from .module import Module
 from .selection import DRAFTER_CLASS, check_serves, clip, entry_layers, layer_numbers, layers_read, split_restore
 
 

@@ -293,7 +293,7 @@ def test_native_fp8_empty_ignored_layers_beside_a_full_list_is_left_empty(pairs,
 def test_native_fp8_block_wider_than_a_small_dimension():
     """A 2 x 256 weight in 128 x 128 blocks has a 1 x 2 scale: block 128x128 by the config, though the scale's shape
     alone would also fit 2x128."""
-    from splicer.formats import weight_scale_strategy
+    from splicer.formats.layouts import weight_scale_strategy
     from splicer.quantize import quantize_native_fp8
 
     stored = quantize_native_fp8(torch.randn(2, 256, dtype=torch.bfloat16), [128, 128])
@@ -466,8 +466,9 @@ def test_a_config_of_another_format_than_the_tensors_is_named(builds, tmp_path, 
 def test_every_format_implements_the_interface_and_has_a_storage_layout():
     """The registry holds one QuantFormat per quant_method, each with every method of the interface, and the layout
     table and the registry name the same quant_methods (a format without a layout could not list its modules)."""
-    from splicer.formats import READ_QUANT_METHODS, registry
     from splicer.formats.base import QuantFormat
+    from splicer.formats.layouts import READ_QUANT_METHODS
+    from splicer.formats.registry import registry
 
     formats = registry()
     assert set(formats) == set(READ_QUANT_METHODS)
@@ -479,7 +480,7 @@ def test_every_format_implements_the_interface_and_has_a_storage_layout():
 @pytest.mark.parametrize("qc", [{"quant_method": "bitsandbytes"}, {"quant_method": "awq_marlin"}, {"quant_method": None}])
 def test_one_lookup_refuses_an_unknown_quant_method_naming_every_registered_format(qc):
     from splicer.errors import SplicerError
-    from splicer.formats import read_format, registry
+    from splicer.formats.registry import read_format, registry
 
     with pytest.raises(SplicerError) as err:
         read_format(qc, "build b")
@@ -501,7 +502,7 @@ def test_one_lookup_refuses_an_unknown_quant_method_naming_every_registered_form
     ],
 )
 def test_the_lookup_picks_the_format_by_quant_method(qc, method):
-    from splicer.formats import format_of, format_or_default
+    from splicer.formats.registry import format_of, format_or_default
 
     assert format_or_default(qc).quant_method == method
     assert (format_of(qc) is None) == (qc.get("quant_method") not in ("compressed-tensors", "gptq", "awq", "fp8"))

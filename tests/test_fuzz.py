@@ -59,9 +59,8 @@ from safetensors import safe_open
 import splicer.backends
 from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
 from splicer.backends import SequenceScores, decode_spread
-from splicer.checkpoint import INDEX_NAME, open_checkpoint
+from splicer.checkpoint import INDEX_NAME, check_config, open_checkpoint
 from splicer.cli import main
-from splicer.config_schema import check_config
 from splicer.errors import SplicerError
 
 from .conftest import tree_digest

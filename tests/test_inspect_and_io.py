@@ -143,7 +143,7 @@ def test_huge_header_length_refused_before_reading(tmp_path):
 def test_match_name_mirrors_compressed_tensors():
     from compressed_tensors.utils.match import match_name as ct_match_name
 
-    from splicer.rules import match_name
+    from splicer.formats.readings import match_name
 
     names = [
         "lm_head",

@@ -316,11 +316,11 @@ def test_a_problem_the_build_already_has_does_not_block_other_splices(pairs, tmp
 
 def test_verify_refuses_a_config_that_misreads_a_restored_module(pairs, monkeypatch, tmp_path):
     """The safety net itself: an ignore entry generator that writes HF-only regexes is caught before writing."""
-    import splicer.config_edit as ce
+    import splicer.formats.module_regexes as regexes
 
-    orig = ce.ignore_entries
+    orig = regexes.ignore_entries
     monkeypatch.setattr(
-        ce,
+        regexes,
         "ignore_entries",
         lambda *a: [e.replace(r"(model\.language_model|language_model\.model)", r"model\.language_model") for e in orig(*a)],
     )

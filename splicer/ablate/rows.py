@@ -14,7 +14,7 @@ from .. import faults, spread
 from ..checkpoint import open_checkpoint
 from ..corpora import Corpus
 from ..errors import SplicerError
-from ..formats import checkpoint_format
+from ..formats.registry import checkpoint_format
 from ..plan import PlannedRow
 from .base_pass import base_pass
 from .common import AblateRun, folder_bytes, progress_bar

@@ -144,7 +144,7 @@ class TorchBackend:
     def _module_schemes(ckpt, modules: dict | None = None) -> dict:
         """Quantized module -> (its Module, what to dequantize it with), as the checkpoint's format reads its config
         (formats.base.QuantFormat.torch_schemes)."""
-        from ..formats import format_or_default, unreadable
+        from ..formats.registry import format_or_default, unreadable
         from ..modules import list_modules
 
         qc = ckpt.quantization_config
@@ -156,7 +156,7 @@ class TorchBackend:
 
     def _dequantize(self, raw: dict, schemes: dict) -> dict:
         from ..awq import dequantize_awq
-        from ..formats import LAYOUT
+        from ..formats.layouts import LAYOUT
         from ..gptq import dequantize_gptq
         from ..quantize import dequantize_module
 

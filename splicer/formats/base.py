@@ -3,22 +3,30 @@
 A format answers, for configs of its quant_method: is the config one splicer can read and what the tensors say
 (validate), how each reader (the field library with HF names, vLLM with its own) reads it per module (check), the
 config edit that makes restored modules read as unquantized (exclusions), and what the torch reference dequantizes
-each module with (torch_schemes). The shared reader machinery (Reading, Report, the storage checks) is in rules.py.
+each module with (torch_schemes). The shared reader machinery (Reading, Report, the storage checks) is readings.py.
 """
 
 from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from ..arch import Architecture
 from ..errors import SplicerError
+from ..module import Module
+from .readings import Report
 
-if TYPE_CHECKING:
-    from ..arch import Architecture
-    from ..checkpoint import Checkpoint
-    from ..modules import Module
-    from ..rules import Report
+
+class Checkpoint(Protocol):
+    """What a format reads of an opened checkpoint (checkpoint.Checkpoint, which the formats sit below: opening one
+    checks its config with the format's config_fields)."""
+
+    label: str
+    weight_map: dict[str, str]
+
+    @property
+    def arch(self) -> Architecture: ...
 
 
 class QuantFormat(ABC):

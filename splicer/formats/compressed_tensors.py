@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import re
 
-from .. import config_edit
 from ..arch import Architecture
-from ..config_schema import COMPRESSED_TENSORS, QC, _key
+from ..config_schema import COMPRESSED_TENSORS, QC, path_key
 from ..errors import SplicerError
-from ..modules import Module
-from ..rules import Entries, Reading, fused_on_disk, match_name, readings_vs_storage, record_dead
+from ..module import Module
+from . import module_regexes
 from .base import QuantFormat
 from .layouts import CT_FORMATS, group_format, group_scheme, is_packed_tensor
+from .readings import Entries, Reading, fused_on_disk, match_name, readings_vs_storage, record_dead
 
 CLASS_TARGET_HF = "Linear"  # the class target compressed-tensors exporters write
 
@@ -156,7 +156,7 @@ class CompressedTensors(QuantFormat):
             w = group.get("weights") or {}
             if w.get("strategy") == "group" and w.get("group_size") is None:
                 raise SplicerError(
-                    f'{where}: config.json {QC}.config_groups.{_key(name)}.weights has strategy "group" but '
+                    f'{where}: config.json {QC}.config_groups.{path_key(name)}.weights has strategy "group" but '
                     "no group_size; fix config.json or restore it from the original checkpoint"
                 )
 
@@ -238,7 +238,7 @@ class CompressedTensors(QuantFormat):
         return report
 
     def exclude_restored(self, qc, modules, picked, arch):
-        self.add_exclusions(qc, config_edit.ignore_entries(picked, modules, arch))
+        self.add_exclusions(qc, module_regexes.ignore_entries(picked, modules, arch))
         if "lm_head" in picked:
             # A group aimed at the head (re:.*lm_head$) would otherwise still claim it.
             for g in qc["config_groups"].values():

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import re
 
-from .. import config_edit
 from ..arch import Architecture
 from ..config_schema import GPTQ, QC
 from ..errors import SplicerError
-from ..modules import Module
-from ..rules import Reading, fused_on_disk, readings_vs_storage, record_dead
+from ..module import Module
+from . import module_regexes
 from .base import QuantFormat
+from .readings import Reading, fused_on_disk, readings_vs_storage, record_dead
 
 
 def _dynamic_negative(qc: dict) -> list[tuple[str, re.Pattern]]:
@@ -145,7 +145,7 @@ class Gptq(QuantFormat):
         universe = dict(modules)
         for u in {arch.atomic_unit(n) for n, m in modules.items() if m.quantized}:
             universe[u] = Module(u, arch.module_class(u), packed={"qweight": None}, shape=(0, 0))
-        self.add_exclusions(qc, config_edit.ignore_entries(names, universe, arch))
+        self.add_exclusions(qc, module_regexes.ignore_entries(names, universe, arch))
         if "lm_head" in picked:
             qc["lm_head"] = False
 

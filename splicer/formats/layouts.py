@@ -81,7 +81,7 @@ LAYOUTS = (
 )
 LAYOUT = {layout.name: layout for layout in LAYOUTS}
 # quant_method values whose layouts this table holds (a checkpoint of another method is read best effort, or refused
-# where reading matters: see formats.unreadable)
+# where reading matters: see registry.unreadable)
 READ_QUANT_METHODS = tuple(dict.fromkeys(layout.quant_method for layout in LAYOUTS))
 
 # compressed-tensors formats splicer reads (a config group's own `format`, else the top-level one).

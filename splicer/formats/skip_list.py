@@ -10,9 +10,9 @@ from abc import abstractmethod
 
 from ..arch import Architecture
 from ..errors import SplicerError
-from ..modules import Module
-from ..rules import Reading, fused_on_disk, readings_vs_storage
+from ..module import Module
 from .base import QuantFormat
+from .readings import Reading, fused_on_disk, readings_vs_storage
 
 
 def hf_should_skip(name: str, patterns: list[str]) -> bool:
