@@ -22,9 +22,11 @@ def _cmd_inspect(args) -> int:
     text = None if args.json else format_report(info)
     if args.base:
         from .unquantized import compare_unquantized, format_summary, summary
+        from .validate import validate_base
 
         base = open_checkpoint(args.base, "base")
-        info["unquantized_vs_base"] = summary(*compare_unquantized(build, base))
+        validate_base(base, build, False)  # the base of this model, unquantized, as splice requires it
+        info["unquantized_vs_base"] = summary(compare_unquantized(build, base))
         if text is not None:
             text += "\n" + format_summary(info["unquantized_vs_base"], args.build, args.base)
     print(json.dumps(info, indent=2) if args.json else text)
@@ -59,6 +61,11 @@ def _cmd_splice(args) -> int:
     s = record["shards"]
     from_base = (
         f"; {len(record['unquantized_from_base'])} unquantized tensors that differed took the base's values"
+        + (
+            f" ({len(record['unquantized_not_compared'])} not compared: the base lacks them or stores them otherwise)"
+            if record["unquantized_not_compared"]
+            else ""
+        )
         if args.unquantized_from_base
         else ""
     )

@@ -54,10 +54,15 @@ def _residual_outside_classes(results: dict, variants: list[dict], build: dict |
         restored = v.get("restored")
         if not classes or not isinstance(restored, list) or any("@" in r for r in restored) or not classes <= set(restored):
             continue
-        above = [
-            c for c, m in (v.get("metrics") or {}).items() if m.get("kl_ci") and m["kl_ci"][0] > (nf.get(c) or {}).get("kl", 0.0)
-        ]
-        if not above:
+        metrics = v.get("metrics") or {}
+
+        def floor_top(c: str) -> float:
+            f = nf.get(c) or {}
+            return (f.get("kl_ci") or [None, f.get("kl", 0.0)])[1]
+
+        above = [c for c, m in metrics.items() if m.get("kl_ci") and m["kl_ci"][0] > floor_top(c)]
+        # Most corpora, not one: a single corpus just over a noisy floor is not the build's own difference.
+        if 2 * len(above) <= len(metrics):
             return None
         rel = ((v.get("vs_build") or {}).get("kl") or {}).get("pooled") or {}
         share = ""
@@ -65,7 +70,7 @@ def _residual_outside_classes(results: dict, variants: list[dict], build: dict |
             lo, hi = (100 * (1 + x) for x in rel["rel_ci"])
             share = f" ({100 * (1 + rel['rel']):.1f} % of the build's [{lo:.1f}, {hi:.1f}])"
         return (
-            f"{v['name']} restores every quantized class and still leaves KL {pooled_kl(v):.4f}{share}, above the noise "
+            f"{v['name']} restores every quantized class and still leaves KL {pooled_kl(v):.2g}{share}, above the noise "
             f"floor on {len(above)} of {len(v.get('metrics') or {})} corpora: the build differs from the base outside its "
             "quantized modules, so that part of the error belongs to no class; `splicer inspect BUILD --base BASE` "
             "lists the tensors and `splicer splice --unquantized-from-base` gives them the base's values."

@@ -75,6 +75,7 @@ class SplicePlan:
     float_dtype: str = "BF16"  # the dtype the build keeps its unquantized weights in; restored weights get it too
     dtype_cast: dict[str, int] = field(default_factory=dict)  # base dtype -> restored weights cast from it
     unquantized_from_base: list[str] = field(default_factory=list)  # unquantized tensors whose values came from the base
+    unquantized_not_compared: list[str] = field(default_factory=list)  # ... that the base lacks or stores otherwise
 
 
 MTP_SHARD = "model-mtp.safetensors"
@@ -485,6 +486,7 @@ def splice_record(plan: SplicePlan, stats: dict) -> dict:
         "files_from_base": sorted(plan.side_files),
         # Restored weights the base stores in another float dtype, cast to the build's (as vLLM casts on load).
         "unquantized_from_base": sorted(plan.unquantized_from_base),
+        "unquantized_not_compared": plan.unquantized_not_compared,
         "dtype_cast": ({"to": plan.float_dtype, "from": dict(sorted(plan.dtype_cast.items()))} if plan.dtype_cast else None),
         "ignore_dropped": plan.dropped_ignore,
         "inherited_lint": plan.inherited_lint[:20],
@@ -538,7 +540,12 @@ def splice(
     base, add_mtp = open_base_for(
         build, base_src, picked, add_mtp, allow_quantized_base, mtp_optional=restore.strip() == "all", also=also
     )
-    diffs = compare_unquantized(build, base)[1] if unquantized_from_base else []
+    if not add_mtp and "mtp" in classes and not has_mtp:
+        classes = [c for c in classes if c != "mtp"]
+    inputs = [build.root, base.root]
+    out = check_output(out, inputs, SPLICE, force)
+    comparison = compare_unquantized(build, base) if unquantized_from_base else None
+    diffs = comparison.differences if comparison else []
     every_class_whole = all(per_class.get(m.cls, 0) is None for m in modules.values() if m.quantized)
     if any(not d.rounding_only for d in diffs) and not (every_class_whole and not layers and not modules_regex):
         raise SplicerError(
@@ -547,13 +554,10 @@ def splice(
             "or --modules, or leave it off"
         )
     from_base = {d.name for d in diffs}
-    if not add_mtp and "mtp" in classes and not has_mtp:
-        classes = [c for c in classes if c != "mtp"]
-    inputs = [build.root, base.root]
-    out = check_output(out, inputs, SPLICE, force)
     plan = plan_splice(build, base, modules, picked, classes, add_mtp, tokenizer_from_base, drop_dead_ignore, from_base)
     plan.restore_spec = ",".join(c if per_class.get(c) is None else f"{c}@{format_layers(per_class[c])}" for c in classes)
     plan.inherited_lint = verify_plan(plan, modules)
+    plan.unquantized_not_compared = comparison.not_compared if comparison else []
     with lock_output(out, SPLICE):
         # Again under the lock: another run may have finished OUT meanwhile, or a killed --force run parked it aside.
         out = check_output(out, inputs, SPLICE, force, recover=True)

@@ -40,15 +40,41 @@ class TensorDifference:
     rounding_only: bool  # equal to the base's BF16 round trip through 1 + w (an offset norm wrapped for calibration)
 
 
-def _read(info: TensorInfo) -> bytes:
+CHUNK = 1 << 22  # elements compared at a time: memory stays bounded for a 1 GB embedding
+
+
+def _read(info: TensorInfo) -> bytearray:
+    data = bytearray(info.nbytes)
     with open(info.path, "rb") as f:
         f.seek(info.start)
-        return f.read(info.nbytes)
+        f.readinto(data)
+    return data
 
 
-def _values(info: TensorInfo, data: bytes) -> torch.Tensor:
-    t = torch.frombuffer(bytearray(data), dtype=torch_dtype(info.dtype)) if data else torch.empty(0)
-    return t.reshape(info.shape)
+def _flat(info: TensorInfo, data: bytearray) -> torch.Tensor:
+    return torch.frombuffer(data, dtype=torch_dtype(info.dtype)) if data else torch.empty(0)
+
+
+def _difference(name: str, a: TensorInfo, ab: bytearray, b: TensorInfo, bb: bytearray) -> TensorDifference | None:
+    """The build's tensor against the base's (cast to the build's dtype), chunk by chunk; None when equal."""
+    av_all, bv_all = _flat(a, ab), _flat(b, bb)
+    differing, largest, rounding_only = 0, 0.0, bv_all.dtype == torch.bfloat16
+    for start in range(0, bv_all.numel(), CHUNK):
+        bv = bv_all[start : start + CHUNK]
+        av = av_all[start : start + CHUNK]
+        cast = av.to(bv.dtype)
+        neq = cast != bv
+        n = int(neq.sum())
+        if not n:
+            continue
+        differing += n
+        largest = max(largest, float((cast.double() - bv.double()).abs().max()))
+        if rounding_only:
+            roundtrip = ((1.0 + av.float()).to(bv.dtype).float() - 1.0).to(bv.dtype)
+            rounding_only = torch.equal(roundtrip, bv)
+    if not differing:
+        return None
+    return TensorDifference(name, b.dtype, tuple(b.shape), differing, bv_all.numel(), largest, rounding_only)
 
 
 def unquantized_names(build: Checkpoint) -> list[str]:
@@ -59,44 +85,36 @@ def unquantized_names(build: Checkpoint) -> list[str]:
     )
 
 
-def compare_unquantized(build: Checkpoint, base: Checkpoint) -> tuple[int, list[TensorDifference]]:
-    """(tensors compared, those whose values differ). A base tensor in another float dtype is compared after the cast
-    to the build's dtype, as vLLM would load it; tensors missing from the base or shaped otherwise are not compared."""
-    compared, out = 0, []
+@dataclass(frozen=True)
+class Comparison:
+    compared: int
+    differences: list[TensorDifference]
+    not_compared: list[str]  # unquantized in the build, but missing from the base or stored otherwise there
+
+
+def compare_unquantized(build: Checkpoint, base: Checkpoint) -> Comparison:
+    """Every tensor the build stores unquantized against the base's of the same name. A base tensor in another float
+    dtype is compared after the cast to the build's dtype, as vLLM would load it; tensors the base lacks or shapes
+    otherwise (a fused expert tensor against per-expert ones, say) are listed as not compared."""
+    compared, out, skipped = 0, [], []
     for name in unquantized_names(build):
         if name not in base.weight_map:
+            skipped.append(name)
             continue
         shard = base.weight_map[name]
         if shard not in base.headers:
             load_shard_header(base, shard)
         b, a = build.tensor(name), base.tensor(name)
-        if tuple(a.shape) != tuple(b.shape):
-            continue
-        if a.dtype != b.dtype and not (a.dtype in FLOAT_DTYPES and b.dtype in FLOAT_DTYPES):
+        if tuple(a.shape) != tuple(b.shape) or (a.dtype != b.dtype and not (a.dtype in FLOAT_DTYPES and b.dtype in FLOAT_DTYPES)):
+            skipped.append(name)
             continue
         compared += 1
         bb, ab = _read(b), _read(a)
         if a.dtype == b.dtype and ab == bb:
             continue
-        bv = _values(b, bb)
-        av = _values(a, ab).to(bv.dtype)
-        if torch.equal(av.view(-1).view(torch.uint8), bv.view(-1).view(torch.uint8)):
-            continue
-        differing = av != bv
-        roundtrip = ((1.0 + _values(a, ab).float()).to(bv.dtype).float() - 1.0).to(bv.dtype)
-        diff = (av.double() - bv.double()).abs()
-        out.append(
-            TensorDifference(
-                name=name,
-                dtype=b.dtype,
-                shape=tuple(b.shape),
-                elements_differing=int(differing.sum()),
-                elements=bv.numel(),
-                max_abs_diff=float(diff.max()) if bv.numel() else 0.0,
-                rounding_only=bv.dtype == torch.bfloat16 and torch.equal(roundtrip, bv),
-            )
-        )
-    return compared, out
+        if (d := _difference(name, a, ab, b, bb)) is not None:
+            out.append(d)
+    return Comparison(compared, out, skipped)
 
 
 def pattern(name: str) -> str:
@@ -104,8 +122,9 @@ def pattern(name: str) -> str:
     return re.sub(r"\.\d+\.", ".N.", re.sub(r"\.\d+\.", ".N.", name))
 
 
-def summary(compared: int, diffs: list[TensorDifference]) -> dict:
+def summary(c: Comparison) -> dict:
     """For JSON: counts, and per name pattern the tensors, differing elements and largest difference."""
+    compared, diffs = c.compared, c.differences
     groups: dict[str, dict] = {}
     for d in diffs:
         g = groups.setdefault(
@@ -117,7 +136,14 @@ def summary(compared: int, diffs: list[TensorDifference]) -> dict:
         g["elements"] += d.elements
         g["max_abs_diff"] = max(g["max_abs_diff"], d.max_abs_diff)
     changed = sum(not d.rounding_only for d in diffs)
-    return {"compared": compared, "differing": len(diffs), "changed": changed, "by_pattern": groups}
+    return {
+        "compared": compared,
+        "differing": len(diffs),
+        "changed": changed,
+        "by_pattern": groups,
+        "not_compared": len(c.not_compared),
+        "not_compared_examples": c.not_compared[:3],
+    }
 
 
 def changed_text(diffs: list[TensorDifference]) -> str:
@@ -134,20 +160,36 @@ SMOOTHING_NOTE = (
 )
 
 
+def _not_compared(s: dict) -> str:
+    if not s.get("not_compared"):
+        return ""
+    return (
+        f"\n{s['not_compared']} unquantized tensors of the build were not compared: the base lacks them or stores them "
+        f"otherwise (e.g. {', '.join(s['not_compared_examples'])}); values from the base do not cover them."
+    )
+
+
+def _share(g: dict) -> str:
+    share = 100 * g["elements_differing"] / g["elements"] if g["elements"] else 0.0
+    return f"{share:.1f} %" if share >= 0.1 or not g["elements_differing"] else "under 0.1 %"
+
+
 def format_summary(s: dict, build_label: str, base_label: str) -> str:
     if not s["differing"]:
-        return f"Unquantized tensors: all {s['compared']} that {build_label} and {base_label} share hold the same values."
+        return (
+            f"Unquantized tensors: all {s['compared']} compared that {build_label} and {base_label} share hold the same "
+            "values." + _not_compared(s)
+        )
     lines = [
         f"Unquantized tensors that differ from the base: {s['differing']} of {s['compared']} compared "
         "(restoring every quantized class will not give the base; `splice --unquantized-from-base` copies them back):"
     ]
     for p, g in sorted(s["by_pattern"].items()):
-        share = g["elements_differing"] / g["elements"] if g["elements"] else 0.0
         how = "rounded as 1 + w in BF16 and back" if not g.get("changed") else f"{g['changed']} changed beyond rounding"
         lines.append(
-            f"  {p}: {g['tensors']} tensor(s), {100 * share:.1f} % of elements differ, largest |difference| "
+            f"  {p}: {g['tensors']} tensor(s), {_share(g)} of elements differ, largest |difference| "
             f"{g['max_abs_diff']:.3g} ({how})"
         )
     if s.get("changed"):
         lines.append(f"Warning: {s['changed']} of them {SMOOTHING_NOTE}.")
-    return "\n".join(lines)
+    return "\n".join(lines) + _not_compared(s)

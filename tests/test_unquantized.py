@@ -62,17 +62,19 @@ def rounded_build(pairs, tmp_path_factory) -> tuple[Path, Path, str]:
 
 def test_compare_finds_exactly_the_changed_tensors(rounded_build, pairs):
     build, base, name = rounded_build
-    compared, diffs = compare_unquantized(open_checkpoint(build, "build"), open_checkpoint(base, "base"))
+    c = compare_unquantized(open_checkpoint(build, "build"), open_checkpoint(base, "base"))
+    compared, diffs = c.compared, c.differences
     assert compared > 10
     by_name = {d.name: d for d in diffs}
     assert set(by_name) == {name, next(n for n in by_name if n.endswith("language_model.norm.weight"))}
     final = next(d for n, d in by_name.items() if n != name)
     assert final.elements_differing == 1 and final.max_abs_diff == pytest.approx(0.5, abs=0.01)
     assert 0 < by_name[name].elements_differing <= by_name[name].elements
-    s = summary(compared, diffs)
+    s = summary(c)
     assert s["differing"] == 2 and pattern(name) in s["by_pattern"]
     # the untouched build: nothing differs
-    _, none = compare_unquantized(open_checkpoint(pairs["per_expert"]["lowlatency"], "build"), open_checkpoint(base, "base"))
+    none = compare_unquantized(open_checkpoint(pairs["per_expert"]["lowlatency"], "build"), open_checkpoint(base, "base"))
+    none = none.differences
     assert none == []
 
 
@@ -162,13 +164,14 @@ def smoothed_build(pairs, tmp_path_factory) -> tuple[Path, Path]:
 
 def test_smoothing_is_told_from_rounding(rounded_build, smoothed_build):
     build, base, _ = rounded_build
-    _, diffs = compare_unquantized(open_checkpoint(build, "build"), open_checkpoint(base, "base"))
+    diffs = compare_unquantized(open_checkpoint(build, "build"), open_checkpoint(base, "base")).differences
     # the rounded norm is rounding; the nudged final norm is a change
     assert sorted(d.rounding_only for d in diffs) == [False, True]
     sb, sbase = smoothed_build
-    _, diffs = compare_unquantized(open_checkpoint(sb, "build"), open_checkpoint(sbase, "base"))
+    c = compare_unquantized(open_checkpoint(sb, "build"), open_checkpoint(sbase, "base"))
+    diffs = c.differences
     assert len(diffs) == 2 and not any(d.rounding_only for d in diffs)
-    assert summary(0, diffs)["changed"] == 2
+    assert summary(c)["changed"] == 2
 
 
 def test_unquantized_from_base_refused_for_a_partial_restore_of_a_smoothed_build(smoothed_build, tmp_path, capsys):

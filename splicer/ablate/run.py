@@ -79,7 +79,7 @@ def smoothing_warning(run: AblateRun) -> str | None:
 
     if not any(r.restore or r.keep is not None for r in run.plan.rows if r.name in run.selected):
         return None
-    diffs = compare_unquantized(run.build, run.base)[1]
+    diffs = compare_unquantized(run.build, run.base).differences
     if all(d.rounding_only for d in diffs):
         return None
     return (
