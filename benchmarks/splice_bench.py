@@ -72,7 +72,7 @@ def main() -> None:
                 [
                     sys.executable,
                     "-c",
-                    "import sys; from splicer.fixtures import FixtureSpec, write_pair; "
+                    "import sys; from splicer.fixtures.core import FixtureSpec, write_pair; "
                     "write_pair(sys.argv[1], FixtureSpec(preset='bench', text_overrides={'num_hidden_layers': int(sys.argv[2])}), "
                     "kinds=('lowlatency',))",
                     str(root),
@@ -122,7 +122,7 @@ def main() -> None:
                         cp_walls.append(run_child(["cp", *map(str, written), str(dst)])[0])
             written_bytes = dir_bytes(written)
             # In-process splice time (no interpreter start / imports), for the same work.
-            from splicer.splice import splice
+            from splicer.splice.core import splice
 
             shutil.rmtree(work / "out", ignore_errors=True)
             os.sync()

@@ -1,7 +1,7 @@
 """The stand-in's depth check on the CPU: build vs base at 40 layers, with and without RESIDUAL_SCALE.
 
 A random 40-layer stack with the tiny fixture's scales is chaotic under INT4 rounding (the build's predictions are
-unrelated to the base's); splicer.standin scales the projections that write into the residual stream by
+unrelated to the base's); splicer.fixtures.standin scales the projections that write into the residual stream by
 RESIDUAL_SCALE so that they are not. This measures both on the tiny preset (hidden 256) with 40 layers: the torch
 reference backend scores random token sequences with the base and the lowlatency build, and reports KL(base || build)
 (over the base's top-20 with the rest lumped, as `splicer ablate` reports it, and exact over the full vocabulary)
@@ -26,9 +26,9 @@ from pathlib import Path
 def build_vs_base(root: Path, spec, seqs: list[list[int]]) -> dict:
     import torch
 
+    from splicer.analysis.metrics import fill_missing, kl_full, kl_top_lumped
     from splicer.backends.torch_ref import TorchBackend
-    from splicer.fixtures import write_pair
-    from splicer.metrics import fill_missing, kl_full, kl_top_lumped
+    from splicer.fixtures.core import write_pair
 
     p = write_pair(root, spec, kinds=("lowlatency",))
     b = TorchBackend("cpu")
@@ -59,8 +59,8 @@ def main() -> None:
 
     import torch
 
-    from splicer.fixtures import FixtureSpec
-    from splicer.standin import RESIDUAL_SCALE
+    from splicer.fixtures.core import FixtureSpec
+    from splicer.fixtures.standin import RESIDUAL_SCALE
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     g = torch.Generator().manual_seed(0)

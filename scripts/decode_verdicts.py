@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
-from splicer.verdicts import build_engine_agreement, decode_vs_build
+from splicer.analysis.verdicts import build_engine_agreement, decode_vs_build
 
 
 def _pct(x: float) -> str:

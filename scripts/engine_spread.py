@@ -1,9 +1,9 @@
 """How far the build's engines spread in serially timed runs, and what that spread leaves of the power to resolve a 2 %
 decode difference with three build engines.
 
-For each results.json: the level of each of the build's engines (the median of its blocks, splicer.metrics.engine_level,
+For each results.json: the level of each of the build's engines (the median of its blocks, splicer.analysis.metrics.engine_level,
 as the verdicts take it) and their standard deviation as a percentage of their mean. Then, for each spread found and for 0.15 % (the
-spread tests/test_verdicts.py plants), the share of simulated runs in which splicer.verdicts.decode_difference resolves
+spread tests/test_verdicts.py plants), the share of simulated runs in which splicer.analysis.verdicts.decode_difference resolves
 a planted +2 % difference: three build engines and one engine of the variant, five blocks each, blocks 0.1 % apart
 (the test's model of the engines).
 
@@ -18,8 +18,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from splicer.metrics import engine_level
-from splicer.verdicts import decode_difference, timed_engines
+from splicer.analysis.metrics import engine_level
+from splicer.analysis.verdicts import decode_difference, timed_engines
 
 TRIALS, SEED, BLOCKS, BLOCK_SD, PLANTED, MS = 2000, 4, 5, 0.001, 0.02, 4.38
 

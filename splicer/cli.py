@@ -14,15 +14,15 @@ from .errors import SplicerError
 
 
 def _cmd_inspect(args) -> int:
-    from .checkpoint import open_checkpoint
-    from .inspect import format_report, inspect_checkpoint
+    from .io.checkpoint import open_checkpoint
+    from .splice.inspect import format_report, inspect_checkpoint
 
     build = open_checkpoint(args.build, "checkpoint")
     info = inspect_checkpoint(build)
     text = None if args.json else format_report(info)
     if args.base:
-        from .unquantized import compare_unquantized, format_summary, summary
-        from .validate import validate_base
+        from .splice.unquantized import compare_unquantized, format_summary, summary
+        from .splice.validate import validate_base
 
         base = open_checkpoint(args.base, "base")
         validate_base(base, build, False)  # the base of this model, unquantized, as splice requires it
@@ -40,8 +40,8 @@ ALLOW_QUANTIZED_BASE_HELP = (
 
 
 def _cmd_splice(args) -> int:
-    from .progress import Stages
-    from .splice import splice
+    from .io.progress import Stages
+    from .splice.core import splice
 
     record = splice(
         args.build,
@@ -80,10 +80,10 @@ BUILDS_DEFAULT = "lowlatency,experts-g32"
 
 
 def _cmd_fixture(args) -> int:
-    from .fixtures import FixtureSpec, write_fixture_folder, write_pair
+    from .fixtures.core import FixtureSpec, write_fixture_folder, write_pair
 
     if args.family != "qwen3_5_moe":
-        from .family_fixtures import FAMILY_FIXTURES, write_family_pair
+        from .fixtures.families import FAMILY_FIXTURES, write_family_pair
 
         if args.family not in FAMILY_FIXTURES:
             raise SplicerError(
@@ -105,7 +105,7 @@ def _cmd_fixture(args) -> int:
         return 0
     if args.full_dims:
         from .backends.torch_ref import pick_device
-        from .standin import RESIDUAL_SCALE, write_standin
+        from .fixtures.standin import RESIDUAL_SCALE, write_standin
 
         device = "cuda" if args.device == "auto" else args.device
         if device.startswith("cuda") and not __import__("torch").cuda.is_available():
@@ -125,7 +125,7 @@ def _cmd_fixture(args) -> int:
         return 0
 
     kinds = [k for k in args.builds.split(",") if k.strip()]
-    from .fixtures import BUILD_KINDS
+    from .fixtures.core import BUILD_KINDS
 
     bad = [k for k in kinds if k not in BUILD_KINDS]
     if bad or not kinds:
@@ -177,14 +177,14 @@ def _cmd_ablate(args) -> int:
             raise SplicerError(f"--corpus {item!r} should be NAME=FILE (a .txt or .jsonl file)")
         overrides[name] = path
     options = backend_options(args.backend, _backend_options(args), args.device)  # before --demo writes its pair into DIR
-    from .outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
+    from .io.outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
 
     device, own_inputs = args.device, ()
     if args.demo:
         if args.build or args.base:
             raise SplicerError("--demo builds its own tiny pair; drop BUILD and BASE, or drop --demo")
-        from .fixtures import FixtureSpec, write_fixture_folder, write_pair
-        from .plan import load_plan
+        from .fixtures.core import FixtureSpec, write_fixture_folder, write_pair
+        from .plans.plan import load_plan
 
         plan = args.plan or "demo"
         from .arch import all_classes
@@ -226,7 +226,7 @@ def _cmd_ablate(args) -> int:
         else:
             build, base = args.build, args.base
         results = run_ablate(args.rows, str(build), str(base), args.out, plan, settings)
-    from .table import render_markdown
+    from .analysis.table import render_markdown
 
     print(render_markdown(results))
     print(
@@ -264,7 +264,7 @@ def _cmd_score(args) -> int:
 
 
 def _cmd_plan_sweep(args) -> int:
-    from .sweep import write_sweep
+    from .plans.sweep import write_sweep
 
     out = write_sweep(args.build, args.cls, args.groups, args.out, args.template)
     print(f"wrote {out}: run it with splicer ablate all BUILD BASE -o DIR --plan {out}")
@@ -272,7 +272,7 @@ def _cmd_plan_sweep(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    from .plot import write_plot
+    from .analysis.plot import write_plot
 
     written, left_out = write_plot(args.dir)
     plots = [str(p) for p in written if p.suffix != ".md"]
@@ -286,7 +286,7 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_budget(args) -> int:
-    from .budget_search import budget_report
+    from .budget.search import budget_report
 
     text, finished = budget_report(
         args.dir, args.max_decode_ms, args.max_gb, args.max_kl, args.corpus, args.verify, not args.quiet
@@ -298,14 +298,14 @@ def _cmd_budget(args) -> int:
 
 
 def _cmd_table(args) -> int:
-    from .table import render
+    from .analysis.table import render
 
     print(render(args.dir, args.format))
     return 0
 
 
 def _cmd_report(args) -> int:
-    from .report import report
+    from .analysis.report import report
 
     print(report(args.dir), end="")
     return 0
@@ -320,7 +320,7 @@ def _cmd_readme_blocks(args) -> int:
 
 
 def _cmd_compare(args) -> int:
-    from .table import compare
+    from .analysis.table import compare
 
     print(compare(args.dir, args.a, args.b))
     return 0
@@ -614,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--builds",
         default=BUILDS_DEFAULT,
-        help="comma list of build kinds (see BUILD_KINDS in splicer/fixtures.py): lowlatency, lowlatency-nomtp, experts-g32, "
+        help="comma list of build kinds (see BUILD_KINDS in splicer/fixtures/core.py): lowlatency, lowlatency-nomtp, experts-g32, "
         "gptq-experts-g32, w4a16, w8a16, w8a8, fp8-dynamic, fp8-block, nvfp4a16, mixed, fp8-native, awq",
     )
     s.add_argument(
@@ -637,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .console import printable_everywhere
+    from .io.console import printable_everywhere
 
     printable_everywhere()
     try:

@@ -99,7 +99,7 @@ def stale_blocks(path: Path) -> list[str]:
 
 def update(path: Path) -> bool:
     """Rewrite PATH's blocks from their commands; True when something changed."""
-    from .outputs import write_error
+    from .io.outputs import write_error
 
     text = path.read_text()
     fresh = regenerate(text, path.parent, str(path))

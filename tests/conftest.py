@@ -36,7 +36,7 @@ def pytest_report_header(config):
 @pytest.fixture(scope="session")
 def pairs(tmp_path_factory) -> dict[str, dict[str, Path]]:
     """{'fused': {...}, 'per_expert': {...}}: base + lowlatency build (+ experts-g32 for fused)."""
-    from splicer.fixtures import FixtureSpec, write_pair
+    from splicer.fixtures.core import FixtureSpec, write_pair
 
     root = tmp_path_factory.mktemp("pairs")
     return {

@@ -88,7 +88,7 @@ def test_results_file(finished):
     assert v["metrics"]["wiki-en"]["positions"] == 3 * 63
     # the chat corpus's conversations are units by group (3 conversations: 3 groups of one), the text corpus's by sequence
     assert v["metrics"]["chat"]["groups"] == 3 and v["metrics"]["wiki-en"]["groups"] is None
-    from splicer.verdicts import load_scores
+    from splicer.analysis.verdicts import load_scores
 
     assert load_scores(out, "build", "chat")["group"].unique().tolist() == [0, 1, 2]
     assert "group" not in load_scores(out, "build", "wiki-en")
@@ -121,7 +121,7 @@ def test_restoring_everything_reproduces_the_base(finished):
     pooled_gdn = sum(rows["gdn"]["metrics"][c]["kl"] * n for c, n in positions.items()) / sum(positions.values())
     assert paired["pooled"]["rel"] == pytest.approx(pooled_gdn / pooled_build - 1, rel=1e-5)
     # Three sequences per corpus support no interval: no verdict either, and results.json says why.
-    from splicer.metrics import TOO_FEW
+    from splicer.analysis.metrics import TOO_FEW
 
     assert paired["pooled"]["rel_ci"] is None and paired["pooled"]["significant"] is None
     assert paired["pooled"]["why"] == TOO_FEW and paired["per_stratum"]["wiki-en"]["clusters"] == 3
@@ -207,7 +207,7 @@ def test_demo_from_the_cli(tmp_path, capsys):
 
 
 def test_plan_name_beside_a_folder_of_that_name(tmp_path, monkeypatch):
-    from splicer.plan import load_plan
+    from splicer.plans.plan import load_plan
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "demo").mkdir()  # e.g. a results folder called demo
@@ -229,8 +229,8 @@ def test_compare_any_two_variants(finished, capsys):
 
 def test_decode_floor_column(pairs, plan_file, tmp_path):
     """bytes read per decode step (from inspect) over the bandwidth, beside each decode time."""
-    from splicer.checkpoint import open_checkpoint
-    from splicer.inspect import inspect_checkpoint
+    from splicer.io.checkpoint import open_checkpoint
+    from splicer.splice.inspect import inspect_checkpoint
 
     p = pairs["fused"]
     res = run_ablate(
@@ -245,7 +245,7 @@ def test_decode_floor_column(pairs, plan_file, tmp_path):
 
 
 def test_speed_table_separates_an_engine_start_from_the_wait_for_it():
-    from splicer.table import speed_rows
+    from splicer.analysis.table import speed_rows
 
     timing = {
         "decode_ms_per_token": 4.0,
@@ -278,7 +278,7 @@ def test_speed_table_separates_an_engine_start_from_the_wait_for_it():
 
 def test_report_sentences_are_the_recorded_verdicts(finished, capsys):
     """splicer report: one sentence per row, its figures and verdict words taken from results.json's paired estimates."""
-    from splicer.table import fmt_change
+    from splicer.analysis.table import fmt_change
 
     out, results = finished
     assert main(["report", str(out)]) == 0
@@ -322,7 +322,7 @@ def test_compile_targets_fill_every_process_once_then_the_base_pass_gpu(monkeypa
     the base pass, so the other GPUs' processes end after one compile and their rows start right after the base pass."""
     import itertools
 
-    from splicer.spread import compile_targets, core_shares, cuda_ids
+    from splicer.plans.spread import compile_targets, core_shares, cuda_ids
 
     assert list(itertools.islice(compile_targets([2, 3]), 7)) == [1, 1, 1, 0, 0, 0, 0]
     assert list(itertools.islice(compile_targets([0, 2]), 4)) == [1, 1, 1, 1]
@@ -359,8 +359,8 @@ def test_spread_lanes_a_gpu_that_cannot_serve_the_build_takes_no_rows_and_no_tim
     decode timing off only the first GPU runs the build and the plan's repeat rows run as other rows."""
     import threading
 
-    from splicer.plan import PlannedRow, Row
-    from splicer.spread import gpu_build_rows, run_rows_on_gpus
+    from splicer.plans.plan import PlannedRow, Row
+    from splicer.plans.spread import gpu_build_rows, run_rows_on_gpus
 
     build = PlannedRow(Row("build", restore=[]), [], "build")
     rows = [PlannedRow(Row(n, restore=[n]), [n], n) for n in ("gdn", "attention", "lm_head")]
@@ -393,7 +393,7 @@ def test_output_survives_a_stdout_that_is_not_utf8(finished, capsys):
     import subprocess
     import sys
 
-    from splicer.console import HANDLER
+    from splicer.io.console import HANDLER
 
     from .conftest import tree_digest
 

@@ -39,7 +39,7 @@ def _drop_shard_from_disk(folder: Path) -> None:
 
 
 def _mismatched_base(tmp: Path) -> Path:
-    from splicer.fixtures import FixtureSpec, write_base
+    from splicer.fixtures.core import FixtureSpec, write_base
 
     return write_base(tmp / "other_base", FixtureSpec(text_overrides={"hidden_size": 128}))
 
@@ -65,7 +65,7 @@ def _file(tmp: Path, name: str, data: bytes) -> Path:
 
 
 def _other_vocab_base(tmp: Path) -> Path:
-    from splicer.fixtures import FixtureSpec, write_base
+    from splicer.fixtures.core import FixtureSpec, write_base
 
     return write_base(tmp / "vocab_base", FixtureSpec(text_overrides={"vocab_size": 1024}))
 
@@ -94,7 +94,7 @@ def _ablate(p, t, *extra, plan=None, build=None, base=None):
 
 def _partly_quantized_reference(p, t: Path) -> Path:
     """The build with every class but the experts restored: a reference that keeps the build's INT4 experts."""
-    from splicer.splice import splice
+    from splicer.splice.core import splice
 
     splice(str(p["lowlatency"]), str(p["base"]), t / "reference", "gdn,attention,shared_expert,lm_head", progress=False)
     return t / "reference"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from splicer.budget import fit, front, predictions
+from splicer.analysis.budget import fit, front, predictions
 from splicer.cli import main
 from splicer.errors import SplicerError
 

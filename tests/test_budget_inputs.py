@@ -379,7 +379,7 @@ def test_kl_intervals_missing_for_too_few_sequences_say_so_not_that_scores_are_m
     import torch
     from safetensors.torch import save_file
 
-    from splicer.metrics import TOO_FEW
+    from splicer.analysis.metrics import TOO_FEW
 
     seq = torch.arange(4).repeat_interleave(5)
     g = torch.Generator().manual_seed(2)

@@ -90,7 +90,7 @@ def _lowest_unmeasured(front: list[dict]) -> dict:
 
 
 def _by_hand(results: dict, atoms: list[str], additivity: dict) -> float:
-    """A prediction computed independently of splicer.budget: the build's KL less its atoms' reductions (each measured
+    """A prediction computed independently of splicer.analysis.budget: the build's KL less its atoms' reductions (each measured
     by the row restoring that entry alone), summed per class times that class's slope when the class has several atoms,
     then summed across classes times the across slope when there are several classes."""
     v = _variants(results)

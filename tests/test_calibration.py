@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from splicer.ablate import position_records
-from splicer.corpora import Corpus
-from splicer.metrics import paired_comparison, summarize
+from splicer.analysis.metrics import paired_comparison, summarize
+from splicer.corpora.core import Corpus
 
 
 def _records(kl: torch.Tensor, seq: torch.Tensor, group: torch.Tensor | None = None) -> dict:

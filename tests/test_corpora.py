@@ -12,9 +12,9 @@ import torch
 
 from splicer.ablate import first_occurrence_weights
 from splicer.backends import choose_threads, usable_cores
-from splicer.chat import GROUPS, MAX_CONVERSATIONS, N_GROUPS, NAMES, conversations, group
 from splicer.cli import main
-from splicer.corpora import Corpus, build_corpus, check_hub_corpora, validate_spec
+from splicer.corpora.chat import GROUPS, MAX_CONVERSATIONS, N_GROUPS, NAMES, conversations, group
+from splicer.corpora.core import Corpus, build_corpus, check_hub_corpora, validate_spec
 from splicer.errors import SplicerError
 
 from .conftest import tree_digest

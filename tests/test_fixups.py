@@ -8,9 +8,9 @@ import shutil
 import pytest
 
 from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
-from splicer.checkpoint import open_checkpoint
-from splicer.inspect import inspect_checkpoint
-from splicer.splice import MTP_SHARD, splice
+from splicer.io.checkpoint import open_checkpoint
+from splicer.splice.core import MTP_SHARD, splice
+from splicer.splice.inspect import inspect_checkpoint
 
 from .test_splice import bit_equal, load_all
 
@@ -19,7 +19,7 @@ MTP_IGNORE = QWEN3_5_MOE.mtp_ignore
 
 @pytest.fixture(scope="module")
 def nomtp(pairs, tmp_path_factory):
-    from splicer.fixtures import write_build
+    from splicer.fixtures.core import write_build
 
     return write_build(pairs["fused"]["base"], tmp_path_factory.mktemp("nomtp") / "build", "lowlatency-nomtp")
 

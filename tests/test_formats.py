@@ -11,12 +11,12 @@ import torch
 from safetensors import safe_open
 
 from splicer.backends.torch_ref import TorchBackend
-from splicer.checkpoint import open_checkpoint
 from splicer.cli import main
-from splicer.fixtures import write_build
-from splicer.inspect import inspect_checkpoint
-from splicer.modules import list_modules
-from splicer.quantize import PRESETS, dequantize_module, preset_scheme, quantize_weight
+from splicer.fixtures.core import write_build
+from splicer.formats.quantize import PRESETS, dequantize_module, preset_scheme, quantize_weight
+from splicer.io.checkpoint import open_checkpoint
+from splicer.splice.inspect import inspect_checkpoint
+from splicer.splice.modules import list_modules
 
 # build kind -> (what inspect reports for attention, the format in config.json, largest relative weight error)
 FORMATS = {
@@ -171,12 +171,12 @@ def test_split_fused_group_is_refused_in_each_format(pairs, builds, kind, tmp_pa
 def test_awq_layout_reads_back_through_compressed_tensors_and_autoawq_formula():
     """quantize_awq's packing, read back by compressed-tensors' AutoAWQ converter and by AutoAWQ's own formula
     (packing_utils.dequantize_gemm: shift out the nibbles, undo the [0,2,4,6,1,3,5,7] order, (q - z) * s, transpose),
-    written here independently of splicer.awq."""
+    written here independently of splicer.formats.awq_tensors."""
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import quantize
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    from splicer.awq import awq_to_compressed_tensors, dequantize_awq, quantize_awq
+    from splicer.formats.awq_tensors import awq_to_compressed_tensors, dequantize_awq, quantize_awq
 
     torch.manual_seed(2)
     w = (torch.randn(96, 256) / 20).to(torch.bfloat16)
@@ -294,7 +294,7 @@ def test_native_fp8_block_wider_than_a_small_dimension():
     """A 2 x 256 weight in 128 x 128 blocks has a 1 x 2 scale: block 128x128 by the config, though the scale's shape
     alone would also fit 2x128."""
     from splicer.formats.layouts import weight_scale_strategy
-    from splicer.quantize import quantize_native_fp8
+    from splicer.formats.quantize import quantize_native_fp8
 
     stored = quantize_native_fp8(torch.randn(2, 256, dtype=torch.bfloat16), [128, 128])
     assert tuple(stored["weight_scale_inv"].shape) == (1, 2)
@@ -363,7 +363,7 @@ def _with_static_input_scales(src, dst, native: bool):
     weights are dequantized and quantized again per tensor."""
     from safetensors.torch import load_file, save_file
 
-    from splicer.quantize import native_fp8_scheme, quantize_native_fp8
+    from splicer.formats.quantize import native_fp8_scheme, quantize_native_fp8
 
     dst.mkdir()
     index = json.loads((src / "model.safetensors.index.json").read_text())
@@ -423,7 +423,7 @@ def test_a_build_splicer_cannot_read_is_left_to_vllm(pairs, builds, tmp_path, ba
     from splicer.ablate.run import open_checkpoint_rows
     from splicer.arch import all_classes
     from splicer.errors import SplicerError
-    from splicer.plan import add_checkpoints, load_plan
+    from splicer.plans.plan import add_checkpoints, load_plan
 
     folder = _edit_quant_config(
         builds["w8a16"],

@@ -59,9 +59,9 @@ from safetensors import safe_open
 import splicer.backends
 from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
 from splicer.backends import SequenceScores, decode_spread
-from splicer.checkpoint import INDEX_NAME, check_config, open_checkpoint
 from splicer.cli import main
 from splicer.errors import SplicerError
+from splicer.io.checkpoint import INDEX_NAME, check_config, open_checkpoint
 
 from .conftest import tree_digest
 from .test_splice import base_per_expert
@@ -95,9 +95,9 @@ PACKED = (
 )
 ROOT = Path(__file__).parents[1]
 
-# Cases that fail only in files the lead developer owns (checkpoint.py, safetensors_io.py, splice.py, ablate/,
-# cli.py, outputs.py, table.py, backends/*): (regex over the case's description, reason). A listed case still runs;
-# it xfails only if it fails, and passes once fixed (then remove the entry).
+# Cases that fail only in files the lead developer owns (io/checkpoint.py, io/safetensors_io.py, splice/core.py,
+# ablate/, cli.py, io/outputs.py, analysis/table.py, backends/*): (regex over the case's description, reason). A listed
+# case still runs; it xfails only if it fails, and passes once fixed (then remove the entry).
 LEAD_KNOWN: list[tuple[str, str]] = []  # none left
 
 OUTCOMES: Counter = Counter()
@@ -149,7 +149,7 @@ restore = ["gdn"]
 
 @pytest.fixture(scope="module")
 def world(pairs, tmp_path_factory) -> World:
-    from splicer.fixtures import write_build
+    from splicer.fixtures.core import write_build
 
     root = tmp_path_factory.mktemp("fuzz")
     gptq = write_build(pairs["fused"]["base"], root / "gptq", "gptq-experts-g32")
@@ -364,8 +364,8 @@ def _verify_splice(out: Path, build: Path, base: Path) -> list[str]:
 def _misreadings(folder: Path) -> set[tuple]:
     """(reader, module) for every module a reader would load in another precision than it is stored, or refuse, and
     every fused group whose shards are stored differently."""
-    from splicer.modules import list_modules
-    from splicer.rules import check
+    from splicer.splice.modules import list_modules
+    from splicer.splice.rules import check
 
     ckpt = open_checkpoint(folder, "checkpoint")
     modules = list_modules(ckpt)
@@ -764,7 +764,7 @@ def _splice_argv(rng, build: Path, base: Path, out: Path, kind: str) -> list[str
 
 
 def _text_focus(cfg: dict) -> list[tuple]:
-    from splicer.config_schema import TEXT, TOP, VISION
+    from splicer.io.config_schema import TEXT, TOP, VISION
 
     tc = ("text_config",) if "text_config" in cfg else ()
     paths = [tuple(f.path.split(".")) for f in TOP + VISION] + [tc + tuple(f.path.split(".")) for f in TEXT]
@@ -1007,7 +1007,7 @@ SAME_SIZE = {
 
 
 def _cast_blob(blob: bytes, src: str, dst: str) -> bytes:
-    from splicer.dtypes import torch_dtype
+    from splicer.io.dtypes import torch_dtype
 
     t = torch.frombuffer(bytearray(blob), dtype=torch_dtype(src)).to(torch_dtype(dst))
     return t.view(torch.uint8).numpy().tobytes()
@@ -1061,7 +1061,7 @@ def case_header(rng, world: World, d: Path, group: str) -> Scenario:
         header[t]["dtype"] = new
         what += f"dtype {dtype} -> {new} (same bytes)"
     elif op == "dtype-other-size" or (op == "dtype-same-size"):
-        from splicer.safetensors_io import DTYPE_SIZES
+        from splicer.io.safetensors_io import DTYPE_SIZES
 
         new = rng.choice([d for d in ("F32", "F64", "I8", "BF16", "F8_E4M3", "I16") if DTYPE_SIZES[d] != DTYPE_SIZES[dtype]])
         header[t]["dtype"] = new

@@ -8,17 +8,17 @@ import re
 import pytest
 import torch
 
-from splicer.checkpoint import open_checkpoint
-from splicer.gptq import dequantize_gptq, quantize_gptq
-from splicer.inspect import inspect_checkpoint
-from splicer.splice import splice
+from splicer.formats.gptq_tensors import dequantize_gptq, quantize_gptq
+from splicer.io.checkpoint import open_checkpoint
+from splicer.splice.core import splice
+from splicer.splice.inspect import inspect_checkpoint
 
 from .test_splice import base_per_expert, bit_equal, load_all
 
 
 @pytest.fixture(scope="module")
 def gptq_build(pairs, tmp_path_factory):
-    from splicer.fixtures import write_build
+    from splicer.fixtures.core import write_build
 
     return write_build(pairs["fused"]["base"], tmp_path_factory.mktemp("gptq") / "build", "gptq-experts-g32")
 

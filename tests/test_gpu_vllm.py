@@ -18,10 +18,10 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
     pytest.skip("needs a CUDA GPU and vLLM", allow_module_level=True)
 
+from splicer.analysis.metrics import fill_missing, kl_top_lumped  # noqa: E402
 from splicer.backends.vllm_backend import VllmBackend  # noqa: E402
 from splicer.errors import SplicerError  # noqa: E402
-from splicer.metrics import fill_missing, kl_top_lumped  # noqa: E402
-from splicer.splice import splice  # noqa: E402
+from splicer.splice.core import splice  # noqa: E402
 
 PRESET = os.environ.get("SPLICER_GPU_PRESET", "tiny")
 ENGINE_ARGS = json.loads(os.environ.get("SPLICER_GPU_ENGINE_ARGS", "{}"))
@@ -30,7 +30,7 @@ CLASSES = ["gdn", "attention", "shared_expert", "lm_head", "experts", "all"]
 
 @pytest.fixture(scope="module")
 def gpu_pair(tmp_path_factory):
-    from splicer.fixtures import FixtureSpec, write_pair
+    from splicer.fixtures.core import FixtureSpec, write_pair
 
     root = tmp_path_factory.mktemp("gpu")
     paths = write_pair(root / "pair", FixtureSpec(preset=PRESET), kinds=("lowlatency",))

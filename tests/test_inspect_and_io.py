@@ -11,11 +11,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from splicer.checkpoint import open_checkpoint
 from splicer.cli import main
 from splicer.errors import SplicerError
-from splicer.inspect import inspect_checkpoint
-from splicer.safetensors_io import ByteSource, OutTensor, read_header, write_shard
+from splicer.io.checkpoint import open_checkpoint
+from splicer.io.safetensors_io import ByteSource, OutTensor, read_header, write_shard
+from splicer.splice.inspect import inspect_checkpoint
 
 
 def test_inspect_counts_classes(pairs):

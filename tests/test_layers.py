@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from splicer.checkpoint import open_checkpoint
 from splicer.cli import main
 from splicer.errors import SplicerError
-from splicer.inspect import inspect_checkpoint
-from splicer.modules import list_modules
-from splicer.plan import Row
-from splicer.selection import canonical_entries, format_layers, split_restore
+from splicer.io.checkpoint import open_checkpoint
+from splicer.plans.plan import Row
+from splicer.splice.inspect import inspect_checkpoint
+from splicer.splice.modules import list_modules
+from splicer.splice.selection import canonical_entries, format_layers, split_restore
 
 
 def test_split_canonical_and_format():
@@ -128,7 +128,7 @@ def test_row_restored_keeps_layer_entries_in_class_order():
 
 def test_a_plan_keep_with_layers_is_refused(tmp_path):
     from splicer.arch import all_classes
-    from splicer.plan import load_plan
+    from splicer.plans.plan import load_plan
 
     plan = tmp_path / "p.toml"
     plan.write_text(
@@ -140,7 +140,7 @@ def test_a_plan_keep_with_layers_is_refused(tmp_path):
 
 
 def test_layer_groups_are_contiguous_and_even():
-    from splicer.sweep import layer_groups
+    from splicer.plans.sweep import layer_groups
 
     assert layer_groups([0, 1, 2, 4, 5, 6, 8, 9, 10, 12], 4) == [[0, 1, 2], [4, 5, 6], [8, 9], [10, 12]]
     assert layer_groups([0, 1, 2], 3) == [[0], [1], [2]]
@@ -148,7 +148,7 @@ def test_layer_groups_are_contiguous_and_even():
 
 def test_plan_sweep_writes_group_leave_one_out_and_whole_rows(pairs, tmp_path, capsys):
     from splicer.arch import all_classes
-    from splicer.plan import load_plan
+    from splicer.plans.plan import load_plan
 
     out = tmp_path / "sweep.toml"
     assert (
@@ -259,7 +259,7 @@ def test_plan_sweep_writes_group_leave_one_out_and_whole_rows(pairs, tmp_path, c
 def test_plan_entries_are_read_as_the_build_reads_them():
     """One variant, one name: layers without the class dropped, all of a class's layers written as the bare class, so
     two spellings of one variant are one row; an entry no layer of the build serves is refused before anything runs."""
-    from splicer.plan import Plan, resolve_rows
+    from splicer.plans.plan import Plan, resolve_rows
 
     def plan(*rows):
         return Plan("p", "d", 20, [], None, [Row(n, restore=r) for n, r in rows], "digest")

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from splicer.ablate import position_records
-from splicer.corpora import Corpus
-from splicer.metrics import (
+from splicer.analysis.metrics import (
     bootstrap_mean_ci,
     fill_missing,
     kl_full,
@@ -18,6 +17,7 @@ from splicer.metrics import (
     summarize,
     wilson,
 )
+from splicer.corpora.core import Corpus
 
 
 def _random_dists(n, v, seed, sharp=3.0):
@@ -120,7 +120,7 @@ def test_hub_corpus_through_the_datasets_api(monkeypatch, pairs):
 
     from transformers import AutoTokenizer
 
-    from splicer.corpora import build_corpus
+    from splicer.corpora.core import build_corpus
 
     asked = {}
 
@@ -173,7 +173,7 @@ def test_top1_agreement_is_symmetric_and_the_vocabulary_order_changes_nothing():
     var_ties = (vl[:, 1] == vl[:, 0]).float().mean()
     assert var_ties > 0.05  # the data do have ties among the variant's maxima
     assert all(torch.equal(agree[0], a) for a in agree[1:])
-    from splicer.metrics import top1_agreement
+    from splicer.analysis.metrics import top1_agreement
 
     assert torch.equal(top1_agreement(bi, bl, vi, vl), top1_agreement(vi, vl, bi, bl))  # symmetric
     # without ties it is plain argmax equality
@@ -187,7 +187,7 @@ def test_top1_agreement_is_symmetric_and_the_vocabulary_order_changes_nothing():
 
 
 def test_a_corpus_of_too_few_sequences_has_no_interval_and_the_interval_is_t_based():
-    from splicer.metrics import MIN_SEQUENCES, small_sample_half_width
+    from splicer.analysis.metrics import MIN_SEQUENCES, small_sample_half_width
 
     vals = torch.tensor([0.1, 0.3, 0.2, 0.5, 0.4, 0.9, 0.6, 0.2])
     assert bootstrap_mean_ci(vals, torch.arange(8) // 2) is None  # 4 sequences
@@ -248,9 +248,9 @@ def test_chat_score_records_carry_the_group_and_every_interval_resamples_groups(
     score files without groups (written before them) still compare, a sequence per unit."""
     from safetensors.torch import save_file
 
-    from splicer.chat import group
-    from splicer.metrics import TOO_FEW_GROUPS, paired_comparison
-    from splicer.verdicts import compare_scores
+    from splicer.analysis.metrics import TOO_FEW_GROUPS, paired_comparison
+    from splicer.analysis.verdicts import compare_scores
+    from splicer.corpora.chat import group
 
     seqs = [[1000 + i, *range(i, i + 7)] for i in range(24)]
     corpus = Corpus("chat", "chat", seqs, prompt_lens=[4] * 24, groups=[group(i) for i in range(24)])
@@ -276,7 +276,7 @@ def test_chat_score_records_carry_the_group_and_every_interval_resamples_groups(
     # budget's strata (the prediction against a measured row) resample the same groups
     from types import SimpleNamespace
 
-    from splicer.budget import PositionScores
+    from splicer.analysis.budget import PositionScores
 
     stratum = PositionScores(tmp_path, ["chat"]).strata(SimpleNamespace(build_row="a"), (), "chat", other="b")["chat"]
     assert stratum["unit"] == "groups" and torch.equal(stratum["cluster"], a["group"])

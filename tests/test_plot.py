@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from splicer.budget import pareto
+from splicer.analysis.budget import pareto
+from splicer.analysis.plot import LINK_LINE
 from splicer.cli import main
-from splicer.plot import LINK_LINE
 
 
 def test_pareto_keeps_the_points_nothing_beats_on_both_axes():
@@ -60,7 +60,7 @@ def test_plot_of_a_folder_without_results_is_refused(tmp_path, capsys):
 def test_a_plot_older_than_the_results_is_linked_as_stale(tmp_path):
     import os
 
-    from splicer.plot import link, write_plot
+    from splicer.analysis.plot import link, write_plot
 
     results = {"corpora": {"wiki-en": {}}, "variants": [_variant("build", 0.8, 9e9), _variant("gdn", 0.5, 9.5e9)]}
     (tmp_path / "results.json").write_text(json.dumps(results))
@@ -113,7 +113,7 @@ def test_crowded_labels_do_not_overlap_each_other_or_a_marker(tmp_path, capsys, 
     every label box is clear of every other label and of every point's marker."""
     import itertools
 
-    from splicer.plot import write_plot
+    from splicer.analysis.plot import write_plot
 
     names = (
         ["build"]
@@ -155,7 +155,7 @@ def test_crowded_labels_do_not_overlap_each_other_or_a_marker(tmp_path, capsys, 
 def test_a_variant_timed_on_two_engines_is_one_point_with_their_spread(tmp_path, capsys, monkeypatch):
     from matplotlib.axes import Axes
 
-    from splicer.plot import write_plot
+    from splicer.analysis.plot import write_plot
 
     variants = [
         _variant("build", 0.8, 9e9, 10.0),
@@ -183,7 +183,7 @@ def test_a_variant_timed_on_two_engines_is_one_point_with_their_spread(tmp_path,
 
 
 def test_generated_row_names_are_spelled_out_and_others_kept():
-    from splicer.plot import readable_name
+    from splicer.analysis.plot import readable_name
 
     assert readable_name("gdn.0-2_4-6+attention", ["gdn@0-2,4-6", "attention"]) == ("gdn layers 0-2,4-6 + attention", False)
     assert readable_name("gdn.10+shared_expert", ["gdn@10", "shared_expert"]) == ("gdn layer 10 + shared_expert", False)

@@ -102,13 +102,13 @@ def test_a_fixture_or_demo_pair_on_a_full_disk_is_one_line_and_leaves_nothing(tm
     writes its pair first) still end in one line naming the folder and the fix, with nothing left."""
     from safetensors import SafetensorError
 
-    import splicer.fixtures
+    import splicer.fixtures.core
     from splicer.cli import main
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(splicer.fixtures, "save_file", full)
+    monkeypatch.setattr(splicer.fixtures.core, "save_file", full)
     assert main([*command, str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no space left on the device holding" in err, err
@@ -209,7 +209,7 @@ def test_changed_inputs_invalidate_caches(pairs, plan_file, tmp_path, monkeypatc
 
 
 def test_failed_splice_is_recorded_and_the_plan_goes_on(pairs, plan_file, tmp_path, monkeypatch):
-    import splicer.splice as sp
+    import splicer.splice.core as sp
 
     orig = sp.splice
 
@@ -274,8 +274,8 @@ def test_untrusted_files_are_never_executed(pairs, tmp_path, plan_file):
 
 
 def test_rerun_after_a_kill_resumes_from_finished_shards(pairs, tmp_path, reference, monkeypatch):
-    import splicer.splice as sp
-    from splicer.splice import splice
+    import splicer.splice.core as sp
+    from splicer.splice.core import splice
 
     p = pairs["fused"]
     out = tmp_path / "out"
@@ -443,7 +443,7 @@ def test_a_run_with_failed_rows_exits_non_zero_and_says_so_last(pairs, tmp_path,
     splice are written, and the run ends with exit 1 and, last, how many rows failed and where to read why."""
     import errno
 
-    import splicer.splice as sp
+    import splicer.splice.core as sp
     from splicer.cli import main
 
     from .conftest import tree_digest

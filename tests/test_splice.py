@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from splicer.checkpoint import INDEX_NAME, open_checkpoint
 from splicer.errors import SplicerError
-from splicer.modules import list_modules
-from splicer.rules import check
-from splicer.splice import splice
+from splicer.io.checkpoint import INDEX_NAME, open_checkpoint
+from splicer.splice.core import splice
+from splicer.splice.modules import list_modules
+from splicer.splice.rules import check
 
 PACKED = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
 EXPERT = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")

@@ -10,12 +10,12 @@ import torch
 from safetensors import safe_open
 
 from splicer.cli import main
-from splicer.fixtures import FixtureSpec
+from splicer.fixtures.core import FixtureSpec
 
 
 @pytest.fixture(scope="module")
 def standin(tmp_path_factory):
-    from splicer.standin import write_standin
+    from splicer.fixtures.standin import write_standin
 
     return write_standin(tmp_path_factory.mktemp("standin"), FixtureSpec(preset="tiny"), device="cpu", progress=False)
 
@@ -47,7 +47,7 @@ def test_reference_shares_the_build_experts_and_holds_the_rest_in_bf16(standin):
 
 def test_stacked_quantization_equals_per_expert_quantization():
     """The stand-in quantizes a layer's experts stacked [E*N, K] in one call: the same bytes as one call per expert."""
-    from splicer.quantize import make_scheme, quantize_weight
+    from splicer.formats.quantize import make_scheme, quantize_weight
 
     scheme = make_scheme(4, 128)
     w = (torch.randn(4 * 64, 256, generator=torch.Generator().manual_seed(0)) / 16).to(torch.bfloat16)
@@ -116,7 +116,7 @@ def test_ablate_against_a_partly_quantized_reference(standin, tmp_path):
 def test_random_corpus_is_seeded_and_in_the_tokenizer_range(standin):
     from transformers import AutoTokenizer
 
-    from splicer.corpora import build_corpus
+    from splicer.corpora.core import build_corpus
 
     tok = AutoTokenizer.from_pretrained(str(standin["build"]))
     spec = {"name": "r", "kind": "random", "chunk_tokens": 16, "max_chunks": 4, "seed": 3}
@@ -127,9 +127,9 @@ def test_random_corpus_is_seeded_and_in_the_tokenizer_range(standin):
 
 
 def _build_vs_base(root, spec):
+    from splicer.analysis.metrics import fill_missing, kl_top_lumped
     from splicer.backends.torch_ref import TorchBackend
-    from splicer.fixtures import write_pair
-    from splicer.metrics import fill_missing, kl_top_lumped
+    from splicer.fixtures.core import write_pair
 
     p = write_pair(root, spec, kinds=("lowlatency",))
     g = torch.Generator().manual_seed(0)
@@ -147,7 +147,7 @@ def _build_vs_base(root, spec):
 
 def test_residual_scale_keeps_a_deep_random_stack_out_of_chaos(tmp_path):
     """The stand-in's depth fix: with the tiny fixture's scales a 16-layer random stack is chaotic under INT4 rounding."""
-    from splicer.standin import RESIDUAL_SCALE
+    from splicer.fixtures.standin import RESIDUAL_SCALE
 
     over = {"num_hidden_layers": 16}
     chaotic = _build_vs_base(tmp_path / "a", FixtureSpec(preset="tiny", text_overrides=over))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from splicer.table import fmt_change, render
+from splicer.analysis.table import fmt_change, render
 
 RESULTS = Path(__file__).parents[1] / "results"
 TEXT = {"variant", "restored", "status", "error", "repeat_of"}
@@ -167,8 +167,8 @@ def test_a_failed_row_and_gaps_are_missing_values_not_text(tmp_path):
 
 def test_an_unresolved_decode_time_is_a_gap_everywhere(tmp_path):
     """A timed row whose decode estimate was not positive (decode_ms_per_token None): no table divides by it."""
+    from splicer.analysis.verdicts import attach
     from splicer.backends.vllm_outputs import summarise_decode_runs
-    from splicer.verdicts import attach
 
     results = json.loads((RESULTS / "demo" / "results.json").read_text())
     results["backend"] = "vllm"  # the speed table is rendered for vLLM runs
@@ -263,9 +263,9 @@ def test_the_kl_footnote_names_the_plans_top_k_or_says_it_was_not_recorded(tmp_p
 def test_decode_verdicts_say_they_hold_within_the_run(tmp_path):
     """Runs 10 and 11 of the same plan give non-overlapping experts-only intervals: the engines' spread across runs is
     not in an interval, and table, report and the CSV's column description say "resolved" holds within the run."""
-    from splicer.report import render_report
-    from splicer.table import __doc__ as columns
-    from splicer.verdicts import attach
+    from splicer.analysis.report import render_report
+    from splicer.analysis.table import __doc__ as columns
+    from splicer.analysis.verdicts import attach
 
     results = json.loads((RESULTS / "h200-fulldims/run-11/results.json").read_text())
     attach(results, tmp_path)  # today's verdicts on the committed timings (its score files are not committed)

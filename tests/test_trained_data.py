@@ -208,7 +208,7 @@ def test_chat_matches_the_tokenizers_template_and_chinese_round_trips(built):
     zh = (built / "a" / "heldout" / "zh.txt").read_text(encoding="utf-8")
     assert tok.decode(tok.encode(zh, add_special_tokens=False)) == zh
     config = json.loads((built / "a" / "tokenizer" / "tokenizer_config.json").read_text())
-    from splicer.fixtures import CHAT_TEMPLATE
+    from splicer.fixtures.core import CHAT_TEMPLATE
 
     assert config["chat_template"] == CHAT_TEMPLATE
 

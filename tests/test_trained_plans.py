@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from splicer.errors import SplicerError
-from splicer.plan import tomllib  # tomli on Python 3.10
+from splicer.plans.plan import tomllib  # tomli on Python 3.10
 from splicer.trained import plans
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "ablations" / "trained-h200.toml"
@@ -18,7 +18,7 @@ def _template():
 
 
 def test_gdn_layer_rows_from_splicer_sweep(tmp_path):
-    from splicer.fixtures import FixtureSpec, write_pair
+    from splicer.fixtures.core import FixtureSpec, write_pair
 
     pair = write_pair(tmp_path / "pair", FixtureSpec(), kinds=("lowlatency",))
     sweep = tmp_path / "sweep.toml"

@@ -12,8 +12,8 @@ from splicer.trained import train as T
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from splicer.demo_tokenizer import demo_texts, write_tokenizer
-    from splicer.fixtures import CHAT_TEMPLATE
+    from splicer.corpora.demo_tokenizer import demo_texts, write_tokenizer
+    from splicer.fixtures.core import CHAT_TEMPLATE
 
     d = tmp_path_factory.mktemp("data")
     texts = demo_texts()

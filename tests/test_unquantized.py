@@ -12,11 +12,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from splicer.checkpoint import INDEX_NAME, open_checkpoint
+from splicer.analysis.report import findings
 from splicer.cli import main
-from splicer.report import findings
-from splicer.splice import splice
-from splicer.unquantized import compare_unquantized, pattern, summary
+from splicer.io.checkpoint import INDEX_NAME, open_checkpoint
+from splicer.splice.core import splice
+from splicer.splice.unquantized import compare_unquantized, pattern, summary
 
 NORM = "model.language_model.layers.0.input_layernorm.weight"
 

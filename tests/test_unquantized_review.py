@@ -13,12 +13,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from splicer.checkpoint import INDEX_NAME, open_checkpoint
+from splicer.analysis.report import findings
 from splicer.cli import main
-from splicer.fixtures import FixtureSpec, write_pair
-from splicer.report import findings
-from splicer.splice import splice
-from splicer.unquantized import compare_unquantized, unquantized_names
+from splicer.fixtures.core import FixtureSpec, write_pair
+from splicer.io.checkpoint import INDEX_NAME, open_checkpoint
+from splicer.splice.core import splice
+from splicer.splice.unquantized import compare_unquantized, unquantized_names
 
 MTP_EXPERT = "mtp.layers.0.mlp.experts.3.down_proj.weight"
 

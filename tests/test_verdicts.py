@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from splicer.metrics import decode_difference, paired_comparison
+from splicer.analysis.metrics import decode_difference, paired_comparison
 
 
 def _scores(gen: torch.Generator, clusters: int, per: int, scale: float = 1.0):
@@ -129,7 +129,7 @@ def test_a_shared_prefix_counts_once():
 
 def test_top1_counts_a_tie_among_the_base_maxima_as_agreement():
     from splicer.ablate import position_records
-    from splicer.corpora import Corpus
+    from splicer.corpora.core import Corpus
 
     base = {
         "lengths": torch.tensor([3]),
@@ -150,8 +150,8 @@ def test_top1_counts_a_tie_among_the_base_maxima_as_agreement():
 def test_rows_get_decode_verdicts_from_every_engine_of_the_build(tmp_path):
     """results.json rows -> decode_vs_build: the build's engines (its row and its repeats) are the reference, their
     spread sets the interval; a planted 3 % row is resolved, an unchanged one is not, and the table says so."""
-    from splicer.table import records, render_markdown
-    from splicer.verdicts import attach
+    from splicer.analysis.table import records, render_markdown
+    from splicer.analysis.verdicts import attach
 
     rng = random.Random(7)
 
@@ -199,7 +199,7 @@ def test_rows_get_decode_verdicts_from_every_engine_of_the_build(tmp_path):
 def test_spread_over_gpus_each_row_is_compared_with_the_build_on_its_own_gpu():
     """Two GPUs whose engines sit 10 % apart: a row on the slow GPU that decodes as fast as the build there is not
     slower, and a row 3 % slower than its own GPU's build is resolved; the engine spread is pooled over both GPUs."""
-    from splicer.verdicts import build_engine_agreement, decode_vs_build
+    from splicer.analysis.verdicts import build_engine_agreement, decode_vs_build
 
     def row(name, gpu, ms, repeat_of=None):
         v = {
@@ -234,7 +234,7 @@ def test_spread_over_gpus_each_row_is_compared_with_the_build_on_its_own_gpu():
 def test_two_sequences_support_no_interval_and_no_verdict():
     """One sequence in each of two corpora: every resample draws the same sequences, so the bootstrap's interval has
     zero width (it called Δtop-1 -3.23 [-3.23, -3.23] significant). Too few sequences: no interval, no verdict."""
-    from splicer.metrics import TOO_FEW
+    from splicer.analysis.metrics import TOO_FEW
 
     a, b = torch.tensor([0.0, 1.0, 0.0, 1.0]), torch.tensor([1.0, 1.0, 1.0, 1.0])
     strata = {c: {"a": a, "b": b, "cluster": torch.zeros(4, dtype=torch.long), "weight": None} for c in ("x", "y")}
@@ -246,7 +246,7 @@ def test_two_sequences_support_no_interval_and_no_verdict():
 def test_a_kl_zero_row_gets_the_verdict_of_the_interval_shown(tmp_path):
     """A variant with KL 0 everywhere (the base) is -100 % of the build's KL in every resample: that interval excludes 0,
     so the ΔKL column, which shows it, must not say n.s. even where the difference's own interval includes 0."""
-    from splicer.table import records, render_markdown
+    from splicer.analysis.table import records, render_markdown
 
     cluster = torch.arange(12) // 2
     b = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 30.0, 30.0])  # one sequence carries most of it
@@ -274,7 +274,7 @@ def test_a_stray_block_does_not_move_a_decode_verdict():
     import json
     from pathlib import Path
 
-    from splicer.verdicts import decode_vs_build
+    from splicer.analysis.verdicts import decode_vs_build
 
     results = json.loads((Path(__file__).parents[1] / "results/h200-fulldims/run-11/results.json").read_text())
     gdn = decode_vs_build(results, "gdn")
@@ -332,8 +332,8 @@ def _noise_run(tmp_path, again_shift):
 def test_engine_noise_from_two_build_engines_is_folded_into_the_score_intervals(tmp_path):
     """Two engines of the build scored on the same positions measure the engine's run-to-run noise: none (a deterministic
     engine) leaves the bootstrap's interval as it is; 3 % between the engines makes a 2 % ΔKL not significant."""
-    from splicer.table import render_markdown
-    from splicer.verdicts import attach
+    from splicer.analysis.table import render_markdown
+    from splicer.analysis.verdicts import attach
 
     quiet = _noise_run(tmp_path / "quiet", 0.0)
     attach(quiet, tmp_path / "quiet", reps=400)

@@ -392,16 +392,16 @@ def _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, modes):
         yield from orig_score(self, *a, **k)
 
     monkeypatch.setattr(fake_vllm.VllmBackend, "score", score_logged)
-    import splicer.splice
+    import splicer.splice.core
 
-    orig_splice = splicer.splice.splice
+    orig_splice = splicer.splice.core.splice
     spliced = []
 
     def splice_logged(*a, **k):
         spliced.append((Path(a[2]).name, len(events)))  # which variant, and after how many load/prefetch/time events
         return orig_splice(*a, **k)
 
-    monkeypatch.setattr(splicer.splice, "splice", splice_logged)
+    monkeypatch.setattr(splicer.splice.core, "splice", splice_logged)
     for name in ("load", "prefetch", "time_decode"):
         method = getattr(fake_vllm.VllmBackend, name)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from splicer.arch import get_architecture
 from splicer.backends.vllm_backend import VllmBackend, kernels_by_class
-from splicer.splice import splice
+from splicer.splice.core import splice
 
 FAMILIES = ("deepseek_v3", "glm4_moe")
 MTP = {"method": "mtp", "num_speculative_tokens": 1}

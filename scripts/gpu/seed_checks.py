@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
+from splicer.analysis.metrics import fill_missing, kl_top_lumped
 from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
 from splicer.backends.vllm_backend import VllmBackend, kernels_by_class
-from splicer.fixtures import FixtureSpec, write_pair
-from splicer.metrics import fill_missing, kl_top_lumped
-from splicer.splice import splice
+from splicer.fixtures.core import FixtureSpec, write_pair
+from splicer.splice.core import splice
 
 MTP = {"method": "mtp", "num_speculative_tokens": 1}
 

@@ -29,7 +29,7 @@ def main() -> None:
     import torch
 
     from splicer.backends.vllm_backend import VllmBackend
-    from splicer.splice import splice
+    from splicer.splice.core import splice
 
     build, reference = work / "pair" / "build", work / "pair" / "reference"
     gdn = work / "noise" / "gdn"

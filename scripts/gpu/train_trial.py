@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from splicer.demo_tokenizer import demo_texts, write_tokenizer  # noqa: E402
-from splicer.fixtures import CHAT_TEMPLATE  # noqa: E402
+from splicer.corpora.demo_tokenizer import demo_texts, write_tokenizer  # noqa: E402
+from splicer.fixtures.core import CHAT_TEMPLATE  # noqa: E402
 from splicer.trained import train as T  # noqa: E402
 
 work = Path(sys.argv[1])

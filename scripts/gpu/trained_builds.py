@@ -39,7 +39,7 @@ KEEP_CLASS = {
 REQUANT = tuple(f"gptq-w4a16-g128-keep-{c}" for c in KEEP_CLASS)
 BUILDS = ("gptq-w4a16-g128", "awq-experts", "rtn-g32-experts", "fp8-block", "nvfp4a16", *REQUANT)
 
-# Seed 000's ignore list (splicer.fixtures.LOWLATENCY_IGNORE): the vision tower, GDN's tiny a/b projections, the
+# Seed 000's ignore list (splicer.fixtures.core.LOWLATENCY_IGNORE): the vision tower, GDN's tiny a/b projections, the
 # router, the shared expert's gate and the MTP head stay BF16.
 LOWLATENCY_IGNORE = [
     "re:.*visual.*",

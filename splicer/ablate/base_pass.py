@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from ..backends import BACKENDS
-from ..corpora import Corpus
+from ..corpora.core import Corpus
 from ..errors import SplicerError
-from ..outputs import write_file
-from ..plan import Plan
+from ..io.outputs import write_file
+from ..plans.plan import Plan
 from .common import AblateRun, AblateSettings, atomic_json, parts_digest, pick_batch_size, progress_bar
 
 FULL_VOCAB_CACHE_LIMIT = 1 << 30  # keep the base's full log-softmax only while it fits in 1 GiB

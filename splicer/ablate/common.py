@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SplicerError
-from ..plan import Plan
-from ..progress import Stages
+from ..io.progress import Stages
+from ..plans.plan import Plan
 
 RESULTS = "results.json"
 
@@ -96,7 +96,7 @@ def atomic_text(path: Path, text: str) -> None:
     """Write path whole or not at all (outputs.write_file: beside it, then renamed; UTF-8 whatever the locale); a full
     disk or a read-only folder is one line (outputs.write_error, which names DIR, the -o to change), with no partial
     file left."""
-    from ..outputs import write_error, write_file
+    from ..io.outputs import write_error, write_file
 
     write_file(
         path,

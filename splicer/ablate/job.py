@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..corpora import Corpus, build_corpus
+from ..corpora.core import Corpus, build_corpus
 from ..errors import SplicerError
-from ..plan import Plan
+from ..plans.plan import Plan
 from .common import RESULTS, AblateSettings, atomic_json, parts_digest
 
 

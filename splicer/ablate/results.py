@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..corpora import Corpus
+from ..corpora.core import Corpus
 from .common import RESULTS, AblateRun, atomic_json, atomic_text
 from .job import host_info, started_from_cli
 from .scores import noise_floor
@@ -63,9 +63,9 @@ def new_results(run: AblateRun, *, job: dict, corpora: list[Corpus], cache: Path
 
 
 def finish_results(results: dict, out: Path, backends, reps: int = 2000) -> None:
-    from ..report import render_report
-    from ..table import render_markdown
-    from ..verdicts import attach
+    from ..analysis.report import render_report
+    from ..analysis.table import render_markdown
+    from ..analysis.verdicts import attach
 
     info = backends[0].describe()
     if len(backends) > 1:  # spread over GPUs: what differs per GPU
@@ -77,14 +77,14 @@ def finish_results(results: dict, out: Path, backends, reps: int = 2000) -> None
     results["engine_version"] = info.get("engine")
     results["device"] = info.get("device")
     results["backend_info"] = info
-    from ..breakdown import time_breakdown
+    from ..analysis.breakdown import time_breakdown
 
     results["time_breakdown"] = time_breakdown(results)
     attach(results, out, reps)
     atomic_json(out / RESULTS, results)
     atomic_text(out / "table.md", render_markdown(results) + "\n")
     if (out / "plot-kl.png").exists():  # `splicer plot DIR` made one: keep the table's link to it
-        from ..plot import link
+        from ..analysis.plot import link
 
         link(out)
     atomic_text(out / "report.md", render_report(results))

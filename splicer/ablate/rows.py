@@ -10,12 +10,13 @@ import time
 import traceback
 from pathlib import Path
 
-from .. import faults, spread
-from ..checkpoint import open_checkpoint
-from ..corpora import Corpus
+from ..corpora.core import Corpus
 from ..errors import SplicerError
 from ..formats.registry import checkpoint_format
-from ..plan import PlannedRow
+from ..io import faults
+from ..io.checkpoint import open_checkpoint
+from ..plans import spread
+from ..plans.plan import PlannedRow
 from .base_pass import base_pass
 from .common import AblateRun, folder_bytes, progress_bar
 from .results import finish_results, new_results
@@ -65,7 +66,7 @@ class RowSchedule:
         row, restored, splice_name = item.row, item.restored, item.splice_name
         if row.name in self.prepared:
             return self.prepared.pop(row.name)
-        from ..splice import splice
+        from ..splice.core import splice
 
         t0 = time.perf_counter()
         if item.checkpoint:
@@ -350,7 +351,7 @@ def run_rows(
 
 def _bytes_per_step(folder: Path) -> int:
     """Weight bytes one batch-1 decode step reads (inspect's figure: routed experts count top-k of E)."""
-    from ..inspect import bytes_per_decode_step
+    from ..splice.inspect import bytes_per_decode_step
 
     return bytes_per_decode_step(open_checkpoint(folder, "variant"))
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .. import spread
-from ..checkpoint import open_checkpoint
-from ..corpora import check_hub_corpora
+from ..corpora.core import check_hub_corpora
 from ..errors import SplicerError
-from ..outputs import ABLATE, check_output, exclusive, local_folder
-from ..plan import add_checkpoints, load_plan, resolve_rows
-from ..progress import Stages
+from ..io.checkpoint import open_checkpoint
+from ..io.outputs import ABLATE, check_output, exclusive, local_folder
+from ..io.progress import Stages
+from ..plans import spread
+from ..plans.plan import add_checkpoints, load_plan, resolve_rows
 from .base_pass import base_cache
 from .common import AblateRun, AblateSettings, closing_backends
 from .job import make_job, override_corpora, prepare_corpora, select_rows, write_job
@@ -75,7 +75,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
 def smoothing_warning(run: AblateRun) -> str | None:
     """A build whose unquantized tensors changed beyond rounding (smoothing folded in): its spliced rows do not mean
     what the table says, so the log says so before any row runs."""
-    from ..unquantized import SMOOTHING_NOTE, changed_text, compare_unquantized
+    from ..splice.unquantized import SMOOTHING_NOTE, changed_text, compare_unquantized
 
     if not any(r.restore or r.keep is not None for r in run.plan.rows if r.name in run.selected):
         return None
@@ -103,8 +103,8 @@ def prepare_run(
         "pass --corpus NAME=FILE (a local .txt or .jsonl) for each, or a plan of local corpora (e.g. --plan demo)",
     )
     build = open_checkpoint(build_src, "build")
-    from ..modules import list_modules
-    from ..validate import validate_build
+    from ..splice.modules import list_modules
+    from ..splice.validate import validate_build
 
     added = add_checkpoints(plan, settings.add_checkpoints)
     # A build only scored (`splicer score`, or only checkpoint rows asked for) need not be one splicer can splice.
@@ -127,7 +127,7 @@ def prepare_run(
     # One backend per GPU with --gpus (spread.py); the first runs the base pass.
     backends = tuple(options.make_backends(settings.device, out / "logs"))
     base = open_checkpoint(base_src, "base")
-    from ..validate import quantized_layers, validate_base
+    from ..splice.validate import quantized_layers, validate_base
 
     frozen = validate_base(base, build, settings.allow_quantized_base)
     checkpoints = open_checkpoint_rows(plan, selected, base, settings)
@@ -173,7 +173,7 @@ def prepare_run(
 def open_checkpoint_rows(plan, selected: set[str], base, settings: AblateSettings) -> dict:
     """Open (for a Hub id, download) every selected `checkpoint` row and check it is the base's model, before DIR
     changes: row name -> Checkpoint. The torch backend must also be able to dequantize its format."""
-    from ..validate import validate_base
+    from ..splice.validate import validate_base
 
     out = {}
     for row in plan.rows:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ..corpora import Corpus
-from ..metrics import fill_missing, kl_full, kl_top_lumped, summarize, top1_agreement
+from ..analysis.metrics import fill_missing, kl_full, kl_top_lumped, summarize, top1_agreement
+from ..corpora.core import Corpus
 from .base_pass import load_tensors, write_tensors
 from .common import AblateRun, pick_batch_size, progress_bar
 

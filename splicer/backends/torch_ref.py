@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import open_checkpoint
 from ..errors import SplicerError
+from ..io.checkpoint import open_checkpoint
 from . import SequenceScores, decode_summary, set_torch_threads
 
 
@@ -145,7 +145,7 @@ class TorchBackend:
         """Quantized module -> (its Module, what to dequantize it with), as the checkpoint's format reads its config
         (formats.base.QuantFormat.torch_schemes)."""
         from ..formats.registry import format_or_default, unreadable
-        from ..modules import list_modules
+        from ..splice.modules import list_modules
 
         qc = ckpt.quantization_config
         why = unreadable(qc)
@@ -155,10 +155,10 @@ class TorchBackend:
         return format_or_default(qc).torch_schemes(ckpt, qc, modules)
 
     def _dequantize(self, raw: dict, schemes: dict) -> dict:
-        from ..awq import dequantize_awq
+        from ..formats.awq_tensors import dequantize_awq
+        from ..formats.gptq_tensors import dequantize_gptq
         from ..formats.layouts import LAYOUT
-        from ..gptq import dequantize_gptq
-        from ..quantize import dequantize_module
+        from ..formats.quantize import dequantize_module
 
         out = dict(raw)
         # Only the modules whose tensors are in this chunk (one decoder layer): not every module of the model per chunk.

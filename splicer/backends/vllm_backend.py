@@ -238,7 +238,7 @@ class VllmOptions:
 
     def __post_init__(self):
         if self.gpus is not None:  # given, even empty (--gpus ,): two or more ids
-            from ..spread import check_gpus
+            from ..plans.spread import check_gpus
 
             check_gpus(tuple(self.gpus), self.overlap_starts)
         object.__setattr__(self, "gpus", tuple(self.gpus or ()))
@@ -313,7 +313,7 @@ class VllmOptions:
         }
         if not self.gpus:
             return [make_backend(self.backend, device, **options)]
-        from .. import spread
+        from ..plans import spread
 
         # One backend per GPU (spread.py), each logging into its own folder.
         return spread.make_backends(

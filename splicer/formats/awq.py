@@ -1,5 +1,5 @@
 """AWQ as AutoAWQ's GEMM kernel stores it (`quant_method: awq`, `version: gemm`): 4-bit with zero points;
-`modules_to_not_convert` lists what stays BF16. The packing itself is in splicer/awq.py."""
+`modules_to_not_convert` lists what stays BF16. The packing itself is in splicer/formats/awq_tensors.py."""
 
 from __future__ import annotations
 

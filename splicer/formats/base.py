@@ -14,7 +14,7 @@ from typing import Protocol
 
 from ..arch import Architecture
 from ..errors import SplicerError
-from ..module import Module
+from .module import Module
 from .readings import Report
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import re
 
 from ..arch import Architecture
-from ..config_schema import COMPRESSED_TENSORS, QC, path_key
 from ..errors import SplicerError
-from ..module import Module
+from ..io.config_schema import COMPRESSED_TENSORS, QC, path_key
 from . import module_regexes
 from .base import QuantFormat
 from .layouts import CT_FORMATS, group_format, group_scheme, is_packed_tensor
+from .module import Module
 from .readings import Entries, Reading, fused_on_disk, match_name, readings_vs_storage, record_dead
 
 CLASS_TARGET_HF = "Linear"  # the class target compressed-tensors exporters write
@@ -269,7 +269,7 @@ class CompressedTensors(QuantFormat):
         """The scheme chosen the way compressed-tensors' loader chooses it (exact name, then regex, then class target).
         Its model-free dequantizer instead takes the first group in file order, which reads seed 000's INT8 head with
         the INT4 `Linear` group."""
-        from ..quantize import scheme_from_group
+        from .quantize import scheme_from_group
 
         reader = HfReader(qc, ckpt.arch)
         out = {}

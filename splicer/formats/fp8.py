@@ -55,7 +55,7 @@ class NativeFp8(SkipListFormat):
         return f"fp8 block{block[0]}x{block[1]}" if block else "fp8 tensor"
 
     def module_scheme(self, qc, module):
-        from ..quantize import native_fp8_scheme
+        from .quantize import native_fp8_scheme
 
         return native_fp8_scheme(qc.get("weight_block_size"))
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import re
 
 from ..arch import Architecture
-from ..config_schema import GPTQ, QC
 from ..errors import SplicerError
-from ..module import Module
+from ..io.config_schema import GPTQ, QC
 from . import module_regexes
 from .base import QuantFormat
+from .module import Module
 from .readings import Reading, fused_on_disk, readings_vs_storage, record_dead
 
 

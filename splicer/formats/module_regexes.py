@@ -7,7 +7,7 @@ import re
 from collections import defaultdict
 
 from ..arch import Architecture
-from ..module import Module
+from .module import Module
 
 
 def _layered(arch: Architecture) -> re.Pattern:

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..arch import Architecture
-from ..module import Module
+from .module import Module
 
 
 def match_name(name: str, target: str) -> bool:

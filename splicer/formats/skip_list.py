@@ -10,8 +10,8 @@ from abc import abstractmethod
 
 from ..arch import Architecture
 from ..errors import SplicerError
-from ..module import Module
 from .base import QuantFormat
+from .module import Module
 from .readings import Reading, fused_on_disk, readings_vs_storage
 
 

@@ -9,7 +9,7 @@ OUT (built in a hidden sibling, then renamed into place) holds:
                       en-python, zh, chat
   calib.jsonl         512 documents of 1-4 KB from every source, for GPTQ/AWQ calibration
   heldout/            en-dict.txt en-kernel.txt en-python.txt zh.txt, and chat.jsonl ({"text", "messages"})
-  tokenizer/          byte-level BPE (tokenizers, saved by transformers) with splicer.fixtures.CHAT_TEMPLATE
+  tokenizer/          byte-level BPE (tokenizers, saved by transformers) with splicer.fixtures.core.CHAT_TEMPLATE
   licences/           each package's copyright file, as shipped
   manifest.json       packages (version, licence, sha256, files used, bytes), splits, tokenizer, recipe_version
 
@@ -643,7 +643,7 @@ def chat_renderer():
     trim_blocks and lstrip_blocks; tests check the two agree)."""
     import jinja2
 
-    from ..fixtures import CHAT_TEMPLATE
+    from ..fixtures.core import CHAT_TEMPLATE
 
     template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(CHAT_TEMPLATE)
     return lambda messages: template.render(messages=messages, add_generation_prompt=False)
@@ -703,13 +703,13 @@ def make_chats(
 
 
 def train_tokenizer(folder: Path, texts: list[str], vocab_size: int) -> None:
-    """Byte-level BPE like splicer.demo_tokenizer (same special tokens, saved through transformers), trained on
+    """Byte-level BPE like splicer.corpora.demo_tokenizer (same special tokens, saved through transformers), trained on
     texts (train.jsonl's, in its order)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ..demo_tokenizer import SPECIAL
-    from ..fixtures import CHAT_TEMPLATE
+    from ..corpora.demo_tokenizer import SPECIAL
+    from ..fixtures.core import CHAT_TEMPLATE
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

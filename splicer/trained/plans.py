@@ -18,7 +18,7 @@ SEED_ROWS = ("build", "lm_head", "gdn", "attention", "shared_expert", "experts-o
 
 
 def _read(path: Path) -> dict:
-    from ..plan import tomllib  # tomli on Python 3.10
+    from ..plans.plan import tomllib  # tomli on Python 3.10
 
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
@@ -29,7 +29,7 @@ def _read(path: Path) -> dict:
 def _write(plan: dict, out: Path) -> None:
     import tomli_w
 
-    from ..outputs import write_file
+    from ..io.outputs import write_file
 
     if out.exists():
         raise SplicerError(f"{out} exists; pass a new plan file")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from ..analysis.table import load_results
 from ..errors import SplicerError, exit_code
-from ..table import load_results
 
 DEFAULT_ROWS = ("lm_head", "gdn", "attention", "shared_expert")
 

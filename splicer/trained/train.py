@@ -4,7 +4,7 @@ The trunk is transformers' own `Qwen3_5MoeTextModel` (Gated-DeltaNet and gated a
 expert), so what is trained is what transformers and vLLM compute from the same tensors. The MTP head is built the way
 vLLM's `qwen3_5_mtp` runs it: the next token's embedding and the trunk's final (normed) hidden state, each RMS-normed,
 concatenated [embedding, hidden], projected by `fc`, one full-attention decoder layer, a final norm, and the shared
-lm_head; it is trained on the token after next. The base is written by `splicer.fixtures.write_base` with the trained
+lm_head; it is trained on the token after next. The base is written by `splicer.fixtures.core.write_base` with the trained
 tensors (routed experts split per expert, as Qwen's release stores them); the tiny vision tower stays random (text only).
 
     python -m splicer.trained.train DATA OUT [--seed N] [--steps N] [--device cuda] [--recipe small|tiny]
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SplicerError, exit_code
-from ..fixtures import TEXT_PRESETS
+from ..fixtures.core import TEXT_PRESETS
 
 
 @dataclass
@@ -98,7 +98,7 @@ def recipe(name: str, **overrides) -> Recipe:
 
 
 def fixture_spec(r: Recipe):
-    from ..fixtures import FixtureSpec
+    from ..fixtures.core import FixtureSpec
 
     # The tiny preset's non-text parts (vision tower) with the recipe's text dims.
     return FixtureSpec(preset="tiny", experts_layout="per_expert", seed=r.seed, text_overrides=dict(r.text))
@@ -272,7 +272,7 @@ def lr_at(step: int, r: Recipe) -> float:
 
 
 def build_model(r: Recipe) -> TrainedLM:
-    from ..fixtures import hf_config
+    from ..fixtures.core import hf_config
 
     torch.manual_seed(r.seed)
     tc = hf_config(fixture_spec(r)).text_config
@@ -383,7 +383,7 @@ def export_tensors(model: TrainedLM) -> dict[str, torch.Tensor]:
 
 
 def write_trained_base(out: Path, data: Path, model: TrainedLM, report: dict, r: Recipe) -> Path:
-    from ..fixtures import write_base
+    from ..fixtures.core import write_base
 
     tmp = out.parent / f".{out.name}.splicer-partial"
     if tmp.exists():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import SplicerError
+from ..errors import SplicerError
 
 DTYPE_SIZES = {
     "BOOL": 1,

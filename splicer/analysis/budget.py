@@ -29,7 +29,7 @@ The model, from DIR/results.json (and DIR/scores/ for the intervals):
 KL is pooled over corpora (position-weighted) unless --corpus names one. MTP entries are left out of the KL model:
 the drafter never runs in a scoring pass (as the table's additivity note does).
 
-The search, `--verify` and the printed report are in budget_search.py.
+The search, `--verify` and the printed report are in budget/search.py.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import SplicerError
-from .selection import DRAFTER_CLASS, layer_numbers
+from ..errors import SplicerError
+from ..splice.selection import DRAFTER_CLASS, layer_numbers
 from .verdicts import pooled_kl, timed_engines
 
 MAX_ATOMS = 16  # 2^16 combinations at most, enumerated exactly
@@ -139,7 +139,7 @@ class Prediction:
 
     @property
     def entries(self) -> list[str]:
-        from .selection import canonical_entries
+        from ..splice.selection import canonical_entries
 
         out = []
         for e in canonical_entries([a.entry for a in self.atoms], "budget") if self.atoms else []:

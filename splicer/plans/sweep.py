@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import Checkpoint, open_checkpoint
-from .errors import SplicerError
-from .modules import list_modules
-from .outputs import protected_paths
+from ..errors import SplicerError
+from ..io.checkpoint import Checkpoint, open_checkpoint
+from ..io.outputs import protected_paths
+from ..splice.modules import list_modules
+from ..splice.selection import format_layers
+from ..splice.validate import quantized_layers
 from .plan import load_plan, plan_path, tomllib, write_plan
-from .selection import format_layers
-from .validate import quantized_layers
 
 
 def layer_groups(layers: list[int], groups: int) -> list[list[int]]:
@@ -51,7 +51,7 @@ def sweep_plan(build: Checkpoint, cls: str, groups: int, template: str = "where-
         raise SplicerError(
             f"--groups {groups}: give 2 to {len(layers)} (this build has {cls} in {len(layers)} layers, {format_layers(layers)})"
         )
-    from .arch import all_classes
+    from ..arch import all_classes
 
     load_plan(template, all_classes())  # a template that is not a valid plan is refused as any plan is, naming its file
     raw = tomllib.loads(plan_path(template).read_text(encoding="utf-8"))
@@ -87,8 +87,8 @@ def write_sweep(build_src: str, cls: str, groups: int, out: str | Path, template
         raise SplicerError(f"-o {str(out)[:80]} exists; choose a new file name (a plan is never overwritten)")
     if not out.parent.is_dir():
         raise SplicerError(f"the folder of -o ({out.parent}) does not exist; create it first")
-    from .arch import all_classes
-    from .corpora import check_hub_corpora
+    from ..arch import all_classes
+    from ..corpora.core import check_hub_corpora
 
     # Before the build is opened (or downloaded): the plan is written to be run, and its Hub corpora could not be read.
     check_hub_corpora(

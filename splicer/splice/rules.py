@@ -4,10 +4,10 @@ module in splicer/formats/; what they share, the Reading and Report, is formats/
 
 from __future__ import annotations
 
-from .arch import Architecture
-from .formats.readings import Report
-from .formats.registry import format_or_default
-from .module import Module
+from ..arch import Architecture
+from ..formats.module import Module
+from ..formats.readings import Report
+from ..formats.registry import format_or_default
 
 
 def check(modules: dict[str, Module], qc: dict | None, arch: Architecture, tensor_dtypes: dict[str, str] | None = None) -> Report:

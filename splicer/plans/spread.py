@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 
-from .errors import SplicerError
+from ..errors import SplicerError
 from .plan import PlannedRow, Row
 
 SPREAD_REPEAT_REASON = "spread over GPUs: the build is timed at the start and end of every GPU instead"

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from .config_schema import MISSING, check_value, expect
-from .corpora import check_name, validate_spec
-from .errors import SplicerError
-from .selection import canonical_entries, entry_class, normalize_entry
+from ..corpora.core import check_name, validate_spec
+from ..errors import SplicerError
+from ..io.config_schema import MISSING, check_value, expect
+from ..splice.selection import canonical_entries, entry_class, normalize_entry
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -215,8 +215,8 @@ def write_plan(out: Path, data: dict, header: str) -> Path:
     (outputs.write_file: a read-only folder or a full disk is one line, and leaves nothing)."""
     import tomli_w
 
-    from .arch import all_classes
-    from .outputs import write_file
+    from ..arch import all_classes
+    from ..io.outputs import write_file
 
     text = f"# {header}\n" + tomli_w.dumps(data)
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import re
 
-from .arch import Architecture, family_mismatch
-from .checkpoint import Checkpoint
-from .errors import SplicerError
-from .formats.layouts import is_packed_tensor
-from .formats.registry import format_or_default, read_format
-from .module import Module
+from ..arch import Architecture, family_mismatch
+from ..errors import SplicerError
+from ..formats.layouts import is_packed_tensor
+from ..formats.module import Module
+from ..formats.registry import format_or_default, read_format
+from ..io.checkpoint import Checkpoint
 from .selection import DRAFTER_CLASS, check_serves, clip, entry_layers, layer_numbers, layers_read, split_restore
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import struct
 from collections import defaultdict
 
-from .checkpoint import Checkpoint
-from .errors import SplicerError
-from .formats.layouts import (
+from ..errors import SplicerError
+from ..formats.layouts import (
     PLAIN_SUFFIXES,
     QUANT_SUFFIXES,
     QUANTIZED_WEIGHT_DTYPES,
@@ -16,9 +15,10 @@ from .formats.layouts import (
     layout_method,
     weight_scale_strategy,
 )
-from .formats.registry import config_block
-from .module import Module
-from .safetensors_io import DTYPE_SIZES, ByteSource, TensorInfo
+from ..formats.module import Module
+from ..formats.registry import config_block
+from ..io.checkpoint import Checkpoint
+from ..io.safetensors_io import DTYPE_SIZES, ByteSource, TensorInfo
 
 
 class _SmallReader:

@@ -1,4 +1,4 @@
-"""`splicer budget DIR`: the search over the model of budget.py under the limits, and `--verify N`.
+"""`splicer budget DIR`: the search over the model of analysis/budget.py under the limits, and `--verify N`.
 
 `--verify N` picks N points of the front that no row measured (the lowest predicted KL first, the rest spread along
 the front), adds them to DIR's job as plan rows (with one more engine of the build, so the decode intervals gain a
@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .budget import (
+from ..analysis.budget import (
     Additivity,
     Model,
     PositionScores,
@@ -36,7 +36,7 @@ from .budget import (
     variant_decode,
     variant_kl,
 )
-from .errors import SplicerError
+from ..errors import SplicerError
 
 BUDGET_JSON = "budget.json"
 VERIFY_PLAN = "budget-plan.toml"
@@ -44,8 +44,8 @@ VERIFY_PLAN = "budget-plan.toml"
 
 def _settings_from_job(job: dict, results: dict, progress: bool, own_inputs: tuple = ()):
     """DIR's own run settings, so that the verified rows are measured exactly as the rest."""
-    from .ablate import AblateSettings
-    from .backends import options_type
+    from ..ablate import AblateSettings
+    from ..backends import options_type
 
     st = job.get("settings") or {}
     bw = results.get("bandwidth_bytes_per_s")
@@ -70,8 +70,8 @@ def verify_plan(folder: Path, results: dict, points: list[tuple[str, list[str]]]
     restore entries): chosen now, or an interrupted verification's again) and one more engine of the build when the
     run is timed, checked by reading it back as any plan is read; and the rows to run (those points and that engine:
     other unfinished rows of DIR's plan stay as they are)."""
-    from .arch import all_classes
-    from .plan import load_plan, write_plan
+    from ..arch import all_classes
+    from ..plans.plan import load_plan, write_plan
 
     job = results.get("job") or {}
     source = (results.get("plan") or {}).get("source")
@@ -136,7 +136,7 @@ DROPPED = "its row is no longer in this folder's results (a rerun of another pla
 def _entries(e: dict) -> list[str]:
     """The restore a stored prediction's row was added with (for an entry written before they were stored: its atoms
     in one spelling, as Prediction.entries writes them)."""
-    from .selection import canonical_entries
+    from ..splice.selection import canonical_entries
 
     entries = e.get("entries")
     if isinstance(entries, list) and entries and all(isinstance(x, str) for x in entries):
@@ -200,7 +200,7 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
     change from the build, with the engine spread of the run (the point's engines, its atoms' and the build's).
     The model must be fitted on the corpus the prediction was made on. A row no longer in the results (a rerun of
     another plan dropped it) leaves the prediction alone, marked so."""
-    from .metrics import paired_comparison
+    from ..analysis.metrics import paired_comparison
 
     out = {k: v for k, v in stored.items() if k not in STRIPPED and k != "missing"}
     row = next((v for v in results.get("variants", []) if v.get("name") == stored["row"] and v.get("status") == "ok"), None)
@@ -325,10 +325,10 @@ def _run_verification(
     when ablate refuses before changing DIR (results.json untouched), both are put back as they were."""
     import sys
 
-    from .ablate import run_ablate
-    from .ablate.job import job_input
-    from .outputs import write_file, write_json
-    from .table import load_results
+    from ..ablate import run_ablate
+    from ..ablate.job import job_input
+    from ..analysis.table import load_results
+    from ..io.outputs import write_file, write_json
 
     if resumed and progress:
         print(f"resuming the verification an earlier --verify began: {', '.join(n for n, _ in points)}", file=sys.stderr)
@@ -367,9 +367,9 @@ def _check_inputs(folder: Path, job: dict) -> tuple:
     real paths holds them as ablate was given them, a relative path relative to the folder ablate ran in), and DIR must be an output ablate may write to with them as inputs; checked before
     --verify writes anything. Returns the inputs DIR itself holds because splicer wrote them there (the demo's pair),
     which ablate is then told are its own."""
-    from .ablate.job import job_input
-    from .checkpoint import open_checkpoint
-    from .outputs import ABLATE, check_output, own_inputs_inside
+    from ..ablate.job import job_input
+    from ..io.checkpoint import open_checkpoint
+    from ..io.outputs import ABLATE, check_output, own_inputs_inside
 
     roots = []
     for role in ("build", "base"):
@@ -402,7 +402,7 @@ def budget_report(
     """The search's text, and False when a row --verify ran did not finish (the text names it)."""
     from tabulate import tabulate
 
-    from .table import load_results
+    from ..analysis.table import load_results
 
     folder = Path(folder)
     results = load_results(folder)
@@ -472,10 +472,10 @@ def budget_report(
         ]
         + pending,
     }
-    from .outputs import write_json
+    from ..io.outputs import write_json
 
     if verify:
-        from .outputs import exclusive
+        from ..io.outputs import exclusive
 
         points = [(e["row"], _entries(e)) for e in unfinished] or [(p.row_name, p.entries) for p in chosen]
         # One verification per folder at a time: its plan file and predictions are written before ablate takes DIR's lock.

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import SplicerError
+from ..errors import SplicerError
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import Checkpoint, load_shard_header
-from .dtypes import torch_dtype
-from .formats.layouts import QUANT_SUFFIXES
+from ..formats.layouts import QUANT_SUFFIXES
+from ..io.checkpoint import Checkpoint, load_shard_header
+from ..io.dtypes import torch_dtype
+from ..io.safetensors_io import TensorInfo
 from .modules import list_modules
-from .safetensors_io import TensorInfo
 
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import SplicerError
+from ..errors import SplicerError
 
 LAYER_PART = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 _CLASS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

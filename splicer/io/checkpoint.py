@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from .arch import Architecture, get_architecture
+from ..arch import Architecture, get_architecture
+from ..errors import SplicerError
+from ..formats.registry import format_of
 from .config_schema import QC, check_common_fields, check_fields
-from .errors import SplicerError
-from .formats.registry import format_of
 from .safetensors_io import ShardHeader, TensorInfo, headers_digest, read_header
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -19,27 +19,28 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__, faults
-from .arch import Architecture
-from .checkpoint import (
+from .. import __version__
+from ..arch import Architecture
+from ..errors import SplicerError
+from ..formats.layouts import LAYOUT, QUANT_SUFFIXES
+from ..formats.module import Module
+from ..io import faults
+from ..io.checkpoint import (
     INDEX_NAME,
     Checkpoint,
     load_shard_header,
     open_checkpoint,
 )
+from ..io.outputs import PARTIAL_SUFFIX, SPLICE, check_output, local_folder, lock_output, replace_dir, sibling, write_error
+from ..io.progress import SILENT, Stages
+from ..io.safetensors_io import ByteSource, CastSource, OutTensor, write_shard
 from .config_edit import (
     exclusions,
     modules_after,
     restored_config,
 )
-from .errors import SplicerError
-from .formats.layouts import LAYOUT, QUANT_SUFFIXES
-from .module import Module
 from .modules import list_modules, weight_source
-from .outputs import PARTIAL_SUFFIX, SPLICE, check_output, local_folder, lock_output, replace_dir, sibling, write_error
-from .progress import SILENT, Stages
 from .rules import check
-from .safetensors_io import ByteSource, CastSource, OutTensor, write_shard
 from .selection import format_layers
 from .unquantized import SMOOTHING_NOTE, changed_text, compare_unquantized, unquantized_names
 from .validate import (

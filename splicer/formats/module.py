@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .safetensors_io import ByteSource, TensorInfo
+from ..io.safetensors_io import ByteSource, TensorInfo
 
 
 @dataclass

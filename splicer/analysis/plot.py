@@ -23,9 +23,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..errors import SplicerError
+from ..io.outputs import write_file
 from .budget import finite_number, pareto
-from .errors import SplicerError
-from .outputs import write_file
 from .table import UNUSABLE, load_results
 
 PLOT_STEM = "plot-kl"

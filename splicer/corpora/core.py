@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from ..errors import SplicerError
+from ..io.config_schema import MISSING, check_value, describe, expect
 from .chat import HISTORY_TURNS, user_turns
-from .config_schema import MISSING, check_value, describe, expect
-from .errors import SplicerError
 
 KINDS = ("builtin", "text", "hub", "chat", "random")
 CORPUS_KEYS = {

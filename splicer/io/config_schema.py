@@ -20,7 +20,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .errors import SplicerError
+from ..errors import SplicerError
 
 # JSON kinds, by the name messages use. bool is not an int here (Python's bool is), nor is 4.0.
 KINDS = {

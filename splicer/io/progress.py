@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import SplicerError
+from ..errors import SplicerError
 
 
 class Stages:

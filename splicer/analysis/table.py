@@ -52,7 +52,7 @@ import math
 import re
 from pathlib import Path
 
-from .errors import SplicerError
+from ..errors import SplicerError
 from .metrics import TOO_FEW_NOTE, excludes_zero
 
 
@@ -387,7 +387,7 @@ def _footnotes(results: dict) -> list[str]:
     build_kl = pooled_kl(build) if build else None
     # The MTP head (drafter) never runs in a scoring pass: a row's restore of it changes no score, so it is left out of
     # the comparison (DeepSeek's and GLM's all-but-experts rows restore it with the rest).
-    from .selection import DRAFTER_CLASS
+    from ..splice.selection import DRAFTER_CLASS
 
     scored = lambda v: set(v["restored"]) - {DRAFTER_CLASS}  # noqa: E731
     singles = {next(iter(scored(v))): v for v in ok.values() if len(scored(v)) == 1 and len(v["restored"]) == 1}
