@@ -35,28 +35,45 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def copy_with(src: Path, dst: Path, change: dict) -> Path:
+    """A copy of a checkpoint with some tensors replaced (name -> function of the old tensor). Changed shards are new
+    files: the copy may share inodes with the fixture, which is never written through."""
+    shutil.copytree(src, dst)
+    index = json.loads((dst / INDEX_NAME).read_text())["weight_map"]
+    for shard in sorted({index[n] for n in change}):
+        with safe_open(str(dst / shard), "pt") as f:
+            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        for n, fn in change.items():
+            if n in tensors:
+                tensors[n] = fn(tensors[n])
+        (dst / shard).unlink()
+        save_file(tensors, str(dst / shard), metadata=meta)
+    return dst
+
+
+def _named(folder: Path, suffix: str) -> str:
+    return next(n for n in json.loads((folder / INDEX_NAME).read_text())["weight_map"] if n.endswith(suffix))
+
+
+def _rounded(t: torch.Tensor) -> torch.Tensor:
+    rounded = _offset_roundtrip(t)
+    assert not torch.equal(rounded, t), "the fixture's norm must hold values the round trip changes"
+    return rounded
+
+
+def _nudged(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[0] += 0.5
+    return t
+
+
 @pytest.fixture(scope="module")
 def rounded_build(pairs, tmp_path_factory) -> tuple[Path, Path, str]:
     """The per-expert lowlatency build with one layer norm rounded as llm-compressor 0.14 rounds offset norms, and
     the final norm nudged; returns (build, base, the norm's name)."""
     src, base = pairs["per_expert"]["lowlatency"], pairs["per_expert"]["base"]
-    out = tmp_path_factory.mktemp("rounded") / "build"
-    shutil.copytree(src, out)
-    index = json.loads((out / INDEX_NAME).read_text())["weight_map"]
-    name = next(n for n in index if n.endswith("layers.0.input_layernorm.weight"))
-    final = next(n for n in index if n.endswith("language_model.norm.weight"))
-    for shard in sorted({index[name], index[final]}):
-        with safe_open(str(out / shard), "pt") as f:
-            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-        if name in tensors:
-            rounded = _offset_roundtrip(tensors[name])
-            assert not torch.equal(rounded, tensors[name]), "the fixture's norm must hold values the round trip changes"
-            tensors[name] = rounded
-        if final in tensors:
-            tensors[final] = tensors[final].clone()
-            tensors[final][0] += 0.5
-        (out / shard).unlink()  # the copy may share an inode with the fixture: write a new file, never through it
-        save_file(tensors, str(out / shard), metadata=meta)
+    name, final = _named(src, "layers.0.input_layernorm.weight"), _named(src, "language_model.norm.weight")
+    out = copy_with(src, tmp_path_factory.mktemp("rounded") / "build", {name: _rounded, final: _nudged})
     return out, base, name
 
 
@@ -142,24 +159,18 @@ def test_report_names_error_outside_every_class(restored, kl_lo, expected):
 
 @pytest.fixture(scope="module")
 def smoothed_build(pairs, tmp_path_factory) -> tuple[Path, Path]:
-    """The lowlatency build with an AWQ-like change: a post-attention norm and its layer's router scaled by s, 1/s."""
+    """The lowlatency build with an AWQ-like change: a post-attention norm and its layer's router scaled by 1/s, s."""
     src, base = pairs["per_expert"]["lowlatency"], pairs["per_expert"]["base"]
-    out = tmp_path_factory.mktemp("smoothed") / "build"
-    shutil.copytree(src, out)
-    index = json.loads((out / INDEX_NAME).read_text())["weight_map"]
-    norm = next(n for n in index if n.endswith("layers.0.post_attention_layernorm.weight"))
-    router = next(n for n in index if n.endswith("layers.0.mlp.gate.weight"))
-    for shard in sorted({index[norm], index[router]}):
-        with safe_open(str(out / shard), "pt") as f:
-            tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-        s = torch.linspace(0.5, 2.0, tensors[norm].numel() if norm in tensors else tensors[router].shape[1])
-        if norm in tensors:
-            tensors[norm] = ((1 + tensors[norm].float()) / s - 1).to(tensors[norm].dtype)
-        if router in tensors:
-            tensors[router] = (tensors[router].float() * s).to(tensors[router].dtype)
-        (out / shard).unlink()
-        save_file(tensors, str(out / shard), metadata=meta)
-    return out, base
+    norm, router = _named(src, "layers.0.post_attention_layernorm.weight"), _named(src, "layers.0.mlp.gate.weight")
+
+    def scale(t: torch.Tensor) -> torch.Tensor:
+        return torch.linspace(0.5, 2.0, t.shape[-1])
+
+    change = {
+        norm: lambda t: ((1 + t.float()) / scale(t) - 1).to(t.dtype),
+        router: lambda t: (t.float() * scale(t)).to(t.dtype),
+    }
+    return copy_with(src, tmp_path_factory.mktemp("smoothed") / "build", change), base
 
 
 def test_smoothing_is_told_from_rounding(rounded_build, smoothed_build):
