@@ -20,6 +20,9 @@ import re
 import statistics
 import sys
 from datetime import datetime
+from pathlib import Path
+
+from splicer.io import results_record
 
 LINE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ) (.*)$")
 END_ENGINE = re.compile(r".+-end-gpu(\S+)")  # a GPU's last engine of the build in a run spread over GPUs (spread.py)
@@ -116,7 +119,9 @@ def main() -> None:
         first = data["invocations"][0]["before_first_row_s"]
         gpu_of = {}
         if len(sys.argv) > 3:
-            gpu_of = {v["name"]: v["gpu"] for v in json.load(open(sys.argv[3]))["variants"] if v.get("gpu") is not None}
+            gpu_of = {
+                v["name"]: v["gpu"] for v in results_record.read(Path(sys.argv[3]).parent)["variants"] if v.get("gpu") is not None
+            }
         if gpu_of:
             data["estimate_one_invocation_s"] = spread_estimate(data, n, gpu_of)
         else:

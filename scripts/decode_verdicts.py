@@ -10,10 +10,11 @@ whenever the method changes; its score verdicts need the per-position scores, wh
 
 from __future__ import annotations
 
-import json
 import sys
+from pathlib import Path
 
 from splicer.analysis.verdicts import build_engine_agreement, decode_vs_build
+from splicer.io import results_record
 
 
 def _pct(x: float) -> str:
@@ -21,7 +22,7 @@ def _pct(x: float) -> str:
 
 
 def lines(path: str) -> list[str]:
-    results = json.load(open(path))
+    results = results_record.read(Path(path).parent)
     out = [f"{path}"]
     engines = build_engine_agreement(results)
     if engines:

@@ -16,10 +16,10 @@ import json
 import random
 import statistics
 import sys
-from pathlib import Path
 
 from splicer.analysis.metrics import engine_level
 from splicer.analysis.verdicts import decode_difference, timed_engines
+from splicer.io import results_record
 
 TRIALS, SEED, BLOCKS, BLOCK_SD, PLANTED, MS = 2000, 4, 5, 0.001, 0.02, 4.38
 
@@ -41,7 +41,7 @@ def resolved_share(sd: float) -> float:
 def main(folders: list[str]) -> int:
     runs = {}
     for folder in folders:
-        results = json.loads((Path(folder) / "results.json").read_text())
+        results = results_record.read(folder)
         means = [engine_level(blocks) for blocks in timed_engines(results, "build")]
         runs[folder] = {"engine_levels_ms": means, "sd_percent": 100 * statistics.stdev(means) / statistics.mean(means)}
     spreads = sorted({0.15, *(round(r["sd_percent"], 2) for r in runs.values())})

@@ -11,9 +11,10 @@ from typing import Any
 
 from ..errors import SplicerError
 from ..io.progress import Stages
+from ..io.results_record import FILE, json_default
 from ..plans.plan import Plan
 
-RESULTS = "results.json"
+RESULTS = FILE  # DIR/results.json: read and written only through io.results_record
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class AblateRun:
 
 
 def atomic_json(path: Path, data) -> None:
-    atomic_text(path, json.dumps(data, indent=2, default=_jsonable) + "\n")
+    atomic_text(path, json.dumps(data, indent=2, default=json_default) + "\n")
 
 
 def atomic_text(path: Path, text: str) -> None:
@@ -104,14 +105,6 @@ def atomic_text(path: Path, text: str) -> None:
         tmp=path.with_suffix(path.suffix + ".tmp"),
         error=lambda e, p: write_error(e, p.parent),
     )
-
-
-def _jsonable(o):
-    if isinstance(o, Path):
-        return str(o)
-    if isinstance(o, float) and (o != o):
-        return None
-    raise TypeError(type(o))
 
 
 @contextmanager

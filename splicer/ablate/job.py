@@ -15,8 +15,9 @@ from pathlib import Path
 from .. import __version__
 from ..corpora.core import Corpus, build_corpus
 from ..errors import SplicerError
+from ..io import results_record
 from ..plans.plan import Plan
-from .common import RESULTS, AblateSettings, atomic_json, parts_digest
+from .common import AblateSettings, atomic_json, parts_digest
 
 
 def override_corpora(plan: Plan, overrides: dict[str, str]) -> list[dict]:
@@ -259,8 +260,7 @@ def write_job(out: Path, job: dict, stages, extend_only: bool = False) -> tuple[
     whose definition is unchanged, and its run records, both only when the two jobs measure alike (same_measurements):
     rows may be added to a plan, or changed, and only those run. Splices made from another build or base are removed.
     extend_only (`splicer budget --verify`): refuse, before anything changes, a job that does not measure as DIR's."""
-    results_path = out / RESULTS
-    previous = json.loads(results_path.read_text()) if results_path.exists() else None
+    previous = results_record.read(out) if results_record.path_of(out).exists() else None
     before = (previous or {}).get("job")
     alike = same_measurements(before, job)
     if extend_only and not alike:

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from ..corpora.core import Corpus
-from .common import RESULTS, AblateRun, atomic_json, atomic_text
+from ..io import results_record
+from .common import AblateRun, atomic_text
 from .job import host_info, started_from_cli
 from .scores import noise_floor
 
@@ -81,7 +82,7 @@ def finish_results(results: dict, out: Path, backends, reps: int = 2000) -> None
 
     results["time_breakdown"] = time_breakdown(results)
     attach(results, out, reps)
-    atomic_json(out / RESULTS, results)
+    results_record.write(out, results)
     atomic_text(out / "table.md", render_markdown(results) + "\n")
     if (out / "plot-kl.png").exists():  # `splicer plot DIR` made one: keep the table's link to it
         from ..analysis.plot import link

@@ -291,9 +291,9 @@ def _engine_spread(results: dict) -> tuple[float | None, int]:
 
 
 def fit(results: dict, corpus: str | None = None) -> Model:
-    """The additive model of a results folder (see the module docstring). Rows load_results marked unusable (a NaN
+    """The additive model of a results folder (see the module docstring). Rows results_record.load marked unusable (a NaN
     or infinite measurement) are left out, and listed in Model.left_out."""
-    from .table import UNUSABLE
+    from ..io.results_record import UNUSABLE
 
     ok = [
         v

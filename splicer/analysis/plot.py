@@ -24,9 +24,10 @@ import re
 from pathlib import Path
 
 from ..errors import SplicerError
+from ..io import results_record
 from ..io.outputs import write_file
+from ..io.results_record import UNUSABLE
 from .budget import finite_number, pareto
-from .table import UNUSABLE, load_results
 
 PLOT_STEM = "plot-kl"
 SHORT_LABEL_CHARS = 28  # longer labels are drawn as P1, P2... and spelled out in a key under the panels
@@ -146,7 +147,7 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
     import matplotlib.pyplot as plt
 
     folder = Path(folder)
-    results = load_results(folder)
+    results = results_record.load(folder)
     points = _points(results)
     corpora = [c for c in (results.get("corpora") or {}) if any(c in p["metrics"] for p in points)] or sorted(
         {c for p in points for c in p["metrics"]}
@@ -477,7 +478,7 @@ def link(folder: Path) -> bool:
     if not table.exists():
         return False
     text = "\n".join(line for line in table.read_text().splitlines() if not line.startswith(LINK_LINE)).rstrip("\n")
-    png, results = folder / f"{PLOT_STEM}.png", folder / "results.json"
+    png, results = folder / f"{PLOT_STEM}.png", results_record.path_of(folder)
     stale = png.exists() and results.exists() and png.stat().st_mtime_ns < results.stat().st_mtime_ns
     note = " It was drawn before the last rows finished: run `splicer plot DIR` again." if stale else ""
     line = f"{text}\n\n{LINK_LINE}: [{PLOT_STEM}.png]({PLOT_STEM}.png) ([SVG]({PLOT_STEM}.svg)).{note}\n"

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..io import results_record
 from .metrics import TOO_FEW_NOTE, excludes_zero
-from .table import fmt_change, load_results
+from .table import fmt_change
 
 
 def _score_clause(cmp: dict | None, label: str, scale: float, unit: str, rel: bool, digits: int | None = None) -> str | None:
@@ -159,4 +160,4 @@ def render_report(results: dict) -> str:
 
 
 def report(out_dir: Path) -> str:
-    return render_report(load_results(out_dir))
+    return render_report(results_record.load(out_dir))

@@ -53,6 +53,7 @@ import re
 from pathlib import Path
 
 from ..errors import SplicerError
+from ..io import results_record
 from .metrics import TOO_FEW_NOTE, excludes_zero
 
 
@@ -515,113 +516,8 @@ def _csv_cell(x) -> str:
     return str(x)
 
 
-def load_results(out_dir: Path) -> dict:
-    """DIR/results.json, checked once for what every reader relies on (check_results), or a one-line error saying
-    what is wrong and how to get a good one (table, compare, report, budget and plot read it)."""
-    path = Path(out_dir) / "results.json"
-    if path.is_dir():
-        raise SplicerError(
-            f"{path} is a folder, not the results file; pass the folder splicer ablate or score wrote "
-            "(the one holding results.json)"
-        )
-    if not path.exists():
-        raise SplicerError(f"{path} does not exist; run splicer ablate with -o {out_dir} first")
-    try:
-        results = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise SplicerError(f"{path} cannot be read ({e.strerror}); ask its owner for read access, or copy it") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise SplicerError(f"{path} is not valid JSON; rerun splicer ablate to rewrite it") from None
-    if not isinstance(results, dict) or not isinstance(results.get("variants"), list):
-        raise SplicerError(
-            f"{path} is not a splicer results file (no variants list); pass a folder splicer ablate or score wrote"
-        )
-    check_results(results, path)
-    return results
-
-
-KL_TOLERANCE = 1e-6  # a mean of per-position KLs that are each >= 0 up to float rounding: below -this it is no KL
-UNUSABLE = "unusable"  # set (in memory, never written) on a row whose measurements are not finite numbers: why
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def check_results(results: dict, path: Path) -> None:
-    """What the readers of results.json rely on, checked once. A hand edit or a foreign file gets one line naming the
-    row and the field: a row that is not an object or has no name, a metric, size or timing that is not a number (a
-    string, true/false), a negative KL or a decode time at or below 0 (no measurement gives either). A NaN or infinite
-    measurement is what a broken variant scores (its logits were NaN): that row is kept for the table but marked
-    UNUSABLE with the reason, and budget and plot leave it out and say so."""
-    fix = "restore results.json from the run, or rerun splicer ablate on it"
-    seen = set()
-    for i, v in enumerate(results["variants"]):
-        if not isinstance(v, dict):
-            raise SplicerError(f"{path}: variants[{i}] is {type(v).__name__}, not a row (an object); {fix}")
-        name = v.get("name")
-        if not isinstance(name, str) or not name:
-            raise SplicerError(f"{path}: variants[{i}] has no name; {fix}")
-        if name in seen:  # ablate writes one entry per row: readers would take either of the two
-            raise SplicerError(f"{path}: variants[{i}] is a second row named {name[:60]!r}; {fix}")
-        seen.add(name)
-        where = f"{path}: row {name[:60]!r}"
-        bad = []
-
-        def number(value, field: str, low: float | None = None, strict: bool = False) -> None:
-            if value is None:
-                return
-            if not _number(value):
-                raise SplicerError(f"{where}: {field} is {str(value)[:20]!r}, not a number; {fix}")
-            if not math.isfinite(value):
-                bad.append(f"{field} is {value}")
-            elif low is not None and (value <= low if strict else value < low):
-                raise SplicerError(
-                    f"{where}: {field} is {value:g}, "
-                    + ("at or below 0 (a time is positive)" if strict else "below 0 (KL is never negative)")
-                    + f"; {fix}"
-                )
-
-        metrics = v.get("metrics")
-        finished = v.get("status") == "ok"  # a finished row was scored on every corpus: its KL is never missing
-        if (metrics is not None or finished) and not isinstance(metrics, dict):
-            raise SplicerError(f"{where}: metrics is {'missing' if metrics is None else 'not an object'}; {fix}")
-        for corpus, m in (metrics or {}).items():
-            if not isinstance(m, dict):
-                raise SplicerError(f"{where}: metrics of corpus {str(corpus)[:40]!r} is not an object; {fix}")
-            if finished and m.get("kl") is None:
-                raise SplicerError(f"{where}: KL on {corpus} is missing; {fix}")
-            number(m.get("kl"), f"KL on {corpus}", -KL_TOLERANCE)
-            for key in ("top1", "dnll"):
-                number(m.get(key), f"{key} on {corpus}")
-            for key in ("kl_ci", "top1_ci", "dnll_ci"):
-                ci = m.get(key)
-                if ci is not None and not (isinstance(ci, list) and len(ci) == 2):
-                    raise SplicerError(f"{where}: {key} on {corpus} is not a pair of numbers; {fix}")
-                for x in ci or []:
-                    number(x, f"{key} on {corpus}")
-        number(v.get("size_bytes"), "size_bytes", 0)
-        number(v.get("decode_ms_per_token"), "decode_ms_per_token", 0, strict=True)
-        timing = v.get("timing")
-        if timing is not None and not isinstance(timing, dict):
-            raise SplicerError(f"{where}: timing is not an object; {fix}")
-        blocks = (timing or {}).get("per_run_ms")
-        if blocks is not None and not isinstance(blocks, list):
-            raise SplicerError(f"{where}: timing.per_run_ms is not a list; {fix}")
-        for x in blocks or []:
-            if v.get("decode_ms_per_token") is not None:
-                number(x, "a timing block (per_run_ms)")
-            elif x is not None and not _number(x):  # unresolved (a block's estimate at or below 0): numbers all the same
-                raise SplicerError(f"{where}: a timing block (per_run_ms) is {str(x)[:20]!r}, not a number; {fix}")
-        d = v.get("decode_vs_build")
-        if isinstance(d, dict):
-            number(d.get("engine_sd_ms"), "decode_vs_build.engine_sd_ms", 0)
-        if bad:
-            v[UNUSABLE] = "; ".join(bad)
-
-
 def render(out_dir: Path, fmt: str = "markdown") -> str:
-    results = load_results(out_dir)
+    results = results_record.load(out_dir)
     if fmt == "markdown":
         return render_markdown(results)
     if fmt in ("csv", "json"):
@@ -644,7 +540,7 @@ def compare(out_dir: Path, a: str, b: str) -> str:
     from .verdicts import compare_scores, fold_noise, noise_text
 
     out_dir = Path(out_dir)
-    results = load_results(out_dir)
+    results = results_record.load(out_dir)
     ok = {v["name"] for v in results["variants"] if v.get("status") == "ok"}
     for name in (a, b):
         if name not in ok:

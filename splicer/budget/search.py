@@ -327,12 +327,12 @@ def _run_verification(
 
     from ..ablate import run_ablate
     from ..ablate.job import job_input
-    from ..analysis.table import load_results
+    from ..io import results_record
     from ..io.outputs import write_file, write_json
 
     if resumed and progress:
         print(f"resuming the verification an earlier --verify began: {', '.join(n for n, _ in points)}", file=sys.stderr)
-    plan_path, results_path = folder / VERIFY_PLAN, folder / "results.json"
+    plan_path, results_path = folder / VERIFY_PLAN, results_record.path_of(folder)
     kept = {p: p.read_bytes() if p.exists() else None for p in (plan_path, record_path, results_path)}
     plan_path, to_run = verify_plan(folder, results, points)
     try:
@@ -354,7 +354,7 @@ def _run_verification(
                 else:
                     write_file(path, lambda tmp, old=old: tmp.write_bytes(old))
         raise
-    results = load_results(folder)
+    results = results_record.load(folder)
     model = fit(results, corpus)  # the verified rows now measure the additivity too
     scores = PositionScores(folder, list(results.get("corpora") or {}))
     _, _, best, cost = _search(model, scores, max_decode_ms, max_gb, max_kl)
@@ -402,10 +402,10 @@ def budget_report(
     """The search's text, and False when a row --verify ran did not finish (the text names it)."""
     from tabulate import tabulate
 
-    from ..analysis.table import load_results
+    from ..io import results_record
 
     folder = Path(folder)
-    results = load_results(folder)
+    results = results_record.load(folder)
     if verify < 0:
         raise SplicerError(f"--verify {verify}: give how many points of the front to splice and measure (1 or more)")
     for flag, value in (("--max-decode-ms", max_decode_ms), ("--max-gb", max_gb), ("--max-kl", max_kl)):

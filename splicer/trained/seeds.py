@@ -16,8 +16,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from ..analysis.table import load_results
 from ..errors import SplicerError, exit_code
+from ..io import results_record
 
 DEFAULT_ROWS = ("lm_head", "gdn", "attention", "shared_expert")
 
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         names = tuple(args.names.split(","))
         if len(names) != 2:
             raise SplicerError(f"--names {args.names!r}: give two names separated by a comma")
-        sys.stdout.write(compare(load_results(args.a), load_results(args.b), tuple(args.rows.split(",")), names))
+        sys.stdout.write(compare(results_record.load(args.a), results_record.load(args.b), tuple(args.rows.split(",")), names))
         return 0
 
     return exit_code(run)
