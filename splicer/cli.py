@@ -615,7 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--builds",
         default=BUILDS_DEFAULT,
         help="comma list of build kinds (see BUILD_KINDS in splicer/fixtures/core.py): lowlatency, lowlatency-nomtp, experts-g32, "
-        "gptq-experts-g32, w4a16, w8a16, w8a8, fp8-dynamic, fp8-block, nvfp4a16, mixed, fp8-native, awq",
+        "gptq-experts-g32, w4a16, w8a16, w8a8, fp8-dynamic, fp8-block, nvfp4a16, mixed, fp8-native, awq, fbgemm-fp8",
     )
     s.add_argument(
         "--family",

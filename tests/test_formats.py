@@ -28,7 +28,10 @@ FORMATS = {
     "mixed": ("fp8 channel", "mixed-precision", 0.05),
     "fp8-native": ("fp8 block128x128", "block128x128", 0.05),
     "awq": ("int4 g128", "gemm", 0.15),
+    "fbgemm-fp8": ("fp8 channel", "per-channel", 0.05),
 }
+# Builds whose routed experts stay BF16 (their format's loaders quantize no MoE layer).
+BF16_EXPERTS = ("fbgemm-fp8",)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +114,9 @@ def test_torch_backend_dequantizes_each_format(base_model, builds, kind):
         "model.layers.2.mlp.shared_expert.down_proj.weight",
     ):
         rel = _rel(pq[name], pb[name])
+        if kind in BF16_EXPERTS and "experts" in name:
+            assert rel == 0, (name, rel)
+            continue
         assert 0 < rel < (0.15 if kind == "mixed" and "experts" in name else bound), (name, rel)
     assert torch.equal(pq["model.layers.0.linear_attn.in_proj_a.weight"], pb["model.layers.0.linear_attn.in_proj_a.weight"])
 
@@ -229,6 +235,38 @@ def test_native_fp8_one_listed_expert_unquantizes_the_layer_in_vllm(builds, tmp_
     assert "layers.1.mlp.experts.0." in issues[0]["detail"]
 
 
+def test_fbgemm_fp8_experts_stored_fp8_are_flagged(builds, tmp_path):
+    """vLLM's FBGEMM FP8 loader quantizes only LinearBase layers, so a MoE layer loads BF16 whatever the list says, and
+    transformers replaces only nn.Linear: layer 1's experts stored FP8 under fbgemm_fp8 are flagged, not read as FP8."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from splicer.formats.fbgemm_fp8 import FORMAT
+
+    src, folder = builds["fbgemm-fp8"], tmp_path / "b"
+    folder.mkdir()
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    experts = "model.language_model.layers.1.mlp.experts."
+    shards = {f for t, f in index["weight_map"].items() if t.startswith(experts)}
+    for p in src.iterdir():
+        if p.name not in shards and p.name != "model.safetensors.index.json":
+            os.link(p, folder / p.name)
+    for shard in shards:
+        tensors = load_file(str(src / shard))
+        for name in [t for t in tensors if t.startswith(experts) and t.endswith(".weight")]:
+            packed = quantize_weight(tensors.pop(name), FORMAT.module_scheme({}, None))
+            for leaf, t in packed.items():
+                tensors[name.rpartition(".")[0] + "." + leaf] = t.contiguous()
+                index["weight_map"][name.rpartition(".")[0] + "." + leaf] = shard
+        save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    issues = inspect_checkpoint(open_checkpoint(folder, "build"))["lint"]["issues"]
+    checks = {(i["check"], i["naming"]) for i in issues}
+    assert ("stored-quantized-read-bf16", "vllm") in checks and ("hf-cannot-load", "hf") in checks
+    assert all("layers.1.mlp.experts." in i["detail"] for i in issues if i["check"] == "stored-quantized-read-bf16")
+
+
 def test_awq_substring_entry_on_one_shard_is_refused_as_vllm_would(builds, tmp_path):
     """AWQ entries are substrings: `self_attn.q_proj` listed alone leaves k/v quantized, and vLLM refuses the fused
     qkv_proj with shards that disagree."""
@@ -330,6 +368,8 @@ def test_native_fp8_two_lists_that_differ_are_reported(builds, tmp_path):
         ("awq", lambda qc: qc.update(bits=8), "AWQ bits 8"),
         ("awq", lambda qc: qc.update(version="gemv"), "AWQ version 'gemv'"),
         ("awq", lambda qc: qc.pop("zero_point"), "no zero_point"),
+        ("fbgemm-fp8", lambda qc: qc.pop("activation_scale_ub"), "needs a positive activation_scale_ub"),
+        ("fbgemm-fp8", lambda qc: qc.pop("modules_to_not_convert"), "has no modules_to_not_convert"),
     ],
 )
 def test_bad_skip_list_configs_are_refused(pairs, builds, tmp_path, capsys, kind, edit, message):
@@ -497,6 +537,7 @@ def test_one_lookup_refuses_an_unknown_quant_method_naming_every_registered_form
         ({"quant_method": "gptq", "bits": 4}, "gptq"),
         ({"quant_method": "awq", "version": "gemm"}, "awq"),
         ({"quant_method": "fp8"}, "fp8"),
+        ({"quant_method": "fbgemm_fp8"}, "fbgemm_fp8"),
         ({}, "compressed-tensors"),  # no config: read as one that targets nothing
         ({"quant_method": "bitsandbytes"}, "compressed-tensors"),
     ],
@@ -505,4 +546,5 @@ def test_the_lookup_picks_the_format_by_quant_method(qc, method):
     from splicer.formats.registry import format_of, format_or_default
 
     assert format_or_default(qc).quant_method == method
-    assert (format_of(qc) is None) == (qc.get("quant_method") not in ("compressed-tensors", "gptq", "awq", "fp8"))
+    known = ("compressed-tensors", "gptq", "awq", "fp8", "fbgemm_fp8")
+    assert (format_of(qc) is None) == (qc.get("quant_method") not in known)

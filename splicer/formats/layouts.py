@@ -78,8 +78,15 @@ LAYOUTS = (
     # Native FP8 (DeepSeek-V3, Qwen *-FP8: quant_method fp8): fp8 weight with a 128x128 block `weight_scale_inv`
     # (a multiplier despite its name), or per-tensor `weight_scale` plus `input_scale` when activations are static (§2).
     Layout("fp8", "fp8", "weight", ("weight",), ("weight_scale_inv", "weight_scale", "input_scale")),
+    # FBGEMM FP8 (Meta's Llama 3.1 405B FP8: quant_method fbgemm_fp8): fp8 weight with a float32 per-channel
+    # `weight_scale` [N, 1]; activations are scaled dynamically under the config's activation_scale_ub.
+    Layout("fbgemm-fp8", "fbgemm_fp8", "weight", ("weight", "weight_scale")),
 )
 LAYOUT = {layout.name: layout for layout in LAYOUTS}
+# The layout of a quantized `weight` under each quant_method other than compressed-tensors (whose dtype says int or fp).
+WEIGHT_LAYOUT = {
+    layout.quant_method: layout for layout in LAYOUTS if layout.anchor == "weight" and layout.quant_method != "compressed-tensors"
+}
 # quant_method values whose layouts this table holds (a checkpoint of another method is read best effort, or refused
 # where reading matters: see registry.unreadable)
 READ_QUANT_METHODS = tuple(dict.fromkeys(layout.quant_method for layout in LAYOUTS))
@@ -112,8 +119,8 @@ def layout_for(quant_method: str | None, tensors: dict) -> Layout | None:
         return LAYOUT["ct-nvfp4" if "weight_global_scale" in tensors else "ct-pack"]
     w = tensors.get("weight")
     if w is not None and w.dtype in QUANTIZED_WEIGHT_DTYPES:
-        if quant_method == "fp8":
-            return LAYOUT["fp8"]
+        if quant_method in WEIGHT_LAYOUT:
+            return WEIGHT_LAYOUT[quant_method]
         return LAYOUT["ct-int" if w.dtype == "I8" else "ct-float"]
     return None
 

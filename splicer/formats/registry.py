@@ -7,14 +7,14 @@ from __future__ import annotations
 from functools import cache
 
 from ..errors import SplicerError
-from . import awq, compressed_tensors, fp8, gptq
+from . import awq, compressed_tensors, fbgemm_fp8, fp8, gptq
 from .base import QuantFormat
 
 
 @cache
 def registry() -> dict[str, QuantFormat]:
     """quant_method -> its format, in the order messages list them."""
-    return {f.quant_method: f for f in (compressed_tensors.FORMAT, gptq.FORMAT, awq.FORMAT, fp8.FORMAT)}
+    return {f.quant_method: f for f in (compressed_tensors.FORMAT, gptq.FORMAT, awq.FORMAT, fp8.FORMAT, fbgemm_fp8.FORMAT)}
 
 
 def format_of(qc: dict | None) -> QuantFormat | None:

@@ -100,6 +100,8 @@ class SkipListVllmReader:
 
     def _skipped(self, layer) -> bool:
         if layer.kind == "moe":
+            if not self.fmt.vllm_quantizes_moe:
+                return True
             if self.substr:
                 return self._match(layer.name)
             self.tested.add(layer.name)
@@ -139,6 +141,7 @@ class SkipListFormat(QuantFormat):
     hf_cannot_load_experts: str | None = None  # why transformers cannot load routed experts stored so (None: it can)
     vllm_matches_substring = False  # vLLM matches an entry as a substring of a layer's name, not the exact name
     vllm_detects_empty_list = False  # vLLM fills an empty list from the tensor dtypes
+    vllm_quantizes_moe = True  # vLLM's loader gives MoE layers a quantized method (False: they load as BF16)
 
     def vllm_reads_head_quantized(self, qc: dict) -> bool:
         return False
