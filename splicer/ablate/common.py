@@ -74,6 +74,7 @@ class AblateRun:
     spread: tuple | None  # with --gpus: (each GPU's first build row, each GPU's last, the other rows) (spread.py)
     backends: tuple  # one, or one per GPU; the first runs the base pass
     stages: Stages  # stage lines (stderr off a terminal, and DIR/ablate.log)
+    smoothing_warning: str | None = None  # the build's unquantized tensors changed beyond rounding (run.smoothing_warning)
 
     @property
     def backend(self):

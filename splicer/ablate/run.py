@@ -34,8 +34,8 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         stages.line(f"ablate {rows_spec} of plan {run.plan.name}: {build_src} against {base_src} into {out}")
         if note := getattr(run.backend, "threads_note", None):  # a backend that runs torch on the CPU says its thread count
             stages.line(note)
-        if warning := smoothing_warning(run):
-            stages.line(warning)
+        if run.smoothing_warning:
+            stages.line(run.smoothing_warning)
         job = make_job(
             run.plan,
             settings,
@@ -72,14 +72,12 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
             raise
 
 
-def smoothing_warning(run: AblateRun) -> str | None:
+def smoothing_warning(build, base, modules: dict) -> str | None:
     """A build whose unquantized tensors changed beyond rounding (smoothing folded in): its spliced rows do not mean
     what the table says, so the log says so before any row runs."""
     from ..splice.unquantized import SMOOTHING_NOTE, changed_text, compare_unquantized
 
-    if not any(r.restore or r.keep is not None for r in run.plan.rows if r.name in run.selected):
-        return None
-    diffs = compare_unquantized(run.build, run.base).differences
+    diffs = compare_unquantized(build, base, modules).differences
     if all(d.rounding_only for d in diffs):
         return None
     return (
@@ -165,6 +163,7 @@ def prepare_run(
         backends=backends,
         # Per run: stage lines go into this DIR's log (from the lock on: nothing is said before it).
         stages=Stages(quiet=not settings.progress, log_path=out / "ablate.log"),
+        smoothing_warning=smoothing_warning(build, base, modules) if splicing else None,
     )
     check_output(out, run.inputs, ABLATE, own=settings.own_inputs)
     return run

@@ -44,6 +44,11 @@ def _level(engines: dict) -> str:
     return "median of each engine's blocks" if engines.get("level") else "mean of each engine's blocks"
 
 
+def _floor_top(floor: dict) -> float:
+    """The noise floor's KL at the top of its interval (its point value where it has none)."""
+    return (floor.get("kl_ci") or [None, floor.get("kl", 0.0)])[1]
+
+
 def _residual_outside_classes(results: dict, variants: list[dict], build: dict | None) -> str | None:
     """A row that restores every quantized class whole yet stays measurably away from the base: the build changed
     tensors it did not quantize (a quantizer that rounds norms, say), and that error belongs to no class."""
@@ -56,12 +61,7 @@ def _residual_outside_classes(results: dict, variants: list[dict], build: dict |
         if not classes or not isinstance(restored, list) or any("@" in r for r in restored) or not classes <= set(restored):
             continue
         metrics = v.get("metrics") or {}
-
-        def floor_top(c: str) -> float:
-            f = nf.get(c) or {}
-            return (f.get("kl_ci") or [None, f.get("kl", 0.0)])[1]
-
-        above = [c for c, m in metrics.items() if m.get("kl_ci") and m["kl_ci"][0] > floor_top(c)]
+        above = [c for c, m in metrics.items() if m.get("kl_ci") and m["kl_ci"][0] > _floor_top(nf.get(c) or {})]
         # Most corpora, not one: a single corpus just over a noisy floor is not the build's own difference.
         if 2 * len(above) <= len(metrics):
             return None
@@ -72,7 +72,7 @@ def _residual_outside_classes(results: dict, variants: list[dict], build: dict |
             share = f" ({100 * (1 + rel['rel']):.1f} % of the build's [{lo:.1f}, {hi:.1f}])"
         return (
             f"{v['name']} restores every quantized class and still leaves KL {pooled_kl(v):.2g}{share}, above the noise "
-            f"floor on {len(above)} of {len(v.get('metrics') or {})} corpora: the build differs from the base outside its "
+            f"floor on {len(above)} of {len(metrics)} corpora: the build differs from the base outside its "
             "quantized modules, so that part of the error belongs to no class; `splicer inspect BUILD --base BASE` "
             "lists the tensors and `splicer splice --unquantized-from-base` gives them the base's values."
         )

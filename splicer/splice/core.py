@@ -537,7 +537,7 @@ def splice(
         check_modules_regex(modules_regex),
         allow_empty=add_mtp,
     )
-    also = set(unquantized_names(build)) if unquantized_from_base else set()
+    also = set(unquantized_names(build, modules)) if unquantized_from_base else set()
     base, add_mtp = open_base_for(
         build, base_src, picked, add_mtp, allow_quantized_base, mtp_optional=restore.strip() == "all", also=also
     )
@@ -545,7 +545,7 @@ def splice(
         classes = [c for c in classes if c != "mtp"]
     inputs = [build.root, base.root]
     out = check_output(out, inputs, SPLICE, force)
-    comparison = compare_unquantized(build, base) if unquantized_from_base else None
+    comparison = compare_unquantized(build, base, modules) if unquantized_from_base else None
     diffs = comparison.differences if comparison else []
     every_class_whole = all(per_class.get(m.cls, 0) is None for m in modules.values() if m.quantized)
     if any(not d.rounding_only for d in diffs) and not (every_class_whole and not layers and not modules_regex):
