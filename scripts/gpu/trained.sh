@@ -92,39 +92,46 @@ if ! is_done builds; then
   done_mark builds
 fi
 
+# The builds that run beside untimed work: AWQ (the slowest: a grid search per smoothed norm) and the GPTQ build re-made
+# with one class left in BF16, per class (splice against re-quantize). Each leaves a pid file the score stage waits on.
+start_side_builds() {
+  if [ ! -d "$W/seed0/awq-experts" ] && [ ! -f "$W/awq.pid" ]; then
+    rm -rf "$W/seed0/raw-awq"
+    $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw-awq" --builds awq-experts --samples "$AWQ_SAMPLES" --device $DEVICE > "$W/seed0/builds-awq.log" 2>&1 &
+    echo $! > "$W/awq.pid"
+  fi
+  for c in $REQUANT_CLASSES; do
+    { [ -d "$W/seed0/gptq-w4a16-g128-keep-$c" ] || [ -f "$W/keep-$c.pid" ]; } && continue
+    rm -rf "$W/seed0/raw-keep-$c"
+    $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw-keep-$c" --builds "gptq-w4a16-g128-keep-$c" \
+      --samples "$GPTQ_SAMPLES" --device $DEVICE > "$W/seed0/builds-keep-$c.log" 2>&1 &
+    echo $! > "$W/keep-$c.pid"
+  done
+}
+
 G=$W/seed0/gptq-w4a16-g128
+# UNTIMED=1: no decode timing anywhere (seed 0's rows and the verification too), so the side builds start at once.
+UNTIMED=${UNTIMED:-0}; TIME_ARGS=()
+if [ "$UNTIMED" = 1 ]; then TIME_ARGS=(--no-time); start_side_builds; fi
 if ! is_done ablate0; then
-  stage "ablate: seed 0 GPTQ build, default rows + one row per GDN layer (timed, alone on the GPU)"
+  stage "ablate: seed 0 GPTQ build, default rows + one row per GDN layer (timed alone on the GPU unless UNTIMED=1)"
   if [ ! -f "$W/plan0.toml" ]; then
     rm -f "$W/sweep.toml"
     python3 -m splicer plan sweep "$G" --class gdn --groups "$GDN_GROUPS" --from "$PLAN" -o "$W/sweep.toml" >> "$LOG" 2>&1
     python3 -m splicer.trained.plans gdn-layers "$PLAN" "$W/sweep.toml" "$W/plan0.toml" || exit 1
   fi
   python3 -m splicer ablate all "$G" "$W/seed0/base" -o "$W/ablate0" --plan "$W/plan0.toml" "${CORPORA[@]}" "${ENGINE[@]}" \
-    --bandwidth-gbs 4800 ${ABLATE_ARGS:-} -q > "$W/ablate0.log" 2>&1 && done_mark ablate0 || { stage "ablate0 exit $?"; tail -5 "$W/ablate0.log" | tee -a "$LOG"; }
+    --bandwidth-gbs 4800 "${TIME_ARGS[@]}" ${ABLATE_ARGS:-} -q > "$W/ablate0.log" 2>&1 && done_mark ablate0 || { stage "ablate0 exit $?"; tail -5 "$W/ablate0.log" | tee -a "$LOG"; }
 fi
 
 if is_done ablate0 && ! is_done verify; then
-  stage "budget --verify 3 on seed 0's ablate folder (timed, alone on the GPU)"
+  stage "budget --verify 3 on seed 0's ablate folder (timed alone on the GPU unless UNTIMED=1)"
   python3 -m splicer budget "$W/ablate0" --verify 3 -q > "$W/verify.txt" 2>&1 && done_mark verify || { stage "verify exit $?"; tail -5 "$W/verify.txt" | tee -a "$LOG"; }
 fi
 
 # Later stages do not wait on earlier ones succeeding: a failed timed stage still leaves the untimed ones their time.
 if ! is_done ablate1; then
-  # Nothing is timed from here on, so the AWQ build (the slowest: a grid search per smoothed norm) runs beside.
-  if [ ! -d "$W/seed0/awq-experts" ]; then
-    rm -rf "$W/seed0/raw-awq"
-    $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw-awq" --builds awq-experts --samples "$AWQ_SAMPLES" --device $DEVICE > "$W/seed0/builds-awq.log" 2>&1 &
-    echo $! > "$W/awq.pid"
-  fi
-  # Beside it, the GPTQ build re-made with one class left in BF16, per class (splice against re-quantize).
-  for c in $REQUANT_CLASSES; do
-    [ -d "$W/seed0/gptq-w4a16-g128-keep-$c" ] && continue
-    rm -rf "$W/seed0/raw-keep-$c"
-    $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw-keep-$c" --builds "gptq-w4a16-g128-keep-$c" \
-      --samples "$GPTQ_SAMPLES" --device $DEVICE > "$W/seed0/builds-keep-$c.log" 2>&1 &
-    echo $! > "$W/keep-$c.pid"
-  done
+  start_side_builds  # nothing is timed from here on
   stage "ablate: seed 1 GPTQ build, class rows, no timing"
   python3 -m splicer.trained.plans seed-rows "$PLAN" "$W/plan1.toml.new" && mv "$W/plan1.toml.new" "$W/plan1.toml"
   python3 -m splicer ablate all "$W/seed1/gptq-w4a16-g128" "$W/seed1/base" -o "$W/ablate1" --plan "$W/plan1.toml" \
