@@ -1,30 +1,53 @@
 #!/usr/bin/env bash
 # On the GPU machine: the trained qwen3_5_moe end to end (issue 31), as resumable stages with a marker file each.
-#   data -> train (seeds 0 and 1 at once) -> builds by llm-compressor in its own site (GPTQ both seeds; RTN g32, FP8
-#   block, NVFP4A16 seed 0), the MTP head restored into any that dropped it -> ablate seed 0's GPTQ build (default rows
-#   + one row per GDN layer; timed, alone on the GPU) -> budget --verify 3 (timed) -> seed 1's class rows (untimed) beside
-#   the AWQ build and the GPTQ builds re-made with gdn, attention or shared_expert left in BF16 -> every seed-0 build,
-#   and the splice of each of those classes, scored against one base pass (untimed). Table, report and plot are made from
-#   what comes back (results.json and the per-position scores), on any machine.
+#   data -> train (seeds 0 and 1 at once) -> builds by llm-compressor in its own site (GPTQ both seeds, AWQ experts,
+#   RTN g32, FP8 block, NVFP4A16 seed 0), the MTP head restored into any that dropped it -> then, at once on the one GPU
+#   and none of it timed: seed 0's GPTQ build through the default rows plus one row per GDN layer, then budget --verify 3;
+#   seed 1's class rows and GDN layers; the GPTQ builds re-made with gdn, attention or shared_expert left in BF16, then
+#   every seed-0 build and the splice of each of those classes scored against one base pass.
+# Table, report and plot are made from what comes back (results.json and the per-position scores), on any machine.
 # Started in the background (setsid) by `trained_call.sh start`, so it outlives one device call; later calls
 # (`trained_call.sh wait`) watch it and bring back what is finished. Everything lives under W=/tmp/trained.
+#
+# Why nothing is timed: at about 2 ms a token this model's batch-1 decode is launch-bound and run 2 resolved no row's
+# decode difference from the build's (results/trained-h200/), so the GPU is shared instead, which a timed row forbids.
+# Engines that share the GPU get a fixed KV cache (vLLM's memory profiling assumes no other process allocates meanwhile)
+# and Triton's first kernel configuration (no autotuning races between processes; starts are shorter too).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-# BACKEND=torch TRAIN_ARGS="--recipe tiny --device cpu" LC_PY=PYTHON: the same stages on a CPU box (a dry run of the script).
+# BACKEND=torch TRAIN_ARGS="--recipe tiny --device cpu" LC_PY=PYTHON LC_SITE=: the same stages on a CPU box (a dry run).
 BACKEND=${BACKEND:-vllm}
-if [ "$BACKEND" = vllm ]; then source scripts/gpu/env.sh; else export PYTHONPATH=$PWD PYTHONUNBUFFERED=1; fi
 W=${W:-/tmp/trained}; mkdir -p "$W"
+LC_SITE=${LC_SITE-/tmp/lcsite}
+# The vLLM bundle may still be arriving while the data and training stages run (trained_call.sh installs it and then
+# writes this file); those stages need only torch, transformers and compressed-tensors, which llm-compressor's site has.
+VLLM_READY=${VLLM_READY:-/tmp/vllm_site/.splicer-installed}
+export PYTHONPATH=$PWD${LC_SITE:+:$LC_SITE} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TRAIN_S=${TRAIN_S:-300}
 LOG="$W/pipeline.log"
 stage() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$LOG"; }
 done_mark() { touch "$W/done.$1"; stage "done: $1"; }
 is_done() { [ -f "$W/done.$1" ]; }
-LC="env PYTHONPATH=${LC_SITE-/tmp/lcsite} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false ${LC_PY:-python3}"
+LC="env PYTHONPATH=${LC_SITE} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false ${LC_PY:-python3}"
 DEVICE=cuda; ENGINE=(--backend torch --device cpu)
-if [ "$BACKEND" = vllm ]; then
-  ENGINE=(--backend vllm --gpu-memory-utilization 0.3 --language-model-only
+
+# From the builds' post-processing on, splicer runs beside vLLM 0.26 and the compressed-tensors 0.17 it pins.
+vllm_env() {
+  [ "$BACKEND" = vllm ] || return 0
+  [ "${ENGINE[1]}" = vllm ] && return 0
+  local t0=$SECONDS
+  while [ ! -f "$VLLM_READY" ]; do
+    [ $((SECONDS - t0)) -gt 1200 ] && { stage "no vLLM bundle after 20 minutes ($VLLM_READY)"; exit 1; }
+    sleep 5
+  done
+  [ $((SECONDS - t0)) -gt 0 ] && stage "vLLM bundle ready after $((SECONDS - t0)) s of waiting"
+  export PYTHONPATH=$PWD
+  source scripts/gpu/env.sh
+  ENGINE=(--backend vllm --language-model-only --gpu-memory-utilization 0.1 --engine-arg kv_cache_memory_bytes=$((4 << 30))
+          --engine-env VLLM_TRITON_FORCE_FIRST_CONFIG=1
           --engine-arg "compilation_config=$(python3 -c 'import json,os; print(json.dumps(json.loads(os.environ["SPLICER_GPU_ENGINE_ARGS"])["compilation_config"]))')")
-else DEVICE=cpu; fi
+}
+[ "$BACKEND" = vllm ] || DEVICE=cpu
 DATA_TAR=${DATA_TAR:-/tmp/carry/trained-data.tar.xz}
 PLAN=${PLAN:-ablations/trained-h200.toml}; GDN_GROUPS=${GDN_GROUPS:-6}
 # Calibration samples of 512 tokens: GPTQ 256 took 206 s for both seeds at once; AWQ at 256 passed layer 5 of 8 only after
@@ -74,98 +97,113 @@ sys.exit(0 if any(k.startswith('mtp.') for f in glob.glob(sys.argv[1]+'/*.safete
 # inspect_vs_base SEED BUILD: what the build quantizes, and which of its unquantized tensors differ from the base.
 inspect_vs_base() {
   local s=$1 b=$2 name; name=$(basename "$b")
-  case "$name" in base|raw|raw-*) return 0 ;; esac
+  case "$name" in base|raw|raw-*|splice-*) return 0 ;; esac
   python3 -m splicer inspect "$b" --base "$W/seed$s/base" --json > "$W/seed$s/inspect-$name.json" 2>> "$LOG" || stage "inspect failed for seed$s/$name"
 }
 
-if ! is_done builds; then
-  stage "builds: llm-compressor GPTQ (both seeds), RTN g32, FP8 block, NVFP4A16 (seed 0); AWQ comes later, beside untimed work"
-  rm -rf "$W/seed0/raw" "$W/seed1/raw" "$W/seed0/raw-other"
-  $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw" --builds gptq-w4a16-g128 --samples "$GPTQ_SAMPLES" --device $DEVICE > "$W/seed0/builds-gptq.log" 2>&1 &
-  $LC scripts/gpu/trained_builds.py "$W/seed1/base" "$D/calib.jsonl" "$W/seed1/raw" --builds gptq-w4a16-g128 --samples "$GPTQ_SAMPLES" --device $DEVICE > "$W/seed1/builds-gptq.log" 2>&1 &
-  $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw-other" --builds rtn-g32-experts,fp8-block,nvfp4a16 --device $DEVICE > "$W/seed0/builds-other.log" 2>&1 &
-  wait
-  tail -n 2 "$W"/seed*/builds-*.log | tee -a "$LOG"
-  for s in 0 1; do for b in "$W/seed$s"/raw/*/ "$W/seed$s"/raw-other/*/; do [ -d "$b" ] && restore_mtp $s "${b%/}"; done; done
-  for s in 0 1; do for b in "$W/seed$s"/*/; do inspect_vs_base $s "${b%/}"; done; done
-  ls -d "$W"/seed*/*/ | tee -a "$LOG"
-  done_mark builds
-fi
+# build_in_background SEED OUT NAME BUILDS [SAMPLES]: one llm-compressor process, logging to seedS/NAME.log, its pid in
+# $W/pid.seedS.NAME.
+build_in_background() {
+  local s=$1 out=$2 name=$3 builds=$4 samples=${5:-}
+  rm -rf "$out"
+  $LC scripts/gpu/trained_builds.py "$W/seed$s/base" "$D/calib.jsonl" "$out" --builds "$builds" ${samples:+--samples "$samples"} \
+    --device $DEVICE > "$W/seed$s/$name.log" 2>&1 &
+  echo $! > "$W/pid.seed$s.$name"
+}
 
-# The builds that run beside untimed work: AWQ (the slowest: a grid search per smoothed norm) and the GPTQ build re-made
-# with one class left in BF16, per class (splice against re-quantize). Each leaves a pid file the score stage waits on.
-start_side_builds() {
-  if [ ! -d "$W/seed0/awq-experts" ] && [ ! -f "$W/awq.pid" ]; then
-    rm -rf "$W/seed0/raw-awq"
-    $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw-awq" --builds awq-experts --samples "$AWQ_SAMPLES" --device $DEVICE > "$W/seed0/builds-awq.log" 2>&1 &
-    echo $! > "$W/awq.pid"
+# finish_build SEED NAME RAWDIR: wait for a background build, then make each build in RAWDIR the build as shipped
+# (seedS/BUILD), and inspect it against the base.
+finish_build() {
+  local s=$1 name=$2 raw=$3 pidfile="$W/pid.seed$1.$2" b
+  if [ -f "$pidfile" ]; then
+    while kill -0 "$(cat "$pidfile")" 2>/dev/null; do sleep 5; done
+    rm -f "$pidfile"
   fi
-  for c in $REQUANT_CLASSES; do
-    { [ -d "$W/seed0/gptq-w4a16-g128-keep-$c" ] || [ -f "$W/keep-$c.pid" ]; } && continue
-    rm -rf "$W/seed0/raw-keep-$c"
-    $LC scripts/gpu/trained_builds.py "$W/seed0/base" "$D/calib.jsonl" "$W/seed0/raw-keep-$c" --builds "gptq-w4a16-g128-keep-$c" \
-      --samples "$GPTQ_SAMPLES" --device $DEVICE > "$W/seed0/builds-keep-$c.log" 2>&1 &
-    echo $! > "$W/keep-$c.pid"
+  tail -n 1 "$W/seed$s/$name.log" 2>/dev/null | tee -a "$LOG"
+  vllm_env
+  for b in "$raw"/*/; do
+    [ -d "$b" ] || continue
+    [ -d "$W/seed$s/$(basename "$b")" ] || restore_mtp "$s" "${b%/}"
+    inspect_vs_base "$s" "$W/seed$s/$(basename "$b")"
   done
 }
 
+if ! is_done builds; then
+  stage "builds: llm-compressor GPTQ (both seeds), AWQ experts, RTN g32, FP8 block, NVFP4A16 (seed 0)"
+  build_in_background 0 "$W/seed0/raw" builds-gptq gptq-w4a16-g128 "$GPTQ_SAMPLES"
+  build_in_background 1 "$W/seed1/raw" builds-gptq gptq-w4a16-g128 "$GPTQ_SAMPLES"
+  build_in_background 0 "$W/seed0/raw-other" builds-other rtn-g32-experts,fp8-block,nvfp4a16
+  [ -d "$W/seed0/awq-experts" ] || build_in_background 0 "$W/seed0/raw-awq" builds-awq awq-experts "$AWQ_SAMPLES"
+  finish_build 0 builds-gptq "$W/seed0/raw"
+  finish_build 1 builds-gptq "$W/seed1/raw"
+  [ -f "$W/seed0/gptq-w4a16-g128/config.json" ] && [ -f "$W/seed1/gptq-w4a16-g128/config.json" ] || { stage "GPTQ builds failed"; exit 1; }
+  done_mark builds
+fi
+vllm_env
+
 G=$W/seed0/gptq-w4a16-g128
-# UNTIMED=1: no decode timing anywhere (seed 0's rows and the verification too), so the side builds start at once.
-UNTIMED=${UNTIMED:-0}; TIME_ARGS=()
-if [ "$UNTIMED" = 1 ]; then TIME_ARGS=(--no-time); start_side_builds; fi
-if ! is_done ablate0; then
-  stage "ablate: seed 0 GPTQ build, default rows + one row per GDN layer (timed alone on the GPU unless UNTIMED=1)"
-  if [ ! -f "$W/plan0.toml" ]; then
-    rm -f "$W/sweep.toml"
-    python3 -m splicer plan sweep "$G" --class gdn --groups "$GDN_GROUPS" --from "$PLAN" -o "$W/sweep.toml" >> "$LOG" 2>&1
-    python3 -m splicer.trained.plans gdn-layers "$PLAN" "$W/sweep.toml" "$W/plan0.toml" || exit 1
-  fi
-  python3 -m splicer ablate all "$G" "$W/seed0/base" -o "$W/ablate0" --plan "$W/plan0.toml" "${CORPORA[@]}" "${ENGINE[@]}" \
-    --bandwidth-gbs 4800 "${TIME_ARGS[@]}" ${ABLATE_ARGS:-} -q > "$W/ablate0.log" 2>&1 && done_mark ablate0 || { stage "ablate0 exit $?"; tail -5 "$W/ablate0.log" | tee -a "$LOG"; }
-fi
-
-if is_done ablate0 && ! is_done verify; then
-  stage "budget --verify 3 on seed 0's ablate folder (timed alone on the GPU unless UNTIMED=1)"
-  python3 -m splicer budget "$W/ablate0" --verify 3 -q > "$W/verify.txt" 2>&1 && done_mark verify || { stage "verify exit $?"; tail -5 "$W/verify.txt" | tee -a "$LOG"; }
-fi
-
-# Later stages do not wait on earlier ones succeeding: a failed timed stage still leaves the untimed ones their time.
-if ! is_done ablate1; then
-  start_side_builds  # nothing is timed from here on
-  stage "ablate: seed 1 GPTQ build, class rows, no timing"
-  python3 -m splicer.trained.plans seed-rows "$PLAN" "$W/plan1.toml.new" && mv "$W/plan1.toml.new" "$W/plan1.toml"
-  python3 -m splicer ablate all "$W/seed1/gptq-w4a16-g128" "$W/seed1/base" -o "$W/ablate1" --plan "$W/plan1.toml" \
-    "${CORPORA[@]}" "${ENGINE[@]}" --no-time -q > "$W/ablate1.log" 2>&1 && done_mark ablate1 || { stage "ablate1 exit $?"; tail -5 "$W/ablate1.log" | tee -a "$LOG"; }
-fi
-
-if ! is_done score; then
-  if [ -f "$W/awq.pid" ]; then
-    stage "waiting for the AWQ build"
-    while kill -0 "$(cat "$W/awq.pid")" 2>/dev/null; do sleep 5; done
-    tail -n 2 "$W/seed0/builds-awq.log" | tee -a "$LOG"
-    [ -d "$W/seed0/raw-awq/awq-experts" ] && restore_mtp 0 "$W/seed0/raw-awq/awq-experts"
-    [ -d "$W/seed0/awq-experts" ] && inspect_vs_base 0 "$W/seed0/awq-experts"
-    rm -f "$W/awq.pid"
-  fi
-  for c in $REQUANT_CLASSES; do
-    if [ -f "$W/keep-$c.pid" ]; then
-      stage "waiting for the GPTQ build without $c"
-      while kill -0 "$(cat "$W/keep-$c.pid")" 2>/dev/null; do sleep 5; done
-      tail -n 1 "$W/seed0/builds-keep-$c.log" | tee -a "$LOG"
-      b="$W/seed0/raw-keep-$c/gptq-w4a16-g128-keep-$c"
-      [ -d "$b" ] && restore_mtp 0 "$b" && inspect_vs_base 0 "$W/seed0/gptq-w4a16-g128-keep-$c"
-      rm -f "$W/keep-$c.pid"
+# Each branch below runs in the background; a failed branch leaves the others their time.
+ablate_seed0() {
+  if ! is_done ablate0; then
+    stage "ablate: seed 0 GPTQ build, default rows + one row per GDN layer"
+    if [ ! -f "$W/plan0.toml" ]; then
+      rm -f "$W/sweep0.toml"
+      python3 -m splicer plan sweep "$G" --class gdn --groups "$GDN_GROUPS" --from "$PLAN" -o "$W/sweep0.toml" >> "$LOG" 2>&1
+      python3 -m splicer.trained.plans gdn-layers "$PLAN" "$W/sweep0.toml" "$W/plan0.toml" || return 1
     fi
+    python3 -m splicer ablate all "$G" "$W/seed0/base" -o "$W/ablate0" --plan "$W/plan0.toml" "${CORPORA[@]}" "${ENGINE[@]}" \
+      --bandwidth-gbs 4800 --no-time ${ABLATE_ARGS:-} -q > "$W/ablate0.log" 2>&1 && done_mark ablate0 \
+      || { stage "ablate0 exit $?"; tail -5 "$W/ablate0.log" | tee -a "$LOG"; return 1; }
+  fi
+  if ! is_done verify; then
+    stage "budget --verify 3 on seed 0's ablate folder"
+    python3 -m splicer budget "$W/ablate0" --verify 3 -q > "$W/verify.txt" 2>&1 && done_mark verify \
+      || { stage "verify exit $?"; tail -5 "$W/verify.txt" | tee -a "$LOG"; }
+  fi
+}
+
+ablate_seed1() {
+  is_done ablate1 && return 0
+  stage "ablate: seed 1 GPTQ build, class rows + one row per GDN layer"
+  if [ ! -f "$W/plan1.toml" ]; then
+    rm -f "$W/sweep1.toml"
+    python3 -m splicer.trained.plans seed-rows "$PLAN" "$W/seed-rows1.toml" || return 1
+    python3 -m splicer plan sweep "$W/seed1/gptq-w4a16-g128" --class gdn --groups "$GDN_GROUPS" --from "$PLAN" -o "$W/sweep1.toml" >> "$LOG" 2>&1
+    python3 -m splicer.trained.plans gdn-layers "$W/seed-rows1.toml" "$W/sweep1.toml" "$W/plan1.toml" || return 1
+  fi
+  python3 -m splicer ablate all "$W/seed1/gptq-w4a16-g128" "$W/seed1/base" -o "$W/ablate1" --plan "$W/plan1.toml" \
+    "${CORPORA[@]}" "${ENGINE[@]}" --no-time -q > "$W/ablate1.log" 2>&1 && done_mark ablate1 \
+    || { stage "ablate1 exit $?"; tail -5 "$W/ablate1.log" | tee -a "$LOG"; return 1; }
+}
+
+score_seed0() {
+  is_done score && return 0
+  local c b
+  for c in $REQUANT_CLASSES; do
+    [ -d "$W/seed0/gptq-w4a16-g128-keep-$c" ] || [ -f "$W/pid.seed0.builds-keep-$c" ] \
+      || build_in_background 0 "$W/seed0/raw-keep-$c" "builds-keep-$c" "gptq-w4a16-g128-keep-$c" "$GPTQ_SAMPLES"
+  done
+  for c in $REQUANT_CLASSES; do
     # The splice of the same class into the GPTQ build, scored beside the re-made build on the same positions.
     [ -d "$W/seed0/splice-$c" ] || python3 -m splicer splice --restore "$c" "$G" "$W/seed0/base" -o "$W/seed0/splice-$c" -q >> "$LOG" 2>&1 \
       || stage "splice --restore $c failed"
   done
-  stage "score: every seed-0 build against one base pass (no timing)"
-  builds=()
+  stage "waiting for the AWQ build and the GPTQ builds re-made without $REQUANT_CLASSES"
+  finish_build 0 builds-awq "$W/seed0/raw-awq"
+  for c in $REQUANT_CLASSES; do finish_build 0 "builds-keep-$c" "$W/seed0/raw-keep-$c"; done
+  finish_build 0 builds-other "$W/seed0/raw-other"
+  stage "score: every seed-0 build against one base pass"
+  local builds=()
   for b in gptq-w4a16-g128 awq-experts rtn-g32-experts fp8-block nvfp4a16; do [ -d "$W/seed0/$b" ] && builds+=("$W/seed0/$b"); done
   for c in $REQUANT_CLASSES; do for b in "splice-$c" "gptq-w4a16-g128-keep-$c"; do [ -d "$W/seed0/$b" ] && builds+=("$W/seed0/$b"); done; done
   python3 -m splicer score "$W/seed0/base" "${builds[@]}" -o "$W/score0" --plan "$PLAN" "${CORPORA[@]}" \
-    "${ENGINE[@]}" --no-time -q > "$W/score0.log" 2>&1 && done_mark score || { stage "score exit $?"; tail -5 "$W/score0.log" | tee -a "$LOG"; }
-fi
+    "${ENGINE[@]}" --no-time -q > "$W/score0.log" 2>&1 && done_mark score \
+    || { stage "score exit $?"; tail -5 "$W/score0.log" | tee -a "$LOG"; }
+}
+
+ablate_seed0 & p0=$!
+ablate_seed1 & p1=$!
+score_seed0 & p2=$!
+wait $p0 $p1 $p2
 stage "pipeline ended"
 touch "$W/done.pipeline"

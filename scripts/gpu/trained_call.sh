@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # One device call of the trained-model run (scripts/gpu/README.md, "A trained model end to end"):
 #   trained_call.sh stage PATH...   copy carried files (bundle parts, data, wheels) into /tmp/carry
-#   trained_call.sh start SECONDS   install vLLM's bundle and llm-compressor's wheels, start trained.sh in its own
-#                                   session (it outlives the call), then as `wait`
+#   trained_call.sh start SECONDS   install llm-compressor's wheels, start trained.sh in its own session (it outlives
+#                                   the call), then as `wait`; the data and training stages need no vLLM
+#   trained_call.sh install-vllm    join the bundle parts staged so far, install vLLM's bundle, and tell the waiting
+#                                   pipeline (which needs it from the builds' post-processing on)
 #   trained_call.sh wait SECONDS    watch the pipeline until it ends or SECONDS pass, then bring back what is finished
 # What comes back under $OUT: trained.tgz (results.json, tables, logs, train reports, builds.json, the run record) and
 # one scores archive per results folder (per-position scores, for recomputing intervals here).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 W=${W:-/tmp/trained}; OUT=${OUT:-/tmp/out}; mkdir -p /tmp/carry "$W" "$OUT"
+VLLM_READY=/tmp/vllm_site/.splicer-installed  # trained.sh waits for this file
 verb=${1:?stage, start or wait}; shift
 
 collect() {
-  source scripts/gpu/env.sh
+  if [ -f "$VLLM_READY" ]; then source scripts/gpu/env.sh; else pack_scores() { :; }; fi
   local list=()
   for f in pipeline.log nohup.log seed0/train.log seed1/train.log seed0/base/train_report.json seed1/base/train_report.json \
-           seed0/builds-gptq.log seed1/builds-gptq.log seed0/builds-other.log seed0/builds-awq.log seed0/builds-keep-gdn.log seed0/builds-keep-attention.log seed0/builds-keep-shared_expert.log plan0.toml plan1.toml verify.txt \
+           seed0/builds-gptq.log seed1/builds-gptq.log seed0/builds-other.log seed0/builds-awq.log seed0/builds-keep-gdn.log \
+           seed0/builds-keep-attention.log seed0/builds-keep-shared_expert.log sweep0.toml sweep1.toml seed-rows1.toml plan0.toml plan1.toml verify.txt \
            ablate0.log ablate1.log score0.log; do
     [ -f "$W/$f" ] && list+=("$f")
   done
@@ -51,9 +55,6 @@ watch() {
 case "$verb" in
   stage) for p in "$@"; do cp -r "$p" /tmp/carry/; done; ls -la /tmp/carry ;;
   start)
-    if [ ! -d /tmp/vllm_site/vllm ]; then
-      mkdir -p /tmp/vb && cp /tmp/carry/bundle.part0* /tmp/vb/ && bash scripts/gpu/install_bundle.sh /tmp/vb .bundle/vb/SHA256SUMS || exit 1
-    fi
     if [ ! -d /tmp/lcsite/llmcompressor ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/lcsite /tmp/carry/.lcwhl/*.whl || exit 1
     fi
@@ -61,6 +62,11 @@ case "$verb" in
       setsid nohup bash scripts/gpu/trained.sh > "$W/nohup.log" 2>&1 < /dev/null & echo $! > "$W/pipeline.pid"
     fi
     watch "${1:-500}" ;;
+  install-vllm)
+    if [ ! -f "$VLLM_READY" ]; then
+      mkdir -p /tmp/vb && cp /tmp/carry/bundle.part0* /tmp/vb/ && bash scripts/gpu/install_bundle.sh /tmp/vb .bundle/vb/SHA256SUMS || exit 1
+      touch "$VLLM_READY"
+    fi ;;
   wait) watch "${1:-540}" ;;
-  *) echo "usage: trained_call.sh stage PATH... | start SECONDS | wait SECONDS"; exit 2 ;;
+  *) echo "usage: trained_call.sh stage PATH... | start SECONDS | install-vllm | wait SECONDS"; exit 2 ;;
 esac
