@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..arch import Architecture
+from ..arch.table import Architecture
 from ..errors import SplicerError
 from ..formats.layouts import LAYOUT, QUANT_SUFFIXES
 from ..formats.module import Module
