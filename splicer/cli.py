@@ -314,7 +314,7 @@ def _cmd_report(args) -> int:
 def _cmd_readme_blocks(args) -> int:
     from .readme_blocks import run
 
-    text, rc = run(args.files, args.update)
+    text, rc = run(args.files, args.update, main)
     print(text)
     return rc
 
