@@ -215,7 +215,7 @@ def _cmd_ablate(args) -> int:
     with removed_on_refusal(Path(out).absolute()):
         if args.demo:
             if not (pair_dir / FIXTURE.record).exists():
-                from .backends import set_torch_threads
+                from .backends.cpu_threads import set_torch_threads
 
                 set_torch_threads(args.threads)  # the pair is drawn with torch too: as many threads as the backend will have
                 pair_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -314,7 +314,7 @@ def _cmd_report(args) -> int:
 def _cmd_readme_blocks(args) -> int:
     from .readme_blocks import run
 
-    text, rc = run(args.files, args.update)
+    text, rc = run(args.files, args.update, main)
     print(text)
     return rc
 
@@ -366,7 +366,9 @@ def _share(text: str) -> float:
 def _run_options(s) -> None:
     """Options `ablate` and `score` share: plan, backend, engine and timing settings."""
     s.add_argument("--plan", help="plan name from ablations/ or a .toml path (default where-error-comes-from; demo with --demo)")
-    s.add_argument("--backend", default="torch", choices=["torch", "vllm"])
+    from .backends import BACKENDS, DEFAULT_BACKEND
+
+    s.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS)
     s.add_argument("--device", default="auto", help="torch backend: cpu, cuda, cuda:N or auto")
     s.add_argument("--corpus", action="append", metavar="NAME=FILE", help="replace a plan corpus with a local .txt/.jsonl file")
     s.add_argument(

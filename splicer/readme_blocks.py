@@ -11,6 +11,9 @@ results folder (the first argument) is read relative to the Markdown file's own 
 wherever the repository is checked out. `splicer readme-blocks FILE...` says which blocks differ from what the command
 prints now; with --update it rewrites them (each file written beside and renamed). The test suite runs the check on
 every results README, README.md and docs/*.md, so a figure inside a block cannot be typed by hand or go stale.
+
+The commands run through `splicer_main` (argv -> exit status), which the caller passes: the command line itself
+(cli.main), which this module serves and so does not import.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import io
 import os
 import re
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import SplicerError
@@ -57,15 +61,13 @@ def blocks(text: str, where: str = "") -> list[dict]:
     return out
 
 
-def command_output(args: list[str], folder: Path) -> str:
+def command_output(args: list[str], folder: Path, splicer_main: Callable[[list[str]], int]) -> str:
     """What `splicer ARGS` prints, the results folder read relative to FOLDER (the Markdown file's own)."""
-    from .cli import main
-
     argv = [args[0], str(folder / args[1]), *args[2:]]
     buf, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
         try:
-            rc = main(argv)
+            rc = splicer_main(argv)
         except SystemExit as e:  # --help or --version: argparse prints and exits
             rc = e.code if isinstance(e.code, int) and e.code else 2
             err.write("a block's command must print results, not help or a version")
@@ -74,19 +76,19 @@ def command_output(args: list[str], folder: Path) -> str:
     return buf.getvalue()
 
 
-def regenerate(text: str, folder: Path, where: str = "") -> str:
+def regenerate(text: str, folder: Path, splicer_main: Callable[[list[str]], int], where: str = "") -> str:
     """TEXT with every block's content replaced by its command's output now."""
     parts, pos = [], 0
     for b in blocks(text, where):
-        parts += [text[pos : b["start"]], command_output(b["args"], folder)]
+        parts += [text[pos : b["start"]], command_output(b["args"], folder, splicer_main)]
         pos = b["end"]
     return "".join(parts) + text[pos:]
 
 
-def stale_blocks(path: Path) -> list[str]:
+def stale_blocks(path: Path, splicer_main: Callable[[list[str]], int]) -> list[str]:
     """One line per block of PATH whose content differs from its command's output now."""
     text = path.read_text()
-    fresh = regenerate(text, path.parent, str(path))
+    fresh = regenerate(text, path.parent, splicer_main, str(path))
     if fresh == text:
         return []
     old, new = blocks(text, str(path)), blocks(fresh, str(path))
@@ -97,12 +99,12 @@ def stale_blocks(path: Path) -> list[str]:
     ]
 
 
-def update(path: Path) -> bool:
+def update(path: Path, splicer_main: Callable[[list[str]], int]) -> bool:
     """Rewrite PATH's blocks from their commands; True when something changed."""
     from .io.outputs import write_error
 
     text = path.read_text()
-    fresh = regenerate(text, path.parent, str(path))
+    fresh = regenerate(text, path.parent, splicer_main, str(path))
     if fresh == text:
         return False
     tmp = path.with_name(path.name + ".tmp")
@@ -115,7 +117,7 @@ def update(path: Path) -> bool:
     return True
 
 
-def run(paths: list[str], write: bool) -> tuple[str, int]:
+def run(paths: list[str], write: bool, splicer_main: Callable[[list[str]], int]) -> tuple[str, int]:
     """The text `splicer readme-blocks` prints, and its exit status (1 when a block differs and --update was not given)."""
     lines, stale = [], 0
     for p in map(Path, paths):
@@ -123,9 +125,9 @@ def run(paths: list[str], write: bool) -> tuple[str, int]:
             raise SplicerError(f"{p}: no such Markdown file; name files that hold splicer:begin blocks")
         n = len(blocks(p.read_text(), str(p)))
         if write:
-            lines.append(f"{p}: {n} blocks, {'rewritten' if update(p) else 'already current'}")
+            lines.append(f"{p}: {n} blocks, {'rewritten' if update(p, splicer_main) else 'already current'}")
         else:
-            found = stale_blocks(p)
+            found = stale_blocks(p, splicer_main)
             stale += len(found)
             lines += found or [f"{p}: {n} blocks, current"]
     return "\n".join(lines), int(stale > 0)

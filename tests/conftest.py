@@ -18,7 +18,7 @@ def _set_threads() -> str:
     threads stall each other (a two-worker test took 25 to 111 s with two threads each, on 2 cores)."""
     import torch
 
-    from splicer.backends import choose_threads
+    from splicer.backends.cpu_threads import choose_threads
 
     n, why = choose_threads()
     torch.set_num_threads(n)

@@ -322,7 +322,8 @@ def test_compile_targets_fill_every_process_once_then_the_base_pass_gpu(monkeypa
     the base pass, so the other GPUs' processes end after one compile and their rows start right after the base pass."""
     import itertools
 
-    from splicer.plans.spread import compile_targets, core_shares, cuda_ids
+    from splicer.backends.gpus import core_shares, cuda_ids
+    from splicer.plans.spread import compile_targets
 
     assert list(itertools.islice(compile_targets([2, 3]), 7)) == [1, 1, 1, 0, 0, 0, 0]
     assert list(itertools.islice(compile_targets([0, 2]), 4)) == [1, 1, 1, 1]

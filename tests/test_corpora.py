@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from splicer.ablate import first_occurrence_weights
-from splicer.backends import choose_threads, usable_cores
+from splicer.backends.cpu_threads import choose_threads, usable_cores
 from splicer.cli import main
 from splicer.corpora.chat import GROUPS, MAX_CONVERSATIONS, N_GROUPS, NAMES, conversations, group
 from splicer.corpora.core import Corpus, build_corpus, check_hub_corpora, validate_spec

@@ -24,8 +24,8 @@ through symlinks (a linked folder, a Hub-cache layout, dangling links). The prop
 
 Plan and corpus cases run on a stub model (deterministic scores, no forward pass) so that a valid plan runs end to end
 in milliseconds: everything splicer itself does (plan, corpora, tokenizer, splices of every row, caches, results) is
-real, only the model's numbers are not. The backend is still constructed by the real make_backend, so --backend and
---device are checked as in a real run. One real torch-backend ablate runs in the module fixture (its results folder
+real, only the model's numbers are not. The backends are still made by the real options' make_backends, so --backend
+and --device are checked as in a real run. One real torch-backend ablate runs in the module fixture (its results folder
 feeds the table/compare cases).
 
 Deterministic: SEED fixes every case; each case's mutation is drawn from its own seed at run time against the
@@ -56,9 +56,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import splicer.backends
 from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
-from splicer.backends import SequenceScores, decode_spread
+from splicer.backends.base import SequenceScores, decode_spread
+from splicer.backends.torch_ref import TorchOptions
+from splicer.backends.vllm_backend import VllmOptions
 from splicer.cli import main
 from splicer.errors import SplicerError
 from splicer.io.checkpoint import INDEX_NAME, check_config, open_checkpoint
@@ -407,7 +408,8 @@ def run_scenario(sc: Scenario, world: World, case_dir: Path, monkeypatch, capsys
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(world.hf_home))
     if sc.stub:
-        monkeypatch.setattr(splicer.backends, "make_backend", _stub_factory)
+        for options in (TorchOptions, VllmOptions):
+            monkeypatch.setattr(options, "make_backends", _stub_factory(options.make_backends))
     capsys.readouterr()
     crash = None
     held = None
@@ -579,12 +581,12 @@ class StubBackend:
         return {"backend": "stub", "engine": "stub", "device": "cpu"}
 
 
-_real_make_backend = splicer.backends.make_backend
+def _stub_factory(real_make_backends):
+    def make_backends(options, device, log_dir):
+        real = real_make_backends(options, device, log_dir)  # checks --device (and refuses vllm here)
+        return [StubBackend(getattr(b, "device", None)) for b in real]
 
-
-def _stub_factory(name, device="auto", **options):
-    real = _real_make_backend(name, device, **options)  # checks --backend and --device (and refuses vllm here)
-    return StubBackend(getattr(real, "device", None))
+    return make_backends
 
 
 # ---------------------------------------------------------------- JSON mutations

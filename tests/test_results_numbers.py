@@ -308,9 +308,10 @@ def _listing(found: list[dict]) -> str:
 
 @pytest.mark.parametrize("md", CHECKED + DOCS, ids=[str(p.relative_to(ROOT)) for p in CHECKED + DOCS])
 def test_every_generated_block_is_what_its_command_prints(md):
+    from splicer.cli import main
     from splicer.readme_blocks import stale_blocks
 
-    stale = stale_blocks(md)
+    stale = stale_blocks(md, main)
     assert not stale, "\n".join(stale) + "\n(run: splicer readme-blocks --update FILE)"
 
 

@@ -152,7 +152,7 @@ def test_torch_backend_takes_the_thread_count_chosen_or_given(monkeypatch):
         backend = TorchBackend("cpu")
         assert (torch.get_num_threads(), backend.threads_note) == (1, "torch threads: 1 (from SPLICER_THREADS)")
         assert backend.describe()["threads"] == 1
-        from splicer.backends import torch_threads_note
+        from splicer.backends.cpu_threads import torch_threads_note
 
         assert torch_threads_note() == backend.threads_note  # the line run_ablate writes into DIR/ablate.log
         monkeypatch.delenv("SPLICER_THREADS")

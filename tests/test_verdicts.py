@@ -156,7 +156,7 @@ def test_rows_get_decode_verdicts_from_every_engine_of_the_build(tmp_path):
     rng = random.Random(7)
 
     def row(name, ms, **extra):
-        from splicer.backends import decode_summary
+        from splicer.backends.base import decode_summary
 
         blocks = [ms * (1 + rng.gauss(0, 0.001)) for _ in range(7)]
         timing = decode_summary(blocks)

@@ -577,7 +577,7 @@ def test_a_decode_estimate_that_is_not_positive_is_not_reported_as_a_time():
 
 def test_both_backends_offer_everything_the_backend_protocol_declares(fake_vllm, tmp_path):
     """ablate calls these without probing (no hasattr/getattr): each implementation must have every one."""
-    from splicer.backends import Backend
+    from splicer.backends.base import Backend
     from splicer.backends.torch_ref import TorchBackend
 
     declared = set(Backend.__annotations__) | {n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")}

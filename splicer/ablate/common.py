@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..backends import DEFAULT_BACKEND, options_type
 from ..errors import SplicerError
 from ..io.progress import Stages
 from ..io.results_record import FILE, json_default
@@ -22,7 +23,7 @@ class AblateSettings:
     """How `ablate` measures, as the command line (or `budget --verify`, from a job) gave it; never changed during a
     run. What only one backend takes is that backend's own options (backend_options: backends.BackendOptions)."""
 
-    backend: str = "torch"
+    backend: str = DEFAULT_BACKEND
     device: str = "auto"
     time_decode: bool = True
     corpus_overrides: dict[str, str] = field(default_factory=dict)
@@ -37,8 +38,6 @@ class AblateSettings:
     backend_options: Any = None  # the backend's options (backends.backend_options); None: its defaults
 
     def __post_init__(self):
-        from ..backends import options_type
-
         kind = options_type(self.backend)  # an unknown backend is refused here
         if self.backend_options is None:
             object.__setattr__(self, "backend_options", kind())

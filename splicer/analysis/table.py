@@ -52,6 +52,7 @@ import math
 import re
 from pathlib import Path
 
+from ..backends import results_wording
 from ..errors import SplicerError
 from ..io import results_record
 from .metrics import TOO_FEW_NOTE, excludes_zero
@@ -260,7 +261,7 @@ def caption(results: dict) -> str:
     build = (inputs.get("build") or {}).get("given") or (inputs.get("build") or {}).get("source") or "unknown"
     base = (inputs.get("base") or {}).get("given") or (inputs.get("base") or {}).get("source") or "unknown"
     backend = results.get("backend") or ((results.get("job") or {}).get("settings") or {}).get("backend") or "unknown"
-    if backend == "vllm" and results.get("engine_version"):
+    if results_wording(backend).engine_in_caption and results.get("engine_version"):
         backend += f" ({results['engine_version']})"
     parts = []
     first = next((v for v in results.get("variants", []) if v.get("status") == "ok" and v.get("metrics")), {})
@@ -276,21 +277,12 @@ def caption(results: dict) -> str:
 
 
 def _kl_bound(results: dict) -> str:
-    """What the KL columns are, which depends on what the backend can return and on the plan's top_k (recorded in
-    results.json; a file written before it was recorded says so rather than guess)."""
+    """What the KL columns are, which depends on what the backend can return (its results_wording) and on the plan's
+    top_k (recorded in results.json; a file written before it was recorded says so rather than guess)."""
     k = results.get("top_k")
     top = f"top-{k}" if isinstance(k, int) else "top-k (top-k not recorded in this results.json)"
-    if results.get("backend") == "vllm":
-        kth = f"its {k}th log-prob" if isinstance(k, int) else "its k-th log-prob"
-        return (
-            f"KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's log-probs taken from its "
-            f"own top-{k if isinstance(k, int) else 'k'} (an id missing there gets {kth}): a lower bound on the full KL, "
-            "looser than the torch backend's, so KLs of the two backends are not comparable"
-        )
-    return (
-        f"KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's exact log-probs at those ids: "
-        "a lower bound on the full KL (data-processing inequality)"
-    )
+    kth = f"its {k}th log-prob" if isinstance(k, int) else "its k-th log-prob"
+    return results_wording(results.get("backend")).kl_bound.format(top=top, k=k if isinstance(k, int) else "k", kth=kth)
 
 
 def _top1_rule(results: dict) -> str:
@@ -488,8 +480,9 @@ def render_markdown(results: dict) -> str:
     text = caption(results) + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
     text += "\n\n" + "\n".join(f"- {n}" for n in notes)
     speed = speed_rows(results)
-    if speed and results.get("backend") == "vllm":  # start-up, weight memory and compile come from vLLM's log
-        text += "\n\nSpeed per variant (engine start, weight memory and compile time as vLLM logged them):\n\n"
+    heading = results_wording(results.get("backend")).start_up_heading
+    if speed and heading:
+        text += f"\n\n{heading}\n\n"
         text += tabulate(speed[1], headers=speed[0], tablefmt="github", disable_numparse=True)
         methods = sorted({(v.get("timing") or {}).get("method") for v in results.get("variants", [])} - {None})
         if methods:

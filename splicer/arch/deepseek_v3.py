@@ -21,7 +21,7 @@ model.layers.{N}.shared_head.head is not used and the drafter's logits follow th
 (`kimi_k2`) shares the layout and loads with this table (results/gpu-families/ call 5).
 """
 
-from . import MLP_GATE_UP, Architecture, fused_group, model_layers_layout
+from .table import MLP_GATE_UP, Architecture, fused_group, model_layers_layout
 
 _DEC = r"model\.layers\.\d+\."
 MAIN_PACKED = {"gate_up_proj": ("gate_proj", "up_proj"), "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}

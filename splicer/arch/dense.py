@@ -10,7 +10,7 @@ On disk: model.layers.{i}.self_attn.{q,k,v,o}_proj, model.layers.{i}.mlp.{gate,u
 model.norm, lm_head (absent when tied to the embedding).
 """
 
-from . import ATTENTION_QKV, MLP_GATE_UP, Architecture, model_layers_layout
+from .table import ATTENTION_QKV, MLP_GATE_UP, Architecture, model_layers_layout
 
 _DEC = r"model\.layers\.\d+\."
 

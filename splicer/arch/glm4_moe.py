@@ -15,7 +15,7 @@ deepseek_v3: same binding, eh_proj never quantized (seen at load with speculativ
 call 4), and the drafter's head replaced by the target's lm_head (v1/spec_decode/llm_base_proposer.py).
 """
 
-from . import ATTENTION_QKV, MLP_GATE_UP, Architecture, fused_group, model_layers_layout
+from .table import ATTENTION_QKV, MLP_GATE_UP, Architecture, fused_group, model_layers_layout
 
 _DEC = r"model\.layers\.\d+\."
 MAIN_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -13,7 +13,7 @@ On disk (HF names):
   lm_head, model.language_model.embed_tokens, model.visual.*, mtp.* (one full-attention MoE layer + fc + norms)
 """
 
-from . import ATTENTION_QKV, Architecture, fused_group
+from .table import ATTENTION_QKV, Architecture, fused_group
 
 _DEC = r"model\.language_model\.layers\.\d+\."
 

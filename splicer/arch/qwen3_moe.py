@@ -16,7 +16,7 @@ The router `mlp.gate` is a ReplicatedLinear built *with* quant_config in vLLM: a
 quantizes it unless `ignore` covers it (class targets match by substring there). It is not a restorable class here.
 """
 
-from . import ATTENTION_QKV, MLP_GATE_UP, Architecture, model_layers_layout
+from .table import ATTENTION_QKV, MLP_GATE_UP, Architecture, model_layers_layout
 
 _DEC = r"model\.layers\.\d+\."
 

@@ -14,7 +14,7 @@ layers), model.layers.{i}.self_attn.{q,k,v,o}_proj (every 4th; q includes the ou
 mlp.gate, mlp.shared_expert.{gate,up,down}_proj, mlp.shared_expert_gate, mtp.{fc,layers.0.*,norm,pre_fc_norm_*}.
 """
 
-from . import ATTENTION_QKV, Architecture, fused_group
+from .table import ATTENTION_QKV, Architecture, fused_group
 
 _DEC = r"model\.layers\.\d+\."
 

@@ -21,7 +21,8 @@ import torch
 
 from ..errors import SplicerError
 from ..io.checkpoint import open_checkpoint
-from . import SequenceScores, decode_summary, set_torch_threads
+from .base import ResultsWording, SequenceScores, decode_summary
+from .cpu_threads import set_torch_threads
 
 
 def pick_device(device: str) -> torch.device:
@@ -48,6 +49,7 @@ def _cuda_kernel_advice_on_cpu(record: logging.LogRecord) -> bool:
 class TorchBackend:
     name = "torch"
     exact_gather = True
+    results_wording = ResultsWording()  # exact log-probs at the base's top-k ids; transformers logs no engine start
     default_batch = 4
     overlap_starts = 0  # one model in this process at a time
     precompile_slots = 0  # nothing is compiled: nothing to do ahead
@@ -58,7 +60,7 @@ class TorchBackend:
             logging.getLogger("transformers.integrations.hub_kernels").addFilter(_cuda_kernel_advice_on_cpu)
         self.dtype = getattr(torch, dtype)
         # Chosen from the cores free now unless the user set a count: a thread more than the free cores makes every
-        # step wait on it (backends.choose_threads). Said once in the run's log.
+        # step wait on it (cpu_threads.choose_threads). Said once in the run's log.
         self.threads_note = set_torch_threads(threads)
         self.model = None
         self.folder: Path | None = None
@@ -357,6 +359,10 @@ class TorchOptions:
     def from_job(cls, settings: dict) -> TorchOptions:
         return cls()  # the thread count changes no measurement: a job does not record it
 
+    @classmethod
+    def backend_type(cls) -> type:
+        return TorchBackend
+
     def check_device(self, device: str) -> None:
         pass  # pick_device refuses a device the backend cannot run on, when it starts
 
@@ -375,6 +381,4 @@ class TorchOptions:
             TorchBackend.check_readable(ckpt, modules)
 
     def make_backends(self, device: str, log_dir: Path) -> list:
-        from . import make_backend
-
-        return [make_backend(self.backend, device, threads=self.threads)]
+        return [TorchBackend(device=device, threads=self.threads)]

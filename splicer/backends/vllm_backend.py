@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from ..errors import SplicerError
-from . import SequenceScores
+from .base import ResultsWording, SequenceScores
+from .gpus import check_gpus, one_per_gpu
 from .vllm_child import child_worker
 from .vllm_engine_args import OVERLAP_DEFAULTS, default_engine_args, parse_engine_args, parse_engine_env
 from .vllm_logs import KERNEL_LINE, arch_of, kernels_by_class, startup_breakdown
@@ -238,8 +239,6 @@ class VllmOptions:
 
     def __post_init__(self):
         if self.gpus is not None:  # given, even empty (--gpus ,): two or more ids
-            from ..plans.spread import check_gpus
-
             check_gpus(tuple(self.gpus), self.overlap_starts)
         object.__setattr__(self, "gpus", tuple(self.gpus or ()))
         check_engine_options(
@@ -274,6 +273,10 @@ class VllmOptions:
             gpus=tuple(settings["gpus"]) if settings.get("gpus") else None,
         )
 
+    @classmethod
+    def backend_type(cls) -> type:
+        return VllmBackend
+
     def check_device(self, device: str) -> None:
         if self.gpus and device != "auto":
             raise SplicerError(f"--gpus {','.join(self.gpus)} and --device {device}: --gpus names the GPUs; drop --device")
@@ -299,8 +302,6 @@ class VllmOptions:
         pass  # vLLM loads a format or refuses it when the row's engine starts: that row fails, the others run
 
     def make_backends(self, device: str, log_dir: Path) -> list:
-        from . import make_backend
-
         options = {
             "engine_args": self.engine_args,
             "log_dir": log_dir,
@@ -312,15 +313,13 @@ class VllmOptions:
             "engine_env": self.engine_env,
         }
         if not self.gpus:
-            return [make_backend(self.backend, device, **options)]
-        from ..plans import spread
-
-        # One backend per GPU (spread.py), each logging into its own folder.
-        return spread.make_backends(
+            return [VllmBackend(device=device, **options)]
+        # One backend per GPU (gpus.py), each logging into its own folder.
+        return one_per_gpu(
             self.gpus,
             self.precompile,
-            lambda cuda, gpu, precompile, cpus: make_backend(
-                self.backend, cuda, **dict(options, log_dir=log_dir / f"gpu{gpu}", precompile=precompile, cpus=cpus)
+            lambda cuda, gpu, precompile, cpus: VllmBackend(
+                device=cuda, **dict(options, log_dir=log_dir / f"gpu{gpu}", precompile=precompile, cpus=cpus)
             ),
         )
 
@@ -346,6 +345,16 @@ class VllmBackend:
 
     name = "vllm"
     exact_gather = False
+    results_wording = ResultsWording(
+        # its gather returns the variant's own top-k: an id of the base's top-k missing there is bounded by its k-th
+        kl_bound=(
+            "KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's log-probs taken from its "
+            "own top-{k} (an id missing there gets {kth}): a lower bound on the full KL, looser than the torch "
+            "backend's, so KLs of the two backends are not comparable"
+        ),
+        engine_in_caption=True,  # kernels, and so the figures, change with vLLM's version
+        start_up_heading="Speed per variant (engine start, weight memory and compile time as vLLM logged them):",
+    )
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ import statistics
 
 import torch
 
-from . import SequenceScores, decode_summary
+from .base import SequenceScores, decode_summary
 
 PAD_LOGPROB = -1.0e4  # for a missing top-k slot: exp() is 0, and 0 * finite stays 0 in the KL sums
 

@@ -45,11 +45,11 @@ VERIFY_PLAN = "budget-plan.toml"
 def _settings_from_job(job: dict, results: dict, progress: bool, own_inputs: tuple = ()):
     """DIR's own run settings, so that the verified rows are measured exactly as the rest."""
     from ..ablate import AblateSettings
-    from ..backends import options_type
+    from ..backends import DEFAULT_BACKEND, options_type
 
     st = job.get("settings") or {}
     bw = results.get("bandwidth_bytes_per_s")
-    backend = st.get("backend", "torch")
+    backend = st.get("backend", DEFAULT_BACKEND)
     return AblateSettings(
         backend=backend,
         device=st.get("device", "auto"),

@@ -12,7 +12,7 @@ import re
 from abc import ABC, abstractmethod
 from typing import Protocol
 
-from ..arch import Architecture
+from ..arch.table import Architecture
 from ..errors import SplicerError
 from .module import Module
 from .readings import Report

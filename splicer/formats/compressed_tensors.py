@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from ..arch import Architecture
+from ..arch.table import Architecture
 from ..errors import SplicerError
 from ..io.config_schema import COMPRESSED_TENSORS, QC, path_key
 from . import module_regexes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from ..arch import Architecture
+from ..arch.table import Architecture
 from ..errors import SplicerError
 from ..io.config_schema import GPTQ, QC
 from . import module_regexes

@@ -11,7 +11,12 @@ the shared formats fact sheet (its section numbers are cited below).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..errors import SplicerError
+from .module import Module
 
 # Stored dtypes of a quantized module's `weight` in the formats that keep that name (FP8, INT8): a BF16 `weight` beside
 # them would be a corrupt module.
@@ -28,10 +33,110 @@ class Layout:
     required: tuple[str, ...]
     optional: tuple[str, ...] = ()
     formats: tuple[str, ...] = ()  # compressed-tensors `format` values stored this way
+    # what a module's tensors show it is stored as, in the words of the message for a config that says otherwise
+    stored_as: str = field(kw_only=True)
+    # its Module, shape, bits, group size and scheme read from the tensors' headers (and, for compressed-tensors'
+    # weight_shape, a few bytes), refused in one line when they do not fit together
+    read: Callable[[StoredModule, Layout], Module] = field(kw_only=True)
 
     @property
     def suffixes(self) -> tuple[str, ...]:
         return self.required + self.optional
+
+
+@dataclass(frozen=True)
+class StoredModule:
+    """One quantized module's tensors as a checkpoint stores them, with what reading its shape needs."""
+
+    label: str  # the checkpoint, for messages
+    name: str
+    cls: str  # its module class (the architecture table's)
+    packed: dict  # suffix -> TensorInfo: the quantized module's tensors (an FP8/INT8 `weight` among them)
+    plain: dict  # suffix -> TensorInfo: weight, bias
+    read_bytes: Callable  # TensorInfo -> its bytes: the integer pair compressed-tensors stores a shape in
+    config_block: Callable[[], tuple[int, int] | None]  # the one FP8 block size the config states (registry.config_block)
+
+    def module(self, **fields) -> Module:
+        return Module(self.name, self.cls, packed=self.packed, plain=self.plain, **fields)
+
+
+def _gptq_module(s: StoredModule, layout: Layout) -> Module:
+    """Shape, bits and group size of a GPTQ module from its tensors' shapes alone (its tensors checked by the caller)."""
+    qw, qz, sc = s.packed["qweight"], s.packed["qzeros"], s.packed["scales"]
+    if (
+        any(len(t.shape) != 2 for t in (qw, qz, sc))
+        or qw.shape[1] != sc.shape[1]
+        or qz.shape[0] != sc.shape[0]
+        or sc.shape[1] == 0
+    ):
+        raise SplicerError(f"{s.label}: {s.name} has GPTQ tensors of inconsistent shapes; the build is corrupt")
+    out_f = sc.shape[1]
+    bits = qz.shape[1] * 32 // out_f if qz.shape[1] * 32 % out_f == 0 else None
+    in_f = qw.shape[0] * 32 // bits if bits else None
+    group = in_f // sc.shape[0] if in_f and in_f % sc.shape[0] == 0 else None
+    if not bits or not in_f:
+        raise SplicerError(f"{s.label}: {s.name}: cannot infer the bit width from qzeros {list(qz.shape)}; the build is corrupt")
+    return s.module(shape=(out_f, in_f), bits=bits, group_size=group)
+
+
+def _awq_module(s: StoredModule, layout: Layout) -> Module:
+    """AutoAWQ GEMM: qweight [K, N/8], qzeros [K/g, N/8], scales [K/g, N] (4-bit only)."""
+    qw, qz, sc = s.packed["qweight"], s.packed["qzeros"], s.packed["scales"]
+    if (
+        any(len(t.shape) != 2 for t in (qw, qz, sc))
+        or sc.shape[1] != qw.shape[1] * 8
+        or qz.shape != (sc.shape[0], qw.shape[1])
+        or sc.shape[0] == 0
+        or qw.shape[0] % sc.shape[0]
+    ):
+        raise SplicerError(f"{s.label}: {s.name} has AWQ tensors of inconsistent shapes; the build is corrupt")
+    out_f, in_f = sc.shape[1], qw.shape[0]
+    return s.module(shape=(out_f, in_f), bits=4, group_size=in_f // sc.shape[0])
+
+
+def _ct_pack_module(s: StoredModule, layout: Layout) -> Module:
+    ws = s.packed["weight_shape"]
+    if ws.dtype not in ("I64", "I32") or ws.shape != (2,):
+        raise SplicerError(
+            f"{s.label}: {s.name}.weight_shape is {ws.dtype}{list(ws.shape)}, not an integer pair; the build is corrupt"
+        )
+    fmt = "<2q" if ws.dtype == "I64" else "<2i"
+    out_f, in_f = struct.unpack(fmt, s.read_bytes(ws))
+    pk, sc = s.packed["weight_packed"], s.packed["weight_scale"]
+    if len(pk.shape) != 2 or len(sc.shape) != 2 or pk.shape[0] != out_f or in_f <= 0 or sc.shape[1] == 0:
+        raise SplicerError(
+            f"{s.label}: {s.name} has packed tensors that do not fit weight_shape {[out_f, in_f]}; the build is corrupt"
+        )
+    bits = pk.shape[1] * 32 // in_f if pk.shape[1] * 32 % in_f == 0 else None
+    group = in_f // sc.shape[1] if in_f % sc.shape[1] == 0 else None
+    return s.module(shape=(out_f, in_f), bits=bits, group_size=group)
+
+
+def _nvfp4_module(s: StoredModule, layout: Layout) -> Module:
+    """NVFP4: weight_packed uint8 [N, K/2] (two e2m1 values a byte), weight_scale fp8 [N, K/16], weight_global_scale [1]."""
+    pk, sc = s.packed["weight_packed"], s.packed["weight_scale"]
+    if pk.dtype != "U8" or len(pk.shape) != 2 or len(sc.shape) != 2 or sc.shape[0] != pk.shape[0] or sc.shape[1] == 0:
+        raise SplicerError(f"{s.label}: {s.name} has NVFP4 tensors of inconsistent shapes or dtypes; the build is corrupt")
+    out_f, in_f = pk.shape[0], pk.shape[1] * 2
+    group = in_f // sc.shape[1] if in_f % sc.shape[1] == 0 else None
+    return s.module(shape=(out_f, in_f), bits=4, group_size=group, scheme=f"nvfp4 g{group}")
+
+
+def _weight_scale_module(s: StoredModule, layout: Layout) -> Module:
+    """FP8 or INT8 values under `weight` [N, K] with a per-tensor, per-channel or block scale."""
+    w = s.packed["weight"]
+    scale = s.packed.get("weight_scale_inv") or s.packed.get("weight_scale")
+    if len(w.shape) != 2 or scale is None:
+        names = " or ".join(n for n in ("weight_scale_inv", "weight_scale") if n in layout.suffixes)
+        raise SplicerError(f"{s.label}: {s.name} has an {w.dtype} weight {list(w.shape)} without a {names}; the build is corrupt")
+    strategy = weight_scale_strategy(tuple(w.shape), tuple(scale.shape), s.config_block())
+    if strategy == "unknown":
+        raise SplicerError(
+            f"{s.label}: {s.name}'s scale {list(scale.shape)} fits no tensor, channel or block layout of its "
+            f"weight {list(w.shape)}; the build is corrupt"
+        )
+    kind = "int8" if w.dtype == "I8" else "fp8"
+    return s.module(shape=tuple(w.shape), bits=8, group_size=None, scheme=f"{kind} {strategy}")
 
 
 LAYOUTS = (
@@ -43,6 +148,8 @@ LAYOUTS = (
         ("weight_packed", "weight_scale", "weight_shape"),
         ("weight_zero_point", "weight_g_idx"),
         ("pack-quantized",),
+        stored_as="compressed-tensors pack-quantized",
+        read=_ct_pack_module,
     ),
     # compressed-tensors NVFP4: uint8 [N, K/2] e2m1 pairs, fp8 group scales [N, K/16], fp32 global scale (§3).
     Layout(
@@ -52,6 +159,8 @@ LAYOUTS = (
         ("weight_packed", "weight_scale", "weight_global_scale"),
         ("weight_zero_point", "input_global_scale"),
         ("nvfp4-pack-quantized",),
+        stored_as="NVFP4",
+        read=_nvfp4_module,
     ),
     # compressed-tensors float-quantized (FP8 W8A8) and int-quantized (INT8 W8A8): the quantized values keep the name
     # `weight` (fp8 or int8), scales per tensor [1], channel [N, 1] or 128x128 block (§1, §4).
@@ -62,6 +171,8 @@ LAYOUTS = (
         ("weight", "weight_scale"),
         ("weight_zero_point", "input_scale", "input_zero_point"),
         ("float-quantized", "naive-quantized"),
+        stored_as="FP8",
+        read=_weight_scale_module,
     ),
     Layout(
         "ct-int",
@@ -70,17 +181,27 @@ LAYOUTS = (
         ("weight", "weight_scale"),
         ("weight_zero_point", "input_scale", "input_zero_point"),
         ("int-quantized", "naive-quantized"),
+        stored_as="INT8",
+        read=_weight_scale_module,
     ),
     # GPTQ v1: qweight [K*b/32, N] packed along K, qzeros [K/g, N*b/32], scales [K/g, N], g_idx [K].
-    Layout("gptq", "gptq", "qweight", ("qweight", "qzeros", "scales"), ("g_idx",)),
+    Layout("gptq", "gptq", "qweight", ("qweight", "qzeros", "scales"), ("g_idx",), stored_as="GPTQ or AWQ", read=_gptq_module),
     # AutoAWQ GEMM: qweight [K, N/8] packed along N in AWQ's interleaved order, qzeros [K/g, N/8], scales [K/g, N] (§5).
-    Layout("awq", "awq", "qweight", ("qweight", "qzeros", "scales")),
+    Layout("awq", "awq", "qweight", ("qweight", "qzeros", "scales"), stored_as="GPTQ or AWQ", read=_awq_module),
     # Native FP8 (DeepSeek-V3, Qwen *-FP8: quant_method fp8): fp8 weight with a 128x128 block `weight_scale_inv`
     # (a multiplier despite its name), or per-tensor `weight_scale` plus `input_scale` when activations are static (§2).
-    Layout("fp8", "fp8", "weight", ("weight",), ("weight_scale_inv", "weight_scale", "input_scale")),
+    Layout(
+        "fp8",
+        "fp8",
+        "weight",
+        ("weight",),
+        ("weight_scale_inv", "weight_scale", "input_scale"),
+        stored_as="FP8",
+        read=_weight_scale_module,
+    ),
     # FBGEMM FP8 (Meta's Llama 3.1 405B FP8: quant_method fbgemm_fp8): fp8 weight with a float32 per-channel
     # `weight_scale` [N, 1]; activations are scaled dynamically under the config's activation_scale_ub.
-    Layout("fbgemm-fp8", "fbgemm_fp8", "weight", ("weight", "weight_scale")),
+    Layout("fbgemm-fp8", "fbgemm_fp8", "weight", ("weight", "weight_scale"), stored_as="FP8", read=_weight_scale_module),
 )
 LAYOUT = {layout.name: layout for layout in LAYOUTS}
 # The layout of a quantized `weight` under each quant_method other than compressed-tensors (whose dtype says int or fp).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from ..arch import Architecture
+from ..arch.table import Architecture
 from .module import Module
 
 

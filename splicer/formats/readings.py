@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..arch import Architecture
+from ..arch.table import Architecture
 from .module import Module
 
 

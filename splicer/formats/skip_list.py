@@ -8,7 +8,7 @@ import json
 import re
 from abc import abstractmethod
 
-from ..arch import Architecture
+from ..arch.table import Architecture
 from ..errors import SplicerError
 from .base import QuantFormat
 from .module import Module

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from ..arch import Architecture, get_architecture
+from ..arch import get_architecture
+from ..arch.table import Architecture
 from ..errors import SplicerError
 from ..formats.registry import format_of
 from .config_schema import QC, check_common_fields, check_fields

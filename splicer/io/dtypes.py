@@ -1,4 +1,4 @@
-"""safetensors dtype strings <-> torch dtypes."""
+"""safetensors dtype strings <-> torch dtypes, and which of them are floats."""
 
 import torch
 
@@ -17,6 +17,12 @@ _TO_TORCH = {
     "F8_E5M2": torch.float8_e5m2,
 }
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+
+# The float dtypes engines serve weights in (vLLM's --dtype offers bfloat16, float16 and float32): splice casts a base
+# tensor among them to the build's float dtype (an F64 one is copied as stored) and restores no weight stored otherwise.
+SERVED_FLOAT_DTYPES = ("BF16", "F16", "F32")
+# Every float dtype safetensors stores: the unquantized comparison reads an F64 tensor too, cast like the others.
+FLOAT_DTYPES = (*SERVED_FLOAT_DTYPES, "F64")
 
 
 def torch_dtype(name: str) -> torch.dtype:

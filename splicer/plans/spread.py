@@ -10,12 +10,11 @@ The first GPU runs the base pass while --precompile's processes compile every va
 cache is on disk, shared by the GPUs). Then one thread per GPU takes rows in plan order, whichever is free next. A row
 scores and is timed while no other GPU's row scores or is timed (RowSchedule.measuring), so what runs beside a timing
 is at most another GPU's engine starting, on that GPU and on that GPU's share of the cores (each GPU's processes are
-pinned to their own cores).
+pinned to their own cores). The engines, one per GPU, are made by backends/gpus.py.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 
@@ -23,45 +22,6 @@ from ..errors import SplicerError
 from .plan import PlannedRow, Row
 
 SPREAD_REPEAT_REASON = "spread over GPUs: the build is timed at the start and end of every GPU instead"
-
-
-def cuda_ids(gpus: tuple[str, ...]) -> list[str]:
-    """--gpus ids as the CUDA ids a child process is given: the parent's CUDA_VISIBLE_DEVICES (when set) maps them."""
-    import torch
-
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        bad = [g for g in gpus if int(g) >= n]
-        if bad:
-            raise SplicerError(
-                f"--gpus {','.join(gpus)}: this machine shows {n} GPU(s) (CUDA ids 0-{n - 1}); drop {','.join(bad)}"
-            )
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if visible:
-        if any(int(g) >= len(visible) for g in gpus):
-            raise SplicerError(
-                f"--gpus {','.join(gpus)}: CUDA_VISIBLE_DEVICES shows {len(visible)} GPU(s); give ids below {len(visible)}"
-            )
-        return [visible[int(g)] for g in gpus]
-    return list(gpus)
-
-
-def core_shares(n: int) -> list[list[int]]:
-    """This process's cores split into n equal, disjoint shares (one per GPU)."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if len(cores) < n:
-        return [cores] * n
-    return [cores[k * len(cores) // n : (k + 1) * len(cores) // n] for k in range(n)]
-
-
-def make_backends(gpus: tuple[str, ...], precompile: int, make) -> list:
-    """One backend per GPU, the first runs the base pass: make(device, gpu, precompile, cpus) with the GPU's CUDA
-    device, its --gpus id, its share of --precompile's N processes (the first GPU, which holds the base pass's engine
-    too, gets the fewest) and its share of the cores."""
-    ids, shares = cuda_ids(gpus), core_shares(len(gpus))
-    n = len(ids)
-    lanes = [precompile // n + (1 if k >= n - precompile % n else 0) for k in range(n)]
-    return [make(f"cuda:{cuda}", gpu, lanes[k], shares[k]) for k, (gpu, cuda) in enumerate(zip(gpus, ids))]
 
 
 def compile_targets(lanes: list[int]):
@@ -74,19 +34,6 @@ def compile_targets(lanes: list[int]):
     later = [0] if lanes[0] else [k for k in range(1, len(lanes)) if lanes[k]] or [0]
     while True:
         yield from later
-
-
-def check_gpus(gpus: tuple[str, ...], overlap_starts: int) -> None:
-    """What --gpus accepts, and what it cannot go with (checked where the vLLM backend's options are made)."""
-    if len(gpus) < 2 or len(set(gpus)) != len(gpus) or not all(str(g).isdigit() for g in gpus):
-        raise SplicerError(
-            f"--gpus {','.join(map(str, gpus))}: give two or more distinct CUDA device ids, e.g. --gpus 0,1 "
-            "(one GPU: leave --gpus out)"
-        )
-    if overlap_starts:
-        raise SplicerError(
-            "--gpus and --overlap-starts: a run spread over GPUs starts each GPU's engines one at a time; drop --overlap-starts"
-        )
 
 
 def gpu_build_rows(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import __version__
-from ..arch import Architecture
+from ..arch.table import Architecture
 from ..errors import SplicerError
 from ..formats.layouts import LAYOUT, QUANT_SUFFIXES
 from ..formats.module import Module
@@ -31,6 +31,7 @@ from ..io.checkpoint import (
     load_shard_header,
     open_checkpoint,
 )
+from ..io.dtypes import SERVED_FLOAT_DTYPES
 from ..io.outputs import PARTIAL_SUFFIX, SPLICE, check_output, local_folder, lock_output, replace_dir, sibling, write_error
 from ..io.progress import SILENT, Stages
 from ..io.safetensors_io import ByteSource, CastSource, OutTensor, write_shard
@@ -51,8 +52,6 @@ from .validate import (
     validate_build,
     validate_schemes,
 )
-
-FLOAT_DTYPES = ("BF16", "F16", "F32")
 
 
 @dataclass
@@ -199,7 +198,7 @@ def open_base_for(
 def _from_base(info, float_dtype: str, casts: dict[str, int]) -> OutTensor:
     """A base tensor as it goes into the output: verbatim, or cast to the build's float dtype."""
     src = ByteSource(info.path, info.start, info.nbytes)
-    if info.dtype in FLOAT_DTYPES and info.dtype != float_dtype:
+    if info.dtype in SERVED_FLOAT_DTYPES and info.dtype != float_dtype:
         casts[info.dtype] = casts.get(info.dtype, 0) + 1
         return OutTensor(info.name, float_dtype, info.shape, CastSource(src, info.dtype, float_dtype))
     return OutTensor(info.name, info.dtype, info.shape, src)
@@ -218,7 +217,7 @@ def build_float_dtype(build: Checkpoint) -> str:
     counts: dict[str, int] = defaultdict(int)
     for hdr in build.headers.values():
         for name, info in hdr.tensors.items():
-            if name.endswith(".weight") and info.dtype in FLOAT_DTYPES:
+            if name.endswith(".weight") and info.dtype in SERVED_FLOAT_DTYPES:
                 counts[info.dtype] += info.nbytes
     return max(counts, key=counts.get) if counts else "BF16"
 
@@ -245,7 +244,7 @@ def plan_splice(
         if b is None:
             raise SplicerError(f"the base has no weight for {name}; pass the BF16 base this build was made from")
         dtype, shape, src = weight_source(b)
-        if dtype not in FLOAT_DTYPES:
+        if dtype not in SERVED_FLOAT_DTYPES:
             raise SplicerError(f"the base stores {name} as {dtype}, not a float type; pass the BF16 base")
         if dtype != float_dtype:
             # vLLM would cast it to the model's dtype on load anyway; cast once here, so the output holds one float

@@ -4,7 +4,7 @@ module in splicer/formats/; what they share, the Reading and Report, is formats/
 
 from __future__ import annotations
 
-from ..arch import Architecture
+from ..arch.table import Architecture
 from ..formats.module import Module
 from ..formats.readings import Report
 from ..formats.registry import format_or_default

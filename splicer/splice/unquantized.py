@@ -23,11 +23,9 @@ import torch
 from ..formats.layouts import QUANT_SUFFIXES
 from ..formats.module import Module
 from ..io.checkpoint import Checkpoint, load_shard_header
-from ..io.dtypes import torch_dtype
+from ..io.dtypes import FLOAT_DTYPES, torch_dtype
 from ..io.safetensors_io import TensorInfo
 from .modules import list_modules
-
-FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import re
 
-from ..arch import Architecture, family_mismatch
+from ..arch import family_mismatch
+from ..arch.table import Architecture
 from ..errors import SplicerError
 from ..formats.layouts import is_packed_tensor
 from ..formats.module import Module
