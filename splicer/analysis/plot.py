@@ -31,6 +31,7 @@ from .budget import finite_number, pareto
 
 PLOT_STEM = "plot-kl"
 SHORT_LABEL_CHARS = 28  # longer labels are drawn as P1, P2... and spelled out in a key under the panels
+PANELS_PER_ROW = 3  # corpora side by side; more wrap to further rows
 LINK_LINE = "Plot: KL per corpus against decode ms/token and against size on disk"
 DPI = 120  # the PNG's; labels are placed at it, so that the saved figure is the one checked
 MEASURED_MS, PREDICTED_MS, TICK_MS = 6, 6, 7  # marker sizes, points: labels keep off them
@@ -167,14 +168,23 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
         else:
             keyed.append((f"P{len(keyed) + 1}", text, p["name"]))
             labels[p["name"]] = keyed[-1][0]
-    width = 5.2 * len(corpora)
+    # One panel per corpus and cost, at most PANELS_PER_ROW side by side: a row of five panels is too wide to read
+    # where a README shows it.
+    cols = min(len(corpora), PANELS_PER_ROW)
+    rows_per_cost = -(-len(corpora) // cols)
+    width = 5.2 * cols
     key_lines = _key_lines(keyed, width)
     key_height = 0.14 * (len(key_lines) + 1) if key_lines else 0.0  # inches: 7 pt monospace lines and a margin
-    fig, axes = plt.subplots(len(axes_x), len(corpora), figsize=(width, 4.4 * len(axes_x) + key_height), squeeze=False, dpi=DPI)
+    fig, axes = plt.subplots(
+        len(axes_x) * rows_per_cost, cols, figsize=(width, 4.4 * len(axes_x) * rows_per_cost + key_height), squeeze=False, dpi=DPI
+    )
+    for r, c in ((r, c) for r in range(len(axes_x) * rows_per_cost) for c in range(cols)):
+        if (r % rows_per_cost) * cols + c >= len(corpora):
+            axes[r][c].set_visible(False)
     panels = []  # (axes, [(x, y, label)], [(x, y, marker size)]) for the labels, placed once the layout is final
     for r, (key, label) in enumerate(axes_x):
-        for c, corpus in enumerate(corpora):
-            ax = axes[r][c]
+        for i, corpus in enumerate(corpora):
+            ax = axes[r * rows_per_cost + i // cols][i % cols]
             pts = [p for p in (timed if key == "decode" else points) if corpus in p["metrics"]]
             anchors, marks = [], []
             for p in pts:
