@@ -319,6 +319,16 @@ def _cmd_readme_blocks(args) -> int:
     return rc
 
 
+def _cmd_cluster_scores(args) -> int:
+    from .analysis.cluster_scores import write
+
+    path, rows, records = write(args.dir)
+    print(
+        f"wrote {path}: {records} records of {rows} rows ({path.stat().st_size:,} bytes); compare and budget read it where DIR/scores/ is absent"
+    )
+    return 0
+
+
 def _cmd_compare(args) -> int:
     from .analysis.table import compare
 
@@ -597,6 +607,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("a", metavar="VARIANT_A")
     s.add_argument("b", metavar="VARIANT_B")
     s.set_defaults(func=_cmd_compare)
+
+    s = sub.add_parser(
+        "cluster-scores",
+        help="DIR/cluster-scores.safetensors: the per-position scores summed per sequence (or group), all the intervals need",
+    )
+    s.add_argument("dir", metavar="DIR", type=Path)
+    s.set_defaults(func=_cmd_cluster_scores)
 
     s = sub.add_parser(
         "readme-blocks",

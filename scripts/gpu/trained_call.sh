@@ -24,7 +24,7 @@ collect() {
     [ -f "$W/$f" ] && list+=("$f")
   done
   for d in ablate0 ablate1 score0; do
-    for f in results.json table.md job.json budget.json budget-plan.toml ablate.log; do [ -f "$W/$d/$f" ] && list+=("$d/$f"); done
+    for f in results.json table.md job.json budget.json budget-plan.toml ablate.log cluster-scores.safetensors; do [ -f "$W/$d/$f" ] && list+=("$d/$f"); done
     [ -d "$W/$d/logs" ] && list+=("$d/logs")
   done
   for b in "$W"/seed*/raw*/builds.json; do [ -f "$b" ] && list+=("${b#$W/}"); done

@@ -519,9 +519,11 @@ class PositionScores:
 
         out = {}
         for c in [corpus] if corpus else self.corpora:
-            build = self.get(model.build_row, c)
-            parts = [self.get(a.row, c) for a in combo]
-            meas = self.get(other, c) if other else None
+            from .verdicts import same_form
+
+            build, meas, *parts = same_form(
+                [self.get(model.build_row, c), self.get(other, c) if other else None] + [self.get(a.row, c) for a in combo]
+            )
             if build is None or any(p is None for p in parts) or (other and meas is None):
                 return None
             if any(p["seq_index"].shape != build["seq_index"].shape for p in parts + ([meas] if meas else [])):

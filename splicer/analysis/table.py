@@ -530,6 +530,7 @@ def compare(out_dir: Path, a: str, b: str) -> str:
     """Paired differences between any two finished variants on the same positions (verdicts.compare_scores)."""
     from tabulate import tabulate
 
+    from .cluster_scores import FILE_NAME as CLUSTER_FILE
     from .verdicts import compare_scores, fold_noise, noise_text
 
     out_dir = Path(out_dir)
@@ -547,7 +548,9 @@ def compare(out_dir: Path, a: str, b: str) -> str:
     except ValueError as e:
         raise SplicerError(f"{e}; rerun splicer ablate on {out_dir}") from None
     if c is None:
-        raise SplicerError(f"no score files of {a} and {b} under {out_dir / 'scores'}; rerun splicer ablate on {out_dir}")
+        raise SplicerError(
+            f"no score files of {a} and {b} under {out_dir / 'scores'} nor in {out_dir / CLUSTER_FILE}; rerun splicer ablate on {out_dir}"
+        )
     c = fold_noise(c, (results.get("verdicts") or {}).get("engine_noise"))
 
     def cell(cmp, scale, digits, rel=False):

@@ -1,7 +1,8 @@
 """Which differences between variants are real: paired score differences and decode differences, with intervals.
 
 Read by `ablate` (after every row, into results.json), `table`, `compare` and `report`; it reads only results.json and
-the per-position score files under DIR/scores/.
+the per-position score files under DIR/scores/, or where those are absent their per-cluster sums
+(DIR/cluster-scores.safetensors, cluster_scores.py), which give the same intervals.
 
 Scores. Two variants are scored on the same positions, so their difference is estimated paired, position by position,
 with a 95 % interval from a stratified cluster bootstrap (metrics.paired_comparison): the independent unit is a
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .cluster_scores import ClusterScores, collapse
 from .metrics import decode_difference, engine_level, fold_engine_noise, paired_comparison, units
 
 METHOD = (
@@ -41,15 +43,29 @@ QUANTITIES = ("kl", "top1", "dnll")
 
 
 def load_scores(out: Path, row: str, corpus: str):
+    """A row's scores of one corpus: its per-position file (DIR/scores/ROW/CORPUS.safetensors), else its collapsed
+    record from DIR/cluster-scores.safetensors (cluster_scores: the same sums per cluster), else None."""
     from safetensors.torch import load_file
 
     p = Path(out) / "scores" / row / f"{corpus}.safetensors"
-    return load_file(str(p)) if p.exists() else None
+    return load_file(str(p)) if p.exists() else ClusterScores.get(out, row, corpus)
+
+
+def same_form(records: list) -> list:
+    """Records of several rows in one form: all collapsed per cluster when any is (a folder whose per-position files
+    are there for some rows only), else as they are. None stays None."""
+    if any(r is not None and "positions_sha256" in r for r in records):
+        return [r if r is None or "positions_sha256" in r else collapse(r) for r in records]
+    return records
 
 
 def _same_positions(sa: dict, sb: dict, a: str, b: str, corpus: str) -> None:
     """Two rows' score files of one corpus cover the same positions of the same tokens, or a ValueError naming where
     they differ (files written before scores recorded their tokens: the same sequences, weights and answers)."""
+    if "positions_sha256" in sa:  # collapsed records (same_form): their digests of the positions and tokens
+        if not torch.equal(sa["positions_sha256"], sb["positions_sha256"]):
+            raise ValueError(f"{a} and {b} were scored on different positions or tokens of {corpus}")
+        return
     keys = ["target"] if "target" in sa and "target" in sb else ["seq_index", "weight", "answer_mask"]
     for key in keys:
         x, y = sa.get(key), sb.get(key)
@@ -69,13 +85,13 @@ def compare_scores(out: Path, a: str, b: str, corpora: list[str], reps: int = 20
     sequence, or a group of them where the score files carry a `group` per position."""
     kl, top1, dnll = {}, {}, {}
     for corpus in corpora:
-        sa, sb = load_scores(out, a, corpus), load_scores(out, b, corpus)
+        sa, sb = same_form([load_scores(out, a, corpus), load_scores(out, b, corpus)])
         if sa is None or sb is None:
             continue
         _same_positions(sa, sb, a, b, corpus)
         w, (unit, unit_name) = sa.get("weight"), units(sa)
         kl[corpus] = {"a": sa["kl_top"], "b": sb["kl_top"], "cluster": unit, "unit": unit_name, "weight": w}
-        top1[corpus] = {"a": sa["top1"].float(), "b": sb["top1"].float(), "cluster": unit, "unit": unit_name, "weight": w}
+        top1[corpus] = {"a": sa["top1"].double(), "b": sb["top1"].double(), "cluster": unit, "unit": unit_name, "weight": w}
         if "answer_mask" in sa and bool(sa["answer_mask"].any()):
             m = sa["answer_mask"].bool()
             dnll[corpus] = {
