@@ -70,6 +70,16 @@ def _without_scores(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _recomputed(results: dict, folder: Path) -> dict:
+    """results.json's verdicts and every row's paired comparison with the build, computed again from folder's scores
+    (attach keeps a row's comparison once made, so it is dropped first)."""
+    again = copy.deepcopy(results)
+    for v in again["variants"]:
+        v.pop("vs_build", None)
+    verdicts.attach(again, folder, results["verdicts"]["bootstrap"])
+    return again
+
+
 def _close(x, y, path=""):
     """Every number of two nested results equal to float rounding; everything else equal."""
     if isinstance(x, dict):
@@ -120,13 +130,11 @@ def test_compare_and_the_verdicts_from_cluster_scores_equal_those_from_positions
         assert main(["compare", str(bare), a, b]) == 0
         assert capsys.readouterr().out == full
     results = json.loads((ablated / "results.json").read_text())
-    reps = results["verdicts"]["bootstrap"]
-    x, y = copy.deepcopy(results), copy.deepcopy(results)
-    verdicts.attach(x, ablated, reps)
-    verdicts.attach(y, bare, reps)
+    x, y = _recomputed(results, ablated), _recomputed(results, bare)
     assert x["verdicts"]["engine_noise"]["kl"] is not None  # the build's two engines measured the noise
-    _close(x["verdicts"], y["verdicts"])
-    _close(results["verdicts"], x["verdicts"])  # and what ablate wrote is what is recomputed
+    assert sum(bool(v.get("vs_build")) for v in y["variants"]) == 3  # gdn-1, gdn, attention
+    _close(x, y)
+    _close(results, x)  # and what ablate wrote is what is recomputed
 
 
 def test_budget_from_cluster_scores_equals_budget_from_positions(ablated, tmp_path, capsys):
@@ -178,3 +186,20 @@ def test_the_command_remakes_the_file_and_refuses_a_folder_without_scores(ablate
     err = capsys.readouterr().err
     assert "has no scores/ folder" in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in bare.iterdir()) == before
+
+
+COMMITTED = sorted((Path(__file__).parents[1] / "results").rglob(cluster_scores.FILE_NAME))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=[str(p.parent.relative_to(p.parents[3])) for p in COMMITTED])
+def test_every_committed_interval_is_recomputed_from_the_committed_cluster_scores(path):
+    """The verdicts a GPU run wrote into results.json (paired intervals, the engine noise folded in) come out of the
+    cluster scores committed beside it: the raw data behind each interval of a results README."""
+    results = json.loads((path.parent / "results.json").read_text())
+    again = _recomputed(results, path.parent)
+    assert any(v.get("vs_build") for v in again["variants"])
+    _close(results, again)
+
+
+def test_the_committed_results_hold_cluster_scores():
+    assert len(COMMITTED) >= 3  # results/trained-h200/run-3: ablate0, ablate1, score0

@@ -66,17 +66,20 @@ def collapse(record: dict) -> dict:
 
 
 def write(folder: Path) -> tuple[Path, int, int]:
-    """DIR/cluster-scores.safetensors from DIR/scores/ROW/CORPUS.safetensors; returns (file, rows, records)."""
+    """DIR/cluster-scores.safetensors from DIR/scores/ROW/CORPUS.safetensors of the rows results.json lists as
+    finished (a row cut off mid-run may have left some of its files); returns (file, rows, records)."""
     from safetensors.torch import load_file
 
+    from ..io import results_record
     from ..io.outputs import write_file
 
     folder = Path(folder)
     if not (folder / "scores").is_dir():
         raise SplicerError(f"{folder} has no scores/ folder of per-position scores; pass the results folder splicer ablate wrote")
+    finished = {v.get("name") for v in results_record.read(folder)["variants"] if v.get("status") == "ok"}
     tensors = {}
     rows = 0
-    for row_dir in sorted(p for p in (folder / "scores").iterdir() if p.is_dir()):
+    for row_dir in sorted(p for p in (folder / "scores").iterdir() if p.is_dir() and p.name in finished):
         files = sorted(row_dir.glob("*.safetensors"))
         rows += bool(files)
         for f in files:
@@ -86,7 +89,8 @@ def write(folder: Path) -> tuple[Path, int, int]:
     def save(tmp):
         from safetensors.torch import save_file
 
-        save_file(tensors, str(tmp), metadata={"format": "splicer cluster scores", "version": "1"})
+        # One metadata key: safetensors writes several in any order, and the file should be the same for the same scores.
+        save_file(tensors, str(tmp), metadata={"format": "splicer cluster scores, version 1"})
 
     path = write_file(folder / FILE_NAME, save)
     return path, rows, len({k.rsplit(SEP, 1)[0] for k in tensors})
