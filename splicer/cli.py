@@ -322,9 +322,11 @@ def _cmd_readme_blocks(args) -> int:
 def _cmd_cluster_scores(args) -> int:
     from .analysis.cluster_scores import write
 
-    path, rows, records = write(args.dir)
+    path, source = write(args.dir)
+    made, kept = (sorted(r for r, s in source.items() if s == how) for how in ("scores", "kept"))
     print(
-        f"wrote {path}: {records} records of {rows} rows ({path.stat().st_size:,} bytes); compare and budget read it where DIR/scores/ is absent"
+        f"wrote {path} ({path.stat().st_size:,} bytes): {len(made)} finished rows from scores/"
+        + (f", {len(kept)} kept as the file held them ({', '.join(kept)})" if kept else "")
     )
     return 0
 
@@ -611,8 +613,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "cluster-scores",
         help="DIR/cluster-scores.safetensors: the per-position scores summed per sequence (or group), all the intervals need",
+        description="Rewrite DIR/cluster-scores.safetensors (ablate updates it after every row): each finished row's "
+        "per-position scores (DIR/scores/ROW/) summed per sequence, or chat group; a finished row whose per-position "
+        "files are gone keeps the records the file held. compare, budget and the verdicts read it where DIR/scores/ "
+        "is absent, with the same intervals.",
     )
-    s.add_argument("dir", metavar="DIR", type=Path)
+    s.add_argument("dir", metavar="DIR", type=Path, help="a results folder splicer ablate or score wrote")
     s.set_defaults(func=_cmd_cluster_scores)
 
     s = sub.add_parser(

@@ -154,10 +154,10 @@ def test_budget_from_cluster_scores_equals_budget_from_positions(ablated, tmp_pa
 def test_rows_scored_on_other_positions_are_refused_from_cluster_scores_too(ablated, tmp_path, capsys):
     bare = _without_scores(ablated, tmp_path / "bare")
     f = bare / cluster_scores.FILE_NAME
-    tensors = load_file(str(f))
+    tensors, meta = _load_with_metadata(f)
     key = "attention/wiki-en/positions_sha256"
     tensors[key] = torch.flip(tensors[key], [0])
-    save_file(tensors, str(f))
+    save_file(tensors, str(f), metadata=meta)
     assert main(["compare", str(bare), "attention", "build"]) != 0
     err = capsys.readouterr().err
     assert "different positions or tokens of wiki-en" in err and len(err.strip().splitlines()) == 1
@@ -173,19 +173,103 @@ def test_a_folder_with_some_per_position_files_compares_in_one_form(ablated, tmp
     assert capsys.readouterr().out == want
 
 
-def test_the_command_remakes_the_file_and_refuses_a_folder_without_scores(ablated, tmp_path, capsys):
+def test_the_command_remakes_the_file_keeps_rows_without_scores_and_refuses_a_folder_with_neither(ablated, tmp_path, capsys):
     d = tmp_path / "run"
     shutil.copytree(ablated, d, ignore=shutil.ignore_patterns("cache"))
     (d / cluster_scores.FILE_NAME).unlink()
     assert main(["cluster-scores", str(d)]) == 0
-    assert load_file(str(d / cluster_scores.FILE_NAME)).keys() == load_file(str(ablated / cluster_scores.FILE_NAME)).keys()
-    capsys.readouterr()
-    bare = _without_scores(ablated, tmp_path / "bare")
+    assert (d / cluster_scores.FILE_NAME).read_bytes() == (ablated / cluster_scores.FILE_NAME).read_bytes()
+    assert "5 finished rows from scores/" in capsys.readouterr().out
+    bare = _without_scores(ablated, tmp_path / "bare")  # only the file: its records are kept as they are
+    assert main(["cluster-scores", str(bare)]) == 0
+    assert "5 kept as the file held them" in capsys.readouterr().out
+    assert (bare / cluster_scores.FILE_NAME).read_bytes() == (ablated / cluster_scores.FILE_NAME).read_bytes()
+    (bare / cluster_scores.FILE_NAME).unlink()
     before = sorted(p.name for p in bare.iterdir())
     assert main(["cluster-scores", str(bare)]) != 0
     err = capsys.readouterr().err
-    assert "has no scores/ folder" in err and len(err.strip().splitlines()) == 1
+    assert "has no scores of a finished row" in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in bare.iterdir()) == before
+    assert main(["cluster-scores", str(tmp_path / "nowhere")]) != 0
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def _load_with_metadata(path: Path) -> tuple[dict, dict]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def _records(folder: Path) -> set[str]:
+    return {k.rsplit("/", 1)[0] for k in load_file(str(folder / cluster_scores.FILE_NAME))}
+
+
+def test_a_row_added_to_a_folder_without_scores_keeps_the_others(ablated, pairs, tmp_path, capsys):
+    bare = _without_scores(ablated, tmp_path / "bare")
+    assert main(["compare", str(bare), "gdn", "build"]) == 0
+    want = capsys.readouterr().out
+    results = json.loads((bare / "results.json").read_text())
+    build = results["inputs"]["build"]["source"]
+    plan = results["plan"]["source"]
+    args = ["ablate", "all", build, results["inputs"]["base"]["source"], "-o", str(bare), "--plan", plan]
+    assert main([*args, "--device", "cpu", "--no-time", "-q", "--add", f"again={build}"]) == 0
+    capsys.readouterr()  # ablate prints its table
+    assert {r.split("/")[0] for r in _records(bare)} == {"build", "gdn-1", "gdn", "attention", "build-again", "again"}
+    assert main(["compare", str(bare), "gdn", "build"]) == 0
+    assert capsys.readouterr().out == want
+
+
+def test_a_row_whose_scores_were_deleted_keeps_its_records_through_a_rerun(ablated, tmp_path, capsys):
+    d = tmp_path / "run"
+    shutil.copytree(ablated, d)
+    shutil.rmtree(d / "scores" / "gdn")
+    results = json.loads((d / "results.json").read_text())
+    args = ["ablate", "all", results["inputs"]["build"]["source"], results["inputs"]["base"]["source"], "-o", str(d)]
+    assert main([*args, "--plan", results["plan"]["source"], "--device", "cpu", "--no-time", "-q"]) == 0
+    assert "gdn/chat" in _records(d)
+    assert main(["compare", str(d), "gdn", "build"]) == 0
+    capsys.readouterr()
+    assert main(["cluster-scores", str(d)]) == 0
+    assert "1 kept as the file held them (gdn)" in capsys.readouterr().out
+
+
+def test_a_cluster_file_of_another_folder_or_a_damaged_one_is_refused_in_one_line(ablated, tmp_path, capsys):
+    other = tmp_path / "other"
+    shutil.copytree(ablated, other, ignore=shutil.ignore_patterns("scores", "cache"))
+    results = json.loads((other / "results.json").read_text())
+    results["inputs"]["base"]["digest"] = "0" * 64  # as if scored against another base
+    (other / "results.json").write_text(json.dumps(results))
+    f = other / cluster_scores.FILE_NAME
+    for damage, says in (
+        (None, "holds the scores of another build or base"),
+        (lambda: f.write_bytes(f.read_bytes()[:5000]), "cannot be read as cluster scores"),
+        (lambda: f.write_bytes(b""), "cannot be read as cluster scores"),
+        (lambda: shutil.copy(ablated / "scores" / "gdn" / "chat.safetensors", f), "is not a splicer cluster-scores file"),
+    ):
+        if damage:
+            damage()
+        for cmd in (["compare", str(other), "gdn", "build"], ["budget", str(other)]):
+            assert main(cmd) != 0, (cmd, says)
+            err = capsys.readouterr().err
+            assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_damaged_per_position_file_is_one_line_and_leaves_the_cluster_file(ablated, tmp_path, capsys):
+    d = tmp_path / "run"
+    shutil.copytree(ablated, d, ignore=shutil.ignore_patterns("cache"))
+    before = (d / cluster_scores.FILE_NAME).read_bytes()
+    bad = d / "scores" / "gdn" / "chat.safetensors"
+    bad.write_bytes(bad.read_bytes()[:100])
+    assert main(["cluster-scores", str(d)]) != 0
+    err = capsys.readouterr().err
+    assert f"{bad} cannot be read as a row's scores" in err and len(err.strip().splitlines()) == 1
+    assert (d / cluster_scores.FILE_NAME).read_bytes() == before
+
+
+def test_the_file_is_as_readable_as_results_json(ablated):
+    mode = (ablated / cluster_scores.FILE_NAME).stat().st_mode & 0o777
+    assert mode == (ablated / "results.json").stat().st_mode & 0o777
 
 
 COMMITTED = sorted((Path(__file__).parents[1] / "results").rglob(cluster_scores.FILE_NAME))

@@ -81,6 +81,10 @@ def finish_results(results: dict, out: Path, backends, reps: int = 2000) -> None
     from ..analysis.breakdown import time_breakdown
 
     results["time_breakdown"] = time_breakdown(results)
+    from ..analysis import cluster_scores
+
+    # Every finished row's sums per sequence, so that the folder's intervals survive without DIR/scores/.
+    cluster_scores.update(out, results)
     attach(results, out, reps)
     results_record.write(out, results)
     atomic_text(out / "table.md", render_markdown(results) + "\n")

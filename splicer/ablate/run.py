@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..analysis import cluster_scores
 from ..corpora.core import check_hub_corpora
 from ..errors import SplicerError
 from ..io.checkpoint import open_checkpoint
@@ -56,7 +55,7 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         cache = base_cache(run.plan, settings, backend=run.backend, out=out, base_digest=base_digest, corpora=corpora)
         schedule = RowSchedule(run, run_list)
         try:
-            results = run_rows(
+            return run_rows(
                 run,
                 schedule=schedule,
                 job=job,
@@ -71,9 +70,6 @@ def run_ablate(rows_spec: str, build_src: str, base_src: str, out: Path, plan_na
         except BaseException:
             schedule.cancel()  # nothing is spliced or compiled into DIR once its lock is released
             raise
-        if (out / "scores").is_dir():  # every interval's sums, small enough to share without DIR/scores/
-            cluster_scores.write(out)
-        return results
 
 
 def smoothing_warning(build, base, modules: dict) -> str | None:

@@ -7,6 +7,11 @@ weighted sums of KL, top-1 and (on answer positions) dNLL, and the weight itself
 where the per-position files take megabytes: DIR/cluster-scores.safetensors. A folder shared or committed without its
 DIR/scores/ keeps every interval recomputable (`splicer compare`, `splicer budget`), to float rounding.
 
+`ablate` updates the file after every finished row (so do `budget --verify` and `score`, which run it): a finished row
+with per-position files gets its records from them; a finished row whose files are gone keeps the records the file
+already held; a row results.json does not list as finished has none. The file names the build and base it was scored
+on (their digests in results.json), and a file from another folder is refused when read.
+
 A collapsed record has the per-position record's keys (verdicts.load_scores returns either): each pseudo-position is
 one (cluster, answer part) with the weighted mean of each quantity and the summed weight, so the sums over a cluster
 are the per-position ones. `positions_sha256` (32 bytes) stands for the positions and tokens scored, so two rows are
@@ -16,6 +21,8 @@ still known to be scored on the same positions.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from pathlib import Path
 
 import torch
@@ -23,8 +30,10 @@ import torch
 from ..errors import SplicerError
 
 FILE_NAME = "cluster-scores.safetensors"
+FORMAT = "splicer cluster scores, version 1"
 # Quantities averaged per pseudo-position (weighted); the rest of a per-position record is not needed by an interval.
 MEANS = ("kl_top", "top1", "dlogp")
+NEEDED = ("weight", "answer_mask", "positions_sha256", "seq_index", "kl_top", "top1")
 SEP = "/"  # key = ROW/CORPUS/FIELD; a row's name never holds a slash (it names a folder under DIR/scores/)
 
 
@@ -65,54 +74,141 @@ def collapse(record: dict) -> dict:
     return out
 
 
-def write(folder: Path) -> tuple[Path, int, int]:
-    """DIR/cluster-scores.safetensors from DIR/scores/ROW/CORPUS.safetensors of the rows results.json lists as
-    finished (a row cut off mid-run may have left some of its files); returns (file, rows, records)."""
+def owner(results: dict) -> dict:
+    """What a folder's cluster scores belong to: the digests of the build and base its rows were scored against."""
+    inputs = results.get("inputs") or {}
+    return {
+        "build": (inputs.get("build") or {}).get("header_digest"),
+        "base": (inputs.get("base") or {}).get("digest") or (inputs.get("base") or {}).get("header_digest"),
+    }
+
+
+def _read(path: Path) -> tuple[dict, dict]:
+    """(records by 'ROW/CORPUS', owner) of a cluster-scores file, or a one-line error saying what is wrong with it."""
+    from safetensors import safe_open
+
+    fix = f"remake it with `splicer cluster-scores {path.parent}` from the folder's scores/, or delete it"
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error type for a damaged or foreign file
+        raise SplicerError(f"{path} cannot be read as cluster scores ({str(e).splitlines()[0][:120]}); {fix}") from None
+    try:
+        info = json.loads(meta.get("splicer", "null"))
+    except json.JSONDecodeError:
+        info = None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise SplicerError(f"{path} is not a splicer cluster-scores file ({FORMAT!r} is not in its metadata); {fix}")
+    records: dict = {}
+    for key, t in tensors.items():
+        head, _, field = key.rpartition(SEP)
+        if SEP not in head:
+            raise SplicerError(f"{path} holds a tensor {key!r} that is no ROW/CORPUS/FIELD; {fix}")
+        records.setdefault(head, {})[field] = t
+    for head, rec in records.items():
+        missing = [k for k in NEEDED if k not in rec]
+        if missing:
+            raise SplicerError(f"{path}: the record {head} lacks {', '.join(missing)}; {fix}")
+    return records, info.get("owner") or {}
+
+
+def _per_position(folder: Path, row: str) -> dict[str, dict]:
+    """corpus -> collapsed record of a row's per-position files in DIR/scores/ROW/ (empty when there are none)."""
     from safetensors.torch import load_file
 
-    from ..io import results_record
+    out = {}
+    for f in sorted((folder / "scores" / row).glob("*.safetensors")):
+        try:
+            out[f.stem] = collapse(load_file(str(f)))
+        except Exception as e:  # a truncated or foreign file: safetensors' own error, or a missing key
+            raise SplicerError(
+                f"{f} cannot be read as a row's scores ({str(e).splitlines()[0][:120]}); the per-position scores of "
+                f"{folder} are damaged: restore the file from a copy, or run that row again into a new folder"
+            ) from None
+    return out
+
+
+def update(folder: Path, results: dict) -> tuple[Path, dict[str, str]] | None:
+    """Rewrite DIR/cluster-scores.safetensors for the rows results.json lists as finished: from their per-position
+    files where DIR/scores/ROW/ holds them, else as the file already held them. Returns (file, row -> 'scores' or
+    'kept'), or None when there is nothing to write (no finished row has scores anywhere)."""
     from ..io.outputs import write_file
 
     folder = Path(folder)
-    if not (folder / "scores").is_dir():
-        raise SplicerError(f"{folder} has no scores/ folder of per-position scores; pass the results folder splicer ablate wrote")
-    finished = {v.get("name") for v in results_record.read(folder)["variants"] if v.get("status") == "ok"}
-    tensors = {}
-    rows = 0
-    for row_dir in sorted(p for p in (folder / "scores").iterdir() if p.is_dir() and p.name in finished):
-        files = sorted(row_dir.glob("*.safetensors"))
-        rows += bool(files)
-        for f in files:
-            for field, t in collapse(load_file(str(f))).items():
-                tensors[SEP.join((row_dir.name, f.stem, field))] = t.contiguous()
+    path = folder / FILE_NAME
+    finished = [v["name"] for v in results.get("variants", []) if v.get("status") == "ok" and isinstance(v.get("name"), str)]
+    old: dict = {}
+    if path.exists():
+        records, old_owner = _read(path)
+        if old_owner == owner(results):  # a file of another folder's inputs gives nothing
+            old = records
+    tensors, source = {}, {}
+    for row in finished:
+        fresh = _per_position(folder, row)
+        if fresh:
+            records = {f"{row}{SEP}{corpus}": rec for corpus, rec in fresh.items()}
+            source[row] = "scores"
+        else:
+            records = {head: rec for head, rec in old.items() if head.split(SEP, 1)[0] == row}
+            if records:
+                source[row] = "kept"
+        for head, rec in records.items():
+            for field, t in rec.items():
+                tensors[f"{head}{SEP}{field}"] = t.contiguous()
+    if not tensors:
+        return None
+    # One metadata key: safetensors writes several in any order, and the same scores should give the same bytes.
+    meta = {"splicer": json.dumps({"format": FORMAT, "owner": owner(results)}, sort_keys=True)}
 
     def save(tmp):
         from safetensors.torch import save_file
 
-        # One metadata key: safetensors writes several in any order, and the file should be the same for the same scores.
-        save_file(tensors, str(tmp), metadata={"format": "splicer cluster scores, version 1"})
+        save_file(tensors, str(tmp), metadata=meta)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # readable as results.json is: the file exists to be shared
 
-    path = write_file(folder / FILE_NAME, save)
-    return path, rows, len({k.rsplit(SEP, 1)[0] for k in tensors})
+    return write_file(path, save), source
+
+
+def write(folder: Path) -> tuple[Path, dict[str, str]]:
+    """`splicer cluster-scores DIR`: update() from the folder's own results.json, or a one-line error."""
+    from ..io import results_record
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SplicerError(f"{folder} is not a folder; pass a results folder splicer ablate or score wrote")
+    done = update(folder, results_record.read(folder))
+    if done is None:
+        raise SplicerError(
+            f"{folder} has no scores of a finished row: neither scores/ROW/ nor a {FILE_NAME}; "
+            f"run splicer ablate with -o {folder} first"
+        )
+    return done
 
 
 class ClusterScores:
-    """DIR/cluster-scores.safetensors, read once: the collapsed record of a row and corpus, or None."""
+    """DIR/cluster-scores.safetensors, read once per change: the collapsed record of a row and corpus, or None."""
 
     _open: dict = {}
 
     @classmethod
     def get(cls, folder: Path, row: str, corpus: str) -> dict | None:
-        path = Path(folder) / FILE_NAME
+        folder = Path(folder)
+        path = folder / FILE_NAME
         if not path.exists():
             return None
-        stamp = (str(path.resolve()), path.stat().st_mtime_ns)
+        stamp = (str(path.resolve()), path.stat().st_mtime_ns, path.stat().st_size)
         if stamp not in cls._open:
-            from safetensors.torch import load_file
+            records, file_owner = _read(path)
+            from ..io import results_record
 
-            by_record: dict = {}
-            for key, t in load_file(str(path)).items():
-                head, field = key.rsplit(SEP, 1)
-                by_record.setdefault(head, {})[field] = t
-            cls._open = {stamp: by_record}  # one folder at a time: a results folder is read whole, then left
-        return cls._open[stamp].get(SEP.join((row, corpus)))
+            here = owner(results_record.read(folder))
+            if file_owner != here:
+                raise SplicerError(
+                    f"{path} holds the scores of another build or base than {folder}/results.json names; "
+                    f"delete it, or remake it with `splicer cluster-scores {folder}` from the folder's scores/"
+                )
+            cls._open = {stamp: records}  # one folder at a time: a results folder is read whole, then left
+        return cls._open[stamp].get(f"{row}{SEP}{corpus}")

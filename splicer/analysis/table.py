@@ -548,8 +548,13 @@ def compare(out_dir: Path, a: str, b: str) -> str:
     except ValueError as e:
         raise SplicerError(f"{e}; rerun splicer ablate on {out_dir}") from None
     if c is None:
+        from .verdicts import load_scores
+
+        corpora = list(results.get("corpora", {}))
+        lacking = [r for r in (a, b) if not any(load_scores(out_dir, r, c) is not None for c in corpora)] or [a, b]
         raise SplicerError(
-            f"no score files of {a} and {b} under {out_dir / 'scores'} nor in {out_dir / CLUSTER_FILE}; rerun splicer ablate on {out_dir}"
+            f"no scores of {' and '.join(lacking)} in {out_dir / 'scores'} or {out_dir / CLUSTER_FILE} (they were "
+            f"deleted or never copied); compare needs both rows' scores, as splicer ablate wrote them"
         )
     c = fold_noise(c, (results.get("verdicts") or {}).get("engine_noise"))
 

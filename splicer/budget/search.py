@@ -599,7 +599,7 @@ def budget_report(
         lines.append("An interval's lower end at 0 was below 0 and is raised to 0: KL and decode time are never negative.")
     if best and any(p.atoms for p in best) and not any(p.kl_ci for p in best if p.atoms):
         why = next((p.kl_ci_why for p in best if p.atoms and p.kl_ci_why), None)
-        missing = f"{folder / 'scores'} lacks the rows' per-position scores and {folder} has no cluster-scores.safetensors"
+        missing = f"neither {folder / 'scores'} nor {folder / 'cluster-scores.safetensors'} holds the rows' scores"
         lines.append(f"KL intervals: none ({why or missing}).")
     if verify and chosen and len(chosen) < verify:
         lines.append(f"--verify {verify}: the front had {len(chosen)} point(s) no row measured; verified those.")
