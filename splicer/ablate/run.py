@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 from ..analysis import cluster_scores
+from ..checkpoint import open_checkpoint
 from ..corpora.core import check_hub_corpora
 from ..errors import SplicerError
-from ..io.checkpoint import open_checkpoint
 from ..io.outputs import ABLATE, check_output, exclusive, local_folder
 from ..io.progress import Stages
 from ..plans import spread
