@@ -14,7 +14,7 @@ from .errors import SplicerError
 
 
 def _cmd_inspect(args) -> int:
-    from .io.checkpoint import open_checkpoint
+    from .checkpoint import open_checkpoint
     from .splice.inspect import format_report, inspect_checkpoint
 
     build = open_checkpoint(args.build, "checkpoint")

@@ -229,7 +229,7 @@ def test_compare_any_two_variants(finished, capsys):
 
 def test_decode_floor_column(pairs, plan_file, tmp_path):
     """bytes read per decode step (from inspect) over the bandwidth, beside each decode time."""
-    from splicer.io.checkpoint import open_checkpoint
+    from splicer.checkpoint import open_checkpoint
     from splicer.splice.inspect import inspect_checkpoint
 
     p = pairs["fused"]

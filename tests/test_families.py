@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from splicer.arch import families, get_architecture
+from splicer.checkpoint import open_checkpoint
 from splicer.cli import main
 from splicer.errors import SplicerError
 from splicer.fixtures.families import FAMILY_FIXTURES, write_family_pair
-from splicer.io.checkpoint import open_checkpoint
 from splicer.splice.core import splice
 from splicer.splice.inspect import inspect_checkpoint as _inspect
 

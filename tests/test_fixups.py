@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
-from splicer.io.checkpoint import open_checkpoint
+from splicer.checkpoint import open_checkpoint
 from splicer.splice.core import MTP_SHARD, splice
 from splicer.splice.inspect import inspect_checkpoint
 

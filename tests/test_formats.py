@@ -11,10 +11,10 @@ import torch
 from safetensors import safe_open
 
 from splicer.backends.torch_ref import TorchBackend
+from splicer.checkpoint import open_checkpoint
 from splicer.cli import main
 from splicer.fixtures.core import write_build
 from splicer.formats.quantize import PRESETS, dequantize_module, preset_scheme, quantize_weight
-from splicer.io.checkpoint import open_checkpoint
 from splicer.splice.inspect import inspect_checkpoint
 from splicer.splice.modules import list_modules
 

@@ -60,9 +60,9 @@ from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
 from splicer.backends.base import SequenceScores, decode_spread
 from splicer.backends.torch_ref import TorchOptions
 from splicer.backends.vllm_backend import VllmOptions
+from splicer.checkpoint import INDEX_NAME, check_config, open_checkpoint
 from splicer.cli import main
 from splicer.errors import SplicerError
-from splicer.io.checkpoint import INDEX_NAME, check_config, open_checkpoint
 
 from .conftest import tree_digest
 from .test_splice import base_per_expert
@@ -96,7 +96,7 @@ PACKED = (
 )
 ROOT = Path(__file__).parents[1]
 
-# Cases that fail only in files the lead developer owns (io/checkpoint.py, io/safetensors_io.py, splice/core.py,
+# Cases that fail only in files the lead developer owns (checkpoint.py, io/safetensors_io.py, splice/core.py,
 # ablate/, cli.py, io/outputs.py, analysis/table.py, backends/*): (regex over the case's description, reason). A listed
 # case still runs; it xfails only if it fails, and passes once fixed (then remove the entry).
 LEAD_KNOWN: list[tuple[str, str]] = []  # none left

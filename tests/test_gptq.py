@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
+from splicer.checkpoint import open_checkpoint
 from splicer.formats.gptq_tensors import dequantize_gptq, quantize_gptq
-from splicer.io.checkpoint import open_checkpoint
 from splicer.splice.core import splice
 from splicer.splice.inspect import inspect_checkpoint
 

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from splicer.checkpoint import open_checkpoint
 from splicer.cli import main
 from splicer.errors import SplicerError
-from splicer.io.checkpoint import open_checkpoint
 from splicer.io.safetensors_io import ByteSource, OutTensor, read_header, write_shard
 from splicer.splice.inspect import inspect_checkpoint
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from splicer.checkpoint import open_checkpoint
 from splicer.cli import main
 from splicer.errors import SplicerError
-from splicer.io.checkpoint import open_checkpoint
 from splicer.plans.plan import Row
 from splicer.splice.inspect import inspect_checkpoint
 from splicer.splice.modules import list_modules

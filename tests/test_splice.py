@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from splicer.checkpoint import INDEX_NAME, open_checkpoint
 from splicer.errors import SplicerError
-from splicer.io.checkpoint import INDEX_NAME, open_checkpoint
 from splicer.splice.core import splice
 from splicer.splice.modules import list_modules
 from splicer.splice.rules import check

@@ -14,9 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from splicer.analysis.report import findings
+from splicer.checkpoint import INDEX_NAME, open_checkpoint
 from splicer.cli import main
 from splicer.fixtures.core import FixtureSpec, write_pair
-from splicer.io.checkpoint import INDEX_NAME, open_checkpoint
 from splicer.splice.core import splice
 from splicer.splice.unquantized import compare_unquantized, unquantized_names
 

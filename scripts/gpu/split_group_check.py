@@ -57,7 +57,7 @@ def make_split(int4: Path, base: Path, out: Path, group: str = "self_attn.") -> 
     it is quantized, restored from base and named in `ignore` (or the skip list). Files not changed are hard links; returns what was split."""
     from safetensors.torch import load_file, save_file
 
-    from splicer.io.checkpoint import open_checkpoint
+    from splicer.checkpoint import open_checkpoint
     from splicer.splice.config_edit import add_exclusions
     from splicer.splice.modules import list_modules
 

@@ -10,11 +10,11 @@ import time
 import traceback
 from pathlib import Path
 
+from ..checkpoint import open_checkpoint
 from ..corpora.core import Corpus
 from ..errors import SplicerError
 from ..formats.registry import checkpoint_format
 from ..io import faults
-from ..io.checkpoint import open_checkpoint
 from ..plans import spread
 from ..plans.plan import PlannedRow
 from .base_pass import base_pass

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..checkpoint import open_checkpoint
 from ..corpora.core import check_hub_corpora
 from ..errors import SplicerError
-from ..io.checkpoint import open_checkpoint
 from ..io.outputs import ABLATE, check_output, exclusive, local_folder
 from ..io.progress import Stages
 from ..plans import spread

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import open_checkpoint
 from ..errors import SplicerError
-from ..io.checkpoint import open_checkpoint
 from .base import ResultsWording, SequenceScores, decode_summary
 from .cpu_threads import set_torch_threads
 

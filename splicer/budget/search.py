@@ -368,7 +368,7 @@ def _check_inputs(folder: Path, job: dict) -> tuple:
     --verify writes anything. Returns the inputs DIR itself holds because splicer wrote them there (the demo's pair),
     which ablate is then told are its own."""
     from ..ablate.job import job_input
-    from ..io.checkpoint import open_checkpoint
+    from ..checkpoint import open_checkpoint
     from ..io.outputs import ABLATE, check_output, own_inputs_inside
 
     roots = []

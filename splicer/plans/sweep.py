@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..checkpoint import Checkpoint, open_checkpoint
 from ..errors import SplicerError
-from ..io.checkpoint import Checkpoint, open_checkpoint
 from ..io.outputs import protected_paths
 from ..splice.modules import list_modules
 from ..splice.selection import format_layers

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 
+from ..checkpoint import Checkpoint
 from ..formats.module import Module
 from ..formats.registry import format_or_default
-from ..io.checkpoint import Checkpoint
 from .rules import check
 
 

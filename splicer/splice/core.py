@@ -21,16 +21,16 @@ from pathlib import Path
 
 from .. import __version__
 from ..arch.table import Architecture
-from ..errors import SplicerError
-from ..formats.layouts import LAYOUT, QUANT_SUFFIXES
-from ..formats.module import Module
-from ..io import faults
-from ..io.checkpoint import (
+from ..checkpoint import (
     INDEX_NAME,
     Checkpoint,
     load_shard_header,
     open_checkpoint,
 )
+from ..errors import SplicerError
+from ..formats.layouts import LAYOUT, QUANT_SUFFIXES
+from ..formats.module import Module
+from ..io import faults
 from ..io.dtypes import SERVED_FLOAT_DTYPES
 from ..io.outputs import PARTIAL_SUFFIX, SPLICE, check_output, local_folder, lock_output, replace_dir, sibling, write_error
 from ..io.progress import SILENT, Stages

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..arch import family_mismatch
+from ..checkpoint import Checkpoint
 from ..errors import SplicerError
 from ..formats.layouts import group_format, group_scheme
 from ..formats.registry import checkpoint_format, format_of, format_or_default, read_methods, unreadable
-from ..io.checkpoint import Checkpoint
 from .modules import list_modules
 from .rules import check
 

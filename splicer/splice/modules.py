@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ..checkpoint import Checkpoint
 from ..errors import SplicerError
 from ..formats.layouts import (
     PLAIN_SUFFIXES,
@@ -17,7 +18,6 @@ from ..formats.layouts import (
 )
 from ..formats.module import Module
 from ..formats.registry import config_block
-from ..io.checkpoint import Checkpoint
 from ..io.safetensors_io import DTYPE_SIZES, ByteSource, TensorInfo
 
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checkpoint import Checkpoint, load_shard_header
 from ..formats.layouts import QUANT_SUFFIXES
 from ..formats.module import Module
-from ..io.checkpoint import Checkpoint, load_shard_header
 from ..io.dtypes import FLOAT_DTYPES, torch_dtype
 from ..io.safetensors_io import TensorInfo
 from .modules import list_modules

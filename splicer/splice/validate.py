@@ -10,11 +10,11 @@ import re
 
 from ..arch import family_mismatch
 from ..arch.table import Architecture
+from ..checkpoint import Checkpoint
 from ..errors import SplicerError
 from ..formats.layouts import is_packed_tensor
 from ..formats.module import Module
 from ..formats.registry import format_or_default, read_format
-from ..io.checkpoint import Checkpoint
 from .selection import DRAFTER_CLASS, check_serves, clip, entry_layers, layer_numbers, layers_read, split_restore
 
 

@@ -2,6 +2,9 @@
 
 Only JSON and safetensors headers are parsed here; tensor data is read later, one tensor
 at a time, by the stage that needs it. Pickle files are never opened.
+
+A stage of its own, right above formats/: opening a checkpoint checks its config's quantization fields through the
+format registry, so that no stage holds a checkpoint whose fields went unchecked.
 """
 
 from __future__ import annotations
@@ -13,12 +16,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from ..arch import get_architecture
-from ..arch.table import Architecture
-from ..errors import SplicerError
-from ..formats.registry import format_of
-from .config_schema import QC, check_common_fields, check_fields
-from .safetensors_io import ShardHeader, TensorInfo, headers_digest, read_header
+from .arch import get_architecture
+from .arch.table import Architecture
+from .errors import SplicerError
+from .formats.registry import format_of
+from .io.config_schema import QC, check_common_fields, check_fields
+from .io.safetensors_io import ShardHeader, TensorInfo, headers_digest, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
