@@ -209,6 +209,7 @@ def _cmd_ablate(args) -> int:
         allow_quantized_base=args.allow_quantized_base,
         bandwidth_gbs=args.bandwidth_gbs,
         add_checkpoints=tuple(args.add),
+        add_requantized=tuple(args.add_requantized or ()),
         own_inputs=own_inputs,
         backend_options=options,
     )
@@ -258,7 +259,10 @@ def _cmd_score(args) -> int:
     """`splicer score BASE BUILD...`: `ablate` with the first BUILD as the build row and the others as checkpoint rows."""
     taken = {"build", "base"}
     args.add = [f"{_row_name_for(b, taken)}={b}" for b in args.builds[1:]]
-    args.rows = ",".join(a.partition("=")[0] for a in args.add) or "build"
+    requantized = [
+        "requantized-" + "+".join(sorted({c.strip() for c in spec.partition("=")[0].split(",")})) for spec in args.add_requantized
+    ]
+    args.rows = ",".join([a.partition("=")[0] for a in args.add] + requantized) or "build"
     args.build, args.demo = args.builds[0], False
     return _cmd_ablate(args)
 
@@ -378,6 +382,15 @@ def _share(text: str) -> float:
 def _run_options(s) -> None:
     """Options `ablate` and `score` share: plan, backend, engine and timing settings."""
     s.add_argument("--plan", help="plan name from ablations/ or a .toml path (default where-error-comes-from; demo with --demo)")
+    s.add_argument(
+        "--add-requantized",
+        action="append",
+        default=[],
+        metavar="CLASSES=DIR",
+        help="also score the build re-made by its quantizer with CLASSES (e.g. gdn) left in BF16, as row "
+        "requantized-CLASSES, beside the splice of the same classes: the table's splice-against-re-quantize section "
+        "(repeatable)",
+    )
     from .backends import BACKENDS, DEFAULT_BACKEND
 
     s.add_argument("--backend", default=DEFAULT_BACKEND, choices=BACKENDS)

@@ -2,9 +2,9 @@
 # On the GPU machine: the trained qwen3_5_moe end to end (issue 31), as resumable stages with a marker file each.
 #   data -> train (seeds 0 and 1 at once) -> builds by llm-compressor in its own site (GPTQ both seeds, AWQ experts,
 #   RTN g32, FP8 block, NVFP4A16 seed 0), the MTP head restored into any that dropped it -> then, at once on the one GPU
-#   and none of it timed: seed 0's GPTQ build through the default rows plus one row per GDN layer, then budget --verify 3;
-#   seed 1's class rows and GDN layers; the GPTQ builds re-made with gdn, attention or shared_expert left in BF16, then
-#   every seed-0 build and the splice of each of those classes scored against one base pass.
+#   and none of it timed: seed 0's GPTQ build through the default rows plus one row per GDN layer, then the GPTQ builds
+#   re-made with gdn, attention or shared_expert left in BF16 added to that folder (splice against re-quantize), then
+#   budget --verify 3; seed 1's class rows and GDN layers; every seed-0 build scored against one base pass.
 # Table, report and plot are made from what comes back (results.json and the per-position scores), on any machine.
 # Started in the background (setsid) by `trained_call.sh start`, so it outlives one device call; later calls
 # (`trained_call.sh wait`) watch it and bring back what is finished. Everything lives under W=/tmp/trained.
@@ -144,6 +144,12 @@ vllm_env
 G=$W/seed0/gptq-w4a16-g128
 # Each branch below runs in the background; a failed branch leaves the others their time.
 ablate_seed0() {
+  local c adds=()
+  # The GPTQ build re-made with one class left in BF16, per class, for the splice-against-re-quantize rows.
+  for c in $REQUANT_CLASSES; do
+    [ -d "$W/seed0/gptq-w4a16-g128-keep-$c" ] || [ -f "$W/pid.seed0.builds-keep-$c" ] \
+      || build_in_background 0 "$W/seed0/raw-keep-$c" "builds-keep-$c" "gptq-w4a16-g128-keep-$c" "$GPTQ_SAMPLES"
+  done
   if ! is_done ablate0; then
     stage "ablate: seed 0 GPTQ build, default rows + one row per GDN layer"
     if [ ! -f "$W/plan0.toml" ]; then
@@ -154,6 +160,19 @@ ablate_seed0() {
     python3 -m splicer ablate all "$G" "$W/seed0/base" -o "$W/ablate0" --plan "$W/plan0.toml" "${CORPORA[@]}" "${ENGINE[@]}" \
       --bandwidth-gbs 4800 --no-time ${ABLATE_ARGS:-} -q > "$W/ablate0.log" 2>&1 && done_mark ablate0 \
       || { stage "ablate0 exit $?"; tail -5 "$W/ablate0.log" | tee -a "$LOG"; return 1; }
+  fi
+  if ! is_done requant; then
+    stage "waiting for the GPTQ builds re-made without $REQUANT_CLASSES"
+    for c in $REQUANT_CLASSES; do
+      finish_build 0 "builds-keep-$c" "$W/seed0/raw-keep-$c"
+      [ -d "$W/seed0/gptq-w4a16-g128-keep-$c" ] && adds+=(--add-requantized "$c=$W/seed0/gptq-w4a16-g128-keep-$c")
+    done
+    # The same job with the re-made builds added: only their rows run, each paired with the splice row of its class.
+    # Before the verification, since a plain rerun keeps only the plan's own rows and the ones added now.
+    stage "ablate: seed 0, splice against re-quantize ($(( ${#adds[@]} / 2 )) re-made builds)"
+    python3 -m splicer ablate all "$G" "$W/seed0/base" -o "$W/ablate0" --plan "$W/plan0.toml" "${CORPORA[@]}" "${ENGINE[@]}" \
+      --bandwidth-gbs 4800 --no-time "${adds[@]}" ${ABLATE_ARGS:-} -q >> "$W/ablate0.log" 2>&1 && done_mark requant \
+      || { stage "requant exit $?"; tail -5 "$W/ablate0.log" | tee -a "$LOG"; }
   fi
   if ! is_done verify; then
     stage "budget --verify 3 on seed 0's ablate folder"
@@ -178,18 +197,7 @@ ablate_seed1() {
 
 score_seed0() {
   is_done score && return 0
-  local c b
-  for c in $REQUANT_CLASSES; do
-    [ -d "$W/seed0/gptq-w4a16-g128-keep-$c" ] || [ -f "$W/pid.seed0.builds-keep-$c" ] \
-      || build_in_background 0 "$W/seed0/raw-keep-$c" "builds-keep-$c" "gptq-w4a16-g128-keep-$c" "$GPTQ_SAMPLES"
-  done
-  for c in $REQUANT_CLASSES; do
-    # The splice of the same class into the GPTQ build, scored beside the re-made build on the same positions.
-    [ -d "$W/seed0/splice-$c" ] || python3 -m splicer splice --restore "$c" "$G" "$W/seed0/base" -o "$W/seed0/splice-$c" -q >> "$LOG" 2>&1 \
-      || stage "splice --restore $c failed"
-  done
-  stage "waiting for the GPTQ builds re-made without $REQUANT_CLASSES and the model_free_ptq builds"
-  for c in $REQUANT_CLASSES; do finish_build 0 "builds-keep-$c" "$W/seed0/raw-keep-$c"; done
+  stage "waiting for the model_free_ptq builds"
   finish_build 0 builds-other "$W/seed0/raw-other"
   # The AWQ build (a grid search per smoothed norm: 743 s in run 3, the longest build) is scored last, by a second
   # invocation on the same folder that runs only its row, so the other rows need not wait for it.
@@ -199,12 +207,10 @@ score_seed0() {
   score_builds && done_mark score
 }
 
-# score_builds: every seed-0 build made so far against one base pass, untimed; the first is the table's reference, the
-# splice-against-re-quantize pairs next, so that a short lease scores them first. A second call adds what is new.
+# score_builds: every seed-0 build made so far against one base pass, untimed; the GPTQ build first (the table's
+# reference row). A second call adds what is new.
 score_builds() {
-  local builds=() b c
-  builds+=("$G")
-  for c in $REQUANT_CLASSES; do for b in "splice-$c" "gptq-w4a16-g128-keep-$c"; do [ -d "$W/seed0/$b" ] && builds+=("$W/seed0/$b"); done; done
+  local builds=("$G") b
   for b in rtn-g32-experts fp8-block nvfp4a16 awq-experts; do [ -d "$W/seed0/$b" ] && builds+=("$W/seed0/$b"); done
   stage "score: ${#builds[@]} seed-0 builds against one base pass"
   python3 -m splicer score "$W/seed0/base" "${builds[@]}" -o "$W/score0" --plan "$PLAN" "${CORPORA[@]}" \

@@ -33,6 +33,7 @@ class AblateSettings:
     progress: bool = True
     allow_quantized_base: bool = False  # a stand-in reference that keeps some classes quantized (see validate_base)
     add_checkpoints: tuple = ()  # `--add NAME=DIR`: other checkpoints of the model, scored as plan rows of their own
+    add_requantized: tuple = ()  # `--add-requantized CLASSES=DIR`: the build re-made with CLASSES left in BF16
     extend_only: bool = False  # `budget --verify`: rows added to DIR's job, refused unless the job measures as DIR's
     own_inputs: tuple = ()  # input folders this run wrote inside DIR itself (the demo's pair), which DIR may hold
     backend_options: Any = None  # the backend's options (backends.backend_options); None: its defaults

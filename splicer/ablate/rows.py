@@ -171,15 +171,39 @@ class RowSchedule:
             self._preparing = None
 
 
-def _checkpoint_record(ckpt) -> dict:
-    """What a `checkpoint` row ran: its source and format, as results.json and the table name it."""
+def _checkpoint_record(ckpt, row, build) -> dict:
+    """What a `checkpoint` row ran: its source and format, as results.json and the table name it; for the build
+    re-made without some classes, which (requantized_without); for splicer's own splice of this very build, the whole
+    classes it restored (splice_of_build, from its splice.json), so that either can be paired with the other."""
     qc = ckpt.quantization_config or {}
-    return {
+    out = {
         "source": ckpt.label,
         "quant_method": qc.get("quant_method"),
         "format": checkpoint_format(qc),
         "header_digest": ckpt.header_digest(),
     }
+    if row.requantized_without:
+        out["requantized_without"] = list(row.requantized_without)
+    restored = spliced_classes(ckpt.root, build.header_digest())
+    if restored:
+        out["splice_of_build"] = restored
+    return out
+
+
+def spliced_classes(folder: Path, build_digest: str) -> list[str] | None:
+    """The whole classes a splice folder restored into the build of this digest (its splice.json), sorted; None for
+    any other folder, or a splice of layers (gdn@0-2)."""
+    try:
+        record = json.loads((Path(folder) / "splice.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or (record.get("build") or {}).get("header_digest") != build_digest:
+        return None
+    restore = record.get("restore")
+    classes = [c.strip() for c in restore.split(",")] if isinstance(restore, str) else []
+    if not classes or any(not c or "@" in c for c in classes):
+        return None
+    return sorted(set(classes))
 
 
 def run_row(
@@ -200,7 +224,7 @@ def run_row(
     entry = {
         "name": row.name,
         "restored": "checkpoint" if item.checkpoint else restored if restored is not None else "base",
-        **({"checkpoint": _checkpoint_record(run.checkpoints[row.name])} if item.checkpoint else {}),
+        **({"checkpoint": _checkpoint_record(run.checkpoints[row.name], row, run.build)} if item.checkpoint else {}),
         **({"repeat_of": splice_name} if splice_name != row.name else {}),
         **({"gpu": gpu} if gpu is not None else {}),
         "status": "running",

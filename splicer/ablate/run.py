@@ -104,7 +104,7 @@ def prepare_run(
     from ..splice.modules import list_modules
     from ..splice.validate import validate_build
 
-    added = add_checkpoints(plan, settings.add_checkpoints)
+    added = add_checkpoints(plan, settings.add_checkpoints, settings.add_requantized, all_classes())
     # A build only scored (`splicer score`, or only checkpoint rows asked for) need not be one splicer can splice.
     asked = {w.strip() for w in rows_spec.split(",")}
     splicing = any(r.restore or r.keep is not None for r in plan.rows if rows_spec == "all" or r.name in asked)

@@ -128,6 +128,29 @@ def findings(results: dict) -> list[str]:
             what = "the base itself" if v["restored"] == "base" else "restores " + (", ".join(v["restored"]) or "nothing")
         if clauses:
             out.append(f"{v['name']} ({what}) against the build: " + "; ".join(clauses) + ".")
+    for v in variants:
+        vs = v.get("vs_splice")
+        if not vs:
+            continue
+        classes = ", ".join(vs["classes"])
+        if not vs.get("splice") or not vs.get("kl"):
+            out.append(
+                f"{v['name']} (the build re-quantized with {classes} in BF16): not compared with a splice ({vs.get('why')})."
+            )
+            continue
+        kl = vs["kl"].get("pooled") or {}
+        clause = _score_clause(kl, "ΔKL", 100, f" % of {v['name']}'s KL", rel=True)
+        direction = ""
+        if excludes_zero(kl.get("rel_ci")):
+            direction = (
+                " (the splice leaves more KL than the re-quantized build)"
+                if kl["rel"] > 0
+                else " (the splice leaves less KL than the re-quantized build)"
+            )
+        out.append(
+            f"Splice against re-quantize, {classes}: {vs['splice']} (spliced) against {v['name']} (re-quantized with "
+            f"{classes} in BF16): {clause}{direction}."
+        )
     residual = _residual_outside_classes(results, variants, build)
     if residual:
         out.append(residual)

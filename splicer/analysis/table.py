@@ -40,6 +40,13 @@ corpus name of the run (results.json "corpora"), in order:
   top1_change_ci_low, _ci_high   its 95 % interval
   top1_change_significant        true when that interval excludes 0
   change_note                    why the score changes have no interval and no verdict ("too few sequences", "too few groups"), else missing
+Where the run holds a build re-made without some classes (a checkpoint row with requantized_without; `--add-requantized`),
+every row also has (missing for the others):
+  requantized_without            the classes that build left in BF16, comma-separated
+  splice_row                     the row that splices the same classes into the build
+  splice_minus_requantized_kl    the splice's KL minus the re-made build's, nats per position, pooled, paired
+  splice_minus_requantized_kl_ci_low, _ci_high  its 95 % interval (as kl_change_*)
+  splice_minus_requantized_rel   the same as a fraction of the re-made build's KL
 The build and rows that repeat another row (more engines of it, for timing) have no changes of their own.
 """
 
@@ -146,6 +153,20 @@ def records(results: dict) -> list[dict]:
             }
         )
         rec["change_note"] = TOO_FEW_NOTE.get(kl.get("why")) or TOO_FEW_NOTE.get(top1.get("why"))
+        if any(w.get("vs_splice") for w in variants):
+            vs = (v.get("vs_splice") or {}) if ok else {}
+            pooled = (vs.get("kl") or {}).get("pooled") or {}
+            lo, hi = pooled.get("diff_ci") or (None, None)
+            rec.update(
+                {
+                    "requantized_without": ",".join(vs["classes"]) if vs.get("classes") else None,
+                    "splice_row": vs.get("splice"),
+                    "splice_minus_requantized_kl": pooled.get("diff"),
+                    "splice_minus_requantized_kl_ci_low": lo,
+                    "splice_minus_requantized_kl_ci_high": hi,
+                    "splice_minus_requantized_rel": pooled.get("rel"),
+                }
+            )
         out.append(rec)
     return out
 
@@ -473,12 +494,81 @@ def speed_rows(results: dict) -> tuple[list[str], list[list]] | None:
     return headers, rows
 
 
+def splice_vs_requantized_rows(results: dict) -> tuple[list[str], list[list]] | None:
+    """Per re-quantized build (a checkpoint row with requantized_without): the splice of the same classes and the
+    re-made build, each against the build, and their paired difference."""
+    ok = {v["name"]: v for v in results.get("variants", []) if v.get("status") == "ok"}
+    pairs = [v for v in ok.values() if v.get("vs_splice")]
+    if not pairs:
+        return None
+
+    def vs_build(name):
+        kl = (((ok.get(name) or {}).get("vs_build") or {}).get("kl") or {}).get("pooled") or {}
+        if kl.get("rel") is None:
+            return ""
+        ci, note = kl.get("rel_ci") or (None, None), TOO_FEW_NOTE.get(kl.get("why"))
+        return _change(kl["rel"], *ci, excludes_zero(kl.get("rel_ci")), 100, " %", "n.s.", note=note)
+
+    def paired(cmp, scale, unit, digits, rel=False):
+        cmp = (cmp or {}).get("pooled") or {}
+        x, ci = (cmp.get("rel"), cmp.get("rel_ci")) if rel else (cmp.get("diff"), cmp.get("diff_ci"))
+        if x is None:
+            return ""
+        note = TOO_FEW_NOTE.get(cmp.get("why"))
+        return _change(x, *(ci or (None, None)), excludes_zero(ci), scale, unit, "n.s.", digits, note=note)
+
+    headers = [
+        "classes left in BF16",
+        "splice (row)",
+        "splice ΔKL vs build [95 %]",
+        "re-quantized (row)",
+        "re-quantized ΔKL vs build [95 %]",
+        "splice − re-quantized, KL nats [95 %]",
+        "splice − re-quantized, % of re-quantized's KL",
+        "Δtop-1, pp",
+    ]
+    rows = []
+    for v in pairs:
+        vs = v["vs_splice"]
+        classes, splice = ", ".join(vs["classes"]), vs.get("splice")
+        if not splice or not vs.get("kl"):
+            rows.append([classes, splice or f"none ({vs.get('why', '')})", "", v["name"], vs_build(v["name"]), "", "", ""])
+            continue
+        rows.append(
+            [
+                classes,
+                splice,
+                vs_build(splice),
+                v["name"],
+                vs_build(v["name"]),
+                paired(vs["kl"], 1, "", 5),
+                paired(vs["kl"], 100, " %", 1, rel=True),
+                paired(vs.get("top1"), 100, "", 2),
+            ]
+        )
+    return headers, rows
+
+
+SPLICE_VS_REQUANTIZED_NOTE = (
+    "Splice against re-quantize: the splice restores the classes into this build and shows the build without their own "
+    "error; the re-quantized build is the quantizer's recipe run again with them left in BF16, every later layer "
+    "re-fitted to them. Their difference is paired on the same positions, pooled over corpora, with the ΔKL intervals' "
+    "method; positive: the splice leaves more KL than re-quantizing would (`splicer compare DIR SPLICE REQUANTIZED` "
+    "gives it per corpus)."
+)
+
+
 def render_markdown(results: dict) -> str:
     from tabulate import tabulate
 
     headers, rows, notes = _rows(results)
     text = caption(results) + "\n\n" + tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
     text += "\n\n" + "\n".join(f"- {n}" for n in notes)
+    pairs = splice_vs_requantized_rows(results)
+    if pairs:
+        text += "\n\nSplice against re-quantize:\n\n"
+        text += tabulate(pairs[1], headers=pairs[0], tablefmt="github", disable_numparse=True)
+        text += f"\n\n- {SPLICE_VS_REQUANTIZED_NOTE}"
     speed = speed_rows(results)
     heading = results_wording(results.get("backend")).start_up_heading
     if speed and heading:

@@ -306,6 +306,46 @@ def attach(results: dict, out: Path, reps: int = 2000) -> None:
         d = decode_vs_build(results, name) if not v.get("repeat_of") else None
         if d is not None:
             v["decode_vs_build"] = d
+    splice_vs_requantized(results, out, ok, noise, reps)
+
+
+def splice_rows(variants: dict[str, dict]) -> dict[tuple, str]:
+    """Whole classes restored -> the finished row that splices them into the build: a plan row restoring exactly those
+    classes (no layer selection), else a checkpoint row that is splicer's own splice of this build (its splice.json)."""
+    out: dict[tuple, str] = {}
+    for name, v in variants.items():
+        restored = v.get("restored")
+        if isinstance(restored, list) and restored and not any("@" in e for e in restored) and not v.get("repeat_of"):
+            out.setdefault(tuple(sorted(restored)), name)
+    for name, v in variants.items():
+        spliced = (v.get("checkpoint") or {}).get("splice_of_build")
+        if spliced:
+            out.setdefault(tuple(sorted(spliced)), name)
+    return out
+
+
+def splice_vs_requantized(results: dict, out: Path, ok: dict[str, dict], noise: dict | None, reps: int) -> None:
+    """For every finished row of the build re-made without some classes (its checkpoint's requantized_without), the
+    paired difference splice - re-quantized of KL, top-1 and dNLL on the same positions, into the row's vs_splice;
+    recomputed every time, since either row may have been run again."""
+    corpora = list(results.get("corpora", {}))
+    splices = splice_rows(ok)
+    for v in ok.values():
+        v.pop("vs_splice", None)
+        without = (v.get("checkpoint") or {}).get("requantized_without")
+        if not without:
+            continue
+        splice = splices.get(tuple(sorted(without)))
+        entry = {"classes": sorted(without), "splice": splice}
+        if splice is None:
+            entry["why"] = f"no finished row restores exactly {', '.join(sorted(without))}"
+        else:
+            scored = compare_scores(out, splice, v["name"], corpora, reps)
+            if scored is None:
+                entry["why"] = "the scores of one of the two rows are not in this folder"
+            else:
+                entry.update(fold_noise(scored, noise))
+        v["vs_splice"] = entry
 
 
 def build_engine_agreement(results: dict) -> dict | None:

@@ -40,6 +40,9 @@ class Variant(TypedDict, total=False):
     decode_vs_build: dict[str, Any] | None
     repeat_of: str | None
     gpu: int | None
+    # A re-quantized build's row (checkpoint.requantized_without): the splice of the same classes against it, paired
+    # (verdicts.splice_vs_requantized): classes, splice (its row, or None with why), kl/top1/dnll comparisons.
+    vs_splice: dict[str, Any] | None
 
 
 class Results(TypedDict, total=False):

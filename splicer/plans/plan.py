@@ -20,7 +20,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 PLAN_KEYS = {"name", "description", "top_k", "corpus", "timing", "row"}
-ROW_KEYS = {"name", "restore", "keep", "base", "repeat", "checkpoint"}
+ROW_KEYS = {"name", "restore", "keep", "base", "repeat", "checkpoint", "requantized_without"}
 TIMING_KEYS = {"prompt_tokens", "new_tokens", "warmup", "runs"}
 
 
@@ -36,6 +36,10 @@ class Row:
     # Another checkpoint of the same model (a folder or a Hub repo id), in any format the backend loads: scored and
     # timed as it is, against the same base pass, beside the build's splices (seed 000's table of formats).
     checkpoint: str | None = None
+    # A checkpoint row that is the build's own recipe run again with these classes left in BF16 (the quantizer
+    # re-fitting every later layer to them): scored beside the splice of the same classes, which shows the build
+    # without those classes' own error only (`splicer report`'s splice-against-re-quantize table).
+    requantized_without: list[str] | None = None
 
     def definition(self) -> dict:
         """The row as a plan file declares it, name aside: a rerun keeps this row's finished result only while its
@@ -47,6 +51,8 @@ class Row:
             out["base"] = True
         if self.repeat:
             out["repeat"] = True
+        if self.requantized_without:
+            out["requantized_without"] = list(self.requantized_without)
         return out
 
     def restored(self, quantized: list[str]) -> list[str] | None:
@@ -106,6 +112,7 @@ ROW_FIELDS = {
     "base": expect("bool", choices=(True,)),  # `base = false` would silently make the row the build
     "repeat": expect("bool"),
     "checkpoint": expect("str"),
+    "requantized_without": expect("list", items="str"),
 }
 
 
@@ -178,6 +185,13 @@ def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
             raise SplicerError(f"{where}: row {name!r} needs exactly one of restore, keep, base or checkpoint")
         if "checkpoint" in r and not r["checkpoint"].strip():
             raise SplicerError(f"{where}: row {name!r} has an empty checkpoint; give a folder or a Hub repo id")
+        if "requantized_without" in r:
+            r = dict(r, requantized_without=requantized_classes(r["requantized_without"], classes, f"{where}: row {name!r}"))
+            if "checkpoint" not in r:
+                raise SplicerError(
+                    f"{where}: row {name!r}: requantized_without describes a checkpoint; give the re-quantized "
+                    "build as its checkpoint"
+                )
         if r.get("restore"):
             r = dict(r, restore=canonical_entries(r["restore"], f"{where}: row {name!r}: restore"))
         if any("@" in c for c in r.get("keep") or []):
@@ -194,6 +208,7 @@ def load_plan(name_or_path: str, classes: tuple[str, ...]) -> Plan:
                 bool(r.get("base", False)),
                 bool(r.get("repeat", False)),
                 r.get("checkpoint"),
+                r.get("requantized_without"),
             )
         )
     digest = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -227,22 +242,53 @@ def write_plan(out: Path, data: dict, header: str) -> Path:
     return write_file(out, fill)
 
 
-def add_checkpoints(plan: Plan, specs: list[str]) -> list[str]:
-    """`--add NAME=DIR` rows appended to the plan (its digest covers them); returns their names."""
-    names = []
+def requantized_classes(value: list[str], classes: tuple[str, ...], where: str) -> list[str]:
+    """The whole classes a re-quantized build left in BF16, sorted and once each, or a one-line error."""
+    if not value:
+        raise SplicerError(f"{where}: requantized_without names no class; name the classes the build left in BF16")
+    for c in value:
+        if "@" in c:
+            raise SplicerError(f"{where}: requantized_without takes whole classes ({c!r} names layers); name the class")
+        if c not in classes:
+            raise SplicerError(f"{where}: requantized_without names unknown class {c[:40]!r}; classes: {', '.join(classes)}")
+    return sorted(set(value))
+
+
+def add_checkpoints(plan: Plan, specs: list[str], requantized: list[str] = (), classes: tuple[str, ...] = ()) -> list[str]:
+    """`--add NAME=DIR` and `--add-requantized CLASSES=DIR` rows appended to the plan (its digest covers them);
+    returns their names. A re-quantized build's row is named requantized-CLASS (classes joined by +)."""
+    added = []
     for spec in specs:
         name, sep, source = spec.partition("=")
         if not sep or not name.strip() or not source.strip():
             raise SplicerError(f"--add {spec[:80]!r} should be NAME=DIR (a checkpoint folder or a Hub repo id)")
         check_name(name.strip(), "--add", "a row's name")
-        if any(r.name == name.strip() for r in plan.rows):
-            raise SplicerError(f"--add {name.strip()!r}: plan {plan.name} already has a row of that name; choose another NAME")
-        plan.rows.append(Row(name.strip(), checkpoint=source.strip()))
-        names.append(name.strip())
-    if names:
-        extra = json.dumps([(r.name, r.checkpoint) for r in plan.rows if r.checkpoint])
+        added.append(Row(name.strip(), checkpoint=source.strip()))
+    for spec in requantized:
+        what, sep, source = spec.partition("=")
+        if not sep or not what.strip() or not source.strip():
+            raise SplicerError(
+                f"--add-requantized {spec[:80]!r} should be CLASSES=DIR (the classes the build left in BF16, "
+                "e.g. gdn or gdn,attention, and the re-quantized checkpoint)"
+            )
+        without = requantized_classes([c.strip() for c in what.split(",")], classes, "--add-requantized")
+        added.append(Row("requantized-" + "+".join(without), checkpoint=source.strip(), requantized_without=without))
+    for row in added:
+        if any(r.name == row.name for r in plan.rows):
+            flag = "--add-requantized" if row.requantized_without else "--add"
+            raise SplicerError(f"{flag} {row.name!r}: plan {plan.name} already has a row of that name; choose another")
+        plan.rows.append(row)
+    if added:
+        # A row without requantized_without digests as it did before the field existed, so older jobs resume.
+        extra = json.dumps(
+            [
+                (r.name, r.checkpoint, *((r.requantized_without,) if r.requantized_without else ()))
+                for r in plan.rows
+                if r.checkpoint
+            ]
+        )
         plan.digest = hashlib.sha256((plan.digest + extra).encode()).hexdigest()[:16]
-    return names
+    return [r.name for r in added]
 
 
 @dataclass
