@@ -78,7 +78,9 @@ def test_table_report_and_csv_carry_the_pair(run, capsys):
     assert "Splice against re-quantize:" in table and "| experts-only " in table and ROW in table
     report = (run["dir"] / "report.md").read_text()
     line = next(x for x in report.splitlines() if x.startswith("- Splice against re-quantize"))
-    assert "experts-only (spliced) against " + ROW in line and "% of " in line
+    assert f"row experts-only (the splice) minus row {ROW}" in line and "% of the re-made build's KL" in line
+    # experts-g32 also quantizes the MTP head, which the build keeps in BF16: said, not hidden
+    assert "note: it quantizes experts, mtp, where the build without" in line
     assert main(["table", str(run["dir"]), "--format", "json"]) == 0
     recs = {r["variant"]: r for r in json.loads(capsys.readouterr().out)}
     assert recs[ROW]["splice_row"] == "experts-only" and recs[ROW]["requantized_without"] == ",".join(sorted(WITHOUT.split(",")))
@@ -94,20 +96,53 @@ def test_without_the_splice_row_the_report_says_which_row_is_missing(run, tmp_pa
     vs = rows["requantized-shared_expert"]["vs_splice"]
     assert vs["splice"] is None and "no finished row restores exactly shared_expert" in vs["why"]
     assert (
-        "not compared with a splice (no finished row restores exactly shared_expert)"
+        "not compared with a splice (no finished row restores exactly shared_expert: run one"
         in (tmp_path / "alone" / "report.md").read_text()
     )
 
 
-def test_a_splice_folder_of_this_build_pairs_as_the_splice(run, tmp_path, capsys):
-    spliced = tmp_path / "splice-gdn"
-    assert main(["splice", "--restore", "gdn", str(run["build"]), str(run["base"]), "-o", str(spliced), "-q"]) == 0
+@pytest.fixture(scope="module")
+def spliced(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("spliced") / "splice-gdn"
+    assert main(["splice", "--restore", "gdn", str(run["build"]), str(run["base"]), "-o", str(out), "-q"]) == 0
+    return out
+
+
+def test_a_splice_folder_of_this_build_pairs_as_the_splice(run, spliced, tmp_path, capsys):
     out = tmp_path / "score"
     args = ["score", str(run["base"]), str(run["build"]), str(spliced), "-o", str(out), "--device", "cpu", "--plan", run["plan"]]
     assert main([*args, "--no-time", "-q", "--add-requantized", f"gdn={run['other']}"]) == 0
     rows = {v["name"]: v for v in _results(out)["variants"]}
     assert rows["splice-gdn"]["checkpoint"]["splice_of_build"] == ["gdn"]
     assert rows["requantized-gdn"]["vs_splice"]["splice"] == "splice-gdn"
+
+
+@pytest.mark.parametrize(
+    "which, says",
+    [
+        ("build", "is the build itself"),
+        ("base", "has no quantization_config"),
+        ("spliced", "is splicer's own splice of this build"),
+    ],
+)
+def test_what_cannot_be_a_re_made_build_is_refused_before_anything_is_written(run, spliced, tmp_path, capsys, which, says):
+    folder = spliced if which == "spliced" else run[which]
+    args = [
+        "ablate",
+        "gdn",
+        str(run["build"]),
+        str(run["base"]),
+        "-o",
+        str(tmp_path / "o"),
+        "--plan",
+        run["plan"],
+        "--device",
+        "cpu",
+    ]
+    assert main([*args, "--no-time", "--add-requantized", f"gdn={folder}"]) != 0
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize(
@@ -135,9 +170,18 @@ def test_a_bad_requantized_row_is_one_line(tmp_path, capsys, row, says):
 
 
 @pytest.mark.parametrize(
-    "spec, says", [("gdn", "should be CLASSES=DIR"), ("nope=x", "unknown class 'nope'"), ("gdn@1=x", "whole classes")]
+    "specs, says",
+    [
+        (["gdn"], "should be CLASSES=DIR"),
+        (["nope=x"], "CLASSES names unknown class 'nope'"),
+        (["gdn@1=x"], "whole classes"),
+        (["gdn,=x"], "names no class, or an empty one"),
+        (["gdn=OTHER", "gdn=OTHER"], "classes gdn given twice"),
+        (["shared_expert, gdn=OTHER", "gdn,shared_expert=OTHER"], "classes gdn, shared_expert given twice"),
+        (["mtp=OTHER"], "the build does not quantize mtp"),
+    ],
 )
-def test_a_bad_add_requantized_is_one_line(run, tmp_path, capsys, spec, says):
+def test_a_bad_add_requantized_is_one_line(run, tmp_path, capsys, specs, says):
     args = [
         "ablate",
         "gdn",
@@ -150,7 +194,9 @@ def test_a_bad_add_requantized_is_one_line(run, tmp_path, capsys, spec, says):
         "--device",
         "cpu",
     ]
-    assert main([*args, "--add-requantized", spec]) != 0
+    for spec in specs:
+        args += ["--add-requantized", spec.replace("OTHER", str(run["other"]))]
+    assert main(args) != 0
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()

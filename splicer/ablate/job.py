@@ -289,5 +289,9 @@ def write_job(out: Path, job: dict, stages, extend_only: bool = False) -> tuple[
     }
     changed = [v["name"] for v in previous.get("variants", []) if v.get("status") == "ok" and v["name"] not in kept]
     if changed:
-        _notice(stages, f"rows changed or no longer in the plan, not kept: {', '.join(changed)}")
+        _notice(
+            stages,
+            f"rows changed or no longer in the plan, not kept: {', '.join(changed)} (a row added with --add or "
+            "--add-requantized stays only while the flag is given again)",
+        )
     return kept, previous.get("runs", [])

@@ -184,6 +184,13 @@ def _checkpoint_record(ckpt, row, build) -> dict:
     }
     if row.requantized_without:
         out["requantized_without"] = list(row.requantized_without)
+        try:  # which classes it quantizes, where splicer reads its format, so a mismatch with the declaration shows
+            from ..splice.modules import list_modules
+
+            modules = list_modules(ckpt)
+            out["quantized_classes"] = [c for c in ckpt.arch.classes if any(m.quantized and m.cls == c for m in modules.values())]
+        except SplicerError:
+            pass
     restored = spliced_classes(ckpt.root, build.header_digest())
     if restored:
         out["splice_of_build"] = restored

@@ -129,6 +129,7 @@ def prepare_run(
 
     frozen = validate_base(base, build, settings.allow_quantized_base)
     checkpoints = open_checkpoint_rows(plan, selected, base, settings)
+    check_requantized(plan, checkpoints, build, quantized)
     family = build.config.get("model_type") or build.arch.name
     class_layers = quantized_layers(modules, build.arch)
     todo, skipped = resolve_rows(
@@ -167,6 +168,36 @@ def prepare_run(
     )
     check_output(out, run.inputs, ABLATE, own=settings.own_inputs)
     return run
+
+
+def check_requantized(plan, checkpoints: dict, build, quantized: list[str]) -> None:
+    """A row declared the build re-made without some classes (requantized_without) must be a quantized checkpoint other
+    than the build and its own splices, and those classes must be ones the build quantizes; else one line, before DIR
+    changes."""
+    from .rows import spliced_classes
+
+    for row in plan.rows:
+        if not row.requantized_without or row.name not in checkpoints:
+            continue
+        ckpt, without = checkpoints[row.name], ", ".join(row.requantized_without)
+        where = f"row {row.name} ({row.checkpoint})"
+        if ckpt.header_digest() == build.header_digest():
+            raise SplicerError(
+                f"{where} is the build itself; pass the build re-made by its quantizer with {without} left in BF16"
+            )
+        if not ckpt.quantization_config:
+            raise SplicerError(f"{where} has no quantization_config (a BF16 checkpoint); pass the re-quantized build")
+        if spliced_classes(ckpt.root, build.header_digest()):
+            raise SplicerError(
+                f"{where} is splicer's own splice of this build (its splice.json), not the build re-made by its quantizer; "
+                "score it with --add NAME=DIR, where it pairs as the splice"
+            )
+        unquantized = [c for c in row.requantized_without if c not in quantized]
+        if unquantized:
+            raise SplicerError(
+                f"{where}: the build does not quantize {', '.join(unquantized)}, so no re-quantize can leave it in BF16; "
+                f"name only classes the build quantizes ({', '.join(quantized)})"
+            )
 
 
 def open_checkpoint_rows(plan, selected: set[str], base, settings: AblateSettings) -> dict:

@@ -133,23 +133,20 @@ def findings(results: dict) -> list[str]:
         if not vs:
             continue
         classes = ", ".join(vs["classes"])
+        note = f"; note: {vs['note']}" if vs.get("note") else ""
         if not vs.get("splice") or not vs.get("kl"):
             out.append(
-                f"{v['name']} (the build re-quantized with {classes} in BF16): not compared with a splice ({vs.get('why')})."
+                f"{v['name']} (the build re-made with {classes} in BF16): not compared with a splice ({vs.get('why')}){note}."
             )
             continue
         kl = vs["kl"].get("pooled") or {}
-        clause = _score_clause(kl, "ΔKL", 100, f" % of {v['name']}'s KL", rel=True)
+        clause = _score_clause(kl, "ΔKL", 100, " % of the re-made build's KL", rel=True)
         direction = ""
         if excludes_zero(kl.get("rel_ci")):
-            direction = (
-                " (the splice leaves more KL than the re-quantized build)"
-                if kl["rel"] > 0
-                else " (the splice leaves less KL than the re-quantized build)"
-            )
+            direction = f": the splice leaves {'more' if kl['rel'] > 0 else 'less'} KL than re-quantizing without them"
         out.append(
-            f"Splice against re-quantize, {classes}: {vs['splice']} (spliced) against {v['name']} (re-quantized with "
-            f"{classes} in BF16): {clause}{direction}."
+            f"Splice against re-quantize ({classes} in BF16): row {vs['splice']} (the splice) minus row {v['name']} "
+            f"(the build re-made by its quantizer), {clause}{direction}{note}."
         )
     residual = _residual_outside_classes(results, variants, build)
     if residual:

@@ -41,12 +41,16 @@ corpus name of the run (results.json "corpora"), in order:
   top1_change_significant        true when that interval excludes 0
   change_note                    why the score changes have no interval and no verdict ("too few sequences", "too few groups"), else missing
 Where the run holds a build re-made without some classes (a checkpoint row with requantized_without; `--add-requantized`),
-every row also has (missing for the others):
+every row also has these, empty (null) but on that build's rows:
   requantized_without            the classes that build left in BF16, comma-separated
   splice_row                     the row that splices the same classes into the build
   splice_minus_requantized_kl    the splice's KL minus the re-made build's, nats per position, pooled, paired
   splice_minus_requantized_kl_ci_low, _ci_high  its 95 % interval (as kl_change_*)
   splice_minus_requantized_rel   the same as a fraction of the re-made build's KL
+  splice_minus_requantized_rel_ci_low, _ci_high, _significant  its interval, and true when it excludes 0
+  splice_minus_requantized_top1  the splice's top-1 minus the re-made build's, a fraction, with _ci_low, _ci_high
+  splice_minus_requantized_note  why there is no pair (no splice row, or it failed), or how the re-made build's quantized
+                                 classes differ from the build's without those
 The build and rows that repeat another row (more engines of it, for timing) have no changes of their own.
 """
 
@@ -156,7 +160,11 @@ def records(results: dict) -> list[dict]:
         if any(w.get("vs_splice") for w in variants):
             vs = (v.get("vs_splice") or {}) if ok else {}
             pooled = (vs.get("kl") or {}).get("pooled") or {}
+            top = (vs.get("top1") or {}).get("pooled") or {}
             lo, hi = pooled.get("diff_ci") or (None, None)
+            rlo, rhi = pooled.get("rel_ci") or (None, None)
+            tlo, thi = top.get("diff_ci") or (None, None)
+            notes = [n for n in (vs.get("why"), vs.get("note")) if n]
             rec.update(
                 {
                     "requantized_without": ",".join(vs["classes"]) if vs.get("classes") else None,
@@ -165,6 +173,13 @@ def records(results: dict) -> list[dict]:
                     "splice_minus_requantized_kl_ci_low": lo,
                     "splice_minus_requantized_kl_ci_high": hi,
                     "splice_minus_requantized_rel": pooled.get("rel"),
+                    "splice_minus_requantized_rel_ci_low": rlo,
+                    "splice_minus_requantized_rel_ci_high": rhi,
+                    "splice_minus_requantized_rel_significant": excludes_zero(pooled.get("rel_ci")) if vs else None,
+                    "splice_minus_requantized_top1": top.get("diff"),
+                    "splice_minus_requantized_top1_ci_low": tlo,
+                    "splice_minus_requantized_top1_ci_high": thi,
+                    "splice_minus_requantized_note": "; ".join(notes) or None,
                 }
             )
         out.append(rec)
@@ -525,14 +540,15 @@ def splice_vs_requantized_rows(results: dict) -> tuple[list[str], list[list]] | 
         "re-quantized ΔKL vs build [95 %]",
         "splice − re-quantized, KL nats [95 %]",
         "splice − re-quantized, % of re-quantized's KL",
-        "Δtop-1, pp",
+        "splice − re-quantized, Δtop-1 pp",
+        "note",
     ]
     rows = []
     for v in pairs:
         vs = v["vs_splice"]
         classes, splice = ", ".join(vs["classes"]), vs.get("splice")
         if not splice or not vs.get("kl"):
-            rows.append([classes, splice or f"none ({vs.get('why', '')})", "", v["name"], vs_build(v["name"]), "", "", ""])
+            rows.append([classes, "none", "", v["name"], vs_build(v["name"]), "", "", "", vs.get("why", "")])
             continue
         rows.append(
             [
@@ -544,6 +560,7 @@ def splice_vs_requantized_rows(results: dict) -> tuple[list[str], list[list]] | 
                 paired(vs["kl"], 1, "", 5),
                 paired(vs["kl"], 100, " %", 1, rel=True),
                 paired(vs.get("top1"), 100, "", 2),
+                vs.get("note", ""),
             ]
         )
     return headers, rows

@@ -318,9 +318,9 @@ def splice_rows(variants: dict[str, dict]) -> dict[tuple, str]:
         if isinstance(restored, list) and restored and not any("@" in e for e in restored) and not v.get("repeat_of"):
             out.setdefault(tuple(sorted(restored)), name)
     for name, v in variants.items():
-        spliced = (v.get("checkpoint") or {}).get("splice_of_build")
-        if spliced:
-            out.setdefault(tuple(sorted(spliced)), name)
+        ck = v.get("checkpoint") or {}
+        if ck.get("splice_of_build") and not ck.get("requantized_without"):  # never a re-made build's own partner
+            out.setdefault(tuple(sorted(ck["splice_of_build"])), name)
     return out
 
 
@@ -330,15 +330,33 @@ def splice_vs_requantized(results: dict, out: Path, ok: dict[str, dict], noise: 
     recomputed every time, since either row may have been run again."""
     corpora = list(results.get("corpora", {}))
     splices = splice_rows(ok)
+    failed = {
+        tuple(sorted(v["restored"])): v["name"]
+        for v in results.get("variants", [])
+        if v.get("status") != "ok" and isinstance(v.get("restored"), list) and v["restored"]
+    }
     for v in ok.values():
         v.pop("vs_splice", None)
-        without = (v.get("checkpoint") or {}).get("requantized_without")
+        ck = v.get("checkpoint") or {}
+        without = ck.get("requantized_without")
         if not without:
             continue
-        splice = splices.get(tuple(sorted(without)))
+        key, classes = tuple(sorted(without)), ", ".join(sorted(without))
+        splice = splices.get(key)
         entry = {"classes": sorted(without), "splice": splice}
+        expected = [c for c in results.get("quantized_classes") or [] if c not in without]
+        if ck.get("quantized_classes") is not None and sorted(ck["quantized_classes"]) != sorted(expected):
+            entry["note"] = (
+                f"it quantizes {', '.join(ck['quantized_classes']) or 'nothing'}, where the build without {classes} "
+                f"would quantize {', '.join(expected) or 'nothing'}"
+            )
         if splice is None:
-            entry["why"] = f"no finished row restores exactly {', '.join(sorted(without))}"
+            entry["why"] = (
+                f"the row splicing {classes}, {failed[key]}, failed"
+                if key in failed
+                else f"no finished row restores exactly {classes}: run one in this folder (a plan row restore = "
+                f"[{', '.join(repr(c) for c in sorted(without))}])"
+            )
         else:
             scored = compare_scores(out, splice, v["name"], corpora, reps)
             if scored is None:

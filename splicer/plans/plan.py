@@ -242,15 +242,15 @@ def write_plan(out: Path, data: dict, header: str) -> Path:
     return write_file(out, fill)
 
 
-def requantized_classes(value: list[str], classes: tuple[str, ...], where: str) -> list[str]:
+def requantized_classes(value: list[str], classes: tuple[str, ...], where: str, what: str = "requantized_without") -> list[str]:
     """The whole classes a re-quantized build left in BF16, sorted and once each, or a one-line error."""
-    if not value:
-        raise SplicerError(f"{where}: requantized_without names no class; name the classes the build left in BF16")
+    if not value or not all(value):
+        raise SplicerError(f"{where}: {what} names no class, or an empty one; name the classes the build left in BF16")
     for c in value:
         if "@" in c:
-            raise SplicerError(f"{where}: requantized_without takes whole classes ({c!r} names layers); name the class")
+            raise SplicerError(f"{where}: {what} takes whole classes ({c!r} names layers); name the class")
         if c not in classes:
-            raise SplicerError(f"{where}: requantized_without names unknown class {c[:40]!r}; classes: {', '.join(classes)}")
+            raise SplicerError(f"{where}: {what} names unknown class {c[:40]!r}; classes: {', '.join(classes)}")
     return sorted(set(value))
 
 
@@ -271,12 +271,21 @@ def add_checkpoints(plan: Plan, specs: list[str], requantized: list[str] = (), c
                 f"--add-requantized {spec[:80]!r} should be CLASSES=DIR (the classes the build left in BF16, "
                 "e.g. gdn or gdn,attention, and the re-quantized checkpoint)"
             )
-        without = requantized_classes([c.strip() for c in what.split(",")], classes, "--add-requantized")
-        added.append(Row("requantized-" + "+".join(without), checkpoint=source.strip(), requantized_without=without))
+        without = requantized_classes([c.strip() for c in what.split(",")], classes, "--add-requantized", "CLASSES")
+        row = Row("requantized-" + "+".join(without), checkpoint=source.strip(), requantized_without=without)
+        if any(r.name == row.name for r in added):
+            raise SplicerError(
+                f"--add-requantized: classes {', '.join(without)} given twice; give one re-made build per set of classes"
+            )
+        added.append(row)
     for row in added:
         if any(r.name == row.name for r in plan.rows):
-            flag = "--add-requantized" if row.requantized_without else "--add"
-            raise SplicerError(f"{flag} {row.name!r}: plan {plan.name} already has a row of that name; choose another")
+            if row.requantized_without:
+                raise SplicerError(
+                    f"--add-requantized {', '.join(row.requantized_without)}: plan {plan.name} already has a row named "
+                    f"{row.name}; rename that row in the plan, or declare the build there (requantized_without)"
+                )
+            raise SplicerError(f"--add {row.name!r}: plan {plan.name} already has a row of that name; choose another NAME")
         plan.rows.append(row)
     if added:
         # A row without requantized_without digests as it did before the field existed, so older jobs resume.
