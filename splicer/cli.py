@@ -229,7 +229,7 @@ def _cmd_ablate(args) -> int:
         results = run_ablate(args.rows, str(build), str(base), args.out, plan, settings)
     from .analysis.table import render_markdown
 
-    print(render_markdown(results))
+    print(render_markdown(results, args.out))
     print(
         f"\nwrote {args.out / 'results.json'}, {args.out / 'table.md'} and {args.out / 'report.md'} in {results.get('elapsed_s', 0):.0f} s"
     )
@@ -333,6 +333,49 @@ def _cmd_cluster_scores(args) -> int:
         + (f", {len(kept)} kept as the file held them ({', '.join(kept)})" if kept else "")
     )
     return 0
+
+
+def _cmd_mtp(args) -> int:
+    from .ablate.speculative import run_mtp
+    from .analysis import speculative
+
+    tokens = _int_list(args.tokens, "--tokens")
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else None
+    run_mtp(
+        args.dir,
+        rows=rows,
+        tokens=tuple(tokens),
+        prompts_per_corpus=args.prompts,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        time_decode=not args.no_time,
+        progress=not args.quiet,
+    )
+    from tabulate import tabulate
+
+    from .io import results_record
+
+    spec = speculative.load(args.dir)
+    order = [v["name"] for v in results_record.load(args.dir).get("variants", [])]
+    print(tabulate(speculative.table_rows(spec, order), headers=speculative.HEADERS, tablefmt="github", disable_numparse=True))
+    print(f"\nwrote {args.dir / speculative.FILE}; table.md and report.md of {args.dir} now hold MTP acceptance")
+    failed = [e for e in spec["record"]["engines"] if e.get("status") != "ok"]
+    if failed:
+        print(
+            f"splicer: error: {len(failed)} engines failed: "
+            + ", ".join(f"{e['row']} k={e['k']} ({e.get('error', '')[:120]})" for e in failed)
+            + "; see DIR/mtp-logs, then run the same command again",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SplicerError(f"{flag} {text}: give whole numbers separated by commas, e.g. 1,2") from None
 
 
 def _cmd_compare(args) -> int:
@@ -622,6 +665,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("a", metavar="VARIANT_A")
     s.add_argument("b", metavar="VARIANT_B")
     s.set_defaults(func=_cmd_compare)
+
+    s = sub.add_parser(
+        "mtp",
+        help="MTP acceptance per variant of a vLLM results folder: each row with its MTP head as vLLM's speculative decoder",
+        description="Start every finished row of DIR (or --rows) in vLLM again with its own MTP head as the speculative "
+        "decoder (one engine per --tokens k) and once without, generate greedily from the first tokens of DIR's "
+        "sequences, and count acceptance from vLLM's spec-decode counters (rate, per position, mean accepted length, "
+        "paired against the build) and batch-1 decode with and without the drafter; DIR/speculative.json, and a "
+        "section in DIR/table.md and DIR/report.md. Resumable: a rerun keeps the finished engines.",
+    )
+    s.add_argument("dir", metavar="DIR", type=Path, help="a results folder splicer ablate or score wrote with --backend vllm")
+    s.add_argument("--tokens", default="1,2", help="draft tokens per step, one engine each (default 1,2)")
+    s.add_argument("--rows", help="comma list of DIR's rows (default: every finished row but repeats and the base)")
+    s.add_argument("--prompts", type=_count(1, 10000), default=8, help="prompts per corpus (default 8)")
+    s.add_argument("--prompt-tokens", type=_count(1, 1 << 20), default=128, help="tokens of each prompt (default 128)")
+    s.add_argument("--new-tokens", type=_count(2, 1 << 16), default=64, help="tokens generated per prompt (default 64)")
+    s.add_argument("--no-time", action="store_true", help="count acceptance only; no decode timing")
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=_cmd_mtp)
 
     s = sub.add_parser(
         "cluster-scores",

@@ -85,3 +85,18 @@ def test_bad_plan_is_one_line(tmp_path):
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot read plan" in r.stderr
     assert not (tmp_path / "o.toml").exists()
+
+
+def test_mtp_rows(tmp_path):
+    from splicer.arch import all_classes
+    from splicer.plans.plan import load_plan
+
+    out = tmp_path / "mtp.toml"
+    assert plans.main(["mtp-rows", str(TEMPLATE), str(out)]) == 0
+    plan = load_plan(str(out), all_classes())  # a plan as any is read
+    assert [(r.name, r.restore, r.repeat) for r in plan.rows] == [
+        ("build", [], False),
+        ("mtp", ["mtp"], False),
+        ("build-again", [], True),
+    ]
+    assert plan.corpora == _template()["corpus"]

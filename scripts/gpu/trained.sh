@@ -55,6 +55,19 @@ PLAN=${PLAN:-ablations/trained-h200.toml}; GDN_GROUPS=${GDN_GROUPS:-6}
 GPTQ_SAMPLES=${GPTQ_SAMPLES:-256}; AWQ_SAMPLES=${AWQ_SAMPLES:-64}
 # Classes whose GPTQ build is re-made with the class left in BF16, scored beside the splice of that class.
 REQUANT_CLASSES=${REQUANT_CLASSES:-gdn attention shared_expert}
+# What runs (a shorter lease runs less; run 4: SEEDS=0 OTHER_BUILDS=rtn-g32-experts AWQ_BUILD=0 SCORE_BUILDS=0
+# GDN_LAYERS=0 VERIFY=0): the training seeds (seed 0 carries every stage, seed 1 the class rows), seed 0's other builds,
+# the all-builds score branch, one row per GDN layer in seed 0's plan, budget --verify, and the MTP stage.
+SEEDS=${SEEDS:-0 1}
+OTHER_BUILDS=${OTHER_BUILDS:-rtn-g32-experts,fp8-block,nvfp4a16}
+AWQ_BUILD=${AWQ_BUILD:-1}; SCORE_BUILDS=${SCORE_BUILDS:-1}; GDN_LAYERS=${GDN_LAYERS:-1}; VERIFY=${VERIFY:-1}
+# MTP acceptance (splicer mtp), once every other branch has ended so that its engines are alone on the GPU and timed:
+# seed 0's rows below, and the RTN g32 build (the one build that quantizes the drafter's experts) against its MTP
+# head restored.
+MTP=${MTP:-1}
+MTP_ROWS0=${MTP_ROWS0:-build,gdn,attention,shared_expert,lm_head,all}
+MTP_ARGS=${MTP_ARGS:---tokens 1,2 --prompts 5 --new-tokens 48}
+has_seed() { case " $SEEDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 D="$W/trained-data"
 CORPORA=()
 for c in en-dict en-kernel en-python zh chat; do CORPORA+=(--corpus "$c=$D/heldout/$c.txt"); done
@@ -69,14 +82,16 @@ if ! is_done data; then
 fi
 
 if ! is_done train; then
-  stage "train: seeds 0 and 1 at once, ${TRAIN_S} s each"
-  for s in 0 1; do
+  stage "train: seeds ${SEEDS} at once, ${TRAIN_S} s each"
+  for s in $SEEDS; do
     rm -rf "$W/seed$s/base"; mkdir -p "$W/seed$s"
     TOKENIZERS_PARALLELISM=true python3 -m splicer.trained.train "$D" "$W/seed$s/base" --seed $s --max-seconds "$TRAIN_S" ${TRAIN_ARGS:-} > "$W/seed$s/train.log" 2>&1 &
   done
   wait
-  for s in 0 1; do tail -2 "$W/seed$s/train.log" | tee -a "$LOG"; done
-  [ -f "$W/seed0/base/config.json" ] && [ -f "$W/seed1/base/config.json" ] || { stage "train failed"; exit 1; }
+  for s in $SEEDS; do
+    tail -2 "$W/seed$s/train.log" | tee -a "$LOG"
+    [ -f "$W/seed$s/base/config.json" ] || { stage "train failed (seed $s)"; exit 1; }
+  done
   done_mark train
 fi
 
@@ -128,15 +143,26 @@ finish_build() {
   done
 }
 
+# The GPTQ build re-made with one class left in BF16, per class, for the splice-against-re-quantize rows.
+start_requant_builds() {
+  local c
+  for c in $REQUANT_CLASSES; do
+    [ -d "$W/seed0/gptq-w4a16-g128-keep-$c" ] || [ -f "$W/pid.seed0.builds-keep-$c" ] \
+      || build_in_background 0 "$W/seed0/raw-keep-$c" "builds-keep-$c" "gptq-w4a16-g128-keep-$c" "$GPTQ_SAMPLES"
+  done
+}
+
 if ! is_done builds; then
-  stage "builds: llm-compressor GPTQ (both seeds), AWQ experts, RTN g32, FP8 block, NVFP4A16 (seed 0)"
-  build_in_background 0 "$W/seed0/raw" builds-gptq gptq-w4a16-g128 "$GPTQ_SAMPLES"
-  build_in_background 1 "$W/seed1/raw" builds-gptq gptq-w4a16-g128 "$GPTQ_SAMPLES"
-  build_in_background 0 "$W/seed0/raw-other" builds-other rtn-g32-experts,fp8-block,nvfp4a16
-  [ -d "$W/seed0/awq-experts" ] || build_in_background 0 "$W/seed0/raw-awq" builds-awq awq-experts "$AWQ_SAMPLES"
-  finish_build 0 builds-gptq "$W/seed0/raw"
-  finish_build 1 builds-gptq "$W/seed1/raw"
-  [ -f "$W/seed0/gptq-w4a16-g128/config.json" ] && [ -f "$W/seed1/gptq-w4a16-g128/config.json" ] || { stage "GPTQ builds failed"; exit 1; }
+  stage "builds: llm-compressor GPTQ (seeds $SEEDS), re-made without $REQUANT_CLASSES, $OTHER_BUILDS$([ "$AWQ_BUILD" = 1 ] && echo ", AWQ experts") (seed 0)"
+  for s in $SEEDS; do build_in_background "$s" "$W/seed$s/raw" builds-gptq gptq-w4a16-g128 "$GPTQ_SAMPLES"; done
+  # The re-made GPTQ builds start now too: ablate_seed0 waits for them only after its own rows.
+  start_requant_builds
+  [ -n "$OTHER_BUILDS" ] && build_in_background 0 "$W/seed0/raw-other" builds-other "$OTHER_BUILDS"
+  [ "$AWQ_BUILD" = 1 ] && { [ -d "$W/seed0/awq-experts" ] || build_in_background 0 "$W/seed0/raw-awq" builds-awq awq-experts "$AWQ_SAMPLES"; }
+  for s in $SEEDS; do
+    finish_build "$s" builds-gptq "$W/seed$s/raw"
+    [ -f "$W/seed$s/gptq-w4a16-g128/config.json" ] || { stage "GPTQ build failed (seed $s)"; exit 1; }
+  done
   done_mark builds
 fi
 vllm_env
@@ -145,17 +171,16 @@ G=$W/seed0/gptq-w4a16-g128
 # Each branch below runs in the background; a failed branch leaves the others their time.
 ablate_seed0() {
   local c adds=()
-  # The GPTQ build re-made with one class left in BF16, per class, for the splice-against-re-quantize rows.
-  for c in $REQUANT_CLASSES; do
-    [ -d "$W/seed0/gptq-w4a16-g128-keep-$c" ] || [ -f "$W/pid.seed0.builds-keep-$c" ] \
-      || build_in_background 0 "$W/seed0/raw-keep-$c" "builds-keep-$c" "gptq-w4a16-g128-keep-$c" "$GPTQ_SAMPLES"
-  done
+  start_requant_builds  # a resumed pipeline whose builds stage was done before these builds existed
   if ! is_done ablate0; then
-    stage "ablate: seed 0 GPTQ build, default rows + one row per GDN layer"
-    if [ ! -f "$W/plan0.toml" ]; then
+    if [ ! -f "$W/plan0.toml" ] && [ "$GDN_LAYERS" = 1 ]; then
+      stage "ablate: seed 0 GPTQ build, default rows + one row per GDN layer"
       rm -f "$W/sweep0.toml"
       python3 -m splicer plan sweep "$G" --class gdn --groups "$GDN_GROUPS" --from "$PLAN" -o "$W/sweep0.toml" >> "$LOG" 2>&1
       python3 -m splicer.trained.plans gdn-layers "$PLAN" "$W/sweep0.toml" "$W/plan0.toml" || return 1
+    elif [ ! -f "$W/plan0.toml" ]; then
+      stage "ablate: seed 0 GPTQ build, the single-class rows"
+      python3 -m splicer.trained.plans seed-rows "$PLAN" "$W/plan0.toml" || return 1
     fi
     python3 -m splicer ablate all "$G" "$W/seed0/base" -o "$W/ablate0" --plan "$W/plan0.toml" "${CORPORA[@]}" "${ENGINE[@]}" \
       --bandwidth-gbs 4800 --no-time ${ABLATE_ARGS:-} -q > "$W/ablate0.log" 2>&1 && done_mark ablate0 \
@@ -174,7 +199,7 @@ ablate_seed0() {
       --bandwidth-gbs 4800 --no-time "${adds[@]}" ${ABLATE_ARGS:-} -q >> "$W/ablate0.log" 2>&1 && done_mark requant \
       || { stage "requant exit $?"; tail -5 "$W/ablate0.log" | tee -a "$LOG"; }
   fi
-  if ! is_done verify; then
+  if [ "$VERIFY" = 1 ] && ! is_done verify; then
     stage "budget --verify 3 on seed 0's ablate folder"
     python3 -m splicer budget "$W/ablate0" --verify 3 -q > "$W/verify.txt" 2>&1 && done_mark verify \
       || { stage "verify exit $?"; tail -5 "$W/verify.txt" | tee -a "$LOG"; }
@@ -183,6 +208,7 @@ ablate_seed0() {
 
 ablate_seed1() {
   is_done ablate1 && return 0
+  has_seed 1 || return 0
   stage "ablate: seed 1 GPTQ build, class rows + one row per GDN layer"
   if [ ! -f "$W/plan1.toml" ]; then
     rm -f "$W/sweep1.toml"
@@ -197,6 +223,7 @@ ablate_seed1() {
 
 score_seed0() {
   is_done score && return 0
+  [ "$SCORE_BUILDS" = 1 ] || return 0
   stage "waiting for the model_free_ptq builds"
   finish_build 0 builds-other "$W/seed0/raw-other"
   # The AWQ build (a grid search per smoothed norm: 743 s in run 3, the longest build) is scored last, by a second
@@ -217,9 +244,42 @@ score_builds() {
     "${ENGINE[@]}" --no-time -q >> "$W/score0.log" 2>&1 || { stage "score exit $?"; tail -5 "$W/score0.log" | tee -a "$LOG"; return 1; }
 }
 
+# The RTN g32 build, which quantizes the MTP head's experts, scored with its MTP head restored (restoring it changes
+# no score), for splicer mtp.
+ablate_rtn_mtp() {
+  [ "$MTP" = 1 ] || return 0
+  is_done ablate-rtn && return 0
+  case ",$OTHER_BUILDS," in *,rtn-g32-experts,*) ;; *) return 0 ;; esac
+  [ "$SCORE_BUILDS" = 1 ] || finish_build 0 builds-other "$W/seed0/raw-other"
+  [ -d "$W/seed0/rtn-g32-experts" ] || { stage "no RTN g32 build for the MTP rows"; return 1; }
+  [ -f "$W/plan-mtp.toml" ] || python3 -m splicer.trained.plans mtp-rows "$PLAN" "$W/plan-mtp.toml" || return 1
+  stage "ablate: seed 0 RTN g32 experts build and its MTP head restored"
+  python3 -m splicer ablate all "$W/seed0/rtn-g32-experts" "$W/seed0/base" -o "$W/ablate-rtn" --plan "$W/plan-mtp.toml" \
+    "${CORPORA[@]}" "${ENGINE[@]}" --no-time -q > "$W/ablate-rtn.log" 2>&1 && done_mark ablate-rtn \
+    || { stage "ablate-rtn exit $?"; tail -5 "$W/ablate-rtn.log" | tee -a "$LOG"; return 1; }
+}
+
 ablate_seed0 & p0=$!
 ablate_seed1 & p1=$!
 score_seed0 & p2=$!
-wait $p0 $p1 $p2
+ablate_rtn_mtp & p3=$!
+wait $p0 $p1 $p2 $p3
+
+# MTP acceptance: every engine alone on the GPU now, timed with and without the drafter.
+mtp_stage() {
+  local dir=$1 rows=$2 name=$3
+  is_done "mtp-$name" && return 0
+  [ -f "$W/$dir/results.json" ] || { stage "no $dir for MTP acceptance"; return 1; }
+  # only the rows that finished (a re-made build that failed is left out, not the whole stage)
+  rows=$(python3 -c "import json,sys; ok={v['name'] for v in json.load(open(sys.argv[1]))['variants'] if v.get('status')=='ok'}
+print(','.join(r for r in sys.argv[2].split(',') if r in ok))" "$W/$dir/results.json" "$rows")
+  stage "mtp: $dir rows $rows"
+  python3 -m splicer mtp "$W/$dir" --rows "$rows" $MTP_ARGS -q > "$W/mtp-$name.log" 2>&1 && done_mark "mtp-$name" \
+    || { stage "mtp $name exit $?"; tail -5 "$W/mtp-$name.log" | tee -a "$LOG"; }
+}
+if [ "$MTP" = 1 ]; then
+  mtp_stage ablate0 "$MTP_ROWS0" gptq
+  mtp_stage ablate-rtn build,mtp rtn
+fi
 stage "pipeline ended"
 touch "$W/done.pipeline"

@@ -20,12 +20,14 @@ collect() {
   for f in pipeline.log nohup.log seed0/train.log seed1/train.log seed0/base/train_report.json seed1/base/train_report.json \
            seed0/builds-gptq.log seed1/builds-gptq.log seed0/builds-other.log seed0/builds-awq.log seed0/builds-keep-gdn.log \
            seed0/builds-keep-attention.log seed0/builds-keep-shared_expert.log sweep0.toml sweep1.toml seed-rows1.toml plan0.toml plan1.toml verify.txt \
-           ablate0.log ablate1.log score0.log; do
+           ablate0.log ablate1.log score0.log ablate-rtn.log plan-mtp.toml mtp-gptq.log mtp-rtn.log; do
     [ -f "$W/$f" ] && list+=("$f")
   done
-  for d in ablate0 ablate1 score0; do
-    for f in results.json table.md job.json budget.json budget-plan.toml ablate.log cluster-scores.safetensors; do [ -f "$W/$d/$f" ] && list+=("$d/$f"); done
+  for d in ablate0 ablate1 score0 ablate-rtn; do
+    for f in results.json table.md report.md job.json budget.json budget-plan.toml ablate.log cluster-scores.safetensors \
+             speculative.json mtp.log; do [ -f "$W/$d/$f" ] && list+=("$d/$f"); done
     [ -d "$W/$d/logs" ] && list+=("$d/logs")
+    [ -d "$W/$d/mtp-logs" ] && list+=("$d/mtp-logs")
   done
   for b in "$W"/seed*/raw*/builds.json; do [ -f "$b" ] && list+=("${b#$W/}"); done
   for b in "$W"/seed*/inspect-*.json; do [ -f "$b" ] && list+=("${b#$W/}"); done
@@ -37,7 +39,7 @@ collect() {
   } > "$W/machine.txt" 2>&1
   list+=(machine.txt)
   tar -C "$W" -czf "$OUT/trained.tgz" "${list[@]}" 2>/dev/null
-  for d in ablate0 ablate1 score0; do [ -d "$W/$d/scores" ] && pack_scores "$OUT/scores-$d.tar.xz" "$W" "$d"; done
+  for d in ablate0 ablate1 score0 ablate-rtn; do [ -d "$W/$d/scores" ] && pack_scores "$OUT/scores-$d.tar.xz" "$W" "$d"; done
   ls -la "$OUT"
 }
 

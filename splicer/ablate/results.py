@@ -64,8 +64,6 @@ def new_results(run: AblateRun, *, job: dict, corpora: list[Corpus], cache: Path
 
 
 def finish_results(results: dict, out: Path, backends, reps: int = 2000) -> None:
-    from ..analysis.report import render_report
-    from ..analysis.table import render_markdown
     from ..analysis.verdicts import attach
 
     info = backends[0].describe()
@@ -87,9 +85,17 @@ def finish_results(results: dict, out: Path, backends, reps: int = 2000) -> None
     cluster_scores.update(out, results)
     attach(results, out, reps)
     results_record.write(out, results)
-    atomic_text(out / "table.md", render_markdown(results) + "\n")
+    render_outputs(out, results)
+
+
+def render_outputs(out: Path, results: dict) -> None:
+    """DIR/table.md and DIR/report.md from results.json (and DIR/speculative.json, where `splicer mtp` wrote one)."""
+    from ..analysis.report import render_report
+    from ..analysis.table import render_markdown
+
+    atomic_text(out / "table.md", render_markdown(results, out) + "\n")
     if (out / "plot-kl.png").exists():  # `splicer plot DIR` made one: keep the table's link to it
         from ..analysis.plot import link
 
         link(out)
-    atomic_text(out / "report.md", render_report(results))
+    atomic_text(out / "report.md", render_report(results, out))

@@ -173,11 +173,17 @@ def findings(results: dict) -> list[str]:
     return out
 
 
-def render_report(results: dict) -> str:
+def render_report(results: dict, out: Path | None = None) -> str:
+    """The report.md of a results folder; with out, the MTP acceptance sentences of out/speculative.json too."""
+    from . import speculative
     from .table import caption
 
-    return caption(results) + "\n\n" + "\n".join(f"- {s}" for s in findings(results)) + "\n"
+    lines = findings(results)
+    spec = speculative.load(out) if out is not None else None
+    if spec:
+        lines += speculative.sentences(spec)
+    return caption(results) + "\n\n" + "\n".join(f"- {s}" for s in lines) + "\n"
 
 
 def report(out_dir: Path) -> str:
-    return render_report(results_record.load(out_dir))
+    return render_report(results_record.load(out_dir), Path(out_dir))

@@ -66,6 +66,7 @@ from pathlib import Path
 from ..backends import results_wording
 from ..errors import SplicerError
 from ..io import results_record
+from . import speculative
 from .metrics import TOO_FEW_NOTE, excludes_zero
 
 
@@ -575,7 +576,8 @@ SPLICE_VS_REQUANTIZED_NOTE = (
 )
 
 
-def render_markdown(results: dict) -> str:
+def render_markdown(results: dict, out: Path | None = None) -> str:
+    """The table.md of a results folder; with out, the MTP acceptance section of out/speculative.json too."""
     from tabulate import tabulate
 
     headers, rows, notes = _rows(results)
@@ -586,6 +588,14 @@ def render_markdown(results: dict) -> str:
         text += "\n\nSplice against re-quantize:\n\n"
         text += tabulate(pairs[1], headers=pairs[0], tablefmt="github", disable_numparse=True)
         text += f"\n\n- {SPLICE_VS_REQUANTIZED_NOTE}"
+    spec = speculative.load(out) if out is not None else None
+    if spec:
+        order = [v["name"] for v in results.get("variants", [])]
+        text += "\n\nMTP acceptance (speculative decoding in vLLM):\n\n"
+        text += tabulate(
+            speculative.table_rows(spec, order), headers=speculative.HEADERS, tablefmt="github", disable_numparse=True
+        )
+        text += f"\n\n- {speculative.note(spec)}"
     speed = speed_rows(results)
     heading = results_wording(results.get("backend")).start_up_heading
     if speed and heading:
@@ -619,7 +629,7 @@ def _csv_cell(x) -> str:
 def render(out_dir: Path, fmt: str = "markdown") -> str:
     results = results_record.load(out_dir)
     if fmt == "markdown":
-        return render_markdown(results)
+        return render_markdown(results, Path(out_dir))
     if fmt in ("csv", "json"):
         recs = [{k: _plain(x) for k, x in r.items()} for r in records(results)]
         if fmt == "json":

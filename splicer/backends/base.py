@@ -127,6 +127,10 @@ class BackendOptions(Protocol):
 
     def make_backends(self, device: str, log_dir: Path) -> list[Backend]: ...  # the run's backends; the first does the base pass
 
+    # With the model's MTP head as a speculative decoder (`splicer mtp`): None when this backend cannot run one, else
+    # the options for engines started one at a time, each alone on its device (nothing started or compiled ahead).
+    def speculative(self): ...
+
 
 @dataclass(frozen=True)
 class ResultsWording:

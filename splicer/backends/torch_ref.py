@@ -347,6 +347,9 @@ class TorchOptions:
     backend = "torch"
     gpus = ()  # one device: rows are never spread
 
+    def speculative(self) -> None:
+        return None  # transformers' model of the family has no MTP head: no speculative decoding here
+
     @classmethod
     def option_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}

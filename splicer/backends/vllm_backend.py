@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ from .gpus import check_gpus, one_per_gpu
 from .vllm_child import child_worker
 from .vllm_engine_args import OVERLAP_DEFAULTS, default_engine_args, parse_engine_args, parse_engine_env
 from .vllm_logs import KERNEL_LINE, arch_of, kernels_by_class, startup_breakdown
+from .vllm_outputs import spec_decode_delta
 
 __all__ = [
     "VllmBackend",
@@ -297,6 +298,10 @@ class VllmOptions:
 
     def context_length(self) -> int | None:
         return self.engine_args.get("max_model_len")
+
+    def speculative(self) -> VllmOptions:
+        """One engine at a time, alone on the GPU: the speculative engines are timed, so none starts ahead."""
+        return replace(self, overlap_starts=0, rewake_before_timing=False, precompile=0, gpus=None)
 
     def check_loadable(self, ckpt, modules: dict | None = None) -> None:
         pass  # vLLM loads a format or refuses it when the row's engine starts: that row fails, the others run
@@ -583,17 +588,19 @@ class VllmBackend:
             return f"{woken} from vLLM's sleep mode (level 1), no other engine awake or starting on the GPU"
         return "fresh engine, the only one on the GPU"
 
-    def load(self, folder: Path) -> None:
-        self._load_engine(folder)
+    def load(self, folder: Path, engine_args: dict | None = None) -> None:
+        """Start folder's engine (one started ahead for it, when there is one); engine_args: arguments over the
+        backend's own for this engine alone (e.g. a speculative decoder), which never takes one started ahead."""
+        self._load_engine(folder, engine_args)
         if self.sleep_between:  # every engine slept once it started: wake it for its turn
             self.info["wake_s"] = self._call("wake", timeout=600)
         self.info["timing_state"] = self.timing_state
 
-    def _load_engine(self, folder: Path) -> None:
+    def _load_engine(self, folder: Path, extra_args: dict | None = None) -> None:
         self.unload()
         folder = Path(folder)
         t0 = time.perf_counter()
-        ready = self._worker_for(folder)
+        ready = self._worker_for(folder) if not extra_args else None
         if ready is not None:
             if ready.pending is not None:
                 self._settle(ready)
@@ -612,7 +619,7 @@ class VllmBackend:
                 worker.unload()
             reused = worker.alive()
             try:
-                self.info = self._load_on(worker, folder, t0)
+                self.info = self._load_on(worker, folder, t0, extra_args)
                 return
             except RuntimeError as e:
                 if not reused:
@@ -622,15 +629,18 @@ class VllmBackend:
         # engines did not give back: try once more in a fresh process before calling it a failure.
         worker.stop()
         try:
-            self.info = self._load_on(worker, folder, t0)
+            self.info = self._load_on(worker, folder, t0, extra_args)
         except RuntimeError as second:
             raise second from first
         self.info["retried_in_fresh_worker"] = str(first)[:500]
 
-    def _load_on(self, worker: _Worker, folder: Path, t0: float) -> dict:
+    def _load_on(self, worker: _Worker, folder: Path, t0: float, extra_args: dict | None = None) -> dict:
         # Beside compiling lanes (the base pass) an engine gets a fixed KV cache: vLLM's memory profiling assumes no
         # other process changes the GPU's memory meanwhile. Such an engine is never timed (time_decode refuses).
-        worker.send_load(folder, t0, {**self.engine_args, **OVERLAP_DEFAULTS} if self._sharing_gpu() else None)
+        args = {**self.engine_args, **OVERLAP_DEFAULTS} if self._sharing_gpu() else None
+        if extra_args:
+            args = {**(args or self.engine_args), **extra_args}
+        worker.send_load(folder, t0, args)
         info = worker.finish_load()
         self.active = worker
         return info
@@ -657,6 +667,12 @@ class VllmBackend:
 
     def load_info(self) -> dict:
         return self.info
+
+    def speculate(self, prompts: list[list[int]], new_tokens: int, k: int) -> list[dict]:
+        """Per prompt, generated greedily on its own on the loaded engine: the tokens, and the drafts vLLM's
+        spec-decode counters counted for it (vllm_outputs.spec_decode_delta; all 0 on an engine without a drafter)."""
+        answers = self._call("speculate", [list(p) for p in prompts], int(new_tokens))
+        return [{"tokens": a["tokens"], **spec_decode_delta(a["before"], a["after"], k)} for a in answers]
 
     def drafter_layers(self) -> dict:
         """Per-layer quantization method of the speculative drafter (MTP head), as for the main model."""

@@ -11,7 +11,7 @@ import traceback
 
 import torch
 
-from .vllm_outputs import engine_step_s, sequence_scores, summarise_decode_runs
+from .vllm_outputs import SPEC_PREFIX, engine_step_s, sequence_scores, summarise_decode_runs
 
 
 def _kernel_probe(model):
@@ -221,6 +221,17 @@ def child_worker(conn, env: dict, log_path: str) -> None:
             steps.append(step)
         return summarise_decode_runs(t1_s, tn_s, steps, new_tokens=n, warmup=warmup, prompt_tokens=len(prompt))
 
+    def speculate(prompts, n):
+        """Each prompt generated greedily on its own (n tokens, EOS ignored), with the spec-decode counters read
+        before and after it: the counters are cumulative, so the difference is that request's drafts alone."""
+        params = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
+        out = []
+        for p in prompts:
+            before = metrics(SPEC_PREFIX)
+            res = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
+            out.append({"tokens": list(res[0].outputs[0].token_ids), "before": before, "after": metrics(SPEC_PREFIX)})
+        return out
+
     def drafter_layers():
         res = llm.collective_rpc(_drafter_probe)
         return res[0] if isinstance(res, list) and res else res
@@ -243,6 +254,7 @@ def child_worker(conn, env: dict, log_path: str) -> None:
         "time": time_decode,
         "drafter_layers": drafter_layers,
         "metrics": metrics,
+        "speculate": speculate,
     }
     conn.send(("started", {"import_s": import_s}))
     while True:

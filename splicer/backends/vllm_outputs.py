@@ -125,3 +125,35 @@ def summarise_decode_runs(
     if use_engine:  # the old estimator beside it, from the same runs
         out["wall_diff"] = decode_summary(wall_diff)
     return out
+
+
+# vLLM's spec-decode counters (vllm/v1/metrics/loggers.py, SpecDecodingProm), as LLM.get_metrics() names them: drafts
+# (one per decode step that proposed tokens), draft tokens (k per draft), accepted tokens, and accepted tokens per
+# draft position (a vector of k).
+SPEC_PREFIX = "vllm:spec_decode"
+SPEC_DRAFTS = "vllm:spec_decode_num_drafts"
+SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def _count(value) -> int:
+    if isinstance(value, (list, tuple)):
+        return int(sum(value))
+    return int(value or 0)
+
+
+def spec_decode_delta(before: dict, after: dict, k: int) -> dict:
+    """One request's drafts from the counters read before and after it (the `speculate` op): drafts, draft tokens,
+    accepted tokens and accepted tokens per position (k of them). Counters the engine did not report count 0; a counter
+    that went down (an engine whose metrics were reset meanwhile) is an error, not a negative count."""
+    out = {}
+    for key, name in (("drafts", SPEC_DRAFTS), ("draft_tokens", SPEC_DRAFT_TOKENS), ("accepted", SPEC_ACCEPTED)):
+        out[key] = _count(after.get(name)) - _count(before.get(name))
+    pos_a, pos_b = list(after.get(SPEC_PER_POS) or []), list(before.get(SPEC_PER_POS) or [])
+    pos_a += [0] * (k - len(pos_a))
+    pos_b += [0] * (len(pos_a) - len(pos_b))
+    out["accepted_per_pos"] = [int(x) - int(y) for x, y in zip(pos_a, pos_b)][:k]
+    if any(v < 0 for v in (out["drafts"], out["draft_tokens"], out["accepted"], *out["accepted_per_pos"])):
+        raise ValueError(f"vLLM's spec-decode counters went down during one request: {before} -> {after}")
+    return out

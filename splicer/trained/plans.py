@@ -2,6 +2,8 @@
 
     python -m splicer.trained.plans gdn-layers TEMPLATE SWEEP OUT   the template's rows plus one row per GDN layer
     python -m splicer.trained.plans seed-rows TEMPLATE OUT          the single-class rows, for a second training seed
+    python -m splicer.trained.plans mtp-rows TEMPLATE OUT           the build and its MTP head restored (a build that
+                                                                    quantizes the drafter: does that cost acceptance?)
 
 `SWEEP` is what `splicer plan sweep BUILD --class gdn --groups N --from TEMPLATE` wrote, with N the number of GDN layers,
 so that each of its one-group rows (`gdn-1`, `gdn-2`, ...) restores one layer.
@@ -73,7 +75,21 @@ def seed_rows(template: dict) -> dict:
     return plan
 
 
-USAGE = "usage: python -m splicer.trained.plans gdn-layers TEMPLATE SWEEP OUT | seed-rows TEMPLATE OUT"
+def mtp_rows(template: dict) -> dict:
+    """The build, the build with its MTP head restored, and the build again: `splicer mtp` on them tells whether
+    quantizing the drafter costs acceptance (restoring it changes no score: no scoring pass runs the drafter)."""
+    plan = dict(template)
+    plan["row"] = [
+        {"name": "build", "restore": []},
+        {"name": "mtp", "restore": ["mtp"]},
+        {"name": "build-again", "restore": [], "repeat": True},
+    ]
+    plan["name"] = f"{template['name']}-mtp-rows"
+    plan["description"] = "the build and its MTP head restored to BF16, for MTP acceptance (splicer mtp)"
+    return plan
+
+
+USAGE = "usage: python -m splicer.trained.plans gdn-layers TEMPLATE SWEEP OUT | seed-rows TEMPLATE OUT | mtp-rows TEMPLATE OUT"
 
 
 def main(argv=None) -> int:
@@ -84,6 +100,8 @@ def main(argv=None) -> int:
             _write(gdn_layer_rows(_read(Path(args[1])), _read(Path(args[2]))), Path(args[3]))
         elif len(args) == 3 and args[0] == "seed-rows":
             _write(seed_rows(_read(Path(args[1]))), Path(args[2]))
+        elif len(args) == 3 and args[0] == "mtp-rows":
+            _write(mtp_rows(_read(Path(args[1]))), Path(args[2]))
         else:
             print(USAGE, file=sys.stderr)
             return 2

@@ -72,6 +72,34 @@ class _Metric:
 
 
 @dataclass
+class _Counter:
+    name: str
+    value: float
+
+
+# Speculative decoding (speculative_config={"method": "mtp", ...}): what share of draft tokens the stand-in accepts. A
+# folder with a BF16 MTP head accepts MTP_ACCEPT_BF16, one whose MTP tensors are quantized MTP_ACCEPT_QUANTIZED, one
+# without MTP tensors none (a drafter from missing weights); FAKE_VLLM_MTP_ACCEPT overrides all three. Which draft
+# tokens are accepted follows from the generated tokens, so the same prompt on the same variant repeats exactly.
+MTP_ACCEPT_BF16 = 0.6
+MTP_ACCEPT_QUANTIZED = 0.45
+
+
+def _drafter_accept(model: str) -> float:
+    import glob
+
+    from safetensors import safe_open
+
+    if os.environ.get("FAKE_VLLM_MTP_ACCEPT"):
+        return float(os.environ["FAKE_VLLM_MTP_ACCEPT"])
+    names = [k for f in glob.glob(os.path.join(model, "*.safetensors")) for k in safe_open(f, "pt").keys()]
+    mtp = [k for k in names if k.startswith("mtp.")]
+    if not mtp:
+        return 0.0
+    return MTP_ACCEPT_QUANTIZED if any(k.endswith(("weight_packed", "qweight", "weight_scale")) for k in mtp) else MTP_ACCEPT_BF16
+
+
+@dataclass
 class Logprob:
     logprob: float
     rank: int | None = None
@@ -159,6 +187,12 @@ class LLM:
         )
         self.sleeping = False
         self.sleeps = self.wakes = 0
+        spec = kwargs.get("speculative_config") or {}
+        self.spec_k = int(spec.get("num_speculative_tokens") or 0)
+        if self.spec_k and spec.get("method") != "mtp":
+            raise ValueError(f"speculative method {spec.get('method')!r} is not served by this stand-in (fake)")
+        self.spec_accept = _drafter_accept(model) if self.spec_k and self._ref is not None else 0.0
+        self.spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [0] * self.spec_k}
 
     def _served(self):
         if self._ref is None:
@@ -180,7 +214,34 @@ class LLM:
         return [fn(object())]  # no worker with a drafter here
 
     def get_metrics(self):
-        return [_Metric("fake:sleep_wake", [self.sleeps, self.wakes])]
+        out = [_Metric("fake:sleep_wake", [self.sleeps, self.wakes])]
+        if self.spec_k and self.kwargs.get("disable_log_stats") is False:  # vLLM counts only with stats on
+            out += [
+                _Counter("vllm:spec_decode_num_drafts", float(self.spec["drafts"])),
+                _Counter("vllm:spec_decode_num_draft_tokens", float(self.spec["draft_tokens"])),
+                _Counter("vllm:spec_decode_num_accepted_tokens", float(self.spec["accepted"])),
+                _Metric("vllm:spec_decode_num_accepted_tokens_per_pos", list(self.spec["per_pos"])),
+            ]
+        return out
+
+    def _count_drafts(self, gen: list) -> None:
+        """Speculative decoding over the generated tokens: after the first, each target step checks k draft tokens and
+        accepts a leading run of them (token t is accepted when its hash falls under the acceptance share)."""
+        import zlib
+
+        k, p = self.spec_k, 1
+        while p < len(gen):
+            run = 0
+            while run < k and p + run < len(gen):
+                if zlib.crc32(f"{gen[p + run]}:{p + run}".encode()) % 1000 >= 1000 * self.spec_accept:
+                    break
+                run += 1
+            self.spec["drafts"] += 1
+            self.spec["draft_tokens"] += k
+            self.spec["accepted"] += run
+            for j in range(run):
+                self.spec["per_pos"][j] += 1
+            p += run + 1
 
     def generate(self, prompts, params, use_tqdm=True):
         if self.sleeping:  # a real engine asleep has no weights on the GPU: serving it would be a bug in the caller
@@ -213,6 +274,8 @@ class LLM:
                 gen = [int(torch.argmax(s.full[-1]))]
             else:
                 gen = self._ref.generate([ids], params.max_tokens, params.stop_token_ids)[0]
+                if self.spec_k:
+                    self._count_drafts(gen)
             # The reference computed every token at once: call that the prefill and first token, then pay each
             # later token's decode step, so that the engine's token times and the wall clock both see steps of
             # DECODE_STEP_S (the wall clock also sees the reference's compute, which tells the two estimators apart).

@@ -1,0 +1,252 @@
+"""MTP acceptance (`splicer mtp DIR`, DIR/speculative.json): the rows an ablate (or score) run finished in vLLM,
+each started again with the model's own MTP head as vLLM's speculative decoder (k = 1, 2, ... draft tokens, one
+engine each) and once without it, every engine alone on the GPU. From fixed prompts (the first tokens of the first
+sequences of each of DIR's corpora, read from its base-pass cache) each prompt is generated greedily on its own, and
+vLLM's spec-decode counters read before and after it give that prompt's drafts and accepted tokens
+(analysis.speculative turns them into rates with intervals). Batch-1 decode is timed on every engine, so the same row
+with and without the drafter are compared; the build is measured first and again last, which gives the engine-to-engine
+spread of decode and checks that acceptance repeats. The file is rewritten after every engine and a rerun with the
+same settings keeps what is finished."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ..analysis import speculative as figures
+from ..errors import SplicerError
+from ..io import results_record
+from ..io.outputs import exclusive
+from ..io.progress import Stages
+from .common import atomic_json, parts_digest
+
+SCHEMA = 1
+DEFAULT_TIMING = {"prompt_tokens": 1024, "new_tokens": 32, "warmup": 3, "runs": 5}
+
+
+def row_folder(out: Path, results: dict, v: dict) -> Path:
+    """The folder a finished row ran on: the base, the build, a checkpoint, or its splice under DIR/variants/."""
+    inputs = results.get("inputs") or {}
+    restored = v.get("restored")
+    if restored == "base":
+        return Path(inputs["base"]["source"])
+    if restored == "checkpoint":
+        return Path(v["checkpoint"]["source"])
+    if restored == []:
+        return Path(inputs["build"]["source"])
+    return Path(out) / "variants" / (v.get("repeat_of") or v["name"])
+
+
+def _has_drafter(folder: Path) -> bool:
+    from ..checkpoint import open_checkpoint
+    from ..splice.modules import list_modules
+    from ..splice.selection import DRAFTER_CLASS
+
+    return any(m.cls == DRAFTER_CLASS for m in list_modules(open_checkpoint(folder, "variant")).values())
+
+
+def prompts_from_cache(out: Path, results: dict, per_corpus: int, prompt_tokens: int) -> list[dict]:
+    """The first per_corpus sequences of each corpus DIR scored (its base-pass cache), cut to prompt_tokens (a chat
+    sequence to its prompt): [{"corpus", "index", "ids"}]."""
+    from ..corpora.core import Corpus
+
+    wanted = {n: c.get("sequences") for n, c in (results.get("corpora") or {}).items()}
+    for cache in sorted(Path(out).glob("cache/base-*/corpora.json")):
+        try:
+            corpora = [Corpus.from_json(c) for c in json.loads(cache.read_text(encoding="utf-8"))]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if {c.name: len(c.sequences) for c in corpora} != wanted:
+            continue
+        prompts = []
+        for c in corpora:
+            for i, seq in enumerate(c.sequences[:per_corpus]):
+                cut = c.prompt_lens[i] if c.prompt_lens else len(seq)
+                prompts.append({"corpus": c.name, "index": i, "ids": list(seq[: min(cut, prompt_tokens)])})
+        return prompts
+    raise SplicerError(
+        f"{out} has no base-pass cache of the corpora its results.json names (cache/base-*/corpora.json); "
+        "run its ablate or score command again to remake it"
+    )
+
+
+def _engine_plan(rows: list[str], build: str, tokens: list[int]) -> list[tuple[str, int, bool]]:
+    """(row, k, repeat) in the order the engines run: the build first (without, then with each k), every other row
+    likewise, and the build again last (repeat)."""
+    order = [build, *(r for r in rows if r != build)]
+    plan = [(r, k, False) for r in order for k in (0, *tokens)]
+    return plan + [(build, k, True) for k in (0, *tokens)]
+
+
+def run_mtp(
+    out: Path,
+    *,
+    rows: list[str] | None = None,
+    tokens: tuple[int, ...] = (1, 2),
+    prompts_per_corpus: int = 8,
+    prompt_tokens: int = 128,
+    new_tokens: int = 64,
+    time_decode: bool = True,
+    timing: dict | None = None,
+    method: str = "mtp",
+    progress: bool = True,
+) -> dict:
+    """Measure MTP acceptance for rows of DIR (default: every finished row with an MTP layer, repeats and the base
+    left out) and write DIR/speculative.json; returns the record."""
+    out = Path(out)
+    results = results_record.load(out)
+    options = _options(results)
+    if options is None:
+        raise SplicerError(
+            f"{out} was scored with the {results.get('backend')} backend; MTP acceptance is counted by vLLM's "
+            "speculative decoding: run ablate (or score) with --backend vllm on a GPU machine, then splicer mtp"
+        )
+    if not tokens or any(k < 1 or k > 8 for k in tokens) or len(set(tokens)) != len(tokens):
+        raise SplicerError(f"--tokens {','.join(map(str, tokens))}: give distinct draft-token counts from 1 to 8, e.g. 1,2")
+    ok = {v["name"]: v for v in results.get("variants", []) if v.get("status") == "ok"}
+    build = next((n for n, v in ok.items() if v.get("restored") == [] and not v.get("repeat_of")), None)
+    if build is None:
+        raise SplicerError(f"{out} has no finished build row to measure against; finish its ablate run first")
+    if rows is None:
+        rows = [n for n, v in ok.items() if not v.get("repeat_of") and v.get("restored") != "base"]
+    unknown = [r for r in rows if r not in ok]
+    if unknown:
+        raise SplicerError(f"--rows {unknown[0]}: {out} has no finished row of that name; finished: {', '.join(ok)}")
+    skipped, measured = [], []
+    for r in dict.fromkeys([build, *rows]):
+        folder = row_folder(out, results, ok[r])
+        if not folder.is_dir():
+            skipped.append({"row": r, "reason": f"its folder {folder} is gone"})
+        elif not _has_drafter(folder):
+            skipped.append({"row": r, "reason": "no MTP layer in its checkpoint"})
+        else:
+            measured.append(r)
+    if build not in measured:
+        reason = next(s["reason"] for s in skipped if s["row"] == build)
+        raise SplicerError(f"the build row of {out} cannot be measured ({reason}); MTP acceptance needs the build's drafter")
+    # Decode is timed as DIR's rows were (its plan's [timing]), else with the default plan's settings.
+    timing = dict(timing or results.get("timing_settings") or DEFAULT_TIMING) if time_decode else None
+    settings = {
+        "method": method,
+        "tokens": list(tokens),
+        "prompts_per_corpus": prompts_per_corpus,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new_tokens,
+        "timing": timing,
+    }
+    prompts = prompts_from_cache(out, results, prompts_per_corpus, prompt_tokens)
+    digest = parts_digest(SCHEMA, settings, [p["ids"] for p in prompts], results["inputs"]["build"].get("header_digest"))
+    path = out / figures.FILE
+    stages = Stages(quiet=not progress, log_path=out / "mtp.log")
+    busy = f"another splicer command is writing to {out}; wait for it to finish"
+    with exclusive(out / ".lock", busy, in_place=True):
+        record = _resume(path, digest)
+        record.update(
+            schema=SCHEMA,
+            settings=settings,
+            settings_digest=digest,
+            build_row=build,
+            prompts=[{k: p[k] for k in ("corpus", "index")} | {"tokens": len(p["ids"])} for p in prompts],
+            skipped=skipped,
+        )
+        job_settings = (results.get("job") or {}).get("settings") or {}
+        backend = options.make_backends(job_settings.get("device", "auto"), out / "mtp-logs")[0]
+        try:
+            _run_engines(out, results, record, path, backend, prompts, measured, build, stages)
+        finally:
+            backend.close()
+        record["summary"] = figures.summarize(record)
+        atomic_json(path, record)
+        _rerender(out, results)
+    return record
+
+
+def _resume(path: Path, digest: str) -> dict:
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"engines": []}
+    if not isinstance(old, dict) or old.get("settings_digest") != digest:
+        return {"engines": []}  # other prompts or settings: nothing of it compares with a new run
+    return {"engines": [e for e in old.get("engines", []) if e.get("status") == "ok"]}
+
+
+def _options(results: dict):
+    """DIR's backend options as its job recorded them, for speculative engines (None: its backend runs none)."""
+    from ..backends import options_type
+
+    try:
+        kind = options_type(results.get("backend") or "")
+    except SplicerError:
+        return None
+    return kind.from_job((results.get("job") or {}).get("settings") or {}).speculative()
+
+
+def _run_engines(out, results, record, path, backend, prompts, rows, build, stages) -> None:
+    settings = record["settings"]
+    ids = [p["ids"] for p in prompts]
+    done = {(e["row"], e["k"], e.get("repeat", False)) for e in record["engines"]}
+    plan = _engine_plan(rows, build, settings["tokens"])
+    ok = {v["name"]: v for v in results["variants"] if v.get("status") == "ok"}
+    timing = settings["timing"]
+    for n, (row, k, repeat) in enumerate(plan, 1):
+        if (row, k, repeat) in done:
+            continue
+        folder = row_folder(out, results, ok[row])
+        what = f"{row}{' (again)' if repeat else ''}, " + (f"MTP k={k}" if k else "no drafter")
+        entry = {"row": row, "k": k, "repeat": repeat, "folder": str(folder), "status": "running"}
+        t0 = time.perf_counter()
+        try:
+            with stages.stage(f"engine {n} of {len(plan)}: {what}"):
+                extra = {"speculative_config": {"method": settings["method"], "num_speculative_tokens": k}} if k else None
+                backend.load(folder, extra)
+                entry["startup_s"] = round(time.perf_counter() - t0, 2)
+                answers = backend.speculate(ids, settings["new_tokens"], k)
+                plain = next(
+                    (e for e in record["engines"] if e["row"] == row and e["k"] == 0 and e.get("repeat") == repeat), None
+                )
+                per_prompt = []
+                for i, a in enumerate(answers):
+                    rec = {kk: a[kk] for kk in ("drafts", "draft_tokens", "accepted", "accepted_per_pos")}
+                    if plain is not None and "tokens" in plain:
+                        rec["same_as_plain"] = a["tokens"] == plain["tokens"][i]
+                    per_prompt.append(rec)
+                if k == 0:
+                    entry["tokens"] = [a["tokens"] for a in answers]
+                else:
+                    entry["per_prompt"] = per_prompt
+                    entry["drafter_layers"] = backend.drafter_layers()
+                if timing:
+                    entry["timing"] = backend.time_decode(
+                        _timing_prompt_from(prompts, int(timing["prompt_tokens"])),
+                        int(timing["new_tokens"]),
+                        int(timing["warmup"]),
+                        int(timing["runs"]),
+                    )
+            entry["status"] = "ok"
+        except SplicerError as e:
+            entry.update(status="error", error=str(e))
+        except Exception as e:  # one engine's failure (a refused speculative config, OOM) must not end the run
+            entry.update(status="error", error=f"{e.__class__.__name__}: {str(e)[:2000]}")
+        finally:
+            backend.unload()
+        entry["elapsed_s"] = round(time.perf_counter() - t0, 2)
+        record["engines"] = [e for e in record["engines"] if (e["row"], e["k"], e.get("repeat", False)) != (row, k, repeat)]
+        record["engines"].append(entry)
+        record["summary"] = figures.summarize(record)
+        atomic_json(path, record)
+        stages.line(f"{what}: {entry['status']}" + (f" ({entry['error'][:300]})" if entry.get("error") else ""))
+
+
+def _timing_prompt_from(prompts: list[dict], n: int) -> list[int]:
+    """The timing prompt: the first prompt's tokens repeated to n (every engine decodes after the same prompt)."""
+    src = prompts[0]["ids"] if prompts else []
+    return (src * (n // max(len(src), 1) + 1))[:n] if src else []
+
+
+def _rerender(out: Path, results: dict) -> None:
+    """table.md and report.md again, now with the MTP columns and sentences."""
+    from .results import render_outputs
+
+    render_outputs(out, results)

@@ -1,0 +1,201 @@
+"""MTP acceptance (`splicer mtp DIR`): vLLM's spec-decode counters turned into per-prompt drafts, the figures and
+their intervals, and the stage end to end against the stand-in engine (tests/fake_vllm, which is not vLLM: it
+accepts a share of draft tokens chosen by the test, so these tests check splicer's counting and wiring only)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from splicer.analysis import speculative as figures
+from splicer.backends.vllm_outputs import spec_decode_delta
+from splicer.cli import main
+
+DRAFTS, TOKENS, ACC, POS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+)
+
+
+def test_counter_deltas_are_one_requests_drafts():
+    before = {DRAFTS: 10.0, TOKENS: 20.0, ACC: 9.0, POS: [6, 3]}
+    after = {DRAFTS: 14.0, TOKENS: 28.0, ACC: 14.0, POS: [9, 5]}
+    assert spec_decode_delta(before, after, 2) == {"drafts": 4, "draft_tokens": 8, "accepted": 5, "accepted_per_pos": [3, 2]}
+    # the first request of an engine: nothing before it; an engine without a drafter reports no counters at all
+    assert spec_decode_delta({}, {DRAFTS: 3, TOKENS: 3, ACC: 1, POS: [1]}, 1)["accepted_per_pos"] == [1]
+    assert spec_decode_delta({}, {}, 2) == {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0, 0]}
+    with pytest.raises(ValueError, match="went down"):
+        spec_decode_delta(after, before, 2)
+
+
+def _prompt(accepted, drafts, k=2):
+    per = [min(drafts, accepted)] + [max(0, accepted - drafts)] * (k - 1)
+    return {"drafts": drafts, "draft_tokens": k * drafts, "accepted": accepted, "accepted_per_pos": per[:k]}
+
+
+def _record(build_acc, row_acc, k=2, n=10):
+    engines = []
+    for row, accs in (("build", build_acc), ("gdn", row_acc)):
+        engines.append({"row": row, "k": 0, "status": "ok", "tokens": [[1]] * n})
+        engines.append({"row": row, "k": k, "status": "ok", "per_prompt": [_prompt(a, 20, k) for a in accs]})
+    return {
+        "build_row": "build",
+        "prompts": [{"corpus": "a" if i % 2 else "b", "index": i} for i in range(n)],
+        "engines": engines,
+    }
+
+
+def test_rates_are_ratios_of_sums_with_intervals_over_prompts():
+    rec = _record([20, 22, 18, 20, 21, 19, 20, 20, 22, 18], [10, 12, 8, 10, 11, 9, 10, 10, 12, 8])
+    s = figures.summarize(rec, reps=400)
+    build, gdn = s["build"]["2"], s["gdn"]["2"]
+    assert build["acceptance"]["value"] == pytest.approx(200 / 400)
+    lo, hi = build["acceptance"]["ci"]
+    assert lo < 0.5 < hi and hi - lo < 0.1
+    assert build["mean_accepted_length"]["value"] == pytest.approx(1 + 200 / 200)
+    first = sum(min(20, a) for a in [20, 22, 18, 20, 21, 19, 20, 20, 22, 18])
+    assert build["per_position"][0]["value"] == pytest.approx(first / 200)  # drafts whose first token was accepted
+    vs = gdn["vs_build"]
+    assert vs["diff"] == pytest.approx(100 / 400 - 200 / 400) and vs["significant"] is True and vs["ci"][1] < 0
+    same = figures.summarize(_record([20] * 10, [21, 19, 19, 21, 20, 22, 18, 20, 21, 18]), reps=400)["gdn"]["2"]["vs_build"]
+    assert same["ci"][0] < 0 < same["ci"][1] and same["significant"] is False
+
+
+def test_a_drafter_from_missing_or_random_weights_is_flagged_not_tabulated():
+    zero = figures.summarize(_record([20] * 10, [0] * 10))["gdn"]["2"]
+    assert "acceptance" not in zero and "did not draft from trained weights" in zero["flagged"]
+    pinned = figures.summarize(_record([20] * 10, [40] * 10))["gdn"]["2"]
+    assert "pinned at 1" in pinned["flagged"]
+    assert "vs_build" not in figures.summarize(_record([0] * 10, [10] * 10))["gdn"]["2"]  # no build figure to pair with
+
+
+def test_too_few_prompts_give_no_interval():
+    s = figures.summarize(_record([20] * 3, [10] * 3, n=3))
+    assert s["build"]["2"]["acceptance"]["ci"] is None and s["gdn"]["2"]["vs_build"]["ci"] is None
+
+
+@pytest.fixture(scope="module")
+def scored(pairs, tmp_path_factory):
+    """An ablate folder scored with the vLLM backend (stand-in engine): rows build and all, five 32-token sequences."""
+    import importlib
+
+    from splicer.ablate import AblateSettings, run_ablate
+
+    from .test_vllm_backend_protocol import FAKE
+
+    with pytest.MonkeyPatch.context() as mp:
+        _use_fake(mp, FAKE)
+        plan = tmp_path_factory.mktemp("mtp-plan") / "p.toml"
+        plan.write_text(
+            'name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 32\nmax_chunks = 5\n'
+            '[[row]]\nname = "build"\nrestore = []\n[[row]]\nname = "all"\nkeep = []\n'
+        )
+        p = pairs["fused"]
+        out = tmp_path_factory.mktemp("mtp") / "out"
+        settings = AblateSettings(backend="vllm", progress=False, bootstrap=50, time_decode=False)
+        run_ablate("all", str(p["lowlatency"]), str(p["base"]), out, str(plan), settings)
+    import splicer.backends.vllm_backend as vb
+
+    importlib.reload(vb)
+    return out
+
+
+def _use_fake(mp, fake: str) -> None:
+    """The stand-in engine for this block: on the path of this process and of the engine processes it spawns."""
+    import importlib
+    import os
+
+    import splicer.backends.vllm_backend as vb
+
+    mp.syspath_prepend(fake)
+    mp.setenv("PYTHONPATH", os.pathsep.join([fake, str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    importlib.reload(vb)
+    orig = vb.VllmBackend.__init__
+    mp.setattr(vb.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
+
+
+@pytest.fixture
+def vllm_dir(scored, tmp_path, monkeypatch):
+    """A copy of the scored folder for one test, the stand-in engine on the path."""
+    import shutil
+
+    from .test_vllm_backend_protocol import FAKE
+
+    out = tmp_path / "out"
+    shutil.copytree(scored, out, symlinks=True)
+    _use_fake(monkeypatch, FAKE)
+    return out
+
+
+KW = dict(prompts_per_corpus=5, prompt_tokens=16, new_tokens=4, time_decode=False, progress=False)
+
+
+def test_mtp_stage_counts_every_rows_drafts_and_writes_table_and_report(vllm_dir):
+    from splicer.ablate.speculative import run_mtp
+
+    rec = run_mtp(vllm_dir, tokens=(1,), **KW)
+    order = [(e["row"], e["k"], e["repeat"]) for e in rec["engines"]]
+    assert order == [
+        ("build", 0, False),
+        ("build", 1, False),
+        ("all", 0, False),
+        ("all", 1, False),
+        ("build", 0, True),
+        ("build", 1, True),
+    ]
+    assert all(e["status"] == "ok" for e in rec["engines"])
+    build = rec["summary"]["build"]["1"]
+    # 4 tokens per prompt: the first from the prefill, then one draft per target step until all 4 are out
+    prompts = next(e for e in rec["engines"] if e["row"] == "build" and e["k"] == 1)["per_prompt"]
+    assert len(prompts) == 5 and all(p["draft_tokens"] == p["drafts"] and 1 + p["drafts"] + p["accepted"] >= 4 for p in prompts)
+    assert 0.1 < build["acceptance"]["value"] < 0.99 and build["acceptance"]["ci"] is not None
+    assert build["repeat_agrees"] is True and build["greedy_changed_prompts"] == 0
+    assert "vs_build" in rec["summary"]["all"]["1"]
+    table, report = (vllm_dir / "table.md").read_text(), (vllm_dir / "report.md").read_text()
+    assert "MTP acceptance (speculative decoding in vLLM)" in table and "MTP k=1, build: acceptance" in report
+    assert (
+        json.loads((vllm_dir / figures.FILE).read_text())["summary"]["build"]["1"]["acceptance"]["value"]
+        == build["acceptance"]["value"]
+    )
+
+
+def test_mtp_stage_resumes_and_flags_a_broken_drafter(vllm_dir, monkeypatch):
+    from splicer.ablate.speculative import run_mtp
+
+    monkeypatch.setenv("FAKE_VLLM_MTP_ACCEPT", "0")
+    first = run_mtp(vllm_dir, rows=["build"], tokens=(1,), **KW)
+    assert "did not draft from trained weights" in first["summary"]["build"]["1"]["flagged"]
+    assert "flagged: acceptance 0.0 %" in (vllm_dir / "table.md").read_text()
+    logs = sorted((vllm_dir / "mtp-logs").glob("*.log"))
+    again = run_mtp(vllm_dir, rows=["build"], tokens=(1,), **KW)  # same settings: every engine kept, none started
+    assert sorted((vllm_dir / "mtp-logs").glob("*.log")) == logs and again["engines"] == first["engines"]
+
+
+def test_mtp_refuses_a_folder_of_the_torch_backend_in_one_line(vllm_dir, capsys):
+    results = json.loads((vllm_dir / "results.json").read_text())
+    (vllm_dir / "results.json").write_text(json.dumps(dict(results, backend="torch")))
+    assert main(["mtp", str(vllm_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "torch backend" in err and "--backend vllm" in err
+    assert not (vllm_dir / figures.FILE).exists()
+    (vllm_dir / "results.json").write_text(json.dumps(results))
+    for argv, says in (
+        (["--tokens", "0"], "distinct draft-token counts"),
+        (["--tokens", "1,x"], "whole numbers"),
+        (["--rows", "nope"], "no finished row of that name"),
+    ):
+        assert main(["mtp", str(vllm_dir), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and says in err, err
+    assert not (vllm_dir / figures.FILE).exists()
+
+
+def test_rows_without_a_drafter_are_skipped_with_the_reason(tmp_path):
+    from splicer.ablate.speculative import _engine_plan
+
+    assert _engine_plan(["build", "gdn"], "build", [1, 2])[-3:] == [("build", 0, True), ("build", 1, True), ("build", 2, True)]
+    assert Path  # the no-MTP case runs on the GPU (seed checks); here the plan's order is what is checked
