@@ -177,6 +177,13 @@ def _cmd_ablate(args) -> int:
             raise SplicerError(f"--corpus {item!r} should be NAME=FILE (a .txt or .jsonl file)")
         overrides[name] = path
     options = backend_options(args.backend, _backend_options(args), args.device)  # before --demo writes its pair into DIR
+    task_names = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    if task_names:  # an unknown task or a missing lm-eval is refused before anything runs
+        from .tasks.run import check_tasks
+
+        check_tasks(task_names, args.include_path)
+    elif args.include_path:
+        raise SplicerError("--include-path names a folder of task YAMLs for --tasks; add --tasks NAMES")
     from .io.outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
 
     device, own_inputs = args.device, ()
@@ -234,13 +241,25 @@ def _cmd_ablate(args) -> int:
         f"\nwrote {args.out / 'results.json'}, {args.out / 'table.md'} and {args.out / 'report.md'} in {results.get('elapsed_s', 0):.0f} s"
     )
     failed = [v["name"] for v in results["variants"] if v.get("status") != "ok"]
-    if failed:  # the finished rows are written; the run is not a success, and says so last
-        sys.stdout.flush()
-        print(
-            f"splicer: error: {len(failed)} of {len(results['variants'])} rows failed: {', '.join(failed)}; see each "
-            f"row's error in {args.out / 'table.md'} (and results.json); rerun the same command to retry them",
-            file=sys.stderr,
+    task_failed = []
+    if task_names:  # lm-eval on every finished row, once the rows are scored: DIR/tasks.json (splicer tasks DIR)
+        from .tasks.run import run_tasks
+
+        record = run_tasks(
+            args.out, task_names, include_path=args.include_path, limit=args.task_limit, device=device, progress=not args.quiet
         )
+        task_failed = [r for r, e in record["rows"].items() if e.get("status") != "ok"]
+        print(f"wrote {args.out / 'tasks.json'}: {', '.join(task_names)} on {len(record['rows'])} rows")
+    if failed or task_failed:  # the finished rows are written; the run is not a success, and says so last
+        sys.stdout.flush()
+        if failed:
+            print(
+                f"splicer: error: {len(failed)} of {len(results['variants'])} rows failed: {', '.join(failed)}; see each "
+                f"row's error in {args.out / 'table.md'} (and results.json); rerun the same command to retry them",
+                file=sys.stderr,
+            )
+        if task_failed:
+            print(f"splicer: error: tasks failed on {', '.join(task_failed)}; see {args.out / 'tasks.json'}", file=sys.stderr)
         return 1
     return 0
 
@@ -371,6 +390,36 @@ def _cmd_mtp(args) -> int:
     return 0
 
 
+def _cmd_tasks(args) -> int:
+    from tabulate import tabulate
+
+    from .analysis import task_scores
+    from .io import results_record
+    from .tasks.run import run_tasks
+
+    record = run_tasks(
+        args.dir,
+        args.tasks.split(","),
+        include_path=args.include_path,
+        rows=[r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else None,
+        limit=args.limit,
+        device=args.device,
+        batch_size=args.batch_size,
+        progress=not args.quiet,
+    )
+    spec = task_scores.load(args.dir)
+    order = [v["name"] for v in results_record.load(args.dir).get("variants", [])]
+    print(tabulate(task_scores.table_rows(spec, order), headers=task_scores.HEADERS, tablefmt="github", disable_numparse=True))
+    print(f"\nwrote {args.dir / task_scores.FILE}; table.md and report.md of {args.dir} now hold task accuracy")
+    failed = [r for r, e in record["rows"].items() if e.get("status") != "ok"]
+    if failed:
+        print(
+            f"splicer: error: {len(failed)} rows failed: {', '.join(failed)}; see DIR/tasks.json, then run again", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
 def _int_list(text: str, flag: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -424,6 +473,13 @@ def _share(text: str) -> float:
 
 def _run_options(s) -> None:
     """Options `ablate` and `score` share: plan, backend, engine and timing settings."""
+    s.add_argument(
+        "--tasks",
+        help="after the rows, lm-evaluation-harness tasks on every finished row (splicer tasks DIR: accuracy, s.e., "
+        "paired vs build), e.g. mmlu,gsm8k with network, or your own with --include-path",
+    )
+    s.add_argument("--include-path", type=Path, help="--tasks: a folder of task YAMLs (python -m splicer.tasks.cloze)")
+    s.add_argument("--task-limit", type=_count(1), help="--tasks: only the first N items of each task")
     s.add_argument("--plan", help="plan name from ablations/ or a .toml path (default where-error-comes-from; demo with --demo)")
     s.add_argument(
         "--add-requantized",
@@ -684,6 +740,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-time", action="store_true", help="count acceptance only; no decode timing")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=_cmd_mtp)
+
+    s = sub.add_parser(
+        "tasks",
+        help="task accuracy per variant of a results folder through lm-evaluation-harness (accuracy, s.e., paired vs build)",
+        description="Run lm-evaluation-harness tasks on every finished row of DIR (or --rows): accuracy with its standard "
+        "error per task and the paired difference from the build on the same items; DIR/tasks.json, and a section of "
+        "DIR/table.md and DIR/report.md. The model is the torch backend's (transformers' model of the family with the "
+        "row's weights) on --device. Offline, a task of your own: python -m splicer.tasks.cloze TEXT... -o FOLDER, "
+        "then --tasks cloze --include-path FOLDER; with network, lm-eval's own tasks (--tasks mmlu,gsm8k).",
+    )
+    s.add_argument("dir", metavar="DIR", type=Path, help="a results folder splicer ablate or score wrote")
+    s.add_argument("--tasks", required=True, help="comma list of lm-eval task names")
+    s.add_argument("--include-path", type=Path, help="a folder of task YAMLs of your own (lm-eval's --include_path)")
+    s.add_argument("--rows", help="comma list of DIR's rows (default: every finished row but repeats)")
+    s.add_argument("--limit", type=_count(1), help="only the first N items of each task")
+    s.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when there is one)")
+    s.add_argument("--batch-size", type=_count(1, 4096), default=8)
+    s.add_argument("-q", "--quiet", action="store_true")
+    s.set_defaults(func=_cmd_tasks)
 
     s = sub.add_parser(
         "cluster-scores",

@@ -134,3 +134,16 @@ def parts_digest(*parts) -> str:
 
 def pick_batch_size(settings: AblateSettings, backend) -> int:
     return settings.batch_size or backend.default_batch
+
+
+def row_folder(out: Path, results: dict, v: dict) -> Path:
+    """The folder a finished row ran on: the base, the build, a checkpoint, or its splice under DIR/variants/."""
+    inputs = results.get("inputs") or {}
+    restored = v.get("restored")
+    if restored == "base":
+        return Path(inputs["base"]["source"])
+    if restored == "checkpoint":
+        return Path(v["checkpoint"]["source"])
+    if restored == []:
+        return Path(inputs["build"]["source"])
+    return Path(out) / "variants" / (v.get("repeat_of") or v["name"])

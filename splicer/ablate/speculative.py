@@ -19,23 +19,10 @@ from ..errors import SplicerError
 from ..io import results_record
 from ..io.outputs import exclusive
 from ..io.progress import Stages
-from .common import atomic_json, parts_digest
+from .common import atomic_json, parts_digest, row_folder
 
 SCHEMA = 1
 DEFAULT_TIMING = {"prompt_tokens": 1024, "new_tokens": 32, "warmup": 3, "runs": 5}
-
-
-def row_folder(out: Path, results: dict, v: dict) -> Path:
-    """The folder a finished row ran on: the base, the build, a checkpoint, or its splice under DIR/variants/."""
-    inputs = results.get("inputs") or {}
-    restored = v.get("restored")
-    if restored == "base":
-        return Path(inputs["base"]["source"])
-    if restored == "checkpoint":
-        return Path(v["checkpoint"]["source"])
-    if restored == []:
-        return Path(inputs["build"]["source"])
-    return Path(out) / "variants" / (v.get("repeat_of") or v["name"])
 
 
 def _has_drafter(folder: Path) -> bool:

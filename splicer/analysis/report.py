@@ -175,10 +175,13 @@ def findings(results: dict) -> list[str]:
 
 def render_report(results: dict, out: Path | None = None) -> str:
     """The report.md of a results folder; with out, the MTP acceptance sentences of out/speculative.json too."""
-    from . import speculative
+    from . import speculative, task_scores
     from .table import caption
 
     lines = findings(results)
+    tasks = task_scores.load(out) if out is not None else None
+    if tasks:
+        lines += task_scores.sentences(tasks)
     spec = speculative.load(out) if out is not None else None
     if spec:
         lines += speculative.sentences(spec)

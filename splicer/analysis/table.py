@@ -66,7 +66,7 @@ from pathlib import Path
 from ..backends import results_wording
 from ..errors import SplicerError
 from ..io import results_record
-from . import speculative
+from . import speculative, task_scores
 from .metrics import TOO_FEW_NOTE, excludes_zero
 
 
@@ -588,6 +588,14 @@ def render_markdown(results: dict, out: Path | None = None) -> str:
         text += "\n\nSplice against re-quantize:\n\n"
         text += tabulate(pairs[1], headers=pairs[0], tablefmt="github", disable_numparse=True)
         text += f"\n\n- {SPLICE_VS_REQUANTIZED_NOTE}"
+    tasks = task_scores.load(out) if out is not None else None
+    if tasks:
+        order = [v["name"] for v in results.get("variants", [])]
+        text += "\n\nTask accuracy (lm-evaluation-harness):\n\n"
+        text += tabulate(
+            task_scores.table_rows(tasks, order), headers=task_scores.HEADERS, tablefmt="github", disable_numparse=True
+        )
+        text += f"\n\n- {task_scores.note(tasks)}"
     spec = speculative.load(out) if out is not None else None
     if spec:
         order = [v["name"] for v in results.get("variants", [])]

@@ -136,6 +136,15 @@ class TorchBackend:
         self.model = model
         self.folder = Path(folder)
 
+    def lm_eval_model(self, tokenizer_folder: Path, batch_size: int = 8):
+        """The loaded model as lm-evaluation-harness's HF model (its own log-likelihood and generation code over this
+        very model instance), with the base's tokenizer."""
+        from lm_eval.models.huggingface import HFLM
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tokenizer_folder))
+        return HFLM(pretrained=self._need(), tokenizer=tok, batch_size=batch_size, device=str(self.device))
+
     @classmethod
     def check_readable(cls, ckpt, modules: dict | None = None) -> None:
         """Refuse, in one line, a checkpoint whose format this backend cannot dequantize (before a run starts).

@@ -1,0 +1,132 @@
+"""Multiple-choice cloze items cut from text, as an lm-evaluation-harness task that runs offline.
+
+    python -m splicer.tasks.cloze TEXT... -o FOLDER [--name NAME] [--items N] [--context-words W] [--seed S]
+
+Each item is a passage of W words from one of the texts, ending where a word of four letters or more follows; the
+choices are that word and three others of the same texts, of about its length and not the word itself. FOLDER gets
+NAME.jsonl (context, choices, label, source) and NAME.yaml, the task as lm-eval reads it (`--include-path FOLDER`):
+multiple choice scored by log-likelihood, accuracy and length-normalised accuracy. Items are spaced over each text
+so that no two passages overlap, and the same inputs and seed give the same items.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+from ..errors import SplicerError, exit_code
+
+WORD = re.compile(r"[A-Za-z][A-Za-z'-]*[A-Za-z]|[A-Za-z]")
+ANSWER = re.compile(r"[a-z]{4,}")  # lower-case whole words: not names, numbers or code
+
+YAML = """\
+# Written by python -m splicer.tasks.cloze: {items} multiple-choice cloze items cut from {sources}.
+task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: choices
+doc_to_target: label
+target_delimiter: " "
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def items_from_texts(texts: dict[str, str], n: int, context_words: int = 48, seed: int = 0) -> list[dict]:
+    """Up to n items, shared out over the texts (source name -> text) in turn."""
+    rng = random.Random(seed)
+    per_source = {}
+    vocab: dict[int, list[str]] = {}
+    for name, text in texts.items():
+        spans = [(m.start(), m.group(0)) for m in WORD.finditer(text)]
+        per_source[name] = (text, spans)
+        for _, w in spans:
+            if ANSWER.fullmatch(w):
+                vocab.setdefault(len(w), []).append(w)
+    vocab = {k: sorted(set(v)) for k, v in vocab.items()}
+    out: list[dict] = []
+    for name, (text, spans) in per_source.items():
+        want = n // len(texts) + (1 if len(out) < n % len(texts) else 0)
+        i, made = context_words, 0
+        step = max(context_words + 1, (len(spans) - context_words) // max(want, 1))
+        while i < len(spans) and made < want:
+            start, word = spans[i]
+            if ANSWER.fullmatch(word):
+                pool = [w for k in range(len(word) - 1, len(word) + 2) for w in vocab.get(k, []) if w != word]
+                if len(set(pool)) >= 3:
+                    others = rng.sample(sorted(set(pool)), 3)
+                    choices = [word, *others]
+                    rng.shuffle(choices)
+                    context = text[spans[i - context_words][0] : start].rstrip()
+                    context = " ".join(context.split())  # one line, as lm-eval joins context and choice with a space
+                    out.append({"context": context, "choices": choices, "label": choices.index(word), "source": name})
+                    made += 1
+                    i += step
+                    continue
+            i += 1
+    return out
+
+
+def write_task(folder: Path, name: str, items: list[dict], sources: list[str]) -> tuple[Path, Path]:
+    """FOLDER/NAME.jsonl and FOLDER/NAME.yaml (the data file named by its absolute path, which lm-eval needs)."""
+    from ..io.outputs import write_file
+
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+        raise SplicerError(f"--name {name!r}: a task name is letters, digits, '.', '_' and '-'")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    data, yaml = folder / f"{name}.jsonl", folder / f"{name}.yaml"
+    text = "".join(json.dumps(it, ensure_ascii=False) + "\n" for it in items)
+    write_file(data, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    body = YAML.format(name=name, data=json.dumps(str(data.resolve())), items=len(items), sources=", ".join(sources))
+    write_file(yaml, lambda tmp: tmp.write_text(body, encoding="utf-8"))
+    return data, yaml
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m splicer.tasks.cloze", description=__doc__.split("\n\n")[0])
+    p.add_argument("texts", nargs="+", metavar="TEXT", type=Path, help="text files (UTF-8); each one's stem names its items")
+    p.add_argument("-o", "--out", required=True, type=Path, help="folder for NAME.jsonl and NAME.yaml")
+    p.add_argument("--name", default="cloze", help="the task's name (default cloze)")
+    p.add_argument("--items", type=int, default=200, help="items in all (default 200)")
+    p.add_argument("--context-words", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    def run() -> int:
+        texts = {}
+        for t in args.texts:
+            try:
+                texts[t.stem] = t.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise SplicerError(f"cannot read {t} ({e.__class__.__name__}); give UTF-8 text files") from None
+        if args.items < 1 or args.context_words < 1:
+            raise SplicerError("--items and --context-words must be 1 or more")
+        items = items_from_texts(texts, args.items, args.context_words, args.seed)
+        if not items:
+            raise SplicerError("no cloze item could be cut from these texts (too short, or no words of four letters)")
+        data, yaml = write_task(args.out, args.name, items, [t.name for t in args.texts])
+        print(f"wrote {yaml} and {data}: {len(items)} items; run them with --tasks {args.name} --include-path {args.out}")
+        return 0
+
+    return exit_code(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Task accuracy (`splicer tasks DIR --tasks NAMES`, DIR/tasks.json): every finished row of a results folder run
+through lm-evaluation-harness's own task code, accuracy with its standard error per task, and the paired difference
+from the build on the same items. Reads DIR/results.json (the rows and the folders they ran on, as the MTP stage
+does); writes DIR/tasks.json after every row (a rerun with the same tasks keeps finished rows) and rewrites table.md
+and report.md with a task section.
+
+The model lm-eval scores is the torch backend's: transformers' own model of the family, filled with the row's
+weights (quantized modules dequantized as compressed-tensors reads them), on --device. Through vLLM (lm-eval's VLLM
+model with DIR's engine arguments) is not built yet: a folder scored with vLLM gets the same torch model here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from ..ablate.common import atomic_json, row_folder
+from ..analysis.task_scores import FILE, summarize
+from ..errors import SplicerError
+from ..io import results_record
+from ..io.outputs import exclusive
+from ..io.progress import Stages
+
+SCHEMA = 1
+METRICS = ("acc", "acc_norm", "exact_match")  # lm-eval's names of the accuracy metrics kept per task
+
+
+def _task_files_digest(include_path: Path | None) -> str:
+    """The task definitions a run read: a changed YAML or data file is another run."""
+    h = hashlib.sha256()
+    if include_path is not None:
+        for p in sorted(Path(include_path).rglob("*")):
+            if p.is_file() and p.suffix in (".yaml", ".yml", ".jsonl", ".json", ".txt", ".csv"):
+                h.update(p.name.encode())
+                h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def check_tasks(names: list[str], include_path: Path | None):
+    """lm-eval's task registry, with DIR's own folder of YAMLs; an unknown name is one line listing what is close."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise SplicerError("task accuracy needs lm-evaluation-harness: pip install 'splicer[tasks]'") from None
+    if include_path is not None and not Path(include_path).is_dir():
+        raise SplicerError(f"--include-path {include_path}: not a folder; give the folder that holds the task YAMLs")
+    if include_path is not None:
+        # lm-eval's own registry is thousands of YAMLs, indexed in seconds: leave it out when the folder has every task
+        own = TaskManager(include_path=str(include_path), include_defaults=False)
+        if all(n in set(own.all_tasks) for n in names):
+            return own
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    known = set(manager.all_tasks)
+    for n in names:
+        if n not in known:
+            import difflib
+
+            close = difflib.get_close_matches(n, sorted(known), n=3)
+            hint = f"; close: {', '.join(close)}" if close else ""
+            where = f" or in {include_path}" if include_path else " (a task of your own: --include-path FOLDER)"
+            raise SplicerError(f"--tasks {n}: lm-eval knows no such task{where}{hint}")
+    return manager
+
+
+def _per_task(result: dict, names: list[str]) -> dict:
+    """lm-eval's results and samples -> {task: {metric: value, metric_stderr: se, n, items: {doc_id: {metric: 0/1}}}}."""
+    out = {}
+    for task in names:
+        res = (result.get("results") or {}).get(task) or {}
+        rec = {"n": int((result.get("n-samples") or {}).get(task, {}).get("effective") or 0)}
+        for m in METRICS:
+            if f"{m},none" in res:
+                rec[m] = res[f"{m},none"]
+                se = res.get(f"{m}_stderr,none")
+                rec[f"{m}_stderr"] = se if isinstance(se, (int, float)) else None
+        items = {}
+        for s in (result.get("samples") or {}).get(task, []):
+            items[str(s["doc_id"])] = {m: float(s[m]) for m in METRICS if m in s}
+        rec["items"] = items
+        rec["n"] = rec["n"] or len(items)
+        out[task] = rec
+    return out
+
+
+def run_tasks(
+    out: Path,
+    tasks: list[str],
+    *,
+    include_path: Path | None = None,
+    rows: list[str] | None = None,
+    limit: int | None = None,
+    device: str = "auto",
+    batch_size: int = 8,
+    progress: bool = True,
+) -> dict:
+    """Run lm-eval's tasks on rows of DIR (default: every finished row but repeats) and write DIR/tasks.json."""
+    out = Path(out)
+    results = results_record.load(out)
+    tasks = list(dict.fromkeys(t.strip() for t in tasks if t.strip()))
+    if not tasks:
+        raise SplicerError("--tasks: name one task or more, e.g. --tasks cloze --include-path FOLDER, or mmlu,gsm8k")
+    if limit is not None and limit < 1:
+        raise SplicerError(f"--limit {limit}: give the number of items per task to run (1 or more)")
+    manager = check_tasks(tasks, include_path)
+    ok = {v["name"]: v for v in results.get("variants", []) if v.get("status") == "ok"}
+    if rows is None:
+        rows = [n for n, v in ok.items() if not v.get("repeat_of")]
+    unknown = [r for r in rows if r not in ok]
+    if unknown:
+        raise SplicerError(f"--rows {unknown[0]}: {out} has no finished row of that name; finished: {', '.join(ok)}")
+    import os
+
+    import lm_eval
+
+    if not progress:  # lm-eval draws its own progress bars (tqdm) for every request batch
+        os.environ.setdefault("TQDM_DISABLE", "1")
+    settings = {
+        "tasks": tasks,
+        "limit": limit,
+        "task_files": _task_files_digest(include_path),
+        "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
+        "model": "torch backend (transformers' model of the family) through lm-eval's HFLM",
+    }
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    path = out / FILE
+    stages = Stages(quiet=not progress, log_path=out / "tasks.log")
+    with exclusive(out / ".lock", f"another splicer command is writing to {out}; wait for it to finish", in_place=True):
+        record = _resume(path, digest)
+        record.update(schema=SCHEMA, settings=settings, settings_digest=digest)
+        from ..backends import options_type
+
+        backend = options_type("torch")().make_backends(device, out / "task-logs")[0]
+        base = Path(results["inputs"]["base"]["source"])
+        build = next((n for n, v in ok.items() if v.get("restored") == [] and not v.get("repeat_of")), None)
+        record["build_row"] = build
+        try:
+            for n, row in enumerate(rows, 1):
+                if row in record["rows"] and record["rows"][row].get("status") == "ok":
+                    continue
+                entry = {"status": "running"}
+                t0 = time.perf_counter()
+                try:
+                    with stages.stage(f"tasks {n} of {len(rows)}: {row}"):
+                        backend.load(row_folder(out, results, ok[row]))
+                        lm = backend.lm_eval_model(base, batch_size)
+                        res = lm_eval.simple_evaluate(
+                            model=lm, tasks=tasks, task_manager=manager, log_samples=True, limit=limit, verbosity="ERROR"
+                        )
+                        entry.update(status="ok", tasks=_per_task(res, tasks))
+                except SplicerError as e:
+                    entry.update(status="error", error=str(e))
+                except Exception as e:  # one row's failure must not end the run
+                    entry.update(status="error", error=f"{e.__class__.__name__}: {str(e)[:2000]}")
+                finally:
+                    backend.unload()
+                entry["elapsed_s"] = round(time.perf_counter() - t0, 2)
+                record["rows"][row] = entry
+                record["summary"] = summarize(record)
+                _write(path, record)
+        finally:
+            backend.close()
+        record["summary"] = summarize(record)
+        _write(path, record)
+        from ..ablate.results import render_outputs
+
+        render_outputs(out, results)
+    return record
+
+
+def _write(path: Path, record: dict) -> None:
+    atomic_json(path, record)
+
+
+def _resume(path: Path, digest: str) -> dict:
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"rows": {}}
+    if not isinstance(old, dict) or old.get("settings_digest") != digest:
+        return {"rows": {}}
+    return {"rows": {k: v for k, v in (old.get("rows") or {}).items() if v.get("status") == "ok"}}
