@@ -6,6 +6,7 @@
 #   trained_call.sh install-vllm    join the bundle parts staged so far, install vLLM's bundle, and tell the waiting
 #                                   pipeline (which needs it from the builds' post-processing on)
 #   trained_call.sh wait SECONDS    watch the pipeline until it ends or SECONDS pass, then bring back what is finished
+#   trained_call.sh weights A B     bring back parts A..B of the seed-0 base and GPTQ build (for splicer tasks here)
 # What comes back under $OUT: trained.tgz (results.json, tables, logs, train reports, builds.json, the run record) and
 # one scores archive per results folder (per-position scores, for recomputing intervals here).
 set -uo pipefail
@@ -70,5 +71,15 @@ case "$verb" in
       touch "$VLLM_READY"
     fi ;;
   wait) watch "${1:-540}" ;;
-  *) echo "usage: trained_call.sh stage PATH... | start SECONDS | install-vllm | wait SECONDS"; exit 2 ;;
+  weights)
+    # The seed-0 base and its GPTQ build, for what runs here on the CPU afterwards (splicer tasks): one tar in parts of
+    # 15 MiB (a call brings back at most 8 files of 16 MiB); `weights FIRST LAST` brings back parts FIRST..LAST.
+    if [ ! -f /tmp/weights/done ]; then
+      mkdir -p /tmp/weights && tar -C "$W" -cf - seed0/base seed0/gptq-w4a16-g128 | split -b 15m -d -a 2 - /tmp/weights/weights.tar.part
+      ( cd /tmp/weights && sha256sum weights.tar.part* > SHA256SUMS ) && touch /tmp/weights/done
+    fi
+    cp /tmp/weights/SHA256SUMS "$OUT/weights-SHA256SUMS"
+    for i in $(seq -f %02g "${1:-0}" "${2:-6}"); do [ -f /tmp/weights/weights.tar.part$i ] && cp /tmp/weights/weights.tar.part$i "$OUT/"; done
+    ls -la "$OUT" ;;
+  *) echo "usage: trained_call.sh stage PATH... | start SECONDS | install-vllm | wait SECONDS | weights FIRST LAST"; exit 2 ;;
 esac
