@@ -28,6 +28,7 @@ ORDER = (
     "analysis",
     "ablate",
     "budget",
+    "tasks",
     "fixtures",
     "trained",
     "readme_blocks",
