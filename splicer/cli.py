@@ -360,7 +360,7 @@ def _cmd_mtp(args) -> int:
 
     tokens = _int_list(args.tokens, "--tokens")
     rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else None
-    run_mtp(
+    record = run_mtp(
         args.dir,
         rows=rows,
         tokens=tuple(tokens),
@@ -378,16 +378,28 @@ def _cmd_mtp(args) -> int:
     order = [v["name"] for v in results_record.load(args.dir).get("variants", [])]
     print(tabulate(speculative.table_rows(spec, order), headers=speculative.HEADERS, tablefmt="github", disable_numparse=True))
     print(f"\nwrote {args.dir / speculative.FILE}; table.md and report.md of {args.dir} now hold MTP acceptance")
-    failed = [e for e in spec["record"]["engines"] if e.get("status") != "ok"]
+    sys.stdout.flush()
+    for x in record.get("skipped") or []:
+        print(f"splicer: {x['row']} not measured: {x['reason']}", file=sys.stderr)
+    failed = [e for e in record["engines"] if e.get("status") != "ok"]
+    asked = [x["row"] for x in record.get("skipped") or [] if rows and x["row"] in rows]
+    flagged = [k for k, fig in spec["summary"].get(record["build_row"], {}).items() if fig.get("flagged")]
     if failed:
         print(
-            f"splicer: error: {len(failed)} engines failed: "
-            + ", ".join(f"{e['row']} k={e['k']} ({e.get('error', '')[:120]})" for e in failed)
-            + "; see DIR/mtp-logs, then run the same command again",
+            f"splicer: error: {len(failed)} engines failed ("
+            + "; ".join(f"{e['row']} k={e['k']}: {e.get('error', '')}" for e in failed)
+            + f"); see {args.dir / 'mtp-logs'}, then run the same command again",
             file=sys.stderr,
         )
-        return 1
-    return 0
+    if asked:
+        print(f"splicer: error: --rows {', '.join(asked)} could not be measured (the reasons above)", file=sys.stderr)
+    if flagged:
+        print(
+            f"splicer: error: the build's drafter is flagged at k={', '.join(flagged)} ({args.dir / 'table.md'}): "
+            "its acceptance is no result, and no row is compared with it",
+            file=sys.stderr,
+        )
+    return 1 if failed or asked or flagged else 0
 
 
 def _cmd_tasks(args) -> int:
@@ -422,9 +434,12 @@ def _cmd_tasks(args) -> int:
 
 def _int_list(text: str, flag: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SplicerError(f"{flag} {text}: give whole numbers separated by commas, e.g. 1,2") from None
+        values = []
+    if not values:
+        raise SplicerError(f"{flag} {text!r}: give whole numbers separated by commas, e.g. 1,2")
+    return values
 
 
 def _cmd_compare(args) -> int:

@@ -73,6 +73,52 @@ def test_a_drafter_from_missing_or_random_weights_is_flagged_not_tabulated():
     assert "vs_build" not in figures.summarize(_record([0] * 10, [10] * 10))["gdn"]["2"]  # no build figure to pair with
 
 
+def test_every_corpus_needs_five_prompts_and_intervals_stay_in_range():
+    # ten prompts, but one corpus holds a single one: no interval (a stratum of one never varies when resampled)
+    strata = ["a"] * 9 + ["b"]
+    r = figures.ratio([5, 6, 4, 5, 7, 3, 5, 6, 4, 5], [10] * 10, strata)
+    assert r["ci"] is None and "corpus b" in r["why"]
+    high = figures.ratio([10, 10, 10, 9, 10, 6], [10] * 6, ["a"] * 6)
+    assert high["ci"][1] <= 1.0 and high["ci"][0] < high["value"]
+    d = figures.paired_ratio_difference(([10] * 6, [10] * 6), ([0, 1, 0, 2, 0, 9], [10] * 6), ["a"] * 6)
+    assert -1.0 <= d["ci"][0] and d["ci"][1] <= 1.0
+
+
+def test_chat_prompts_of_one_group_are_one_unit():
+    prompts = [{"corpus": "chat", "index": i, "group": i % 5} for i in range(10)]
+    strata, cluster = figures._clusters(prompts)
+    assert cluster == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
+    # the same totals counted as 10 independent prompts give a narrower interval than as 5 groups of 2
+    num, den = [3, 7, 2, 8, 5, 3, 7, 2, 8, 5], [10] * 10
+    grouped = figures.ratio(num, den, strata, cluster=cluster)
+    single = figures.ratio(num, den, strata)
+    assert grouped["value"] == single["value"]
+    assert grouped["ci"][1] - grouped["ci"][0] > single["ci"][1] - single["ci"][0]
+
+
+def test_too_few_draft_tokens_are_not_judged():
+    assert figures.flag([_prompt(0, 5, 1)] * 5) is None  # 25 draft tokens: no verdict on the drafter
+    assert "did not draft" in figures.flag([_prompt(0, 50, 1)] * 5)
+
+
+def test_decode_against_plain_counts_each_engine_once():
+    def engine(row, k, ms, repeat=False):
+        e = {"row": row, "k": k, "status": "ok", "repeat": repeat, "timing": {"decode_ms_per_token": ms, "per_run_ms": [ms] * 3}}
+        if k:
+            e["per_prompt"] = [_prompt(10, 20, k)] * 10
+        return e
+
+    rec = {
+        "build_row": "build",
+        "prompts": [{"corpus": "a", "index": i} for i in range(10)],
+        "engines": [engine("build", 0, 2.0), engine("build", 1, 3.0), engine("gdn", 0, 2.1), engine("gdn", 1, 3.1)]
+        + [engine("build", 0, 2.02, True), engine("build", 1, 3.03, True)],
+    }
+    s = figures.summarize(rec, reps=200)
+    # the build's own two pairs are the variant and reference; only the other rows' repeats could add to the spread
+    assert s["build"]["1"]["decode_vs_plain"]["df"] == 2 and s["gdn"]["1"]["decode_vs_plain"]["df"] == 2
+
+
 def test_too_few_prompts_give_no_interval():
     s = figures.summarize(_record([20] * 3, [10] * 3, n=3))
     assert s["build"]["2"]["acceptance"]["ci"] is None and s["gdn"]["2"]["vs_build"]["ci"] is None
@@ -167,6 +213,7 @@ def test_mtp_stage_resumes_and_flags_a_broken_drafter(vllm_dir, monkeypatch):
     from splicer.ablate.speculative import run_mtp
 
     monkeypatch.setenv("FAKE_VLLM_MTP_ACCEPT", "0")
+    monkeypatch.setattr(figures, "FLAG_MIN_TOKENS", 10)  # the short prompts here draft about 15 tokens per engine
     first = run_mtp(vllm_dir, rows=["build"], tokens=(1,), **KW)
     assert "did not draft from trained weights" in first["summary"]["build"]["1"]["flagged"]
     assert "flagged: acceptance 0.0 %" in (vllm_dir / "table.md").read_text()
@@ -187,6 +234,7 @@ def test_mtp_refuses_a_folder_of_the_torch_backend_in_one_line(vllm_dir, capsys)
         (["--tokens", "0"], "distinct draft-token counts"),
         (["--tokens", "1,x"], "whole numbers"),
         (["--rows", "nope"], "no finished row of that name"),
+        (["--tokens", ","], "give whole numbers"),
     ):
         assert main(["mtp", str(vllm_dir), *argv]) == 2
         err = capsys.readouterr().err.strip()

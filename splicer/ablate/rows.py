@@ -23,7 +23,7 @@ from .results import finish_results, new_results
 from .scores import score_variant
 
 
-def _timing_prompt(corpora: list[Corpus], n: int) -> list[int]:
+def timing_prompt_of(corpora: list[Corpus], n: int) -> list[int]:
     """A fixed prompt of n tokens: the first chat prompt (persona + history), repeated as needed."""
     src = next((c.sequences[0][: c.prompt_lens[0]] for c in corpora if c.prompt_lens), corpora[0].sequences[0])
     return (src * (n // max(len(src), 1) + 1))[:n]
@@ -263,7 +263,7 @@ def run_row(
                 t0 = time.perf_counter()
                 with run.stages.stage(f"{row.name}: timing"):
                     entry["timing"] = backend.time_decode(
-                        _timing_prompt(corpora, int(plan.timing["prompt_tokens"])),
+                        timing_prompt_of(corpora, int(plan.timing["prompt_tokens"])),
                         int(plan.timing["new_tokens"]),
                         int(plan.timing["warmup"]),
                         int(plan.timing["runs"]),

@@ -20,6 +20,7 @@ from ..io import results_record
 from ..io.outputs import exclusive
 from ..io.progress import Stages
 from .common import atomic_json, parts_digest, row_folder
+from .rows import timing_prompt_of
 
 SCHEMA = 1
 DEFAULT_TIMING = {"prompt_tokens": 1024, "new_tokens": 32, "warmup": 3, "runs": 5}
@@ -33,9 +34,9 @@ def _has_drafter(folder: Path) -> bool:
     return any(m.cls == DRAFTER_CLASS for m in list_modules(open_checkpoint(folder, "variant")).values())
 
 
-def prompts_from_cache(out: Path, results: dict, per_corpus: int, prompt_tokens: int) -> list[dict]:
+def prompts_from_cache(out: Path, results: dict, per_corpus: int, prompt_tokens: int) -> tuple[list[dict], list]:
     """The first per_corpus sequences of each corpus DIR scored (its base-pass cache), cut to prompt_tokens (a chat
-    sequence to its prompt): [{"corpus", "index", "ids"}]."""
+    sequence to its prompt): [{"corpus", "index", "group" (chat), "ids"}], and the corpora themselves."""
     from ..corpora.core import Corpus
 
     wanted = {n: c.get("sequences") for n, c in (results.get("corpora") or {}).items()}
@@ -50,8 +51,11 @@ def prompts_from_cache(out: Path, results: dict, per_corpus: int, prompt_tokens:
         for c in corpora:
             for i, seq in enumerate(c.sequences[:per_corpus]):
                 cut = c.prompt_lens[i] if c.prompt_lens else len(seq)
-                prompts.append({"corpus": c.name, "index": i, "ids": list(seq[: min(cut, prompt_tokens)])})
-        return prompts
+                p = {"corpus": c.name, "index": i, "ids": list(seq[: min(cut, prompt_tokens)])}
+                if c.groups is not None:  # conversations that share a prompt are one unit of the intervals
+                    p["group"] = c.groups[i]
+                prompts.append(p)
+        return prompts, corpora
     raise SplicerError(
         f"{out} has no base-pass cache of the corpora its results.json names (cache/base-*/corpora.json); "
         "run its ablate or score command again to remake it"
@@ -100,6 +104,12 @@ def run_mtp(
     unknown = [r for r in rows if r not in ok]
     if unknown:
         raise SplicerError(f"--rows {unknown[0]}: {out} has no finished row of that name; finished: {', '.join(ok)}")
+    repeats = [r for r in rows if ok[r].get("repeat_of")]
+    if repeats:
+        raise SplicerError(
+            f"--rows {repeats[0]}: a repeat of {ok[repeats[0]]['repeat_of']}; the build is measured first and again last "
+            "anyway, so drop it"
+        )
     skipped, measured = [], []
     for r in dict.fromkeys([build, *rows]):
         folder = row_folder(out, results, ok[r])
@@ -111,7 +121,10 @@ def run_mtp(
             measured.append(r)
     if build not in measured:
         reason = next(s["reason"] for s in skipped if s["row"] == build)
-        raise SplicerError(f"the build row of {out} cannot be measured ({reason}); MTP acceptance needs the build's drafter")
+        raise SplicerError(
+            f"the build row of {out} cannot be measured ({reason}); MTP acceptance needs the build's drafter: "
+            "give it one (splicer splice --restore mtp BUILD BASE -o NEW) and run ablate or score on NEW"
+        )
     # Decode is timed as DIR's rows were (its plan's [timing]), else with the default plan's settings.
     timing = dict(timing or results.get("timing_settings") or DEFAULT_TIMING) if time_decode else None
     settings = {
@@ -122,8 +135,10 @@ def run_mtp(
         "new_tokens": new_tokens,
         "timing": timing,
     }
-    prompts = prompts_from_cache(out, results, prompts_per_corpus, prompt_tokens)
+    prompts, corpora = prompts_from_cache(out, results, prompts_per_corpus, prompt_tokens)
     digest = parts_digest(SCHEMA, settings, [p["ids"] for p in prompts], results["inputs"]["build"].get("header_digest"))
+    # Decode is timed after the prompt ablate timed its rows with, so the columns without a drafter compare.
+    timing_prompt = timing_prompt_of(corpora, int(timing["prompt_tokens"])) if timing else None
     path = out / figures.FILE
     stages = Stages(quiet=not progress, log_path=out / "mtp.log")
     busy = f"another splicer command is writing to {out}; wait for it to finish"
@@ -134,13 +149,14 @@ def run_mtp(
             settings=settings,
             settings_digest=digest,
             build_row=build,
-            prompts=[{k: p[k] for k in ("corpus", "index")} | {"tokens": len(p["ids"])} for p in prompts],
+            prompts=[{k: p[k] for k in ("corpus", "index", "group") if k in p} | {"tokens": len(p["ids"])} for p in prompts],
             skipped=skipped,
+            engines_planned=len(_engine_plan(measured, build, list(tokens))),
         )
         job_settings = (results.get("job") or {}).get("settings") or {}
         backend = options.make_backends(job_settings.get("device", "auto"), out / "mtp-logs")[0]
         try:
-            _run_engines(out, results, record, path, backend, prompts, measured, build, stages)
+            _run_engines(out, results, record, path, backend, prompts, measured, build, stages, timing_prompt)
         finally:
             backend.close()
         record["summary"] = figures.summarize(record)
@@ -170,11 +186,15 @@ def _options(results: dict):
     return kind.from_job((results.get("job") or {}).get("settings") or {}).speculative()
 
 
-def _run_engines(out, results, record, path, backend, prompts, rows, build, stages) -> None:
+def _run_engines(out, results, record, path, backend, prompts, rows, build, stages, timing_prompt) -> None:
     settings = record["settings"]
     ids = [p["ids"] for p in prompts]
-    done = {(e["row"], e["k"], e.get("repeat", False)) for e in record["engines"]}
     plan = _engine_plan(rows, build, settings["tokens"])
+    done = {(e["row"], e["k"], e.get("repeat", False)) for e in record["engines"]}
+    if any(key not in done for key in plan if not key[2]):
+        # rows still to run: the build's closing engines run again after them, so that the build stays timed last
+        record["engines"] = [e for e in record["engines"] if not e.get("repeat")]
+        done = {key for key in done if not key[2]}
     ok = {v["name"]: v for v in results["variants"] if v.get("status") == "ok"}
     timing = settings["timing"]
     for n, (row, k, repeat) in enumerate(plan, 1):
@@ -184,38 +204,38 @@ def _run_engines(out, results, record, path, backend, prompts, rows, build, stag
         what = f"{row}{' (again)' if repeat else ''}, " + (f"MTP k={k}" if k else "no drafter")
         entry = {"row": row, "k": k, "repeat": repeat, "folder": str(folder), "status": "running"}
         t0 = time.perf_counter()
+        # one line as each engine starts and one as it ends (an error is one line; the engine's log holds the rest)
+        stages.line(f"engine {n} of {len(plan)}: {what}: started")
         try:
-            with stages.stage(f"engine {n} of {len(plan)}: {what}"):
-                extra = {"speculative_config": {"method": settings["method"], "num_speculative_tokens": k}} if k else None
-                backend.load(folder, extra)
-                entry["startup_s"] = round(time.perf_counter() - t0, 2)
-                answers = backend.speculate(ids, settings["new_tokens"], k)
-                plain = next(
-                    (e for e in record["engines"] if e["row"] == row and e["k"] == 0 and e.get("repeat") == repeat), None
+            extra = {"speculative_config": {"method": settings["method"], "num_speculative_tokens": k}} if k else None
+            backend.load(folder, extra)
+            entry["startup_s"] = round(time.perf_counter() - t0, 2)
+            answers = backend.speculate(ids, settings["new_tokens"], k)
+            plain = next((e for e in record["engines"] if e["row"] == row and e["k"] == 0 and e.get("repeat") == repeat), None)
+            per_prompt = []
+            for i, a in enumerate(answers):
+                rec = {kk: a[kk] for kk in ("drafts", "draft_tokens", "accepted", "accepted_per_pos")}
+                if plain is not None and "tokens" in plain:
+                    rec["same_as_plain"] = a["tokens"] == plain["tokens"][i]
+                per_prompt.append(rec)
+            if k == 0:
+                entry["tokens"] = [a["tokens"] for a in answers]
+            else:
+                entry["per_prompt"] = per_prompt
+                entry["drafter_layers"] = backend.drafter_layers()
+            if timing:
+                entry["timing"] = backend.time_decode(
+                    timing_prompt,
+                    int(timing["new_tokens"]),
+                    int(timing["warmup"]),
+                    int(timing["runs"]),
                 )
-                per_prompt = []
-                for i, a in enumerate(answers):
-                    rec = {kk: a[kk] for kk in ("drafts", "draft_tokens", "accepted", "accepted_per_pos")}
-                    if plain is not None and "tokens" in plain:
-                        rec["same_as_plain"] = a["tokens"] == plain["tokens"][i]
-                    per_prompt.append(rec)
-                if k == 0:
-                    entry["tokens"] = [a["tokens"] for a in answers]
-                else:
-                    entry["per_prompt"] = per_prompt
-                    entry["drafter_layers"] = backend.drafter_layers()
-                if timing:
-                    entry["timing"] = backend.time_decode(
-                        _timing_prompt_from(prompts, int(timing["prompt_tokens"])),
-                        int(timing["new_tokens"]),
-                        int(timing["warmup"]),
-                        int(timing["runs"]),
-                    )
             entry["status"] = "ok"
         except SplicerError as e:
             entry.update(status="error", error=str(e))
         except Exception as e:  # one engine's failure (a refused speculative config, OOM) must not end the run
-            entry.update(status="error", error=f"{e.__class__.__name__}: {str(e)[:2000]}")
+            # the first line (vLLM's reason); the engine's log, in DIR/mtp-logs, holds the rest
+            entry.update(status="error", error=f"{e.__class__.__name__}: {(str(e).strip().splitlines() or [''])[0][:500]}")
         finally:
             backend.unload()
         entry["elapsed_s"] = round(time.perf_counter() - t0, 2)
@@ -223,13 +243,10 @@ def _run_engines(out, results, record, path, backend, prompts, rows, build, stag
         record["engines"].append(entry)
         record["summary"] = figures.summarize(record)
         atomic_json(path, record)
-        stages.line(f"{what}: {entry['status']}" + (f" ({entry['error'][:300]})" if entry.get("error") else ""))
-
-
-def _timing_prompt_from(prompts: list[dict], n: int) -> list[int]:
-    """The timing prompt: the first prompt's tokens repeated to n (every engine decodes after the same prompt)."""
-    src = prompts[0]["ids"] if prompts else []
-    return (src * (n // max(len(src), 1) + 1))[:n] if src else []
+        stages.line(
+            f"engine {n} of {len(plan)}: {what}: {entry['status']} in {entry['elapsed_s']:.1f} s"
+            + (f" ({entry['error'][:300]})" if entry.get("error") else "")
+        )
 
 
 def _rerender(out: Path, results: dict) -> None:

@@ -184,7 +184,7 @@ def render_report(results: dict, out: Path | None = None) -> str:
         lines += task_scores.sentences(tasks)
     spec = speculative.load(out) if out is not None else None
     if spec:
-        lines += speculative.sentences(spec)
+        lines += speculative.sentences(spec, [v["name"] for v in results.get("variants", [])])
     return caption(results) + "\n\n" + "\n".join(f"- {s}" for s in lines) + "\n"
 
 

@@ -24,6 +24,7 @@ from .metrics import MIN_SEQUENCES, decode_difference, excludes_zero, small_samp
 # is flagged with the reason, not tabulated. A trained drafter sits well inside (seed 000: 53-57 % at k = 2).
 BROKEN_BELOW = 0.02
 BROKEN_ABOVE = 0.98
+FLAG_MIN_TOKENS = 200  # draft tokens an engine needs before it is judged by these bounds
 
 FLAG_LOW = (
     "acceptance {rate:.1f} % over {n} draft tokens: vLLM's drafter did not draft from trained weights (the MTP tensors "
@@ -35,51 +36,89 @@ FLAG_HIGH = (
 )
 
 
-def _draws(strata: list[str], reps: int, seed: int) -> torch.Tensor:
-    """[reps, N] prompt indices: each replicate resamples the prompts of every corpus within that corpus."""
+def _clusters(prompts: list[dict]) -> tuple[list[str], list[int]]:
+    """Each prompt's stratum (its corpus) and cluster (the independent unit: a prompt, or for chat prompts the group of
+    conversations that share a prompt, corpora.chat), as indices."""
+    strata = [p["corpus"] for p in prompts]
+    keys = [(p["corpus"], p.get("group", p.get("index", i))) for i, p in enumerate(prompts)]
+    index = {k: n for n, k in enumerate(dict.fromkeys(keys))}
+    return strata, [index[k] for k in keys]
+
+
+def _sums(values: list[float], cluster: list[int]) -> torch.Tensor:
+    out = torch.zeros(max(cluster, default=-1) + 1, dtype=torch.float64)
+    return out.index_add_(0, torch.tensor(cluster, dtype=torch.long), torch.tensor(values, dtype=torch.float64))
+
+
+def _draws(strata: list[str], cluster: list[int], reps: int, seed: int) -> tuple[torch.Tensor | None, int, str | None]:
+    """[reps, C] cluster indices, each replicate resampling the clusters of every corpus within that corpus; None (and
+    why) when a corpus has fewer than MIN_SEQUENCES clusters, as every other interval of splicer requires."""
+    by = {}
+    for s, c in zip(strata, cluster):
+        by.setdefault(s, set()).add(c)
+    small = [s for s, cs in by.items() if len(cs) < MIN_SEQUENCES]
+    n = len(set(cluster))
+    if small:
+        return None, n, f"fewer than {MIN_SEQUENCES} prompts (or chat groups) in corpus {small[0]}"
     g = torch.Generator().manual_seed(seed)
     cols = []
-    for name in dict.fromkeys(strata):
-        idx = torch.tensor([i for i, s in enumerate(strata) if s == name])
+    for s in by:
+        idx = torch.tensor(sorted(by[s]))
         cols.append(idx[torch.randint(0, len(idx), (reps, len(idx)), generator=g)])
-    return torch.cat(cols, 1)
+    return torch.cat(cols, 1), n, None
 
 
-def ratio(num: list[float], den: list[float], strata: list[str], reps: int = 2000, seed: int = 0) -> dict:
-    """sum(num) / sum(den) over prompts, with its 95 % interval (None with fewer than MIN_SEQUENCES prompts)."""
-    n, d = torch.tensor(num, dtype=torch.float64), torch.tensor(den, dtype=torch.float64)
+def ratio(
+    num: list[float],
+    den: list[float],
+    strata: list[str],
+    reps: int = 2000,
+    seed: int = 0,
+    cluster: list[int] | None = None,
+    bounds: tuple[float, float] = (0.0, 1.0),
+) -> dict:
+    """sum(num) / sum(den) over prompts, with its 95 % interval clipped to bounds (None, with why, when a corpus has
+    too few prompts); cluster: each prompt's independent unit (default: the prompt itself)."""
+    cluster = list(range(len(num))) if cluster is None else cluster
+    n, d = _sums(num, cluster), _sums(den, cluster)
     total = float(d.sum())
     if total <= 0:
         return {"value": None, "ci": None, "prompts": len(num)}
     value = float(n.sum()) / total
     out = {"value": value, "ci": None, "prompts": len(num)}
-    if len(num) < MIN_SEQUENCES:
-        return dict(out, why=f"fewer than {MIN_SEQUENCES} prompts")
-    draw = _draws(strata, reps, seed)
+    draw, clusters, why = _draws(strata, cluster, reps, seed)
+    if draw is None:
+        return dict(out, why=why)
     ds = d[draw].sum(1)
-    reps_ok = ds > 0
-    vals = n[draw].sum(1)[reps_ok] / ds[reps_ok]
-    half = small_sample_half_width(float(vals.std()), len(num), len(set(strata)))
-    return dict(out, ci=[value - half, value + half])
+    ok = ds > 0
+    vals = n[draw].sum(1)[ok] / ds[ok]
+    half = small_sample_half_width(float(vals.std()), clusters, len(set(strata)))
+    return dict(out, ci=[max(bounds[0], value - half), min(bounds[1], value + half)])
 
 
 def paired_ratio_difference(
-    a: tuple[list[float], list[float]], b: tuple[list[float], list[float]], strata: list[str], reps: int = 2000, seed: int = 0
+    a: tuple[list[float], list[float]],
+    b: tuple[list[float], list[float]],
+    strata: list[str],
+    reps: int = 2000,
+    seed: int = 0,
+    cluster: list[int] | None = None,
 ) -> dict:
     """(sum a_num / sum a_den) - (sum b_num / sum b_den) on the same prompts, resampled together, with its interval."""
-    an, ad, bn, bd = (torch.tensor(x, dtype=torch.float64) for x in (*a, *b))
+    cluster = list(range(len(strata))) if cluster is None else cluster
+    an, ad, bn, bd = (_sums(x, cluster) for x in (*a, *b))
     if float(ad.sum()) <= 0 or float(bd.sum()) <= 0:
         return {"diff": None, "ci": None, "significant": None}
     diff = float(an.sum() / ad.sum() - bn.sum() / bd.sum())
     out = {"diff": diff, "ci": None, "significant": None, "prompts": len(strata)}
-    if len(strata) < MIN_SEQUENCES:
-        return out
-    draw = _draws(strata, reps, seed)
+    draw, clusters, why = _draws(strata, cluster, reps, seed)
+    if draw is None:
+        return dict(out, why=why)
     sad, sbd = ad[draw].sum(1), bd[draw].sum(1)
     ok = (sad > 0) & (sbd > 0)
     vals = (an[draw].sum(1) / sad - bn[draw].sum(1) / sbd)[ok]
-    half = small_sample_half_width(float(vals.std()), len(strata), len(set(strata)))
-    out["ci"] = [diff - half, diff + half]
+    half = small_sample_half_width(float(vals.std()), clusters, len(set(strata)))
+    out["ci"] = [max(-1.0, diff - half), min(1.0, diff + half)]
     out["significant"] = excludes_zero(out["ci"])
     return out
 
@@ -96,11 +135,14 @@ def _columns(prompts: list[dict]) -> dict:
 
 
 def flag(prompts: list[dict]) -> str | None:
-    """Why this engine's acceptance is no result (BROKEN_BELOW / BROKEN_ABOVE), or None."""
+    """Why this engine's acceptance is no result (BROKEN_BELOW / BROKEN_ABOVE over at least FLAG_MIN_TOKENS draft
+    tokens), or None."""
     accepted = sum(p["accepted"] for p in prompts)
     drafted = sum(p["draft_tokens"] for p in prompts)
     if drafted <= 0:
         return "vLLM counted no draft tokens: speculative decoding did not run"
+    if drafted < FLAG_MIN_TOKENS:  # too few to tell a broken drafter from chance (a good one accepts 20 of 20 often)
+        return None
     rate = accepted / drafted
     if rate < BROKEN_BELOW:
         return FLAG_LOW.format(rate=100 * rate, n=drafted)
@@ -116,15 +158,15 @@ def _blocks(engine: dict) -> list[float]:
 
 def summarize(record: dict, reps: int = 2000) -> dict:
     """record: DIR/speculative.json -> {row: {str(k): figures}}; k "0" holds the row's plain decode only."""
-    strata = [p["corpus"] for p in record.get("prompts", [])]
+    strata, cluster = _clusters(record.get("prompts", []))
     engines = [e for e in record.get("engines", []) if e.get("status") == "ok"]
-    by = {}
+    by: dict = {}
     for e in engines:
         by.setdefault(e["row"], {}).setdefault(int(e["k"]), []).append(e)
     build = record.get("build_row", "build")
     # Engine-to-engine spread of decode: every (row, k) timed on two or more engines (the build, first and last).
-    repeated = [[_blocks(x) for x in es] for ks in by.values() for es in ks.values() if len(es) > 1]
-    repeated = [g for g in repeated if all(g)]
+    repeated = {(r, k): [_blocks(x) for x in es] for r, ks in by.items() for k, es in ks.items() if len(es) > 1}
+    repeated = {key: g for key, g in repeated.items() if all(g)}
     out: dict = {}
     for row, ks in by.items():
         plain = [b for b in (_blocks(x) for x in ks.get(0, [])) if b]
@@ -140,17 +182,19 @@ def summarize(record: dict, reps: int = 2000) -> dict:
             reason = flag(prompts)
             changed = [i for i, p in enumerate(prompts) if p.get("same_as_plain") is False]
             fig["greedy_changed_prompts"] = len(changed) if any("same_as_plain" in p for p in prompts) else None
-            fig["repeat_agrees"] = (
-                all(x["per_prompt"] == prompts for x in es[1:]) if len(es) > 1 else None
-            )  # a second engine of the same row and k accepted exactly the same drafts
+            # a second engine of the same row and k accepted exactly the same drafts
+            fig["repeat_agrees"] = all(x["per_prompt"] == prompts for x in es[1:]) if len(es) > 1 else None
             if reason:
                 rows[str(k)] = dict(fig, flagged=reason)
                 continue
             c = _columns(prompts)
-            fig["acceptance"] = ratio(c["accepted"], c["draft_tokens"], strata, reps)
-            fig["per_position"] = [ratio(pos, c["drafts"], strata, reps, seed=i + 1) for i, pos in enumerate(c["per_pos"])]
-            # mean accepted length = 1 + accepted / drafts
-            length = ratio(c["accepted"], c["drafts"], strata, reps)
+            fig["acceptance"] = ratio(c["accepted"], c["draft_tokens"], strata, reps, cluster=cluster)
+            # position 1 with the acceptance's own resamples: at k = 1 the two are one quantity
+            fig["per_position"] = [
+                ratio(pos, c["drafts"], strata, reps, seed=i, cluster=cluster) for i, pos in enumerate(c["per_pos"])
+            ]
+            # mean accepted length = 1 + accepted / drafts, between 1 and k + 1
+            length = ratio(c["accepted"], c["drafts"], strata, reps, cluster=cluster, bounds=(0.0, float(k)))
             fig["mean_accepted_length"] = {
                 "value": 1 + length["value"] if length["value"] is not None else None,
                 "ci": [1 + x for x in length["ci"]] if length["ci"] else None,
@@ -160,8 +204,10 @@ def summarize(record: dict, reps: int = 2000) -> dict:
             if mtp_blocks:
                 fig["decode_ms_per_token"] = _median_of(es)
             if mtp_blocks and plain:
-                # with the drafter against the same row without it: rel < 0 means speculative decoding is faster
-                fig["decode_vs_plain"] = decode_difference(mtp_blocks, plain, repeated)
+                # with the drafter against the same row without it (rel < 0: speculative decoding is faster); the
+                # engine-to-engine spread from the other (row, k) pairs timed twice, these two counted once
+                others = [g for key, g in repeated.items() if key not in ((row, k), (row, 0))]
+                fig["decode_vs_plain"] = decode_difference(mtp_blocks, plain, others)
             rows[str(k)] = fig
     # The build on the same prompts: paired differences of acceptance (rows whose build figure is a result).
     for row, ks in out.items():
@@ -173,7 +219,7 @@ def summarize(record: dict, reps: int = 2000) -> dict:
                 continue
             a, b = _columns(by[row][int(key)][0]["per_prompt"]), _columns(ref["per_prompt"])
             fig["vs_build"] = paired_ratio_difference(
-                (a["accepted"], a["draft_tokens"]), (b["accepted"], b["draft_tokens"]), strata, reps
+                (a["accepted"], a["draft_tokens"]), (b["accepted"], b["draft_tokens"]), strata, reps, cluster=cluster
             )
     return out
 
@@ -196,7 +242,9 @@ def load(out) -> dict | None:
         return None
     if not isinstance(record, dict):
         return None
-    return {"record": record, "summary": record.get("summary") or summarize(record)}
+    # Recomputed from the per-prompt counts every time (milliseconds), so that a table always follows this splicer's
+    # figures; the summary stored in the file is what the run that wrote it computed.
+    return {"record": record, "summary": summarize(record)}
 
 
 FILE = "speculative.json"
@@ -270,31 +318,71 @@ def table_rows(spec: dict, order: list[str]) -> list[list[str]]:
     return rows
 
 
+def _state(record: dict) -> str:
+    """What the file holds against what its run set out to measure (an interrupted run says so)."""
+    planned, done = record.get("engines_planned"), [e for e in record.get("engines", []) if e.get("status") == "ok"]
+    failed = [e for e in record.get("engines", []) if e.get("status") != "ok"]
+    text = ""
+    if planned and len(done) < planned:
+        text += f" Incomplete: {len(done)} of the {planned} engines of this run finished; rerun splicer mtp to finish."
+    if failed:
+        text += " Failed: " + "; ".join(f"{e['row']} k={e['k']} ({str(e.get('error', ''))[:160]})" for e in failed) + "."
+    return text
+
+
 def note(spec: dict) -> str:
     r = spec["record"]
     s = r.get("settings") or {}
-    n = len(r.get("prompts") or [])
-    corpora = len({p["corpus"] for p in r.get("prompts") or []})
+    prompts = r.get("prompts") or []
+    per = {}
+    for p in prompts:
+        per[p["corpus"]] = per.get(p["corpus"], 0) + 1
+    lengths = [p.get("tokens") for p in prompts if p.get("tokens")]
     skipped = "; ".join(f"{x['row']}: {x['reason']}" for x in r.get("skipped") or [])
+    agree = [
+        (name, k, fig["repeat_agrees"])
+        for name, ks in spec["summary"].items()
+        for k, fig in ks.items()
+        if fig.get("repeat_agrees") is not None
+    ]
+    repeat = ""
+    if agree:
+        same = [f"k={k}" for _, k, a in agree if a]
+        differ = [f"k={k}" for _, k, a in agree if not a]
+        repeat = (
+            f" The build's second engines accepted exactly the same drafts at {', '.join(same) or 'no k'}"
+            + (f" and other drafts at {', '.join(differ)}" if differ else "")
+            + "."
+        )
     return (
         f"MTP acceptance from `splicer mtp`: each variant started in vLLM with its own MTP head as the speculative "
-        f"decoder (method {s.get('method')}, k draft tokens), {n} prompts ({s.get('prompts_per_corpus')} per corpus of "
-        f"{corpora}, their first {s.get('prompt_tokens')} tokens) each generated greedily for {s.get('new_tokens')} "
-        "tokens on its own; acceptance = accepted / drafted tokens, per position = drafts whose first i tokens were all "
-        "accepted, mean accepted length = 1 + accepted / drafts, from vLLM's spec-decode counters; intervals resample "
-        "prompts within corpora; Δ acceptance is paired with the build on the same prompts; Δ decode compares the same "
-        "variant with and without the drafter, its interval from the engine-to-engine spread of the engines timed twice "
-        "(the build, first and last). A drafter with acceptance under "
-        f"{100 * BROKEN_BELOW:.0f} % or over {100 * BROKEN_ABOVE:.0f} % is flagged, not a result."
+        f"decoder (method {s.get('method')}, k draft tokens), {len(prompts)} prompts ("
+        + ", ".join(f"{n} of {c}" for c, n in per.items())
+        + (
+            (f"; {min(lengths)} tokens each" if min(lengths) == max(lengths) else f"; {min(lengths)} to {max(lengths)} tokens")
+            if lengths
+            else ""
+        )
+        + f") each generated greedily for {s.get('new_tokens')} tokens on its own; acceptance = accepted / drafted "
+        "tokens, per position = drafts whose first i tokens were all accepted, mean accepted length = 1 + accepted / "
+        "drafts, from vLLM's spec-decode counters; intervals resample prompts (chat: groups of conversations that share a "
+        "prompt) within corpora; Δ acceptance is paired with the build on the same prompts; Δ decode compares the same "
+        "variant with and without the drafter, its interval from the engine-to-engine spread of the variants timed "
+        f"twice (the build, first and last). A drafter with acceptance under {100 * BROKEN_BELOW:.0f} % or over "
+        f"{100 * BROKEN_ABOVE:.0f} % (over {FLAG_MIN_TOKENS} draft tokens or more) is flagged, not a result."
+        + repeat
         + (f" Not measured: {skipped}." if skipped else "")
+        + _state(r)
     )
 
 
-def sentences(spec: dict) -> list[str]:
-    """The report's sentences on MTP acceptance, every figure from the summary."""
+def sentences(spec: dict, order: list[str] | None = None) -> list[str]:
+    """The report's sentences on MTP acceptance, every figure from the summary, rows in the table's order."""
     out = []
     summary, build = spec["summary"], spec["record"].get("build_row", "build")
-    for name, ks in summary.items():
+    order = order or []
+    names = [n for n in order if n in summary] + [n for n in summary if n not in order]
+    for name, ks in ((n, summary[n]) for n in names):
         for key in sorted((k for k in ks if k != "0"), key=int):
             fig = ks[key]
             if fig.get("flagged"):
@@ -312,15 +400,27 @@ def sentences(spec: dict) -> list[str]:
                 verdict = "" if vs.get("significant") else ", not significant"
                 text += f"; {_diff_pp(vs).replace(' n.s.', '')} pp against the build{verdict}"
             d = fig.get("decode_vs_plain")
+            plain = (ks.get("0") or {}).get("decode_ms_per_token")
             if d and d.get("rel") is not None:
                 lo, hi = d["rel_ci"]
-                how = "faster" if d["rel"] < 0 else "slower"
-                resolved = "resolved" if d.get("resolved") else "not resolved"
+                how = ("faster" if d["rel"] < 0 else "slower") if d.get("resolved") else "not resolved"
                 text += (
                     f"; decode with the drafter {100 * d['rel']:+.1f} % [{100 * lo:+.1f}, {100 * hi:+.1f}] against "
-                    f"without ({d['variant_ms']:.3f} vs {d['reference_ms']:.3f} ms/token: {how}, {resolved})"
+                    f"without ({d['variant_ms']:.3f} vs {d['reference_ms']:.3f} ms/token: {how})"
+                )
+            elif fig.get("decode_ms_per_token") is not None and plain is not None:
+                why = (d or {}).get("why") or "no interval"
+                text += (
+                    f"; decode {fig['decode_ms_per_token']:.3f} ms/token with the drafter, {plain:.3f} without "
+                    f"(one engine each, {why})"
                 )
             if fig.get("greedy_changed_prompts"):
-                text += f"; greedy tokens differed from the engine without the drafter in {fig['greedy_changed_prompts']} prompts"
+                text += (
+                    f"; the greedy tokens differed from the engine without the drafter in {fig['greedy_changed_prompts']} "
+                    f"of {len(spec['record'].get('prompts') or [])} prompts"
+                )
             out.append(text + ".")
+    state = _state(spec["record"]).strip()
+    if state:
+        out.append(f"MTP acceptance: {state}")
     return out

@@ -46,7 +46,7 @@ def load(out) -> dict | None:
         return None
     if not isinstance(record, dict):
         return None
-    return {"record": record, "summary": record.get("summary") or summarize(record)}
+    return {"record": record, "summary": summarize(record)}  # recomputed, as speculative.load does
 
 
 def _acc(fig: dict) -> str:

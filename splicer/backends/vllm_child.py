@@ -240,8 +240,16 @@ def child_worker(conn, env: dict, log_path: str) -> None:
         """Counters and gauges from vLLM's own metrics whose name starts with prefix (needs disable_log_stats=False)."""
         out = {}
         for m in llm.get_metrics():
-            if m.name.startswith(prefix):
-                out[m.name] = getattr(m, "value", None) if not hasattr(m, "values") else list(m.values)
+            if not m.name.startswith(prefix):
+                continue
+            # one metric may come once per label set (engine index, ...): summed, as vLLM's own example does
+            value = list(m.values) if hasattr(m, "values") else getattr(m, "value", None)
+            old = out.get(m.name)
+            if isinstance(value, list) and isinstance(old, list):
+                value = [a + b for a, b in zip(old + [0] * (len(value) - len(old)), value + [0] * (len(old) - len(value)))]
+            elif isinstance(value, (int, float)) and isinstance(old, (int, float)):
+                value = old + value
+            out[m.name] = value
         return out
 
     ops = {
