@@ -26,7 +26,7 @@ collect() {
   done
   for d in ablate0 ablate1 score0 ablate-rtn; do
     for f in results.json table.md report.md job.json budget.json budget-plan.toml ablate.log cluster-scores.safetensors \
-             speculative.json mtp.log; do [ -f "$W/$d/$f" ] && list+=("$d/$f"); done
+             speculative.json speculative.log mtp.log; do [ -f "$W/$d/$f" ] && list+=("$d/$f"); done
     [ -d "$W/$d/logs" ] && list+=("$d/logs")
     [ -d "$W/$d/mtp-logs" ] && list+=("$d/mtp-logs")
   done

@@ -140,7 +140,7 @@ def run_mtp(
     # Decode is timed after the prompt ablate timed its rows with, so the columns without a drafter compare.
     timing_prompt = timing_prompt_of(corpora, int(timing["prompt_tokens"])) if timing else None
     path = out / figures.FILE
-    stages = Stages(quiet=not progress, log_path=out / "mtp.log")
+    stages = Stages(quiet=not progress, log_path=out / "speculative.log")
     busy = f"another splicer command is writing to {out}; wait for it to finish"
     with exclusive(out / ".lock", busy, in_place=True):
         record = _resume(path, digest)

@@ -21,6 +21,7 @@ from .base import QuantFormat
 from .layouts import CT_FORMATS, group_format, group_scheme, is_packed_tensor
 from .module import Module
 from .readings import Entries, Reading, fused_on_disk, match_name, readings_vs_storage, record_dead
+from .vllm_versions import RELEASES, VllmReleaseReader, modeled, refusing_group_actorder
 
 CLASS_TARGET_HF = "Linear"  # the class target compressed-tensors exporters write
 
@@ -65,8 +66,33 @@ class HfReader:
         return Reading(None)
 
 
+def vllm_should_ignore(
+    layer_name: str, shards: list[str], ignore: Entries, fused_name_first: bool, tested: set | None = None
+) -> bool:
+    """vLLM's should_ignore_layer for one layer (shards: the names it tests for a fused layer, else the layer's own):
+    raises ValueError when the shards of a fused layer disagree. fused_name_first: vLLM 0.30 and later, where an entry
+    matching the fused name itself decides before the shards (vllm_versions). tested: gets every name it tests."""
+    tested = set() if tested is None else tested
+    if fused_name_first:
+        tested.add(layer_name)
+        if ignore.match(layer_name):
+            return True
+    if len(shards) > 1 and (fused_name_first or layer_name not in ignore.exact):
+        tested.update(shards)
+        states = {s: ignore.match(s) for s in shards}
+        if len(set(states.values())) > 1:
+            raise ValueError(
+                f"Found different quantization schemes for the shards of {layer_name}: "
+                + ", ".join(f"{s.rsplit('.', 1)[-1]} {'ignored' if v else 'quantized'}" for s, v in states.items())
+            )
+        return next(iter(states.values()))
+    tested.add(shards[0])
+    return ignore.match(shards[0]) or layer_name in ignore.exact
+
+
 class VllmReader:
-    def __init__(self, qc: dict, arch: Architecture):
+    def __init__(self, qc: dict, arch: Architecture, release: VllmReleaseReader | None = None):
+        self.release = release or modeled()
         self.arch = arch
         self.ignore = Entries(arch.vllm_rename_entry(e) for e in qc.get("ignore") or [])
         self.targets = [(g, arch.vllm_rename_entry(t)) for g, ts in _groups(qc) for t in ts]
@@ -86,15 +112,7 @@ class VllmReader:
 
     def _should_ignore_layer(self, layer, shards: list[str]) -> bool:
         self.tested.add(layer.name)
-        if len(shards) > 1 and layer.name not in self.ignore.exact:
-            states = {s: self._ignored(s) for s in shards}
-            if len(set(states.values())) > 1:
-                raise ValueError(
-                    f"Found different quantization schemes for the shards of {layer.name}: "
-                    + ", ".join(f"{s.rsplit('.', 1)[-1]} {'ignored' if v else 'quantized'}" for s, v in states.items())
-                )
-            return next(iter(states.values()))
-        return self._ignored(shards[0]) or layer.name in self.ignore.exact
+        return vllm_should_ignore(layer.name, shards, self.ignore, self.release.ignore_fused_name_first, self.tested)
 
     def _match_target(self, name: str, class_names: tuple[str, ...], shards: list[str]) -> str | None:
         g = self._name_target(name)
@@ -135,6 +153,10 @@ class VllmReader:
         if layer.kind == "moe":
             self._moe_cache[layer.name] = reading
         return reading
+
+
+def _said(reading: Reading) -> str:
+    return f"refused ({reading.error})" if reading.error else (reading.group or "unquantized")
 
 
 def _targets_only_head(target: str, arch: Architecture) -> bool:
@@ -211,6 +233,24 @@ class CompressedTensors(QuantFormat):
             m = modules[name]
             report.hf[name] = hr.reading(m)
             report.vllm[name] = vr.reading(m)
+        # The releases read `ignore` differently (vllm_versions): where another checked release would read a module
+        # otherwise than the one modeled, say so once, with the first such module.
+        for other in (r for r in RELEASES if r.version != vr.release.version):
+            ovr = VllmReader(qc, arch, other)
+            differ = [n for n in sorted(modules) if ovr.reading(modules[n]) != report.vllm[n]]
+            if differ:
+                n = differ[0]
+                report.notes.append(
+                    f"vLLM {other.version} reads {len(differ)} modules otherwise than vLLM {vr.release.version} (modeled "
+                    f"here), e.g. {n}: {_said(ovr.reading(modules[n]))} against {_said(report.vllm[n])}"
+                )
+        for g, group in (qc.get("config_groups") or {}).items():
+            order = (group.get("weights") or {}).get("actorder")
+            if order in ("group", "dynamic"):
+                report.notes.append(
+                    f"{g}: actorder {order!r} is refused by {refusing_group_actorder()} and by compressed-tensors 0.19 "
+                    'and later; re-quantize with actorder="weight"'
+                )
         readings_vs_storage(modules, report)
         fused_on_disk(modules, arch, report)
         ignore = qc.get("ignore") or []

@@ -135,6 +135,13 @@ class Gptq(QuantFormat):
         want = (qc.get("bits"), qc.get("group_size"))
         if bits and bits != {want}:
             report.add("scheme-mismatch", "hf", f"config says {want[0]}-bit g{want[1]}, tensors are {sorted(bits)}")
+        if qc.get("desc_act"):
+            from .vllm_versions import refusing_group_actorder
+
+            report.notes.append(
+                f"desc_act=true (activation ordering) is refused by {refusing_group_actorder()}; "
+                're-quantize with desc_act=false (or, through llm-compressor, actorder="weight")'
+            )
         return report
 
     def exclude_restored(self, qc, modules, picked, arch):

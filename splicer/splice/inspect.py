@@ -9,6 +9,7 @@ from ..checkpoint import Checkpoint
 from ..errors import SplicerError
 from ..formats.layouts import group_format, group_scheme
 from ..formats.registry import checkpoint_format, format_of, format_or_default, read_methods, unreadable
+from ..formats.vllm_versions import modeled
 from .modules import list_modules
 from .rules import check
 
@@ -120,7 +121,13 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         "classes": classes,
         "total_bytes_on_disk": sum(r["bytes_on_disk"] for r in classes.values()),
         "total_bytes_per_decode_step": sum(r["bytes_per_decode_step"] for r in classes.values()),
-        "lint": {"issues": report.issues, "dead_ignore": report.dead_ignore, "notes": report.notes},
+        "lint": {
+            "issues": report.issues,
+            "dead_ignore": report.dead_ignore,
+            "notes": report.notes,
+            # the vLLM release whose reader the lint models (the installed one, else the newest checked)
+            "vllm_reader": modeled().version,
+        },
         "header_digest": ckpt.header_digest(),
     }
 
@@ -150,10 +157,11 @@ def format_report(info: dict) -> str:
     )
     out.append("")
     issues = info["lint"]["issues"]
+    reader = f" (vLLM {info['lint']['vllm_reader']}'s reader)" if info["lint"].get("vllm_reader") else ""
     if not issues:
-        out.append("lint: no problems under HF or vLLM naming")
+        out.append(f"lint{reader}: no problems under HF or vLLM naming")
     else:
-        out.append(f"lint: {len(issues)} problem(s)")
+        out.append(f"lint{reader}: {len(issues)} problem(s)")
         out.append(
             tabulate(
                 [[i["check"], i["naming"], i["detail"]] for i in issues], headers=["check", "naming", "detail"], tablefmt="github"
