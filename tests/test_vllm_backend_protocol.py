@@ -74,6 +74,7 @@ def test_scores_match_the_reference_through_the_worker(pairs, fake_vllm, tmp_pat
     assert len(wall["per_run_ms"]) == 2 and (wall["decode_ms_per_token"] is None or wall["decode_ms_per_token"] > 0)
     assert timing["decode_ms_per_token"] != wall["decode_ms_per_token"]
     assert isinstance(info["layers"], dict) and "error" not in info["layers"]  # the kernel probe ran in the worker
+    assert info["model_runner"] == "vllm.FakeModelRunner"  # which runner served (0.29+: the V2 one by default)
 
 
 def test_engine_refusal_is_an_error_and_the_worker_is_gone(pairs, fake_vllm, tmp_path, monkeypatch):

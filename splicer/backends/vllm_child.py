@@ -101,6 +101,13 @@ def _drafter_probe(worker):
     return _kernel_probe(model) if model is not None else {}
 
 
+def _runner_probe(worker):
+    """Runs inside vLLM's worker: the model runner's class (vLLM 0.29 made its V2 runner the default for hybrid and MoE
+    models, VLLM_USE_V2_MODEL_RUNNER), so that timings say which runner they measured."""
+    runner = getattr(worker, "model_runner", None)
+    return None if runner is None else f"{type(runner).__module__}.{type(runner).__qualname__}"
+
+
 def child_worker(conn, env: dict, log_path: str) -> None:
     """Child process: import vLLM once, then load engines one after another and serve requests on each.
 
@@ -151,8 +158,14 @@ def child_worker(conn, env: dict, log_path: str) -> None:
             compile_s = float(llm.llm_engine.vllm_config.compilation_config.compilation_time)
         except Exception:
             pass
+        try:
+            runner = llm.collective_rpc(_runner_probe)
+            runner = runner[0] if isinstance(runner, list) and runner else runner
+        except Exception as e:  # informative only
+            runner = f"unknown ({e.__class__.__name__})"
         info = {
             "vllm": vllm.__version__,
+            "model_runner": runner,
             "startup_s": startup,
             "import_s": import_s,
             "compile_time_s": compile_s,

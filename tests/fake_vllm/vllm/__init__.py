@@ -71,6 +71,10 @@ class _Metric:
     values: list
 
 
+class FakeModelRunner:
+    """What vLLM's worker holds as model_runner (GPUModelRunner, or the V2 runner), reduced to a name."""
+
+
 @dataclass
 class _Counter:
     name: str
@@ -211,7 +215,9 @@ class LLM:
         return [fn(self._ref.model if self._ref is not None else torch.nn.Module())]
 
     def collective_rpc(self, fn):
-        return [fn(object())]  # no worker with a drafter here
+        from types import SimpleNamespace
+
+        return [fn(SimpleNamespace(model_runner=FakeModelRunner()))]  # a worker whose runner has no drafter
 
     def get_metrics(self):
         out = [_Metric("fake:sleep_wake", [self.sleeps, self.wakes])]
