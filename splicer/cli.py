@@ -179,9 +179,15 @@ def _cmd_ablate(args) -> int:
     options = backend_options(args.backend, _backend_options(args), args.device)  # before --demo writes its pair into DIR
     task_names = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     if task_names:  # an unknown task or a missing lm-eval is refused before anything runs
-        from .tasks.run import check_tasks
+        from .tasks.run import check_tasks, settings_conflict, task_settings
 
         check_tasks(task_names, args.include_path)
+        conflict = settings_conflict(Path(args.out), task_settings(task_names, args.include_path, args.task_limit))
+        if conflict:
+            raise SplicerError(
+                f"{Path(args.out) / 'tasks.json'} holds task results of other settings ({conflict}); run `splicer tasks "
+                "DIR ... --force` to replace them, or give the same --tasks, task files and --task-limit"
+            )
     elif args.include_path:
         raise SplicerError("--include-path names a folder of task YAMLs for --tasks; add --tasks NAMES")
     from .io.outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
@@ -418,6 +424,7 @@ def _cmd_tasks(args) -> int:
         device=args.device,
         batch_size=args.batch_size,
         progress=not args.quiet,
+        force=args.force,
     )
     spec = task_scores.load(args.dir)
     order = [v["name"] for v in results_record.load(args.dir).get("variants", [])]
@@ -426,7 +433,8 @@ def _cmd_tasks(args) -> int:
     failed = [r for r, e in record["rows"].items() if e.get("status") != "ok"]
     if failed:
         print(
-            f"splicer: error: {len(failed)} rows failed: {', '.join(failed)}; see DIR/tasks.json, then run again", file=sys.stderr
+            f"splicer: error: {len(failed)} rows failed: {', '.join(failed)}; see {args.dir / 'tasks.json'}, then run again",
+            file=sys.stderr,
         )
         return 1
     return 0
@@ -772,6 +780,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=_count(1), help="only the first N items of each task")
     s.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when there is one)")
     s.add_argument("--batch-size", type=_count(1, 4096), default=8)
+    s.add_argument("--force", action="store_true", help="replace DIR/tasks.json made with other tasks, task files or --limit")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=_cmd_tasks)
 

@@ -15,6 +15,29 @@ from splicer.tasks.cloze import items_from_texts
 DEMO_TEXT = Path(str(resources.files("splicer") / "data" / "demo_wiki_en.txt"))
 
 
+def test_cloze_refuses_what_it_cannot_use_in_one_line(tmp_path, capsys):
+    from splicer.tasks.cloze import main as cloze
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (a / "notes.txt").write_text(DEMO_TEXT.read_text(), encoding="utf-8")
+    (b / "notes.txt").write_text(" ".join(reversed(DEMO_TEXT.read_text().split())), encoding="utf-8")
+    assert (
+        cloze([str(a / "notes.txt"), str(b / "notes.txt"), "-o", str(tmp_path / "t"), "--items", "10", "--context-words", "20"])
+        == 0
+    )
+    sources = {json.loads(line)["source"] for line in (tmp_path / "t" / "cloze.jsonl").read_text().splitlines()}
+    assert sources == {"notes", "notes-2"}  # two files of one name stay two sources
+    capsys.readouterr()
+    for argv, says in (
+        ([str(a / "notes.txt"), str(a / "notes.txt"), "-o", str(tmp_path / "u")], "given twice"),
+        ([str(a / "notes.txt"), "-o", str(a / "notes.txt")], "cannot make that folder"),
+    ):
+        assert cloze(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and says in err, err
+
+
 def test_cloze_items_are_whole_words_with_three_other_choices_and_repeat_by_seed():
     text = DEMO_TEXT.read_text(encoding="utf-8")
     items = items_from_texts({"wiki": text}, 12, context_words=20, seed=3)
@@ -49,10 +72,12 @@ def test_tasks_per_row_with_the_paired_difference_and_resume(scored, capsys):
     rows = record["rows"]
     assert set(rows) == {"build", "all"} and all(r["status"] == "ok" for r in rows.values())
     build = rows["build"]["tasks"]["cloze"]
-    assert build["n"] == 10 and len(build["items"]) == 10 and 0 <= build["acc"] <= 1 and build["acc_stderr"] > 0
-    assert build["acc"] == pytest.approx(sum(i["acc"] for i in build["items"].values()) / 10)
+    assert build["metric"] == "acc" and build["filter"] == "none" and build["n"] == 10 and 0 <= build["value"] <= 1
+    assert build["value"] == pytest.approx(sum(build["items"].values()) / 10) and build["stderr"] is not None
+    lo, hi = record["summary"]["build"]["cloze"]["ci"]  # Wilson, from the items
+    assert 0 <= lo <= build["value"] <= hi <= 1
     vs = record["summary"]["all"]["cloze"]["vs_build"]
-    diff = rows["all"]["tasks"]["cloze"]["acc"] - build["acc"]
+    diff = rows["all"]["tasks"]["cloze"]["value"] - build["value"]
     assert vs["diff"] == pytest.approx(diff) and vs["items"] == 10 and (vs["ci"] is None or vs["ci"][0] <= diff <= vs["ci"][1])
     assert "Task accuracy (lm-evaluation-harness)" in (out / "table.md").read_text()
     assert "Task cloze, build: acc" in (out / "report.md").read_text()
@@ -60,6 +85,30 @@ def test_tasks_per_row_with_the_paired_difference_and_resume(scored, capsys):
     capsys.readouterr()
     assert main(["tasks", str(out), "--tasks", "cloze", "--include-path", str(tasks), "-q"]) == 0  # kept, not rerun
     assert {r: e["elapsed_s"] for r, e in json.loads((out / "tasks.json").read_text())["rows"].items()} == elapsed
+    # other settings never silently replace what is there
+    assert main(["tasks", str(out), "--tasks", "cloze", "--include-path", str(tasks), "--limit", "4", "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "limit: None -> 4" in err and "--force" in err
+    assert set(json.loads((out / "tasks.json").read_text())["rows"]) == {"build", "all"}
+
+
+def test_a_group_of_tasks_is_scored_over_its_subtasks_items(scored, tmp_path, capsys):
+    out, tasks = scored
+    import shutil
+
+    from splicer.tasks.cloze import main as cloze
+
+    group = tmp_path / "group"
+    shutil.copytree(tasks, group)
+    assert cloze([str(DEMO_TEXT), "-o", str(group), "--name", "cloze2", "--items", "6", "--context-words", "12"]) == 0
+    (group / "both.yaml").write_text(
+        "group: both\ntask:\n  - cloze\n  - cloze2\naggregate_metric_list:\n  - metric: acc\n    aggregation: mean\n"
+        "    weight_by_size: true\nmetadata:\n  version: 1.0\n"
+    )
+    assert main(["tasks", str(out), "--tasks", "both", "--include-path", str(group), "--rows", "build", "--force", "-q"]) == 0
+    fig = json.loads((out / "tasks.json").read_text())["rows"]["build"]["tasks"]["both"]
+    assert fig["n"] == 16 and all(k.startswith(("cloze/", "cloze2/")) for k in fig["items"])
+    assert fig["value"] == pytest.approx(sum(fig["items"].values()) / 16)  # the size-weighted mean of the subtasks
 
 
 def test_bad_task_inputs_are_one_line_before_anything_runs(scored, pairs, tmp_path, capsys):
@@ -78,6 +127,6 @@ def test_bad_task_inputs_are_one_line_before_anything_runs(scored, pairs, tmp_pa
     fresh = tmp_path / "fresh"
     argv = ["ablate", "build", str(p["lowlatency"]), str(p["base"]), "-o", str(fresh), "--plan", "demo", "--tasks", "clozee"]
     assert main([*argv, "--include-path", str(tasks)]) == 2 and not fresh.exists()
-    assert "lm-eval knows no such task" in capsys.readouterr().err
+    assert "no such task in lm-eval" in capsys.readouterr().err
     assert main(["ablate", "build", str(p["lowlatency"]), str(p["base"]), "-o", str(fresh), "--include-path", str(tasks)]) == 2
     assert "add --tasks" in capsys.readouterr().err and not fresh.exists()

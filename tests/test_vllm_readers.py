@@ -91,13 +91,51 @@ def test_inspect_names_the_modeled_reader_and_where_another_release_reads_otherw
     first = next(iter(qc["config_groups"].values()))
     first["weights"]["actorder"] = "group"
     (build / "config.json").write_text(json.dumps(cfg))
+    import os
+
+    assert "SPLICER_VLLM_VERSION" not in os.environ and modeled().version == "0.33"  # no vLLM here: the newest checked
     info = inspect_checkpoint(open_checkpoint(build, "checkpoint"))
-    assert info["lint"]["vllm_reader"] == modeled().version
+    assert info["lint"]["vllm_reader"] == "vLLM 0.33"
     notes = " ".join(info["lint"]["notes"])
-    other = next(r for r in RELEASES if r.version != modeled().version)
-    assert f"vLLM {other.version} reads 3 modules otherwise" in notes and "self_attn.k_proj: group_0 against unquantized" in notes
-    assert "actorder 'group' is refused by vLLM 0.30 and later" in notes and 'actorder="weight"' in notes
-    assert f"(vLLM {modeled().version}'s reader)" in format_report(info)
+    assert "vLLM 0.26 reads 3 modules otherwise" in notes and "self_attn.k_proj: group_0 against unquantized" in notes
+    # 0.33 refuses group activation ordering: a problem of the lint, not a note
+    refused = [i["detail"] for i in info["lint"]["issues"] if i["check"] == "refused"]
+    assert refused and "actorder 'group' is refused by vLLM 0.30 and later" in refused[0] and 'actorder="weight"' in refused[0]
+    assert "(vLLM 0.33's reader)" in format_report(info)
+
+
+def test_the_release_is_chosen_by_environment_and_an_unchecked_one_says_so(monkeypatch):
+    from splicer.formats.vllm_versions import label
+
+    monkeypatch.setenv("SPLICER_VLLM_VERSION", "0.26.0")
+    assert modeled().version == "0.26" and label(modeled()) == "vLLM 0.26"
+    monkeypatch.setenv("SPLICER_VLLM_VERSION", "0.28.1")
+    assert label(modeled()) == "vLLM 0.28, not checked: modeled from 0.26 and 0.33"
+    assert modeled().target_fused_before_class and not modeled().ignore_fused_name_first
+
+
+def test_a_regex_over_the_shards_wins_over_a_class_target_from_vllm_0_27(pairs, tmp_path, monkeypatch):
+    """find_matched_target: 0.26 tries class targets (Linear) before the fused layer's shards, 0.27 and later after."""
+    import shutil
+
+    from splicer.checkpoint import open_checkpoint
+    from splicer.splice.inspect import inspect_checkpoint
+
+    build = tmp_path / "build"
+    shutil.copytree(pairs["fused"]["lowlatency"], build)
+    cfg = json.loads((build / "config.json").read_text())
+    groups = cfg["quantization_config"]["config_groups"]
+    groups["group_attn"] = json.loads(json.dumps(next(iter(groups.values()))))
+    groups["group_attn"]["targets"] = ["re:.*self_attn\\.[qkv]_proj$"]
+    groups["group_attn"]["weights"]["num_bits"] = 8
+    (build / "config.json").write_text(json.dumps(cfg))
+    readings = {}
+    for version in ("0.26.0", "0.33.0"):
+        monkeypatch.setenv("SPLICER_VLLM_VERSION", version)
+        info = inspect_checkpoint(open_checkpoint(build, "checkpoint"))
+        readings[version] = [i for i in info["lint"]["issues"] if i["naming"] == "vllm"]
+    assert not readings["0.26.0"]  # the Linear group claims qkv_proj, as stored
+    assert readings["0.33.0"] and "self_attn" in readings["0.33.0"][0]["detail"]  # group_attn, 8-bit, for INT4 tensors
 
 
 def test_a_gptq_build_with_desc_act_is_told_which_releases_refuse_it(tmp_path):
@@ -110,5 +148,5 @@ def test_a_gptq_build_with_desc_act_is_told_which_releases_refuse_it(tmp_path):
     cfg = json.loads((build / "config.json").read_text())
     cfg["quantization_config"]["desc_act"] = True
     (build / "config.json").write_text(json.dumps(cfg))
-    notes = inspect_checkpoint(open_checkpoint(build, "checkpoint"))["lint"]["notes"]
-    assert any("desc_act=true" in n and "vLLM 0.30 and later" in n for n in notes)
+    lint = inspect_checkpoint(open_checkpoint(build, "checkpoint"))["lint"]
+    assert any("desc_act=true" in i["detail"] and "vLLM 0.30 and later" in i["detail"] for i in lint["issues"])

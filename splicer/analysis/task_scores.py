@@ -7,15 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .metrics import paired_comparison
+from .metrics import MIN_SEQUENCES, paired_comparison, wilson
 
 FILE = "tasks.json"
-METRICS = ("acc", "acc_norm", "exact_match")  # the first a task reports is the one tabulated
 
 
 def summarize(record: dict, reps: int = 2000) -> dict:
-    """Per row and task: accuracy ± lm-eval's standard error, and the paired difference from the build on the items
-    both answered (metrics.paired_comparison over items, each item its own unit)."""
+    """Per row and task: the metric lm-eval reports with its standard error, a 95 % Wilson interval over the items
+    (0/1 scores; lm-eval's standard error is 0 at 0 or n correct of n), and the paired difference from the build on the
+    items both answered (metrics.paired_comparison over items, each item its own unit)."""
     import torch
 
     build = (record.get("rows") or {}).get(record.get("build_row") or "", {})
@@ -24,16 +24,24 @@ def summarize(record: dict, reps: int = 2000) -> dict:
         if entry.get("status") != "ok":
             continue
         for task, rec in entry["tasks"].items():
-            metric = next((m for m in METRICS if m in rec), None)
-            fig = {"metric": metric, "value": rec.get(metric), "stderr": rec.get(f"{metric}_stderr"), "n": rec.get("n")}
+            items = rec.get("items") or {}
+            fig = {"metric": rec.get("metric"), "value": rec.get("value"), "stderr": rec.get("stderr"), "n": len(items)}
+            if items and all(v in (0.0, 1.0) for v in items.values()):
+                fig["ci"] = list(wilson(int(sum(items.values())), len(items)))
             ref = ((build.get("tasks") or {}).get(task) or {}).get("items") or {}
-            common = sorted(set(rec["items"]) & set(ref), key=lambda x: (len(x), x))
-            if row != record.get("build_row") and metric and common:
-                a = torch.tensor([rec["items"][i].get(metric, 0.0) for i in common])
-                b = torch.tensor([ref[i].get(metric, 0.0) for i in common])
+            common = sorted(set(items) & set(ref))
+            if row != record.get("build_row") and fig["metric"] and common:
+                a = torch.tensor([items[i] for i in common])
+                b = torch.tensor([ref[i] for i in common])
                 cmp = paired_comparison({task: {"a": a, "b": b, "cluster": torch.arange(len(common)), "unit": "items"}}, reps)
                 p = cmp["pooled"]
-                fig["vs_build"] = {"diff": p["diff"], "ci": p["diff_ci"], "significant": p["significant"], "items": len(common)}
+                fig["vs_build"] = {
+                    "diff": p["diff"],
+                    "ci": p["diff_ci"],
+                    "significant": p["significant"],
+                    "items": len(common),
+                    **({"why": f"fewer than {MIN_SEQUENCES} items"} if p["diff_ci"] is None else {}),
+                }
             out.setdefault(row, {})[task] = fig
     return out
 
@@ -52,8 +60,11 @@ def load(out) -> dict | None:
 def _acc(fig: dict) -> str:
     if fig.get("value") is None:
         return ""
-    se = fig.get("stderr")
-    return f"{100 * fig['value']:.1f} %" + (f" ± {100 * se:.1f}" if se is not None else "")
+    ci, se = fig.get("ci"), fig.get("stderr")
+    text = f"{100 * fig['value']:.1f} %"
+    if ci:
+        return text + f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+    return text + (f" ± {100 * se:.1f} s.e." if se is not None else "")
 
 
 def _diff(fig: dict) -> str:
@@ -64,17 +75,19 @@ def _diff(fig: dict) -> str:
     text = f"{100 * vs['diff']:+.1f}"
     if ci:
         text += f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" + ("" if vs.get("significant") else " n.s.")
+    elif vs.get("why"):
+        text += f" ({vs['why']} for an interval)"
     return text
 
 
-HEADERS = ["variant", "task", "metric", "items", "accuracy ± s.e.", "Δ vs build, pp [95 %]"]
+HEADERS = ["variant", "task", "metric", "items", "score [95 %]", "Δ vs build, pp [95 %]"]
 
 
 def table_rows(spec: dict, order: list[str]) -> list[list[str]]:
     summary, rows = spec["summary"], []
     for name in [n for n in order if n in summary] + [n for n in summary if n not in order]:
         for task, fig in summary[name].items():
-            rows.append([name, task, fig.get("metric") or "", str(fig.get("n") or ""), _acc(fig), _diff(fig)])
+            rows.append([name, task, fig.get("metric") or "no accuracy metric", str(fig.get("n") or ""), _acc(fig), _diff(fig)])
     failed = {r: e for r, e in (spec["record"].get("rows") or {}).items() if e.get("status") != "ok"}
     for r, e in failed.items():
         rows.append([r, "", "", "", f"failed: {str(e.get('error', ''))[:200]}", ""])
@@ -86,9 +99,11 @@ def note(spec: dict) -> str:
     return (
         f"Task accuracy from `splicer tasks`: lm-evaluation-harness {s.get('lm_eval') or ''} on {s.get('model')}, tasks "
         f"{', '.join(s.get('tasks') or [])}"
-        + (f", the first {s['limit']} items of each" if s.get("limit") else "")
-        + "; accuracy ± lm-eval's standard error; Δ vs build is paired on the items both answered, its 95 % interval "
-        "from a bootstrap over items (t x standard error, as the other intervals)."
+        + (f", at most the first {s['limit']} items of each" if s.get("limit") else "")
+        + "; the score of 0/1 items with its 95 % Wilson interval (else lm-eval's standard error), a group's over its "
+        "subtasks' items, a filtered task's under its first filter; Δ vs build is paired on the items both answered, its "
+        "95 % interval from a bootstrap over items (t x standard error, as the other intervals; with few discordant items "
+        "it is approximate)."
     )
 
 
@@ -105,4 +120,7 @@ def sentences(spec: dict) -> list[str]:
                 verdict = "" if vs.get("significant") else ", not significant"
                 text += f"; {_diff(fig).replace(' n.s.', '')} pp against the build{verdict}"
             out.append(text + ".")
+    for row, e in (spec["record"].get("rows") or {}).items():
+        if e.get("status") != "ok":
+            out.append(f"Tasks on {row}: failed ({str(e.get('error', ''))[:200]}).")
     return out

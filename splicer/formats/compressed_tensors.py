@@ -118,14 +118,17 @@ class VllmReader:
         g = self._name_target(name)
         if g:
             return g
-        for g, t in self.targets:
-            if any(_eq_or_re(c, t, contains=True) for c in class_names):
-                return g
-        if len(shards) > 1:  # all fused shards must match some target
-            hits = [self._name_target(s) for s in shards]
-            if all(hits):
-                return hits[0]
-        return None
+
+        def by_class():
+            return next((g for g, t in self.targets if any(_eq_or_re(c, t, contains=True) for c in class_names)), None)
+
+        def by_shards():  # all fused shards must match some name target
+            hits = [self._name_target(s) for s in shards] if len(shards) > 1 else []
+            return hits[0] if hits and all(hits) else None
+
+        # find_matched_target's order (vllm_versions.target_fused_before_class)
+        first, second = (by_shards, by_class) if self.release.target_fused_before_class else (by_class, by_shards)
+        return first() or second()
 
     def reading(self, module: Module) -> Reading:
         layer = self.arch.vllm_layer(module.name)
@@ -247,10 +250,15 @@ class CompressedTensors(QuantFormat):
         for g, group in (qc.get("config_groups") or {}).items():
             order = (group.get("weights") or {}).get("actorder")
             if order in ("group", "dynamic"):
-                report.notes.append(
+                text = (
                     f"{g}: actorder {order!r} is refused by {refusing_group_actorder()} and by compressed-tensors 0.19 "
                     'and later; re-quantize with actorder="weight"'
                 )
+                # a problem where the release modeled refuses it, a note where only later ones do
+                if vr.release.refuses_group_actorder:
+                    report.add("refused", "vllm", text)
+                else:
+                    report.notes.append(text)
         readings_vs_storage(modules, report)
         fused_on_disk(modules, arch, report)
         ignore = qc.get("ignore") or []
@@ -267,14 +275,15 @@ class CompressedTensors(QuantFormat):
                     f"{n}: loaders use {r.group}, but compressed-tensors' model-free dequantizer takes {first} "
                     f"(first group in file order); put {r.group} first for model-free tools"
                 )
-        # Each group's scheme against the tensors it claims.
-        for n, r in report.hf.items():
-            m = modules[n]
-            if r.group and m.quantized:
-                said = group_scheme(qc, r.group, m.shape[1])
-                if said != m.scheme:
-                    report.add("scheme-mismatch", "hf", f"{n}: config {r.group} says {said}, tensors are {m.scheme}")
-                    break
+        # Each group's scheme against the tensors it claims, as each reader assigns them.
+        for naming, readings in (("hf", report.hf), ("vllm", report.vllm)):
+            for n, r in readings.items():
+                m = modules[n]
+                if r.group and m.quantized:
+                    said = group_scheme(qc, r.group, m.shape[1])
+                    if said != m.scheme:
+                        report.add("scheme-mismatch", naming, f"{n}: config {r.group} says {said}, tensors are {m.scheme}")
+                        break
         return report
 
     def exclude_restored(self, qc, modules, picked, arch):

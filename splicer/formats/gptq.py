@@ -136,12 +136,17 @@ class Gptq(QuantFormat):
         if bits and bits != {want}:
             report.add("scheme-mismatch", "hf", f"config says {want[0]}-bit g{want[1]}, tensors are {sorted(bits)}")
         if qc.get("desc_act"):
-            from .vllm_versions import refusing_group_actorder
+            from .vllm_versions import modeled, refusing_group_actorder
 
-            report.notes.append(
+            text = (
                 f"desc_act=true (activation ordering) is refused by {refusing_group_actorder()}; "
                 're-quantize with desc_act=false (or, through llm-compressor, actorder="weight")'
             )
+            # a problem where the release modeled refuses it, a note where only later ones do
+            if modeled().refuses_group_actorder:
+                report.add("refused", "vllm", text)
+            else:
+                report.notes.append(text)
         return report
 
     def exclude_restored(self, qc, modules, picked, arch):

@@ -22,6 +22,11 @@ class VllmReleaseReader:
     refuses_group_actorder: bool
     # the refusal for the shards of one fused layer that disagree, as the release words it
     split_group_refusal: str
+    # find_matched_target tries a fused layer's shards against name targets before the class-name targets (0.27;
+    # before, a class target such as Linear won over a regex naming the shards: compressed_tensors/utils.py)
+    target_fused_before_class: bool = False
+    # whether this release's code was checked (one of RELEASES), or its behaviours are taken from where they changed
+    checked: bool = True
 
 
 RELEASES = (
@@ -36,10 +41,13 @@ RELEASES = (
         ignore_fused_name_first=True,
         refuses_group_actorder=True,
         split_group_refusal="Found different quantization schemes for the shards of LAYER",
+        target_fused_before_class=True,
     ),
 )
 # Where each behaviour begins, for an installed release between the ones checked.
-CHANGED_IN = {"ignore_fused_name_first": (0, 30), "refuses_group_actorder": (0, 30)}
+# (read from the released wheels' compressed_tensors/utils.py: the target order changed in 0.27.0, find_matching_patterns
+# arrived in 0.30.0; the actorder refusal is dated by the issue's reading of 0.30.0.)
+CHANGED_IN = {"ignore_fused_name_first": (0, 30), "refuses_group_actorder": (0, 30), "target_fused_before_class": (0, 27)}
 
 
 def _tuple(version: str) -> tuple[int, int]:
@@ -57,9 +65,11 @@ def installed_version() -> str | None:
 
 
 def modeled(version: str | None = None) -> VllmReleaseReader:
-    """The reader of vLLM `version` (default: the installed one, else the newest checked): a release checked here as it
-    is, another one with each behaviour as from the release CHANGED_IN names."""
-    version = version or installed_version()
+    """The reader of vLLM `version` (default: SPLICER_VLLM_VERSION, else the installed one, else the newest checked): a
+    release checked here as it is, another one with each behaviour as from the release CHANGED_IN names."""
+    import os
+
+    version = version or os.environ.get("SPLICER_VLLM_VERSION") or installed_version()
     if version is None:
         return RELEASES[-1]
     v = _tuple(version)
@@ -72,7 +82,16 @@ def modeled(version: str | None = None) -> VllmReleaseReader:
         ignore_fused_name_first=v >= CHANGED_IN["ignore_fused_name_first"],
         refuses_group_actorder=v >= CHANGED_IN["refuses_group_actorder"],
         split_group_refusal=base.split_group_refusal if v < (0, 30) else RELEASES[-1].split_group_refusal,
+        target_fused_before_class=v >= CHANGED_IN["target_fused_before_class"],
+        checked=False,
     )
+
+
+def label(release: VllmReleaseReader) -> str:
+    """How the lint names the reader it models: 'vLLM 0.33', or 'vLLM 0.28, not checked: modeled from 0.26 and 0.33'."""
+    if release.checked:
+        return f"vLLM {release.version}"
+    return f"vLLM {release.version}, not checked: modeled from " + " and ".join(r.version for r in RELEASES)
 
 
 def refusing_group_actorder() -> str:

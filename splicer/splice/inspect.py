@@ -9,7 +9,7 @@ from ..checkpoint import Checkpoint
 from ..errors import SplicerError
 from ..formats.layouts import group_format, group_scheme
 from ..formats.registry import checkpoint_format, format_of, format_or_default, read_methods, unreadable
-from ..formats.vllm_versions import modeled
+from ..formats.vllm_versions import label, modeled
 from .modules import list_modules
 from .rules import check
 
@@ -126,7 +126,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
             "dead_ignore": report.dead_ignore,
             "notes": report.notes,
             # the vLLM release whose reader the lint models (the installed one, else the newest checked)
-            "vllm_reader": modeled().version,
+            "vllm_reader": label(modeled()),
         },
         "header_digest": ckpt.header_digest(),
     }
@@ -157,7 +157,7 @@ def format_report(info: dict) -> str:
     )
     out.append("")
     issues = info["lint"]["issues"]
-    reader = f" (vLLM {info['lint']['vllm_reader']}'s reader)" if info["lint"].get("vllm_reader") else ""
+    reader = f" ({info['lint']['vllm_reader']}'s reader)" if info["lint"].get("vllm_reader") else ""
     if not issues:
         out.append(f"lint{reader}: no problems under HF or vLLM naming")
     else:

@@ -61,8 +61,9 @@ def items_from_texts(texts: dict[str, str], n: int, context_words: int = 48, see
                 vocab.setdefault(len(w), []).append(w)
     vocab = {k: sorted(set(v)) for k, v in vocab.items()}
     out: list[dict] = []
-    for name, (text, spans) in per_source.items():
-        want = n // len(texts) + (1 if len(out) < n % len(texts) else 0)
+    per_source = {k: v for k, v in per_source.items() if len(v[1]) > context_words}  # an empty text takes no share
+    for j, (name, (text, spans)) in enumerate(per_source.items()):
+        want = (n - len(out)) // (len(per_source) - j)  # what the texts before left, shared out over the rest
         i, made = context_words, 0
         step = max(context_words + 1, (len(spans) - context_words) // max(want, 1))
         while i < len(spans) and made < want:
@@ -90,7 +91,12 @@ def write_task(folder: Path, name: str, items: list[dict], sources: list[str]) -
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
         raise SplicerError(f"--name {name!r}: a task name is letters, digits, '.', '_' and '-'")
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SplicerError(
+            f"-o {folder}: cannot make that folder ({e.strerror or e.__class__.__name__}); give a folder path"
+        ) from None
     data, yaml = folder / f"{name}.jsonl", folder / f"{name}.yaml"
     text = "".join(json.dumps(it, ensure_ascii=False) + "\n" for it in items)
     write_file(data, lambda tmp: tmp.write_text(text, encoding="utf-8"))
@@ -111,18 +117,28 @@ def main(argv=None) -> int:
 
     def run() -> int:
         texts = {}
+        if len({t.resolve() for t in args.texts}) != len(args.texts):
+            raise SplicerError("the same text is given twice; give each file once")
         for t in args.texts:
             try:
-                texts[t.stem] = t.read_text(encoding="utf-8")
+                text = t.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise SplicerError(f"cannot read {t} ({e.__class__.__name__}); give UTF-8 text files") from None
+            name, k = t.stem, 2
+            while name in texts:  # two files of one stem (a/notes.txt, b/notes.txt) stay two sources
+                name, k = f"{t.stem}-{k}", k + 1
+            texts[name] = text
         if args.items < 1 or args.context_words < 1:
             raise SplicerError("--items and --context-words must be 1 or more")
         items = items_from_texts(texts, args.items, args.context_words, args.seed)
         if not items:
-            raise SplicerError("no cloze item could be cut from these texts (too short, or no words of four letters)")
-        data, yaml = write_task(args.out, args.name, items, [t.name for t in args.texts])
-        print(f"wrote {yaml} and {data}: {len(items)} items; run them with --tasks {args.name} --include-path {args.out}")
+            raise SplicerError(
+                "no cloze item could be cut from these texts (too short, or no Latin-letter words of four letters: the "
+                "items are English cloze items)"
+            )
+        data, yaml = write_task(args.out, args.name, items, [str(t) for t in args.texts])
+        short = f" (of {args.items} asked: the texts hold no more passages of that length)" if len(items) < args.items else ""
+        print(f"wrote {yaml} and {data}: {len(items)} items{short}; run them with --tasks {args.name} --include-path {args.out}")
         return 0
 
     return exit_code(run)

@@ -59,29 +59,80 @@ def check_tasks(names: list[str], include_path: Path | None):
 
             close = difflib.get_close_matches(n, sorted(known), n=3)
             hint = f"; close: {', '.join(close)}" if close else ""
-            where = f" or in {include_path}" if include_path else " (a task of your own: --include-path FOLDER)"
-            raise SplicerError(f"--tasks {n}: lm-eval knows no such task{where}{hint}")
+            where = (
+                f"in lm-eval or in {include_path}" if include_path else "in lm-eval (a task of your own: --include-path FOLDER)"
+            )
+            raise SplicerError(f"--tasks {n}: no such task {where}{hint}")
     return manager
 
 
+def _leaves(result: dict, task: str) -> list[str]:
+    """The tasks whose samples a task's figure rests on: itself, or a group's subtasks (lm-eval's group_subtasks)."""
+    subtasks = (result.get("group_subtasks") or {}).get(task)
+    if not subtasks:
+        return [task]
+    return [leaf for sub in subtasks for leaf in _leaves(result, sub)]
+
+
+def _metric_key(res: dict) -> tuple[str, str] | None:
+    """(metric, filter) of the first accuracy metric a task reports, under its first filter (lm-eval names a result
+    'METRIC,FILTER': 'acc,none', 'exact_match,strict-match')."""
+    for m in METRICS:
+        for key in res:
+            if key.startswith(f"{m},") and not key.startswith(f"{m}_stderr"):
+                return m, key.split(",", 1)[1]
+    return None
+
+
 def _per_task(result: dict, names: list[str]) -> dict:
-    """lm-eval's results and samples -> {task: {metric: value, metric_stderr: se, n, items: {doc_id: {metric: 0/1}}}}."""
+    """lm-eval's results and samples -> {task: {metric, filter, value, stderr, n, items: {doc: 0/1}}}; a group's items
+    are its subtasks' (named SUBTASK/DOC_ID), a filtered task's those of the filter its figure is taken from."""
     out = {}
     for task in names:
         res = (result.get("results") or {}).get(task) or {}
-        rec = {"n": int((result.get("n-samples") or {}).get(task, {}).get("effective") or 0)}
-        for m in METRICS:
-            if f"{m},none" in res:
-                rec[m] = res[f"{m},none"]
-                se = res.get(f"{m}_stderr,none")
-                rec[f"{m}_stderr"] = se if isinstance(se, (int, float)) else None
-        items = {}
-        for s in (result.get("samples") or {}).get(task, []):
-            items[str(s["doc_id"])] = {m: float(s[m]) for m in METRICS if m in s}
-        rec["items"] = items
-        rec["n"] = rec["n"] or len(items)
+        key = _metric_key(res)
+        rec: dict = {"metric": None, "items": {}, "n": 0}
+        if key is None:
+            out[task] = rec
+            continue
+        metric, filt = key
+        se = res.get(f"{metric}_stderr,{filt}")
+        rec.update(metric=metric, filter=filt, value=res[f"{metric},{filt}"], stderr=se if isinstance(se, (int, float)) else None)
+        leaves = _leaves(result, task)
+        for leaf in leaves:
+            for sample in (result.get("samples") or {}).get(leaf, []):
+                if sample.get("filter", "none") != filt or metric not in sample:
+                    continue
+                name = str(sample["doc_id"]) if len(leaves) == 1 else f"{leaf}/{sample['doc_id']}"
+                rec["items"][name] = float(sample[metric])
+        rec["n"] = len(rec["items"])
         out[task] = rec
     return out
+
+
+def settings_conflict(out: Path, settings: dict) -> str | None:
+    """Which recorded setting of DIR/tasks.json differs from these (None: none, or no file)."""
+    try:
+        old = json.loads((Path(out) / FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    before = (old or {}).get("settings") or {}
+    for field in ("tasks", "limit", "task_files", "lm_eval", "model"):
+        if before.get(field) != settings.get(field):
+            return f"{field}: {before.get(field)!r} -> {settings.get(field)!r}"
+    return None
+
+
+def task_settings(tasks: list[str], include_path: Path | None, limit: int | None) -> dict:
+    import lm_eval
+
+    return {
+        "tasks": tasks,
+        "limit": limit,
+        "task_files": _task_files_digest(include_path),
+        "lm_eval": getattr(lm_eval, "__version__", None),
+        "model": "torch backend (transformers' model of the family) through lm-eval's HFLM",
+    }
 
 
 def run_tasks(
@@ -94,6 +145,7 @@ def run_tasks(
     device: str = "auto",
     batch_size: int = 8,
     progress: bool = True,
+    force: bool = False,
 ) -> dict:
     """Run lm-eval's tasks on rows of DIR (default: every finished row but repeats) and write DIR/tasks.json."""
     out = Path(out)
@@ -116,13 +168,13 @@ def run_tasks(
 
     if not progress:  # lm-eval draws its own progress bars (tqdm) for every request batch
         os.environ.setdefault("TQDM_DISABLE", "1")
-    settings = {
-        "tasks": tasks,
-        "limit": limit,
-        "task_files": _task_files_digest(include_path),
-        "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
-        "model": "torch backend (transformers' model of the family) through lm-eval's HFLM",
-    }
+    settings = task_settings(tasks, include_path, limit)
+    conflict = settings_conflict(out, settings)
+    if conflict and not force:
+        raise SplicerError(
+            f"{out / FILE} holds task results of other settings ({conflict}); pass --force to replace them, or run "
+            "the same --tasks, --include-path files and --limit"
+        )
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     path = out / FILE
     stages = Stages(quiet=not progress, log_path=out / "tasks.log")
