@@ -149,4 +149,20 @@ def test_a_gptq_build_with_desc_act_is_told_which_releases_refuse_it(tmp_path):
     cfg["quantization_config"]["desc_act"] = True
     (build / "config.json").write_text(json.dumps(cfg))
     lint = inspect_checkpoint(open_checkpoint(build, "checkpoint"))["lint"]
-    assert any("desc_act=true" in i["detail"] and "vLLM 0.30 and later" in i["detail"] for i in lint["issues"])
+    assert any("desc_act=true with group_size" in i["detail"] and "vLLM 0.30 and later" in i["detail"] for i in lint["issues"])
+
+
+def test_desc_act_is_refused_as_vllm_0_33_refuses_it():
+    """Cases read from vLLM 0.33.0's gptq_utils.normalize_and_validate_gptq_desc_act: desc_act with group_size -1 is
+    dropped as a no-op, not refused; a dynamic rule (not a `-:` exclusion) that turns it on with groups is refused."""
+    from splicer.formats.gptq import desc_act_refused
+
+    assert desc_act_refused({"desc_act": True, "group_size": 128})
+    assert desc_act_refused({"desc_act": True, "group_size": -1}) is None
+    assert desc_act_refused({"desc_act": False, "group_size": 128}) is None
+    assert "dynamic rule" in desc_act_refused(
+        {"desc_act": False, "group_size": 128, "dynamic": {"+:.*q_proj": {"desc_act": True}}}
+    )
+    assert desc_act_refused({"desc_act": False, "group_size": 128, "dynamic": {"-:.*q_proj": {"desc_act": True}}}) is None
+    assert desc_act_refused({"desc_act": True, "group_size": -1, "dynamic": {".*q_proj": {"group_size": -1}}}) is None
+    assert desc_act_refused({"desc_act": True, "group_size": -1, "dynamic": {".*q_proj": {"group_size": 32}}})

@@ -18,6 +18,21 @@ def _dynamic_negative(qc: dict) -> list[tuple[str, re.Pattern]]:
     return [(k, re.compile(k[2:])) for k in (qc.get("dynamic") or {}) if k.startswith("-:")]
 
 
+def desc_act_refused(qc: dict) -> str | None:
+    """What of a GPTQ config vLLM 0.30+ refuses as group activation ordering, or None: desc_act with groups (with one
+    group per output channel, group_size -1, ordering is a no-op and is dropped), in the config or in a `dynamic`
+    rule's overrides (vLLM 0.33 gptq_utils.normalize_and_validate_gptq_desc_act; `-:` rules exclude, they set nothing)."""
+    desc_act, group_size = bool(qc.get("desc_act")), qc.get("group_size")
+    if desc_act and group_size != -1:
+        return f"desc_act=true with group_size {group_size}"
+    for pattern, overrides in (qc.get("dynamic") or {}).items():
+        if pattern.startswith("-:") or not isinstance(overrides, dict):
+            continue
+        if overrides.get("desc_act", desc_act) and overrides.get("group_size", group_size) != -1:
+            return f"dynamic rule {pattern!r} enables desc_act with groups"
+    return None
+
+
 class GptqHfReader:
     """GPTQModel's view (HF names): every Linear of a decoder or MTP layer is quantized unless a `-:` rule of
     `dynamic` re.matches its name; lm_head only with `lm_head: true`."""
@@ -135,11 +150,12 @@ class Gptq(QuantFormat):
         want = (qc.get("bits"), qc.get("group_size"))
         if bits and bits != {want}:
             report.add("scheme-mismatch", "hf", f"config says {want[0]}-bit g{want[1]}, tensors are {sorted(bits)}")
-        if qc.get("desc_act"):
+        refused = desc_act_refused(qc)
+        if refused:
             from .vllm_versions import modeled, refusing_group_actorder
 
             text = (
-                f"desc_act=true (activation ordering) is refused by {refusing_group_actorder()}; "
+                f"{refused}: group activation ordering, refused by {refusing_group_actorder()}; "
                 're-quantize with desc_act=false (or, through llm-compressor, actorder="weight")'
             )
             # a problem where the release modeled refuses it, a note where only later ones do
