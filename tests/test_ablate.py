@@ -278,7 +278,7 @@ def test_speed_table_separates_an_engine_start_from_the_wait_for_it():
 
 def test_report_sentences_are_the_recorded_verdicts(finished, capsys):
     """splicer report: one sentence per row, its figures and verdict words taken from results.json's paired estimates."""
-    from splicer.analysis.table import fmt_change
+    from splicer.analysis.formatting import fmt_change
 
     out, results = finished
     assert main(["report", str(out)]) == 0

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from splicer.analysis.table import fmt_change, render
+from splicer.analysis.formatting import fmt_change
+from splicer.analysis.table import render
 
 RESULTS = Path(__file__).parents[1] / "results"
 TEXT = {"variant", "restored", "status", "error", "repeat_of"}

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..io import results_record
+from .formatting import fmt_change
 from .metrics import TOO_FEW_NOTE, excludes_zero
-from .table import fmt_change
 
 
 def _score_clause(cmp: dict | None, label: str, scale: float, unit: str, rel: bool, digits: int | None = None) -> str | None:

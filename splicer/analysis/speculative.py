@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .formatting import fmt_paired_pp
 from .metrics import MIN_SEQUENCES, decode_difference, excludes_zero, small_sample_half_width
 
 # A drafter whose tokens are (almost) never accepted was built from missing or random weights (a checkpoint whose
@@ -172,7 +173,7 @@ def summarize(record: dict, reps: int = 2000) -> dict:
         plain = [b for b in (_blocks(x) for x in ks.get(0, [])) if b]
         rows = out.setdefault(row, {})
         if plain:
-            rows["0"] = {"decode_ms_per_token": _median_of(ks[0]), "engines": len(plain)}
+            rows["0"] = {"decode_ms_per_token": _mean_over_engines(ks[0]), "engines": len(plain)}
         for k, es in sorted(ks.items()):
             if k == 0:
                 continue
@@ -202,7 +203,7 @@ def summarize(record: dict, reps: int = 2000) -> dict:
             fig["draft_tokens"] = sum(c["draft_tokens"])
             mtp_blocks = [b for b in (_blocks(x) for x in es) if b]
             if mtp_blocks:
-                fig["decode_ms_per_token"] = _median_of(es)
+                fig["decode_ms_per_token"] = _mean_over_engines(es)
             if mtp_blocks and plain:
                 # with the drafter against the same row without it (rel < 0: speculative decoding is faster); the
                 # engine-to-engine spread from the other (row, k) pairs timed twice, these two counted once
@@ -224,7 +225,8 @@ def summarize(record: dict, reps: int = 2000) -> dict:
     return out
 
 
-def _median_of(engines: list[dict]) -> float | None:
+def _mean_over_engines(engines: list[dict]) -> float | None:
+    """The mean of the engines' decode ms/token (each engine's own figure is the median of its runs)."""
     vals = [(e.get("timing") or {}).get("decode_ms_per_token") for e in engines]
     vals = [v for v in vals if v is not None]
     return sum(vals) / len(vals) if vals else None
@@ -256,16 +258,6 @@ def _pct(fig: dict | None, digits: int = 1) -> str:
     ci = fig.get("ci")
     text = f"{100 * fig['value']:.{digits}f} %"
     return text + (f" [{100 * ci[0]:.{digits}f}, {100 * ci[1]:.{digits}f}]" if ci else "")
-
-
-def _diff_pp(cmp: dict | None) -> str:
-    if not cmp or cmp.get("diff") is None:
-        return ""
-    ci = cmp.get("ci")
-    text = f"{100 * cmp['diff']:+.1f}"
-    if ci:
-        text += f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" + ("" if cmp.get("significant") else " n.s.")
-    return text
 
 
 def _decode_cell(fig: dict) -> str:
@@ -310,7 +302,7 @@ def table_rows(spec: dict, order: list[str]) -> list[list[str]]:
                     f"{length['value']:.2f}" + (f" [{length['ci'][0]:.2f}, {length['ci'][1]:.2f}]" if length.get("ci") else "")
                     if length.get("value") is not None
                     else "",
-                    _diff_pp(fig.get("vs_build")) if name != spec["record"].get("build_row") else "",
+                    fmt_paired_pp(fig.get("vs_build")) if name != spec["record"].get("build_row") else "",
                     f"{plain:.3f} → {mtp:.3f}" if plain is not None and mtp is not None else "",
                     _decode_cell(fig),
                 ]
@@ -398,7 +390,7 @@ def sentences(spec: dict, order: list[str] | None = None) -> list[str]:
             vs = fig.get("vs_build")
             if name != build and vs and vs.get("diff") is not None:
                 verdict = "" if vs.get("significant") else ", not significant"
-                text += f"; {_diff_pp(vs).replace(' n.s.', '')} pp against the build{verdict}"
+                text += f"; {fmt_paired_pp(vs).replace(' n.s.', '')} pp against the build{verdict}"
             d = fig.get("decode_vs_plain")
             plain = (ks.get("0") or {}).get("decode_ms_per_token")
             if d and d.get("rel") is not None:

@@ -66,7 +66,7 @@ from pathlib import Path
 from ..backends import results_wording
 from ..errors import SplicerError
 from ..io import results_record
-from . import speculative, task_scores
+from .formatting import fmt_change_verdict
 from .metrics import TOO_FEW_NOTE, excludes_zero
 
 
@@ -191,26 +191,6 @@ def _fmt(x: float | None, spec: str, suffix: str = "", missing: str = "") -> str
     return missing if x is None else f"{x:{spec}}{suffix}"
 
 
-def fmt_change(
-    x: float, lo: float | None, hi: float | None, scale: float = 100, unit: str = " %", digits: int | None = None
-) -> str:
-    """'+2.7 % [+1.9, +3.5]': two decimals where every figure is below 10 (so a small interval is not shown as 0.0)."""
-    small = max(abs(scale * v) for v in (x, lo, hi) if v is not None) < 10
-    d = digits if digits is not None else 2 if small else 1
-    text = f"{scale * x:+.{d}f}{unit}"
-    return text + (f" [{scale * lo:+.{d}f}, {scale * hi:+.{d}f}]" if lo is not None and hi is not None else "")
-
-
-def _change(x, lo, hi, verdict, scale: float, unit: str, quiet: str, digits: int | None = None, note: str | None = None) -> str:
-    """fmt_change, with `quiet` after it when the interval includes 0 (verdict False), or the note saying why there is
-    no interval (too few sequences or groups)."""
-    if x is None:
-        return ""
-    return fmt_change(x, lo, hi, scale, unit, digits) + (
-        f" {quiet}" if verdict is False else f" ({note})" if note and lo is None else ""
-    )
-
-
 def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
     """The Markdown table: headers, rows of formatted cells (from records()), notes."""
     corpora = list(results.get("corpora", {}))
@@ -254,7 +234,7 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
         if bw:
             row.append(_fmt(r["floor_ms_per_token"], ".3f"))
         row.append(
-            _change(
+            fmt_change_verdict(
                 r["decode_change_vs_build"],
                 r["decode_change_ci_low"],
                 r["decode_change_ci_high"],
@@ -265,7 +245,7 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
             )
         )
         row.append(
-            _change(
+            fmt_change_verdict(
                 r["kl_change_vs_build"],
                 r["kl_change_ci_low"],
                 r["kl_change_ci_high"],
@@ -277,7 +257,7 @@ def _rows(results: dict) -> tuple[list[str], list[list], list[str]]:
             )
         )
         row.append(
-            _change(
+            fmt_change_verdict(
                 r["top1_change_vs_build"],
                 r["top1_change_ci_low"],
                 r["top1_change_ci_high"],
@@ -523,7 +503,7 @@ def splice_vs_requantized_rows(results: dict) -> tuple[list[str], list[list]] | 
         if kl.get("rel") is None:
             return ""
         ci, note = kl.get("rel_ci") or (None, None), TOO_FEW_NOTE.get(kl.get("why"))
-        return _change(kl["rel"], *ci, excludes_zero(kl.get("rel_ci")), 100, " %", "n.s.", note=note)
+        return fmt_change_verdict(kl["rel"], *ci, excludes_zero(kl.get("rel_ci")), 100, " %", "n.s.", note=note)
 
     def paired(cmp, scale, unit, digits, rel=False):
         cmp = (cmp or {}).get("pooled") or {}
@@ -531,7 +511,7 @@ def splice_vs_requantized_rows(results: dict) -> tuple[list[str], list[list]] | 
         if x is None:
             return ""
         note = TOO_FEW_NOTE.get(cmp.get("why"))
-        return _change(x, *(ci or (None, None)), excludes_zero(ci), scale, unit, "n.s.", digits, note=note)
+        return fmt_change_verdict(x, *(ci or (None, None)), excludes_zero(ci), scale, unit, "n.s.", digits, note=note)
 
     headers = [
         "classes left in BF16",
@@ -588,22 +568,19 @@ def render_markdown(results: dict, out: Path | None = None) -> str:
         text += "\n\nSplice against re-quantize:\n\n"
         text += tabulate(pairs[1], headers=pairs[0], tablefmt="github", disable_numparse=True)
         text += f"\n\n- {SPLICE_VS_REQUANTIZED_NOTE}"
-    tasks = task_scores.load(out) if out is not None else None
-    if tasks:
+    if out is not None:  # what the later stages wrote into DIR, each its own section
+        from . import speculative, task_scores
+
         order = [v["name"] for v in results.get("variants", [])]
-        text += "\n\nTask accuracy (lm-evaluation-harness):\n\n"
-        text += tabulate(
-            task_scores.table_rows(tasks, order), headers=task_scores.HEADERS, tablefmt="github", disable_numparse=True
-        )
-        text += f"\n\n- {task_scores.note(tasks)}"
-    spec = speculative.load(out) if out is not None else None
-    if spec:
-        order = [v["name"] for v in results.get("variants", [])]
-        text += "\n\nMTP acceptance (speculative decoding in vLLM):\n\n"
-        text += tabulate(
-            speculative.table_rows(spec, order), headers=speculative.HEADERS, tablefmt="github", disable_numparse=True
-        )
-        text += f"\n\n- {speculative.note(spec)}"
+        for module, title in (
+            (task_scores, "Task accuracy (lm-evaluation-harness)"),
+            (speculative, "MTP acceptance (speculative decoding in vLLM)"),
+        ):
+            spec = module.load(out)
+            if spec:
+                rows = module.table_rows(spec, order)
+                text += f"\n\n{title}:\n\n" + tabulate(rows, headers=module.HEADERS, tablefmt="github", disable_numparse=True)
+                text += f"\n\n- {module.note(spec)}"
     speed = speed_rows(results)
     heading = results_wording(results.get("backend")).start_up_heading
     if speed and heading:
@@ -690,7 +667,7 @@ def compare(out_dir: Path, a: str, b: str) -> str:
         if x is None:
             return ""
         note = TOO_FEW_NOTE.get(cmp.get("why"))
-        return _change(x, *(ci or (None, None)), excludes_zero(ci), scale, "", "n.s.", digits, note=note)
+        return fmt_change_verdict(x, *(ci or (None, None)), excludes_zero(ci), scale, "", "n.s.", digits, note=note)
 
     rows = []
     pooled = "pooled over corpora (position-weighted)"

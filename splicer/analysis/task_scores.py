@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .formatting import fmt_paired_pp
 from .metrics import MIN_SEQUENCES, paired_comparison, wilson
 
 FILE = "tasks.json"
@@ -67,19 +68,6 @@ def _acc(fig: dict) -> str:
     return text + (f" ± {100 * se:.1f} s.e." if se is not None else "")
 
 
-def _diff(fig: dict) -> str:
-    vs = fig.get("vs_build")
-    if not vs or vs.get("diff") is None:
-        return ""
-    ci = vs.get("ci")
-    text = f"{100 * vs['diff']:+.1f}"
-    if ci:
-        text += f" [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" + ("" if vs.get("significant") else " n.s.")
-    elif vs.get("why"):
-        text += f" ({vs['why']} for an interval)"
-    return text
-
-
 HEADERS = ["variant", "task", "metric", "items", "score [95 %]", "Δ vs build, pp [95 %]"]
 
 
@@ -87,7 +75,16 @@ def table_rows(spec: dict, order: list[str]) -> list[list[str]]:
     summary, rows = spec["summary"], []
     for name in [n for n in order if n in summary] + [n for n in summary if n not in order]:
         for task, fig in summary[name].items():
-            rows.append([name, task, fig.get("metric") or "no accuracy metric", str(fig.get("n") or ""), _acc(fig), _diff(fig)])
+            rows.append(
+                [
+                    name,
+                    task,
+                    fig.get("metric") or "no accuracy metric",
+                    str(fig.get("n") or ""),
+                    _acc(fig),
+                    fmt_paired_pp(fig.get("vs_build")),
+                ]
+            )
     failed = {r: e for r, e in (spec["record"].get("rows") or {}).items() if e.get("status") != "ok"}
     for r, e in failed.items():
         rows.append([r, "", "", "", f"failed: {str(e.get('error', ''))[:200]}", ""])
@@ -118,7 +115,7 @@ def sentences(spec: dict) -> list[str]:
             vs = fig.get("vs_build")
             if name != build and vs and vs.get("diff") is not None and vs.get("ci"):
                 verdict = "" if vs.get("significant") else ", not significant"
-                text += f"; {_diff(fig).replace(' n.s.', '')} pp against the build{verdict}"
+                text += f"; {fmt_paired_pp(fig.get('vs_build')).replace(' n.s.', '')} pp against the build{verdict}"
             out.append(text + ".")
     for row, e in (spec["record"].get("rows") or {}).items():
         if e.get("status") != "ok":

@@ -50,3 +50,9 @@ def results_wording(name) -> ResultsWording:
     """How a results table words the figures of backend NAME (results.json's `backend`); the defaults for a name no
     backend has."""
     return backend_type(name).results_wording if name in BACKENDS else ResultsWording()
+
+
+def task_backend(device: str, log_dir):
+    """The backend whose model lm-evaluation-harness scores (`splicer tasks`): the torch reference, whose model is a
+    transformers PreTrainedModel that lm-eval's HF model takes as it is (lm_eval_model)."""
+    return options_type("torch")().make_backends(device, log_dir)[0]

@@ -181,9 +181,9 @@ def run_tasks(
     with exclusive(out / ".lock", f"another splicer command is writing to {out}; wait for it to finish", in_place=True):
         record = _resume(path, digest)
         record.update(schema=SCHEMA, settings=settings, settings_digest=digest)
-        from ..backends import options_type
+        from ..backends import task_backend
 
-        backend = options_type("torch")().make_backends(device, out / "task-logs")[0]
+        backend = task_backend(device, out / "task-logs")
         base = Path(results["inputs"]["base"]["source"])
         build = next((n for n, v in ok.items() if v.get("restored") == [] and not v.get("repeat_of")), None)
         record["build_row"] = build

@@ -1,0 +1,36 @@
+"""How the tables and reports write a change with its interval: '+2.7 % [+1.9, +3.5]', 'n.s.' when the interval
+includes 0, the reason when there is none (table.py, report.py and the later stages' sections all write them so)."""
+
+from __future__ import annotations
+
+
+def fmt_change(
+    x: float, lo: float | None, hi: float | None, scale: float = 100, unit: str = " %", digits: int | None = None
+) -> str:
+    """'+2.7 % [+1.9, +3.5]': two decimals where every figure is below 10 (so a small interval is not shown as 0.0)."""
+    small = max(abs(scale * v) for v in (x, lo, hi) if v is not None) < 10
+    d = digits if digits is not None else 2 if small else 1
+    text = f"{scale * x:+.{d}f}{unit}"
+    return text + (f" [{scale * lo:+.{d}f}, {scale * hi:+.{d}f}]" if lo is not None and hi is not None else "")
+
+
+def fmt_change_verdict(
+    x, lo, hi, verdict, scale: float, unit: str, quiet: str, digits: int | None = None, note: str | None = None
+) -> str:
+    """fmt_change, with `quiet` after it when the interval includes 0 (verdict False), or the note saying why there is
+    no interval (too few sequences or groups)."""
+    if x is None:
+        return ""
+    return fmt_change(x, lo, hi, scale, unit, digits) + (
+        f" {quiet}" if verdict is False else f" ({note})" if note and lo is None else ""
+    )
+
+
+def fmt_paired_pp(cmp: dict | None) -> str:
+    """A paired difference of two shares in points: '+1.1 [-1.4, +3.6] n.s.', or '+0.0 (fewer than 5 items for an
+    interval)' where cmp says why it has none (cmp: diff, ci, significant, why)."""
+    if not cmp or cmp.get("diff") is None:
+        return ""
+    lo, hi = cmp.get("ci") or (None, None)
+    why = f"{cmp['why']} for an interval" if cmp.get("why") else None
+    return fmt_change_verdict(cmp["diff"], lo, hi, cmp.get("significant"), 100, "", "n.s.", 1, note=why)
