@@ -182,7 +182,7 @@ def _cmd_ablate(args) -> int:
         from .tasks.run import check_tasks, settings_conflict, task_settings
 
         check_tasks(task_names, args.include_path)
-        conflict = settings_conflict(Path(args.out), task_settings(task_names, args.include_path, args.task_limit))
+        conflict = settings_conflict(Path(args.out), task_settings(task_names, args.include_path, args.task_limit, args.backend))
         if conflict:
             raise SplicerError(
                 f"{Path(args.out) / 'tasks.json'} holds task results of other settings ({conflict}); run `splicer tasks "
@@ -252,7 +252,13 @@ def _cmd_ablate(args) -> int:
         from .tasks.run import run_tasks
 
         record = run_tasks(
-            args.out, task_names, include_path=args.include_path, limit=args.task_limit, device=device, progress=not args.quiet
+            args.out,
+            task_names,
+            include_path=args.include_path,
+            limit=args.task_limit,
+            device=device,
+            progress=not args.quiet,
+            backend=args.backend,
         )
         task_failed = [r for r, e in record["rows"].items() if e.get("status") != "ok"]
         print(f"wrote {args.out / 'tasks.json'}: {', '.join(task_names)} on {len(record['rows'])} rows")
@@ -425,6 +431,7 @@ def _cmd_tasks(args) -> int:
         batch_size=args.batch_size,
         progress=not args.quiet,
         force=args.force,
+        backend=args.backend,
     )
     spec = task_scores.load(args.dir)
     order = [v["name"] for v in results_record.load(args.dir).get("variants", [])]
@@ -769,9 +776,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="task accuracy per variant of a results folder through lm-evaluation-harness (accuracy, s.e., paired vs build)",
         description="Run lm-evaluation-harness tasks on every finished row of DIR (or --rows): accuracy with its standard "
         "error per task and the paired difference from the build on the same items; DIR/tasks.json, and a section of "
-        "DIR/table.md and DIR/report.md. The model is the torch backend's (transformers' model of the family with the "
-        "row's weights) on --device. Offline, a task of your own: python -m splicer.tasks.cloze TEXT... -o FOLDER, "
-        "then --tasks cloze --include-path FOLDER; with network, lm-eval's own tasks (--tasks mmlu,gsm8k).",
+        "DIR/table.md and DIR/report.md. The model is the one DIR was scored with (or --backend's), with DIR's options: "
+        "through vLLM, lm-eval's VLLM model with DIR's engine arguments, one engine per row; through the torch backend, "
+        "lm-eval's HF model over transformers' model of the family with the row's weights, on --device. Offline, a task "
+        "of your own: python -m splicer.tasks.cloze TEXT... -o FOLDER, then --tasks cloze --include-path FOLDER; with "
+        "network, lm-eval's own tasks (--tasks mmlu,gsm8k).",
     )
     s.add_argument("dir", metavar="DIR", type=Path, help="a results folder splicer ablate or score wrote")
     s.add_argument("--tasks", required=True, help="comma list of lm-eval task names")
@@ -779,8 +788,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rows", help="comma list of DIR's rows (default: every finished row but repeats)")
     s.add_argument("--limit", type=_count(1), help="only the first N items of each task")
     s.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when there is one)")
-    s.add_argument("--batch-size", type=_count(1, 4096), default=8)
-    s.add_argument("--force", action="store_true", help="replace DIR/tasks.json made with other tasks, task files or --limit")
+    from .backends import BACKENDS
+
+    s.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="the model lm-eval drives (default: the backend DIR was scored with); its options are DIR's",
+    )
+    s.add_argument(
+        "--batch-size", type=_count(1, 4096), help="lm-eval's batch size (default: 8 on the torch backend, all at once on vLLM)"
+    )
+    s.add_argument(
+        "--force", action="store_true", help="replace DIR/tasks.json made with other tasks, task files, --limit or model"
+    )
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=_cmd_tasks)
 

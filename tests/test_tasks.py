@@ -130,3 +130,62 @@ def test_bad_task_inputs_are_one_line_before_anything_runs(scored, pairs, tmp_pa
     assert "no such task in lm-eval" in capsys.readouterr().err
     assert main(["ablate", "build", str(p["lowlatency"]), str(p["base"]), "-o", str(fresh), "--include-path", str(tasks)]) == 2
     assert "add --tasks" in capsys.readouterr().err and not fresh.exists()
+
+
+FAKE = Path(__file__).parent / "fake_vllm"
+FAKE_META = Path(__file__).parent / "fake_vllm_meta"  # its package metadata: lm-eval's VLLM model reads vLLM's version
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """The stand-in vLLM (tests/fake_vllm: the torch reference behind vLLM's entry points, not vLLM) for the worker
+    processes, on a machine without CUDA."""
+    import importlib
+    import os
+
+    monkeypatch.syspath_prepend(str(FAKE_META))  # spawned workers start from this process's sys.path
+    monkeypatch.syspath_prepend(str(FAKE))
+    path = [str(FAKE), str(FAKE_META), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
+    import splicer.backends.vllm_backend as vb
+
+    importlib.reload(vb)
+    orig = vb.VllmBackend.__init__
+    monkeypatch.setattr(vb.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, **dict(k, require_cuda=False)))
+    return vb
+
+
+def test_tasks_through_lm_evals_vllm_model_answer_as_the_torch_model_does(scored, fake_vllm, monkeypatch, capsys):
+    """--backend vllm: lm-eval's own VLLM model, built in the vLLM backend's worker process from DIR's engine
+    arguments, scores every item as lm-eval's HF model over the torch reference does (the stand-in computes its
+    log-probs with that reference, so any difference is in splicer's plumbing); a different model is another run."""
+    out, tasks = scored
+    argv = ["tasks", str(out), "--tasks", "cloze", "--include-path", str(tasks), "--rows", "build", "-q"]
+    monkeypatch.setenv("FAKE_VLLM_ECHO", "tasks-engine")
+    assert main([*argv, "--backend", "vllm", "--force"]) == 0
+    record = json.loads((out / "tasks.json").read_text())
+    assert record["settings"]["model"] == "vLLM engine with DIR's engine arguments through lm-eval's VLLM model"
+    through_vllm = record["rows"]["build"]["tasks"]["cloze"]
+    assert through_vllm["n"] == 10 and through_vllm["metric"] == "acc"
+    logs = list((out / "task-logs").glob("*-tasks*.log"))
+    assert logs and "FAKE_VLLM_ECHO=tasks-engine" in "".join(p.read_text() for p in logs)  # the engine ran in the worker
+    capsys.readouterr()
+    assert main([*argv, "--backend", "torch"]) == 2  # another model: refused in one line, not mixed in
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "model:" in err and "--force" in err
+    assert main([*argv, "--backend", "torch", "--force"]) == 0
+    through_torch = json.loads((out / "tasks.json").read_text())["rows"]["build"]["tasks"]["cloze"]
+    assert through_vllm["items"] == through_torch["items"] and through_vllm["value"] == pytest.approx(through_torch["value"])
+
+
+def test_a_row_whose_engine_fails_under_lm_eval_is_recorded_and_the_run_says_so(scored, fake_vllm, monkeypatch, capsys):
+    out, tasks = scored
+    monkeypatch.setenv("FAKE_VLLM_FAIL_ON", "all")  # the stand-in refuses to build the engine of row `all`
+    argv = ["tasks", str(out), "--tasks", "cloze", "--include-path", str(tasks), "--backend", "vllm", "--force", "-q"]
+    capsys.readouterr()
+    assert main(argv) == 1
+    rows = json.loads((out / "tasks.json").read_text())["rows"]
+    assert rows["build"]["status"] == "ok" and rows["all"]["status"] == "error"
+    assert "quantization schemes" in rows["all"]["error"]
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "all" in err

@@ -52,7 +52,7 @@ def results_wording(name) -> ResultsWording:
     return backend_type(name).results_wording if name in BACKENDS else ResultsWording()
 
 
-def task_backend(device: str, log_dir):
-    """The backend whose model lm-evaluation-harness scores (`splicer tasks`): the torch reference, whose model is a
-    transformers PreTrainedModel that lm-eval's HF model takes as it is (lm_eval_model)."""
-    return options_type("torch")().make_backends(device, log_dir)[0]
+def task_backend(name: str, settings: dict, device: str, log_dir):
+    """The backend whose model lm-evaluation-harness scores (`splicer tasks`): backend NAME with the options a results
+    folder's job recorded (settings), one engine at a time (its options' tasks()); it implements evaluate_tasks."""
+    return options_type(name).from_job(settings).tasks().make_backends(device, log_dir)[0]

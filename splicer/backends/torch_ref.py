@@ -136,6 +136,19 @@ class TorchBackend:
         self.model = model
         self.folder = Path(folder)
 
+    # What `splicer tasks` records as the model lm-eval scored (tasks.json's settings: another model is another run).
+    task_model = "torch backend (transformers' model of the family) through lm-eval's HFLM"
+
+    def evaluate_tasks(self, folder: Path, tokenizer_folder: Path, request: dict) -> dict:
+        """lm-eval's tasks on folder's model in this process (lm_eval_tasks.evaluate: request and what comes back)."""
+        from .lm_eval_tasks import evaluate
+
+        self.load(folder)
+        try:
+            return evaluate(self.lm_eval_model(tokenizer_folder, int(request.get("batch_size") or 8)), request)
+        finally:
+            self.unload()
+
     def lm_eval_model(self, tokenizer_folder: Path, batch_size: int = 8):
         """The loaded model as lm-evaluation-harness's HF model (its own log-likelihood and generation code over this
         very model instance), with the base's tokenizer."""
@@ -358,6 +371,9 @@ class TorchOptions:
 
     def speculative(self) -> None:
         return None  # transformers' model of the family has no MTP head: no speculative decoding here
+
+    def tasks(self) -> TorchOptions:
+        return self  # lm-eval's HF model over this backend's model, as the rows were scored
 
     @classmethod
     def option_names(cls) -> set[str]:

@@ -303,6 +303,10 @@ class VllmOptions:
         """One engine at a time, alone on the GPU: the speculative engines are timed, so none starts ahead."""
         return replace(self, overlap_starts=0, rewake_before_timing=False, precompile=0, gpus=None)
 
+    def tasks(self) -> VllmOptions:
+        """One engine at a time: lm-eval builds its own engine from these arguments, so none starts ahead."""
+        return replace(self, overlap_starts=0, rewake_before_timing=False, precompile=0, gpus=None)
+
     def check_loadable(self, ckpt, modules: dict | None = None) -> None:
         pass  # vLLM loads a format or refuses it when the row's engine starts: that row fails, the others run
 
@@ -673,6 +677,34 @@ class VllmBackend:
         spec-decode counters counted for it (vllm_outputs.spec_decode_delta; all 0 on an engine without a drafter)."""
         answers = self._call("speculate", [list(p) for p in prompts], int(new_tokens))
         return [{"tokens": a["tokens"], **spec_decode_delta(a["before"], a["after"], k)} for a in answers]
+
+    # What `splicer tasks` records as the model lm-eval scored (tasks.json's settings: another model is another run).
+    task_model = "vLLM engine with DIR's engine arguments through lm-eval's VLLM model"
+
+    def evaluate_tasks(self, folder: Path, tokenizer_folder: Path, request: dict) -> dict:
+        """lm-eval's tasks on folder through lm-eval's own VLLM model, built in the worker process with this backend's
+        engine arguments and environment (lm-eval's VLLM hands its keyword arguments to vllm.LLM) and released after,
+        as an engine of a row is; lm_eval_tasks.evaluate says what comes back. A failure is a RuntimeError of one line
+        naming that engine's log (which holds the traceback), and the worker is replaced."""
+        self.unload()
+        worker = self.workers[0]
+        if not worker.alive():
+            worker.stop()
+            worker.spawn()
+        worker.wait_started()
+        log = self._fresh_log(f"{Path(folder).name}-tasks")
+        # lm-eval gives the engine the tokenizer it reads itself (the base's): one tokenizer for both sides
+        args = {k: v for k, v in self.engine_args.items() if k not in ("tokenizer", "skip_tokenizer_init")}
+        self.active = worker
+        try:
+            return worker.call(
+                "lm_eval", str(folder), str(tokenizer_folder), args, str(log), request, timeout=self.start_timeout_s + 7200
+            )
+        except RuntimeError as e:
+            worker.stop()  # the worker ends itself after a failed evaluation; the next row starts a fresh one
+            raise RuntimeError(f"{str(e).splitlines()[0] if str(e) else e!r} (the engine's log: {log})") from None
+        finally:
+            self.active = None
 
     def drafter_layers(self) -> dict:
         """Per-layer quantization method of the speculative drafter (MTP head), as for the main model."""

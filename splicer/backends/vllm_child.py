@@ -245,6 +245,26 @@ def child_worker(conn, env: dict, log_path: str) -> None:
             out.append({"tokens": list(res[0].outputs[0].token_ids), "before": before, "after": metrics(SPEC_PREFIX)})
         return out
 
+    def lm_eval(folder, tokenizer, engine_args, variant_log, request):
+        """lm-eval's VLLM model on folder (it builds the engine from engine_args), evaluated here; the engine is released
+        before the answer goes back, so the GPU is free for the next row."""
+        nonlocal llm
+        _redirect_output(variant_log)
+        from lm_eval.models.vllm_causallms import VLLM
+
+        from .lm_eval_tasks import evaluate
+
+        unload()
+        batch = request.get("batch_size") or "auto"  # "auto": every request at once, vLLM's scheduler batches them
+        lm = VLLM(pretrained=folder, tokenizer=tokenizer, batch_size=batch, **engine_args)
+        llm = lm.model  # released by unload(), here or when the worker stops
+        try:
+            return evaluate(lm, request)
+        finally:
+            lm.model = None
+            del lm
+            unload()
+
     def drafter_layers():
         res = llm.collective_rpc(_drafter_probe)
         return res[0] if isinstance(res, list) and res else res
@@ -276,6 +296,7 @@ def child_worker(conn, env: dict, log_path: str) -> None:
         "drafter_layers": drafter_layers,
         "metrics": metrics,
         "speculate": speculate,
+        "lm_eval": lm_eval,
     }
     conn.send(("started", {"import_s": import_s}))
     while True:
@@ -287,7 +308,7 @@ def child_worker(conn, env: dict, log_path: str) -> None:
         except BaseException as e:
             traceback.print_exc()
             conn.send(("error", f"{e.__class__.__name__}: {e}"))
-            if msg[0] == "load":  # a failed start can leave a half-built engine holding GPU memory: end the process
+            if msg[0] in ("load", "lm_eval"):  # a failed start can leave a half-built engine holding GPU memory: end the process
                 break
     llm = None  # drop the engine before answering, so the GPU is free when the parent moves on
     conn.send(("stopped", None))

@@ -4,9 +4,10 @@ from the build on the same items. Reads DIR/results.json (the rows and the folde
 does); writes DIR/tasks.json after every row (a rerun with the same tasks keeps finished rows) and rewrites table.md
 and report.md with a task section.
 
-The model lm-eval scores is the torch backend's: transformers' own model of the family, filled with the row's
-weights (quantized modules dequantized as compressed-tensors reads them), on --device. Through vLLM (lm-eval's VLLM
-model with DIR's engine arguments) is not built yet: a folder scored with vLLM gets the same torch model here.
+The model lm-eval scores is the backend's that scored DIR (or --backend's), with DIR's recorded options: through vLLM,
+lm-eval's own VLLM model with DIR's engine arguments, one engine per row; through the torch backend, lm-eval's HF model
+over transformers' model of the family filled with the row's weights (quantized modules dequantized as
+compressed-tensors reads them), on --device.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 
 from ..ablate.common import atomic_json, row_folder
 from ..analysis.task_scores import FILE, summarize
+from ..backends import backend_type, task_backend
+from ..backends.lm_eval_tasks import task_manager as check_tasks
 from ..errors import SplicerError
 from ..io import results_record
 from ..io.outputs import exclusive
@@ -36,34 +39,6 @@ def _task_files_digest(include_path: Path | None) -> str:
                 h.update(p.name.encode())
                 h.update(p.read_bytes())
     return h.hexdigest()[:16]
-
-
-def check_tasks(names: list[str], include_path: Path | None):
-    """lm-eval's task registry, with DIR's own folder of YAMLs; an unknown name is one line listing what is close."""
-    try:
-        from lm_eval.tasks import TaskManager
-    except ImportError:
-        raise SplicerError("task accuracy needs lm-evaluation-harness: pip install 'splicer[tasks]'") from None
-    if include_path is not None and not Path(include_path).is_dir():
-        raise SplicerError(f"--include-path {include_path}: not a folder; give the folder that holds the task YAMLs")
-    if include_path is not None:
-        # lm-eval's own registry is thousands of YAMLs, indexed in seconds: leave it out when the folder has every task
-        own = TaskManager(include_path=str(include_path), include_defaults=False)
-        if all(n in set(own.all_tasks) for n in names):
-            return own
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
-    known = set(manager.all_tasks)
-    for n in names:
-        if n not in known:
-            import difflib
-
-            close = difflib.get_close_matches(n, sorted(known), n=3)
-            hint = f"; close: {', '.join(close)}" if close else ""
-            where = (
-                f"in lm-eval or in {include_path}" if include_path else "in lm-eval (a task of your own: --include-path FOLDER)"
-            )
-            raise SplicerError(f"--tasks {n}: no such task {where}{hint}")
-    return manager
 
 
 def _leaves(result: dict, task: str) -> list[str]:
@@ -123,7 +98,9 @@ def settings_conflict(out: Path, settings: dict) -> str | None:
     return None
 
 
-def task_settings(tasks: list[str], include_path: Path | None, limit: int | None) -> dict:
+def task_settings(tasks: list[str], include_path: Path | None, limit: int | None, backend: str) -> dict:
+    """What a task run's figures depend on: the tasks and their files, the item limit, lm-eval's version and the model
+    lm-eval drives (the backend's own words for it)."""
     import lm_eval
 
     return {
@@ -131,7 +108,7 @@ def task_settings(tasks: list[str], include_path: Path | None, limit: int | None
         "limit": limit,
         "task_files": _task_files_digest(include_path),
         "lm_eval": getattr(lm_eval, "__version__", None),
-        "model": "torch backend (transformers' model of the family) through lm-eval's HFLM",
+        "model": backend_type(backend).task_model,
     }
 
 
@@ -143,11 +120,14 @@ def run_tasks(
     rows: list[str] | None = None,
     limit: int | None = None,
     device: str = "auto",
-    batch_size: int = 8,
+    batch_size: int | None = None,
     progress: bool = True,
     force: bool = False,
+    backend: str | None = None,
 ) -> dict:
-    """Run lm-eval's tasks on rows of DIR (default: every finished row but repeats) and write DIR/tasks.json."""
+    """Run lm-eval's tasks on rows of DIR (default: every finished row but repeats) and write DIR/tasks.json; backend:
+    the one whose model lm-eval drives (default: DIR's own), batch_size: lm-eval's (default: the HF model's 8; vLLM's
+    scheduler batches all requests at once)."""
     out = Path(out)
     results = results_record.load(out)
     tasks = list(dict.fromkeys(t.strip() for t in tasks if t.strip()))
@@ -155,7 +135,8 @@ def run_tasks(
         raise SplicerError("--tasks: name one task or more, e.g. --tasks cloze --include-path FOLDER, or mmlu,gsm8k")
     if limit is not None and limit < 1:
         raise SplicerError(f"--limit {limit}: give the number of items per task to run (1 or more)")
-    manager = check_tasks(tasks, include_path)
+    check_tasks(tasks, include_path)
+    backend = backend or results.get("backend") or "torch"
     ok = {v["name"]: v for v in results.get("variants", []) if v.get("status") == "ok"}
     if rows is None:
         rows = [n for n, v in ok.items() if not v.get("repeat_of")]
@@ -164,11 +145,9 @@ def run_tasks(
         raise SplicerError(f"--rows {unknown[0]}: {out} has no finished row of that name; finished: {', '.join(ok)}")
     import os
 
-    import lm_eval
-
     if not progress:  # lm-eval draws its own progress bars (tqdm) for every request batch
         os.environ.setdefault("TQDM_DISABLE", "1")
-    settings = task_settings(tasks, include_path, limit)
+    settings = task_settings(tasks, include_path, limit, backend)
     conflict = settings_conflict(out, settings)
     if conflict and not force:
         raise SplicerError(
@@ -181,9 +160,8 @@ def run_tasks(
     with exclusive(out / ".lock", f"another splicer command is writing to {out}; wait for it to finish", in_place=True):
         record = _resume(path, digest)
         record.update(schema=SCHEMA, settings=settings, settings_digest=digest)
-        from ..backends import task_backend
-
-        backend = task_backend(device, out / "task-logs")
+        job_settings = (results.get("job") or {}).get("settings") or {}
+        engine = task_backend(backend, job_settings, device, out / "task-logs")
         base = Path(results["inputs"]["base"]["source"])
         build = next((n for n, v in ok.items() if v.get("restored") == [] and not v.get("repeat_of")), None)
         record["build_row"] = build
@@ -195,24 +173,27 @@ def run_tasks(
                 t0 = time.perf_counter()
                 try:
                     with stages.stage(f"tasks {n} of {len(rows)}: {row}"):
-                        backend.load(row_folder(out, results, ok[row]))
-                        lm = backend.lm_eval_model(base, batch_size)
-                        res = lm_eval.simple_evaluate(
-                            model=lm, tasks=tasks, task_manager=manager, log_samples=True, limit=limit, verbosity="ERROR"
-                        )
+                        request = {
+                            "tasks": tasks,
+                            "include_path": str(include_path) if include_path else None,
+                            "limit": limit,
+                            "batch_size": batch_size,
+                            "metrics": METRICS,
+                        }
+                        res = engine.evaluate_tasks(row_folder(out, results, ok[row]), base, request)
                         entry.update(status="ok", tasks=_per_task(res, tasks))
                 except SplicerError as e:
                     entry.update(status="error", error=str(e))
-                except Exception as e:  # one row's failure must not end the run
-                    entry.update(status="error", error=f"{e.__class__.__name__}: {str(e)[:2000]}")
-                finally:
-                    backend.unload()
+                except Exception as e:  # one row's failure must not end the run; its first line is the reason
+                    entry.update(
+                        status="error", error=f"{e.__class__.__name__}: {(str(e).strip().splitlines() or [''])[0][:1000]}"
+                    )
                 entry["elapsed_s"] = round(time.perf_counter() - t0, 2)
                 record["rows"][row] = entry
                 record["summary"] = summarize(record)
                 _write(path, record)
         finally:
-            backend.close()
+            engine.close()
         record["summary"] = summarize(record)
         _write(path, record)
         from ..ablate.results import render_outputs

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .inputs import TokensPrompt  # noqa: F401  (vLLM exports it at the top level too; lm-eval imports it from there)
+
 __version__ = "0.0.0-fake"
 
 
@@ -186,8 +188,11 @@ class LLM:
             self._ref.load(model)
         self.kwargs = kwargs
         compiled = _compile(model, kwargs)
+        # the context length vLLM derives from the model's config unless max_model_len is given (lm-eval reads it)
+        max_len = kwargs.get("max_model_len") or (self._ref.max_positions if self._ref is not None else 2048)
         self.llm_engine = SimpleNamespace(
-            vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(compilation_time=compiled))
+            vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(compilation_time=compiled)),
+            model_config=SimpleNamespace(max_model_len=max_len),
         )
         self.sleeping = False
         self.sleeps = self.wakes = 0
@@ -249,12 +254,16 @@ class LLM:
                 self.spec["per_pos"][j] += 1
             p += run + 1
 
-    def generate(self, prompts, params, use_tqdm=True):
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None):
+        """vLLM's signature: one SamplingParams for every prompt, or a list of one per prompt (lm-eval passes a list)."""
+        per_prompt = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        )
         if self.sleeping:  # a real engine asleep has no weights on the GPU: serving it would be a bug in the caller
             raise RuntimeError("generate() on a sleeping engine (fake)")
         self._served()
         out = []
-        for p in prompts:
+        for p, params in zip(prompts, per_prompt):
             ids = p["prompt_token_ids"]
             plp = None
             if params.prompt_logprobs:
