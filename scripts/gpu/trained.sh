@@ -67,6 +67,17 @@ AWQ_BUILD=${AWQ_BUILD:-1}; SCORE_BUILDS=${SCORE_BUILDS:-1}; GDN_LAYERS=${GDN_LAY
 MTP=${MTP:-1}
 MTP_ROWS0=${MTP_ROWS0:-build,gdn,attention,shared_expert,lm_head,all}
 MTP_ARGS=${MTP_ARGS:---tokens 1,2 --prompts 5 --new-tokens 48}
+# The RTN build's MTP rows count acceptance only (no decode timing), so they run beside the other branches instead of
+# after them: acceptance is a count of greedy tokens, which another process on the GPU does not change.
+MTP_RTN_ARGS=${MTP_RTN_ARGS:-$MTP_ARGS --no-time}
+# The teacher-forced acceptance estimate (splicer mtp --teacher-forced: the torch reference's MTP head over each row's
+# scored text), on every row the engine's MTP stage measures, for how well the cheap estimate agrees with the engine.
+TEACHER_FORCED=${TEACHER_FORCED:-1}; TF_ROWS0=${TF_ROWS0:-build,lm_head,gdn,attention,shared_expert,experts-only,all}
+# Task accuracy (splicer tasks through lm-eval's VLLM model, DIR's engine arguments): multiple-choice cloze items cut
+# from the English held-out text, on every finished row of seed 0's folders. lm-eval travels as wheels
+# (trained_call.sh start installs them into LMEVAL_SITE).
+TASKS=${TASKS:-1}; TASK_ITEMS=${TASK_ITEMS:-1000}
+LMEVAL_SITE=${LMEVAL_SITE-/tmp/lmeval_site}
 has_seed() { case " $SEEDS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 D="$W/trained-data"
 CORPORA=()
@@ -190,7 +201,7 @@ ablate_seed0() {
     stage "waiting for the GPTQ builds re-made without $REQUANT_CLASSES"
     for c in $REQUANT_CLASSES; do
       finish_build 0 "builds-keep-$c" "$W/seed0/raw-keep-$c"
-      [ -d "$W/seed0/gptq-w4a16-g128-keep-$c" ] && adds+=(--add-requantized "$c=$W/seed0/gptq-w4a16-g128-keep-$c")
+      [ -d "$W/seed0/gptq-w4a16-g128-keep-$c" ] && adds+=(--add-requantized "${c//+/,}=$W/seed0/gptq-w4a16-g128-keep-$c")
     done
     # The same job with the re-made builds added: only their rows run, each paired with the splice row of its class.
     # Before the verification, since a plain rerun keeps only the plan's own rows and the ones added now.
@@ -204,6 +215,43 @@ ablate_seed0() {
     python3 -m splicer budget "$W/ablate0" --verify 3 -q > "$W/verify.txt" 2>&1 && done_mark verify \
       || { stage "verify exit $?"; tail -5 "$W/verify.txt" | tee -a "$LOG"; }
   fi
+  tasks_stage ablate0 gptq
+  teacher_forced_stage ablate0 "$TF_ROWS0" gptq
+}
+
+# tasks_stage DIR NAME: lm-eval's cloze items through every finished row of DIR (one command per folder at a time:
+# each stage holds DIR's lock while it writes there).
+tasks_stage() {
+  local dir=$1 name=$2
+  [ "$TASKS" = 1 ] || return 0
+  is_done "tasks-$name" && return 0
+  if [ ! -f "$W/tasks/cloze.yaml" ]; then
+    python3 -m splicer.tasks.cloze "$D/heldout/en-dict.txt" "$D/heldout/en-kernel.txt" "$D/heldout/en-python.txt" \
+      -o "$W/tasks.partial" --items "$TASK_ITEMS" >> "$LOG" 2>&1 && mv "$W/tasks.partial" "$W/tasks" \
+      || { stage "cloze items could not be made"; return 1; }
+  fi
+  stage "tasks: $dir, cloze through lm-eval's VLLM model"
+  PYTHONPATH=$PYTHONPATH${LMEVAL_SITE:+:$LMEVAL_SITE} HF_DATASETS_OFFLINE=1 \
+    python3 -m splicer tasks "$W/$dir" --tasks cloze --include-path "$W/tasks" -q > "$W/tasks-$name.log" 2>&1 \
+    && done_mark "tasks-$name" || { stage "tasks $name exit $?"; tail -5 "$W/tasks-$name.log" | tee -a "$LOG"; }
+}
+
+# teacher_forced_stage DIR ROWS NAME: the torch reference's MTP head over DIR's scored text, on the GPU beside the
+# other branches (nothing of it is timed).
+teacher_forced_stage() {
+  local dir=$1 rows=$2 name=$3
+  [ "$TEACHER_FORCED" = 1 ] || return 0
+  is_done "teacher-forced-$name" && return 0
+  rows=$(finished_rows "$dir" "$rows")
+  stage "mtp --teacher-forced: $dir rows $rows"
+  python3 -m splicer mtp "$W/$dir" --teacher-forced --rows "$rows" --device cuda -q > "$W/teacher-forced-$name.log" 2>&1 \
+    && done_mark "teacher-forced-$name" || { stage "teacher-forced $name exit $?"; tail -5 "$W/teacher-forced-$name.log" | tee -a "$LOG"; }
+}
+
+# finished_rows DIR ROWS: those of the comma list ROWS that DIR finished (a row that failed is left out, not the stage)
+finished_rows() {
+  python3 -c "import json,sys; ok={v['name'] for v in json.load(open(sys.argv[1]))['variants'] if v.get('status')=='ok'}
+print(','.join(r for r in sys.argv[2].split(',') if r in ok))" "$W/$1/results.json" "$2"
 }
 
 ablate_seed1() {
@@ -254,9 +302,28 @@ ablate_rtn_mtp() {
   [ -d "$W/seed0/rtn-g32-experts" ] || { stage "no RTN g32 build for the MTP rows"; return 1; }
   [ -f "$W/plan-mtp.toml" ] || python3 -m splicer.trained.plans mtp-rows "$PLAN" "$W/plan-mtp.toml" || return 1
   stage "ablate: seed 0 RTN g32 experts build and its MTP head restored"
-  python3 -m splicer ablate all "$W/seed0/rtn-g32-experts" "$W/seed0/base" -o "$W/ablate-rtn" --plan "$W/plan-mtp.toml" \
-    "${CORPORA[@]}" "${ENGINE[@]}" --no-time -q > "$W/ablate-rtn.log" 2>&1 && done_mark ablate-rtn \
-    || { stage "ablate-rtn exit $?"; tail -5 "$W/ablate-rtn.log" | tee -a "$LOG"; return 1; }
+  if ! is_done ablate-rtn; then
+    python3 -m splicer ablate all "$W/seed0/rtn-g32-experts" "$W/seed0/base" -o "$W/ablate-rtn" --plan "$W/plan-mtp.toml" \
+      "${CORPORA[@]}" "${ENGINE[@]}" --no-time -q > "$W/ablate-rtn.log" 2>&1 && done_mark ablate-rtn \
+      || { stage "ablate-rtn exit $?"; tail -5 "$W/ablate-rtn.log" | tee -a "$LOG"; return 1; }
+  fi
+  # acceptance of the build's INT4 drafter against its drafter restored: counted here, beside the other branches
+  mtp_stage ablate-rtn build,mtp rtn "$MTP_RTN_ARGS"
+  teacher_forced_stage ablate-rtn build,mtp rtn
+  tasks_stage ablate-rtn rtn
+}
+
+# mtp_stage DIR ROWS NAME [ARGS]: splicer mtp on those of ROWS that DIR finished (a re-made build that failed is left
+# out, not the whole stage).
+mtp_stage() {
+  local dir=$1 rows=$2 name=$3 args=${4:-$MTP_ARGS}
+  [ "$MTP" = 1 ] || return 0
+  is_done "mtp-$name" && return 0
+  [ -f "$W/$dir/results.json" ] || { stage "no $dir for MTP acceptance"; return 1; }
+  rows=$(finished_rows "$dir" "$rows")
+  stage "mtp: $dir rows $rows ($args)"
+  python3 -m splicer mtp "$W/$dir" --rows "$rows" $args -q > "$W/mtp-$name.log" 2>&1 && done_mark "mtp-$name" \
+    || { stage "mtp $name exit $?"; tail -5 "$W/mtp-$name.log" | tee -a "$LOG"; }
 }
 
 ablate_seed0 & p0=$!
@@ -265,21 +332,7 @@ score_seed0 & p2=$!
 ablate_rtn_mtp & p3=$!
 wait $p0 $p1 $p2 $p3
 
-# MTP acceptance: every engine alone on the GPU now, timed with and without the drafter.
-mtp_stage() {
-  local dir=$1 rows=$2 name=$3
-  is_done "mtp-$name" && return 0
-  [ -f "$W/$dir/results.json" ] || { stage "no $dir for MTP acceptance"; return 1; }
-  # only the rows that finished (a re-made build that failed is left out, not the whole stage)
-  rows=$(python3 -c "import json,sys; ok={v['name'] for v in json.load(open(sys.argv[1]))['variants'] if v.get('status')=='ok'}
-print(','.join(r for r in sys.argv[2].split(',') if r in ok))" "$W/$dir/results.json" "$rows")
-  stage "mtp: $dir rows $rows"
-  python3 -m splicer mtp "$W/$dir" --rows "$rows" $MTP_ARGS -q > "$W/mtp-$name.log" 2>&1 && done_mark "mtp-$name" \
-    || { stage "mtp $name exit $?"; tail -5 "$W/mtp-$name.log" | tee -a "$LOG"; }
-}
-if [ "$MTP" = 1 ]; then
-  mtp_stage ablate0 "$MTP_ROWS0" gptq
-  mtp_stage ablate-rtn build,mtp rtn
-fi
+# MTP acceptance of seed 0's GPTQ rows: every engine alone on the GPU now, timed with and without the drafter.
+mtp_stage ablate0 "$MTP_ROWS0" gptq
 stage "pipeline ended"
 touch "$W/done.pipeline"

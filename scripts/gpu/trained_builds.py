@@ -12,7 +12,8 @@ OUT/BUILD for each build plus OUT/builds.json (recipe, versions, wall time, and 
   fp8-block        model_free_ptq FP8_BLOCK on seed 000's module selection
   nvfp4a16         oneshot (data-free) NVFP4A16 on seed 000's module selection, with one global scale per group
                    vLLM fuses (see nvfp4_fused_groups)
-  gptq-w4a16-g128-keep-CLASS  gptq-w4a16-g128 re-made with CLASS (gdn, attention, shared_expert) left in BF16
+  gptq-w4a16-g128-keep-CLASS  gptq-w4a16-g128 re-made with CLASS (gdn, attention, shared_expert) left in BF16; several
+                              classes joined by '+' (gptq-w4a16-g128-keep-gdn+shared_expert) leave each of them in BF16
 
 llm-compressor 0.14.0.1's oneshot copies mtp.* from BASE itself (save_mtp_tensors_to_checkpoint; transformers does
 not load it); a build without it would get it back with `splicer splice --restore mtp` (trained.sh's restore_mtp).
@@ -36,8 +37,18 @@ KEEP_CLASS = {
     "attention": r"re:.*self_attn\.(q_proj|k_proj|v_proj|o_proj)$",
     "shared_expert": r"re:.*mlp\.shared_expert\.(gate_proj|up_proj|down_proj)$",
 }
-REQUANT = tuple(f"gptq-w4a16-g128-keep-{c}" for c in KEEP_CLASS)
+KEEP_PREFIX = "gptq-w4a16-g128-keep-"
+REQUANT = tuple(f"{KEEP_PREFIX}{c}" for c in KEEP_CLASS)
 BUILDS = ("gptq-w4a16-g128", "awq-experts", "rtn-g32-experts", "fp8-block", "nvfp4a16", *REQUANT)
+
+
+def kept_classes(kind: str) -> list[str] | None:
+    """The classes a re-made GPTQ build leaves in BF16 (KEEP_PREFIX + CLASS[+CLASS...]); None for any other build name.
+    Several classes make a re-made build whose KL budget's model predicts from the single-class splices."""
+    if not kind.startswith(KEEP_PREFIX):
+        return None
+    classes = kind[len(KEEP_PREFIX) :].split("+")
+    return classes if classes and all(c in KEEP_CLASS for c in classes) and len(set(classes)) == len(classes) else None
 
 # Seed 000's ignore list (splicer.fixtures.core.LOWLATENCY_IGNORE): the vision tower, GDN's tiny a/b projections, the
 # router, the shared expert's gate and the MTP head stay BF16.
@@ -182,13 +193,13 @@ def run_oneshot(base: Path, out: Path, recipe, args, dataset, n_samples: int) ->
     model.save_pretrained(out, save_compressed=True, max_shard_size="4GB")
 
 
-def recipe_gptq(keep: str | None = None):
+def recipe_gptq(keep: list[str] | None = None):
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     body = GPTQModifier(
         config_groups={"group_0": w4_group(128, ["Linear"], actorder="weight")},
-        ignore=["lm_head", *LOWLATENCY_IGNORE, *([KEEP_CLASS[keep]] if keep else [])],
+        ignore=["lm_head", *LOWLATENCY_IGNORE, *(KEEP_CLASS[c] for c in keep or ())],
         dampening_frac=0.01,
         actorder="weight",
     )
@@ -314,7 +325,7 @@ def versions() -> dict:
 
 
 def build_one(kind: str, base: Path, out: Path, args, calib_cache: dict) -> dict:
-    if kind in ("gptq-w4a16-g128", "awq-experts", *REQUANT):
+    if kind in ("gptq-w4a16-g128", "awq-experts") or kept_classes(kind):
         if "ds" not in calib_cache:
             from transformers import AutoTokenizer
 
@@ -323,7 +334,7 @@ def build_one(kind: str, base: Path, out: Path, args, calib_cache: dict) -> dict
         if kind == "awq-experts":
             recipe = recipe_awq()
         else:
-            recipe = recipe_gptq(kind.removeprefix("gptq-w4a16-g128-keep-") if kind in REQUANT else None)
+            recipe = recipe_gptq(kept_classes(kind))
         run_oneshot(base, out, recipe, args, ds, n)
         return {
             "entrypoint": "oneshot",
@@ -363,12 +374,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     kinds = [k.strip() for k in args.builds.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in BUILDS]
+    unknown = [k for k in kinds if k not in BUILDS and not kept_classes(k)]
     if unknown:
         fail(f"unknown build(s) {', '.join(unknown)}; choose from {', '.join(BUILDS)}")
     if not (args.base / "config.json").exists():
         fail(f"{args.base} has no config.json; BASE must be a BF16 checkpoint folder")
-    if any(k in kinds for k in ("gptq-w4a16-g128", "awq-experts", *REQUANT)) and not args.calib.is_file():
+    if any(k in ("gptq-w4a16-g128", "awq-experts") or kept_classes(k) for k in kinds) and not args.calib.is_file():
         fail(f'{args.calib} is not a file; CALIB_JSONL holds one {{"text": ...}} object per line')
     taken = [k for k in kinds if (args.out / k).exists()]
     if taken:

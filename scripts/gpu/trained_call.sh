@@ -21,21 +21,23 @@ collect() {
   for f in pipeline.log nohup.log seed0/train.log seed1/train.log seed0/base/train_report.json seed1/base/train_report.json \
            seed0/builds-gptq.log seed1/builds-gptq.log seed0/builds-other.log seed0/builds-awq.log seed0/builds-keep-gdn.log \
            seed0/builds-keep-attention.log seed0/builds-keep-shared_expert.log sweep0.toml sweep1.toml seed-rows1.toml plan0.toml plan1.toml verify.txt \
-           ablate0.log ablate1.log score0.log ablate-rtn.log plan-mtp.toml mtp-gptq.log mtp-rtn.log; do
+           ablate0.log ablate1.log score0.log ablate-rtn.log plan-mtp.toml mtp-gptq.log mtp-rtn.log tasks-gptq.log tasks-rtn.log \
+           teacher-forced-gptq.log teacher-forced-rtn.log tasks/cloze.yaml tasks/cloze.jsonl; do
     [ -f "$W/$f" ] && list+=("$f")
   done
   for d in ablate0 ablate1 score0 ablate-rtn; do
     for f in results.json table.md report.md job.json budget.json budget-plan.toml ablate.log cluster-scores.safetensors \
-             speculative.json speculative.log mtp.log; do [ -f "$W/$d/$f" ] && list+=("$d/$f"); done
-    [ -d "$W/$d/logs" ] && list+=("$d/logs")
-    [ -d "$W/$d/mtp-logs" ] && list+=("$d/mtp-logs")
+             speculative.json speculative.log mtp.log tasks.json tasks.log; do [ -f "$W/$d/$f" ] && list+=("$d/$f"); done
+    for f in logs mtp-logs task-logs; do [ -d "$W/$d/$f" ] && list+=("$d/$f"); done
   done
+  for b in "$W"/seed0/builds-keep-*.log; do [ -f "$b" ] && list+=("${b#$W/}"); done
   for b in "$W"/seed*/raw*/builds.json; do [ -f "$b" ] && list+=("${b#$W/}"); done
   for b in "$W"/seed*/inspect-*.json; do [ -f "$b" ] && list+=("${b#$W/}"); done
   for b in "$W"/seed*/*/config.json; do [ -f "$b" ] && list+=("${b#$W/}"); done
   { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c "import vllm, torch, transformers, compressed_tensors as ct; print('vllm', vllm.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| compressed-tensors', ct.__version__)"
     PYTHONPATH=/tmp/lcsite python3 -c "import llmcompressor, compressed_tensors as ct; print('llm-compressor', llmcompressor.__version__, '| compressed-tensors (its site)', ct.__version__)"
+    PYTHONPATH=/tmp/vllm_site:/tmp/lmeval_site python3 -c "import lm_eval, datasets; print('lm-eval', lm_eval.__version__, '| datasets', datasets.__version__)"
     nproc; free -g | head -2; ls "$W"/done.* 2>/dev/null
   } > "$W/machine.txt" 2>&1
   list+=(machine.txt)
@@ -60,6 +62,12 @@ case "$verb" in
   start)
     if [ ! -d /tmp/lcsite/llmcompressor ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/lcsite /tmp/carry/.lcwhl/*.whl || exit 1
+    fi
+    # lm-eval for splicer tasks beside vLLM (trained.sh puts LMEVAL_SITE after vLLM's site): its wheels, and datasets
+    # with its own two that the machine lacks, from llm-compressor's wheels (the same versions).
+    if [ -d /tmp/carry/.lmwhl ] && [ ! -d /tmp/lmeval_site/lm_eval ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/lmeval_site /tmp/carry/.lmwhl/*.whl \
+        /tmp/carry/.lcwhl/datasets-*.whl /tmp/carry/.lcwhl/multiprocess-*.whl || exit 1
     fi
     if [ ! -f "$W/pipeline.pid" ] || ! kill -0 "$(cat "$W/pipeline.pid")" 2>/dev/null; then
       setsid nohup bash scripts/gpu/trained.sh > "$W/nohup.log" 2>&1 < /dev/null & echo $! > "$W/pipeline.pid"
