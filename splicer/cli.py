@@ -711,7 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser(
         "plot",
         help="KL per corpus against decode ms and size on disk, every variant a point, the Pareto "
-        "front drawn: DIR/plot-kl.png and .svg, linked from DIR/table.md",
+        "front drawn: DIR/plot-kl.png and .svg, linked from DIR/table.md; MTP acceptance per row and k where "
+        "DIR/speculative.json has it: DIR/plot-mtp.png and .svg",
     )
     s.add_argument("dir", metavar="DIR", help="a results folder (splicer ablate or splicer score)")
     s.set_defaults(func=_cmd_plot)

@@ -16,6 +16,12 @@ Labels: a row's name, or for a name generated from what the row restores (`gdn.0
 P1, P2... and spelled out, with its row name, in a key under the panels. Labels are placed by `_place_labels`, a
 deterministic search in display space (no label on another label, a marker or a legend; a thin line to its point
 when moved away): adjustText 1.4 was tried and left 7 pairs of 17 crowded labels overlapping.
+
+MTP acceptance, where `splicer mtp DIR` measured any (DIR/speculative.json, read through speculative.load, the
+table's own summary): DIR/plot-mtp.png and .svg, a panel per number of draft tokens k, each row a point with its
+acceptance's 95 % interval over prompts, the build a diamond on a dashed line, a row whose paired difference from the
+build excludes 0 filled, one whose does not hollow. A flagged drafter is no result: its line in that panel says so and
+the title names it. Without a measured row no MTP figure is drawn and the KL figure and table.md are as they were.
 """
 
 from __future__ import annotations
@@ -25,14 +31,17 @@ from pathlib import Path
 
 from ..errors import SplicerError
 from ..io import results_record
-from ..io.outputs import write_file
+from ..io.outputs import cannot_write, write_file
 from ..io.results_record import UNUSABLE
 from .budget import finite_number, pareto
 
 PLOT_STEM = "plot-kl"
+MTP_STEM = "plot-mtp"  # MTP acceptance, where DIR/speculative.json has any
+MTP_ROW_IN = 0.3  # inches of height per variant in the MTP panels: its 8 pt label and bar with room between
 SHORT_LABEL_CHARS = 28  # longer labels are drawn as P1, P2... and spelled out in a key under the panels
 PANELS_PER_ROW = 3  # corpora side by side; more wrap to further rows
 LINK_LINE = "Plot: KL per corpus against decode ms/token and against size on disk"
+MTP_LINK_LINE = "Plot: MTP acceptance per variant and number of draft tokens"
 DPI = 120  # the PNG's; labels are placed at it, so that the saved figure is the one checked
 MEASURED_MS, PREDICTED_MS, TICK_MS = 6, 6, 7  # marker sizes, points: labels keep off them
 
@@ -55,6 +64,21 @@ def readable_name(name: str, restored) -> tuple[str, bool]:
         return f"{cls} layer{'s' if ',' in layers or '-' in layers else ''} {layers}" if at else cls
 
     return " + ".join(spell(e) for e in entries), name != generated
+
+
+def _add_labels(rows: list[dict], labels: dict, keyed: list) -> None:
+    """Each row's label (rows: name and restored) into labels: readable_name's, or for one too long to draw P1, P2...
+    with (P1, spelled out, row name) appended to keyed; rows already labelled keep theirs, so that a row has one label
+    in every figure of the folder."""
+    for p in rows:
+        if p["name"] in labels:
+            continue
+        text, name_too = readable_name(p["name"], p["restored"])
+        if len(text) <= SHORT_LABEL_CHARS and not name_too:
+            labels[p["name"]] = text
+        else:
+            keyed.append((f"P{len(keyed) + 1}", text, p["name"]))
+            labels[p["name"]] = keyed[-1][0]
 
 
 def _points(results: dict) -> list[dict]:
@@ -161,13 +185,7 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
     by_row = {p["name"]: p for p in points}
     axes_x = ([("decode", "decode ms/token (batch 1)")] if timed else []) + [("size_gb", "size on disk, GB")]
     labels, keyed = {}, []  # keyed: (P1, spelled out, row name) for labels too long to draw
-    for p in points:
-        text, name_too = readable_name(p["name"], p["restored"])
-        if len(text) <= SHORT_LABEL_CHARS and not name_too:
-            labels[p["name"]] = text
-        else:
-            keyed.append((f"P{len(keyed) + 1}", text, p["name"]))
-            labels[p["name"]] = keyed[-1][0]
+    _add_labels(points, labels, keyed)
     # One panel per corpus and cost, at most PANELS_PER_ROW side by side: a row of five panels is too wide to read
     # where a README shows it.
     cols = min(len(corpora), PANELS_PER_ROW)
@@ -239,6 +257,8 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
         ]
     finally:
         plt.close(fig)
+    variants = [v for v in results["variants"] if isinstance(v, dict)]
+    written += _write_mtp(folder, variants, Path(str(build)).name or folder.name, labels, keyed)
     if link(folder):
         written.append(folder / "table.md")
     left_out = [f"{v['name']} ({v[UNUSABLE]})" for v in results["variants"] if v.get("status") == "ok" and v.get(UNUSABLE)]
@@ -481,16 +501,201 @@ def _draw_predicted(
     return marks
 
 
+def mtp_panels(spec: dict, order: list[str]) -> tuple[list[dict], list[str], list[tuple[str, int, str]]]:
+    """What the MTP figure draws, read from speculative.load's summary as the table reads it: one panel per k with a
+    measured row, {k, rows: [{row, value, ci, why, reference, significant}]} (value and ci: the acceptance and its
+    95 % interval, fractions; why: why it has no interval; reference: the build row; significant: the paired
+    difference from the build excludes 0, None where it has none); every row that is drawn or flagged, in the results
+    table's order; and the flagged (row, k, reason), which are no result and are left out of the panels."""
+    summary, build = spec["summary"], spec["record"].get("build_row", "build")
+    names = [n for n in order if n in summary] + [n for n in summary if n not in order]
+    panels: dict[int, list[dict]] = {}
+    flagged = []
+    for name in names:
+        for key, fig in summary[name].items():
+            if key == "0":  # the row's plain decode only
+                continue
+            if fig.get("flagged"):
+                flagged.append((name, int(key), fig["flagged"]))
+                continue
+            acc = fig.get("acceptance") or {}
+            if acc.get("value") is None:
+                continue
+            vs = fig.get("vs_build") or {}
+            panels.setdefault(int(key), []).append(
+                {
+                    "row": name,
+                    "value": acc["value"],
+                    "ci": acc.get("ci"),
+                    "why": acc.get("why"),
+                    "reference": name == build,
+                    "significant": vs.get("significant"),
+                }
+            )
+    shown = {e["row"] for rows in panels.values() for e in rows} | {f[0] for f in flagged}
+    rows = [n for n in names if n in shown]
+    return [{"k": k, "rows": panels[k]} for k in sorted(panels)], rows, sorted(flagged, key=lambda f: (f[1], rows.index(f[0])))
+
+
+# How the MTP panels mark a row against the build: (legend text, marker, colour, face colour).
+MTP_STYLES = {
+    "reference": ("build, the reference (dashed line: its acceptance)", "D", "0.15", "0.15"),
+    True: ("differs from the build (paired 95 % interval excludes 0)", "o", "C3", "C3"),
+    False: ("no significant difference from the build", "o", "C0", "none"),
+    None: ("no interval for its paired difference from the build", "o", "0.5", "none"),
+}
+
+
+def _write_mtp(folder: Path, variants: list[dict], title: str, labels: dict, keyed: list) -> list[Path]:
+    """DIR/plot-mtp.png and .svg: MTP acceptance per row, a panel per k, where DIR/speculative.json measured one;
+    otherwise nothing (returns the files written)."""
+    import textwrap
+
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.transforms import blended_transform_factory
+
+    from .speculative import load
+
+    spec = load(folder)
+    panels, rows, flagged = mtp_panels(spec, [v.get("name") for v in variants]) if spec else ([], [], [])
+    if not panels:
+        for path in (folder / f"{MTP_STEM}.{ext}" for ext in ("png", "svg")):
+            try:  # an earlier plot's figure of acceptance that DIR no longer holds (an MTP run redone)
+                path.unlink(missing_ok=True)
+            except OSError as e:
+                raise cannot_write(e, path) from None
+        return []
+    restored = {v.get("name"): v.get("restored") for v in variants}
+    _add_labels([{"name": r, "restored": restored.get(r)} for r in rows], labels, keyed)
+    ticks = [labels[r] + (" (reference)" if r == spec["record"].get("build_row", "build") else "") for r in rows]
+    cols = min(len(panels), PANELS_PER_ROW)
+    grid_rows = -(-len(panels) // cols)
+    width = 5.2 * cols
+    used = {labels[r] for r in rows}
+    key_lines = _key_lines([k for k in keyed if k[0] in used], width)
+    styles = [s for s in MTP_STYLES if any(_mtp_style(e) == s for p in panels for e in p["rows"])]
+    legend_lines = -(-len(styles) // (2 if cols == 1 else 4))
+    bottom = (0.14 * (len(key_lines) + 1) if key_lines else 0.0) + 0.18 * legend_lines + 0.12  # inches: key, legend
+    fig, axes = plt.subplots(
+        grid_rows, cols, figsize=(width, (1.3 + MTP_ROW_IN * len(rows)) * grid_rows + bottom), squeeze=False, sharey=True, dpi=DPI
+    )
+    for i, ax in enumerate(axes.flat):
+        ax.set_visible(i < len(panels))
+    at = {r: y for y, r in enumerate(rows)}
+    flagged_at = {(row, k) for row, k, _ in flagged}
+    for ax, panel in zip(axes.flat, panels):
+        k, ends = panel["k"], []
+        ref = next((e for e in panel["rows"] if e["reference"]), None)
+        if ref is not None:  # a line, not the build's interval shaded: overlapping intervals say nothing of a paired test
+            ax.axvline(100 * ref["value"], color="0.3", ls="--", lw=0.8, zorder=1)
+        for e in panel["rows"]:
+            _, marker, colour, face = MTP_STYLES[_mtp_style(e)]
+            x, span = 100 * e["value"], [100 * c for c in e["ci"]] if e["ci"] else None
+            ax.errorbar(
+                [x],
+                [at[e["row"]]],
+                xerr=_bar(x, span, []),
+                fmt=marker,
+                ms=MEASURED_MS,
+                mfc=face,
+                mec=colour,
+                color=colour,
+                capsize=2,
+                lw=0.8,
+                zorder=3,
+            )
+            ends += span or [x]
+        drawn = {e["row"] for e in panel["rows"]}
+        to_axes = blended_transform_factory(ax.transAxes, ax.transData)
+        for row in rows:  # an empty line says why: a flagged drafter is no result, and no point is drawn for it
+            if row not in drawn:
+                why = "left out: drafter flagged" if (row, k) in flagged_at else f"not measured at k = {k}"
+                ax.text(
+                    0.02,
+                    at[row],
+                    why,
+                    transform=to_axes,
+                    fontsize=7,
+                    color="0.35",
+                    style="italic",
+                    va="center",
+                    bbox=dict(boxstyle="square,pad=0.12", fc="white", ec="none", alpha=0.75),
+                )  # the light background keeps it readable over the build's dashed line
+        lo, hi = min(ends), max(ends)
+        pad = max(2.0, 0.15 * (hi - lo))  # points of acceptance: room for the caps and the 'left out' notes
+        ax.set_xlim(max(0.0, lo - pad), min(100.0, hi + pad))
+        ax.set_title(f"k = {k} draft token{'s' if k > 1 else ''}", fontsize=9)
+        ax.set_xlabel("acceptance, % of draft tokens")
+        ax.grid(axis="x", alpha=0.3)
+    axes[0][0].set_yticks(range(len(rows)), ticks)
+    for ax in axes.flat:  # each wrapped row of panels labels its rows again, at one size
+        ax.tick_params(axis="y", labelsize=8)
+    axes[0][0].set_ylim(len(rows) - 0.5, -0.5)  # the first row on top, as in the table
+    notes = ["bars: 95 % interval over prompts"]
+    for why in dict.fromkeys(e["why"] for p in panels for e in p["rows"] if not e["ci"] and e["why"]):
+        notes.append(f"no bar: {why}")
+    if flagged:
+        notes.append(
+            "left out, a drafter flagged as no result: "
+            + "; ".join(f"{labels.get(row, row)} at k = {k} ({reason.split(':')[0]})" for row, k, reason in flagged)
+        )
+    if any(k[0] in used for k in keyed):
+        notes.append("P1, ...: see the key below the plots")
+    chars = max(40, int(width * 72 / (0.6 * 9)))  # 9 pt: at most 0.6 em a character, so that a line fits one panel
+    heading = f"{title}: MTP acceptance per variant (vLLM, each variant's own MTP head drafting k tokens)"
+    fig.suptitle("\n".join(textwrap.fill(line, chars) for line in [heading] + [f"({n})" for n in notes]), fontsize=9)
+    handles = [
+        Line2D([], [], marker=m, color=c, mfc=f, ms=MEASURED_MS, ls="--" if s == "reference" else "none", lw=0.8)
+        for s in styles
+        for _, m, c, f in [MTP_STYLES[s]]
+    ]
+    key_height = 0.14 * (len(key_lines) + 1) if key_lines else 0.0
+    fig.legend(
+        handles,
+        [MTP_STYLES[s][0] for s in styles],
+        loc="lower center",
+        bbox_to_anchor=(0.5, key_height / fig.get_figheight()),
+        ncol=2 if cols == 1 else 4,
+        fontsize=7,
+        frameon=False,
+    )
+    if key_lines:
+        fig.text(0.01, 0.07 / fig.get_figheight(), "\n".join(key_lines), fontsize=7, va="bottom", family="monospace")
+    fig.tight_layout(rect=(0, bottom / fig.get_figheight(), 1, 1))
+    try:
+        return [
+            write_file(folder / f"{MTP_STEM}.{ext}", lambda tmp, ext=ext: fig.savefig(tmp, dpi=DPI, format=ext))
+            for ext in ("png", "svg")
+        ]
+    finally:
+        plt.close(fig)
+
+
+def _mtp_style(e: dict):
+    return "reference" if e["reference"] else e["significant"]
+
+
 def link(folder: Path) -> bool:
-    """Add the plot's link line to DIR/table.md (once), saying so when the plot is older than results.json (rows
-    finished after it was drawn); returns whether there was a table to link from."""
+    """Add the plots' link lines to DIR/table.md (once each; MTP acceptance's where DIR holds its figure), saying so
+    when a plot is older than what it draws (results.json: rows finished after it was drawn; speculative.json: MTP
+    engines); returns whether there was a table to link from."""
+    from .speculative import FILE as SPECULATIVE
+
     table = folder / "table.md"
     if not table.exists():
         return False
-    text = "\n".join(line for line in table.read_text().splitlines() if not line.startswith(LINK_LINE)).rstrip("\n")
-    png, results = folder / f"{PLOT_STEM}.png", results_record.path_of(folder)
-    stale = png.exists() and results.exists() and png.stat().st_mtime_ns < results.stat().st_mtime_ns
-    note = " It was drawn before the last rows finished: run `splicer plot DIR` again." if stale else ""
-    line = f"{text}\n\n{LINK_LINE}: [{PLOT_STEM}.png]({PLOT_STEM}.png) ([SVG]({PLOT_STEM}.svg)).{note}\n"
-    write_file(table, lambda tmp: tmp.write_text(line, encoding="utf-8"))
+    lines = table.read_text().splitlines()
+    text = "\n".join(line for line in lines if not line.startswith((LINK_LINE, MTP_LINK_LINE))).rstrip("\n")
+    for stem, title, source, what in (
+        (PLOT_STEM, LINK_LINE, results_record.path_of(folder), "rows"),
+        (MTP_STEM, MTP_LINK_LINE, folder / SPECULATIVE, "MTP engines"),
+    ):
+        png = folder / f"{stem}.png"
+        if stem == MTP_STEM and not (png.exists() and source.exists()):
+            continue
+        stale = png.exists() and source.exists() and png.stat().st_mtime_ns < source.stat().st_mtime_ns
+        note = f" It was drawn before the last {what} finished: run `splicer plot DIR` again." if stale else ""
+        text += f"\n\n{title}: [{stem}.png]({stem}.png) ([SVG]({stem}.svg)).{note}"
+    write_file(table, lambda tmp: tmp.write_text(text + "\n", encoding="utf-8"))
     return True
