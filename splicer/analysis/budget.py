@@ -26,6 +26,9 @@ The model, from DIR/results.json (and DIR/scores/ for the intervals):
     KL below 0 (slopes that over-predict the reductions) is shown as 0, both said; when some combination's predicted
     decode is at or below 0 ms/token, the atoms' decode changes are timing noise larger than the build's time (a
     loaded machine) and the model predicts no decode at all, said, rather than a time no engine can reach.
+  * re-made builds (a checkpoint row with requantized_without: `--add-requantized`) are no splices (their quantizer
+    re-fitted every later layer), so they stay out of the fit; each is compared with the prediction for restoring its
+    classes, with the interval --verify gives its points (requantized()), and report quotes that from budget.json.
 KL is pooled over corpora (position-weighted) unless --corpus names one. MTP entries are left out of the KL model:
 the drafter never runs in a scoring pass (as the table's additivity note does).
 
@@ -236,6 +239,28 @@ def parse_entry(entry: str) -> tuple[str, frozenset | None]:
     return cls, frozenset(layer_numbers(text, entry)) if text else None
 
 
+def _layer_set(entry: str, class_layers: dict) -> frozenset | None:
+    cls, layers = parse_entry(entry)
+    return layers if layers is not None else class_layers.get(cls)
+
+
+def decompose(entries: list[str], atoms: dict, class_layers: dict) -> list[Atom] | None:
+    """The atoms (entry -> Atom) a restore is made of, when it is exactly a union of disjoint atoms; else None."""
+    parts = []
+    for e in entries:
+        if e in atoms:
+            parts.append(atoms[e])
+            continue
+        cls, want = parse_entry(e)[0], _layer_set(e, class_layers)
+        mine = [a for a in atoms.values() if a.cls == cls and a.layers is not None and want is not None and a.layers <= want]
+        if want is None or not mine or frozenset().union(*(a.layers for a in mine)) != want:
+            return None
+        parts += mine
+    if any(not _disjoint(a, b) for a, b in itertools.combinations(parts, 2)):
+        return None
+    return parts
+
+
 def _disjoint(a: Atom, b: Atom) -> bool:
     if a.cls != b.cls:
         return True
@@ -295,10 +320,19 @@ def fit(results: dict, corpus: str | None = None) -> Model:
     or infinite measurement) are left out, and listed in Model.left_out."""
     from ..io.results_record import UNUSABLE
 
+    for v in results.get("variants", []):  # a bad re-made row is refused before anything is fitted or written
+        if isinstance(v, dict):
+            _requantized_without(v)
+    # Splice rows only: a build re-made by its quantizer (a checkpoint row, requantized_without) re-fitted every later
+    # layer, so it is not the build with some classes restored; requantized() compares it with the prediction instead.
     ok = [
         v
         for v in results.get("variants", [])
-        if isinstance(v, dict) and v.get("status") == "ok" and isinstance(v.get("restored"), list) and not v.get("repeat_of")
+        if isinstance(v, dict)
+        and v.get("status") == "ok"
+        and isinstance(v.get("restored"), list)
+        and not v.get("repeat_of")
+        and not _requantized_without(v)
     ]
     left_out = [(v["name"], v[UNUSABLE]) for v in ok if v.get(UNUSABLE)]
     if any(v["restored"] == [] for v in ok if v.get(UNUSABLE)):
@@ -325,8 +359,7 @@ def fit(results: dict, corpus: str | None = None) -> Model:
             singles.setdefault(entries[0], v)
 
     def layer_set(entry: str) -> frozenset | None:
-        cls, layers = parse_entry(entry)
-        return layers if layers is not None else class_layers.get(cls)
+        return _layer_set(entry, class_layers)
 
     # Atoms: the single-entry rows that hold no smaller single-entry row of their class (a sweep's groups, not its
     # leave-one-out or whole-class rows, which are unions of them and measure additivity instead).
@@ -360,25 +393,9 @@ def fit(results: dict, corpus: str | None = None) -> Model:
     if len(atoms) > MAX_ATOMS:
         raise SplicerError(f"the results hold {len(atoms)} single-entry rows; the budget search enumerates up to {MAX_ATOMS}")
 
-    def decompose(entries: list[str]) -> list[Atom] | None:
-        """The atoms a row restores, when it is exactly a union of disjoint atoms."""
-        parts = []
-        for e in entries:
-            if e in atoms:
-                parts.append(atoms[e])
-                continue
-            cls, want = parse_entry(e)[0], layer_set(e)
-            mine = [a for a in atoms.values() if a.cls == cls and a.layers is not None and want is not None and a.layers <= want]
-            if want is None or not mine or frozenset().union(*(a.layers for a in mine)) != want:
-                return None
-            parts += mine
-        if any(not _disjoint(a, b) for a, b in itertools.combinations(parts, 2)):
-            return None
-        return parts
-
     multi = []
     for v, entries in scored:
-        parts = decompose(entries) if entries and variant_kl(v, corpus) is not None else None
+        parts = decompose(entries, atoms, class_layers) if entries and variant_kl(v, corpus) is not None else None
         if parts and len(parts) >= 2:
             multi.append((v, parts))
 
@@ -456,27 +473,25 @@ def predictions(model: Model) -> list[Prediction]:
     n = len(model.atoms)
     for k in range(n + 1):
         for combo in itertools.combinations(model.atoms, k):
-            if not all(_disjoint(a, b) for a, b in itertools.combinations(combo, 2)):
-                continue
-            kl = _combine(model, combo, model.build_kl, lambda a: model.build_kl - a.d_kl)
-            floored = kl < 0  # KL is never negative: slopes that over-predict the reductions
-            size = (model.build_size + sum(a.d_size for a in combo)) / 1e9
-            dec = model.build_decode + sum(a.d_decode for a in combo) if model.timed else None
-            m = model.measured.get(frozenset(a.entry for a in combo))
-            out.append(
-                Prediction(
-                    combo,
-                    max(kl, 0.0),
-                    size,
-                    dec,
-                    None
-                    if m is None
-                    else {"row": m["name"], "kl": variant_kl(m, model.corpus), "decode": m.get("decode_ms_per_token")},
-                    class_layers=model.class_layers,
-                    kl_floored=floored,
-                )
-            )
+            if all(_disjoint(a, b) for a, b in itertools.combinations(combo, 2)):
+                out.append(predict(model, combo))
     return out
+
+
+def predict(model: Model, combo) -> Prediction:
+    """One combination of non-overlapping atoms, predicted; the measured row attached where one restored exactly it."""
+    combo = tuple(combo)
+    kl = _combine(model, combo, model.build_kl, lambda a: model.build_kl - a.d_kl)
+    m = model.measured.get(frozenset(a.entry for a in combo))
+    return Prediction(
+        combo,
+        max(kl, 0.0),
+        (model.build_size + sum(a.d_size for a in combo)) / 1e9,
+        model.build_decode + sum(a.d_decode for a in combo) if model.timed else None,
+        None if m is None else {"row": m["name"], "kl": variant_kl(m, model.corpus), "decode": m.get("decode_ms_per_token")},
+        class_layers=model.class_layers,
+        kl_floored=kl < 0,  # KL is never negative: slopes that over-predict the reductions
+    )
 
 
 def pareto(items: list, x=lambda p: p[0], y=lambda p: p[1]) -> list:
@@ -593,3 +608,177 @@ def pick_verify(best: list[Prediction], n: int) -> list[Prediction]:
         step = len(rest) / k
         chosen += [rest[int(i * step + step / 2)] for i in range(k)]
     return chosen
+
+
+def _requantized_without(v: dict) -> list[str] | None:
+    """The classes a re-made build's row (checkpoint.requantized_without: `--add-requantized`) left in BF16; None for
+    any other row; a hand edit that is not a list of class names is one line."""
+    ck = v.get("checkpoint")
+    if not isinstance(ck, dict) or ck.get("requantized_without") is None:
+        return None
+    without = ck["requantized_without"]
+    if not isinstance(without, list) or not without or not all(isinstance(c, str) and c for c in without):
+        raise SplicerError(
+            f"results.json: row {str(v.get('name'))[:60]!r}: checkpoint.requantized_without is {str(without)[:40]!r}, not a "
+            "list of class names; restore results.json from the run, or rerun splicer ablate on it"
+        )
+    return without
+
+
+def kl_error(model: Model, atoms, row: str, predicted_kl: float, measured_kl, scores, reps: int = 2000):
+    """measured - predicted KL of `row` against the model's prediction for `atoms` (with the model's additivity as it
+    stands), and why it has no interval: paired position by position (the prediction from the atoms' rows, the
+    measurement from the row's, DIR/scores/ or cluster-scores), its 95 % interval the stratified bootstrap over
+    sequences; without those scores, the difference of the two means and no interval. --verify states its points so,
+    and requantized() the re-made builds."""
+    from .metrics import paired_comparison
+
+    strata = scores.strata(model, atoms, model.corpus, other=row) if scores is not None else None
+    if strata:
+        r = pooled_or(paired_comparison(strata, reps), model.corpus)
+        ci = r["diff_ci"]  # None: too few sequences for an interval (metrics.MIN_SEQUENCES)
+        return {"diff": -r["diff"], "ci": None if ci is None else [-ci[1], -ci[0]]}, r.get("why")
+    if measured_kl is None:
+        return None, None
+    where = f"neither {scores.folder / 'scores'} nor {scores.folder / 'cluster-scores.safetensors'}" if scores else "no file"
+    return {"diff": measured_kl - predicted_kl, "ci": None}, f"{where} holds the rows' scores"
+
+
+def fit_inputs(results: dict, corpus: str | None) -> dict:
+    """Every finished splice row's KL (the build's engines included; not a number: None): what a fit of this folder
+    can depend on. A stored comparison whose inputs differ from today's (a row rerun, added or dropped) is out of date."""
+    out = {}
+    for v in results.get("variants", []):
+        if (
+            isinstance(v, dict)
+            and v.get("status") == "ok"
+            and isinstance(v.get("restored"), list)
+            and not _requantized_without(v)
+        ):
+            kl = variant_kl(v, corpus)
+            out[v["name"]] = kl if finite_number(kl) else None
+    return out
+
+
+def requantized(model: Model, results: dict, scores: PositionScores | None, reps: int = 2000) -> list[dict]:
+    """Each finished row of the build re-made by its quantizer with some classes in BF16 (a checkpoint row with
+    requantized_without) against the model's prediction for restoring exactly those classes: the predicted KL (as for
+    any combination: predict()), the measured, and measured - predicted with its 95 % interval as --verify states its
+    points' (kl_error). The re-made rows are not in the fit (fit()). Compared only where the prediction combines
+    several single-entry rows: a class that is one such row is predicted as that row's own measurement, which the
+    re-made row's vs_splice already pairs with it; the entry says so (why), as it says why classes no single-entry
+    rows make up are not predicted. MTP is left out, as in the KL model."""
+    from ..io.results_record import UNUSABLE
+
+    by_entry = {a.entry: a for a in model.atoms}
+    inputs = fit_inputs(results, model.corpus)
+    out = []
+    for v in results.get("variants", []):
+        classes = _requantized_without(v) if isinstance(v, dict) else None
+        if not classes or v.get("status") != "ok" or v.get("repeat_of"):
+            continue
+        entry = {"row": v["name"], "classes": classes, "corpus": model.corpus}
+        out.append(entry)
+        measured = None if v.get(UNUSABLE) else variant_kl(v, model.corpus)
+        entries = [c for c in classes if c != DRAFTER_CLASS]
+        parts = decompose(entries, by_entry, model.class_layers) if entries else None
+        if measured is None:
+            entry["why"] = (
+                f"its KL is not a number ({v[UNUSABLE]})"
+                if v.get(UNUSABLE)
+                else f"it has no KL {'on ' + model.corpus if model.corpus else 'pooled over corpora'}"
+            )
+            continue
+        if not entries:
+            entry["why"] = f"the KL model leaves out {DRAFTER_CLASS}: the drafter never runs in a scoring pass"
+            continue
+        if parts is None:
+            missing = [c for c in entries if decompose([c], by_entry, model.class_layers) is None] or entries
+            entry["why"] = (
+                f"no single-entry rows make up {', '.join(missing)}: run a row restoring "
+                + ("it" if len(missing) == 1 else "each")
+                + " (or a sweep of its layers)"
+            )
+            continue
+        p = predict(model, sorted(parts, key=model.atoms.index))  # in the front's order: one restore, one spelling
+        entry.update(restore=p.label, atoms=[a.entry for a in p.atoms], predicted_kl=p.kl, measured_kl=measured)
+        if len(parts) == 1:
+            entry["why"] = (
+                f"its prediction is the row {parts[0].row}'s own measurement (one single-entry row), and the table's "
+                "splice-against-re-quantize section pairs the two"
+            )
+            continue
+        splice = model.measured.get(frozenset(a.entry for a in parts))
+        if splice is not None:
+            entry["splice_row"] = splice["name"]  # in the fit: it measured the additivity this prediction uses
+        error, why = kl_error(model, parts, v["name"], p.kl, measured, scores, reps)
+        entry["error_kl"] = error
+        entry["includes_0"] = None if error["ci"] is None else error["ci"][0] <= 0 <= error["ci"][1]
+        if error["ci"] is None:
+            entry["no_interval"] = why
+        entry["fit_rows_kl"] = {**inputs, v["name"]: measured}  # what report checks before quoting it
+    return out
+
+
+def requantized_verdict(e: dict) -> str:
+    """'+0.0500 [+0.0401, +0.0600], excludes 0: the re-made build leaves more KL than predicted' (a requantized() entry
+    with an error)."""
+    err, ci = e["error_kl"], e["error_kl"].get("ci")
+    if not ci:
+        return f"{err['diff']:+.4f} (no interval: {e.get('no_interval') or 'none'})"
+    text = f"{err['diff']:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]"
+    if ci[0] <= 0 <= ci[1]:
+        return text + ", includes 0: the prediction holds"
+    return text + f", excludes 0: the re-made build leaves {'more' if err['diff'] > 0 else 'less'} KL than predicted"
+
+
+def _quotable(e) -> bool:
+    """A requantized entry of budget.json report can quote (budget writes them so; a hand edit may not)."""
+    err = e.get("error_kl") if isinstance(e, dict) else None
+    ci = err.get("ci") if isinstance(err, dict) else None
+    return (
+        isinstance(err, dict)
+        and isinstance(e.get("row"), str)
+        and isinstance(e.get("classes"), list)
+        and all(isinstance(c, str) for c in e["classes"])
+        and (e.get("corpus") is None or isinstance(e["corpus"], str))
+        and all(finite_number(e.get(k)) for k in ("predicted_kl", "measured_kl"))
+        and finite_number(err.get("diff"))
+        and (ci is None or (isinstance(ci, list) and len(ci) == 2 and all(finite_number(x) for x in ci)))
+        and isinstance(e.get("fit_rows_kl"), dict)
+    )
+
+
+def requantized_sentences(folder: Path, results: dict) -> list[str]:
+    """report's sentences on the re-made builds `splicer budget` last compared with its predictions (DIR/budget.json),
+    one per re-made build whose prediction combines several single-entry rows; one whose rows changed since (a row
+    rerun, added or dropped) is named as out of date, not quoted."""
+    import json
+
+    try:
+        record = json.loads((Path(folder) / "budget.json").read_text())
+    except (OSError, ValueError):
+        return []
+    listed = record.get("requantized") if isinstance(record, dict) else None
+    out = []
+    for e in [e for e in listed if _quotable(e)] if isinstance(listed, list) else []:
+        row = next((v for v in results.get("variants", []) if isinstance(v, dict) and v.get("name") == e["row"]), None)
+        try:
+            now = fit_inputs(results, e["corpus"])
+        except SplicerError:
+            return []
+        kl = variant_kl(row, e["corpus"]) if row is not None and row.get("status") == "ok" else None
+        if {**now, e["row"]: kl if finite_number(kl) else None} != e["fit_rows_kl"]:
+            out.append(
+                f"{e['row']}: budget.json's prediction for it was made before this folder's rows changed; run "
+                "`splicer budget DIR` again to compare it."
+            )
+            continue
+        where = f"on {e['corpus']}" if e["corpus"] else "pooled over corpora"
+        fitted = f"; row {e['splice_row']}, which splices exactly these classes, is in the fit" if e.get("splice_row") else ""
+        out.append(
+            f"Budget against re-quantize ({', '.join(e['classes'])} in BF16, KL {where}): row {e['row']} (the build "
+            f"re-made by its quantizer) measured {e['measured_kl']:.4f} where budget predicts {e['predicted_kl']:.4f} "
+            f"from the splice rows{fitted}; error (measured minus predicted) {requantized_verdict(e)}."
+        )
+    return out

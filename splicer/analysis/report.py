@@ -174,11 +174,14 @@ def findings(results: dict) -> list[str]:
 
 
 def render_report(results: dict, out: Path | None = None) -> str:
-    """The report.md of a results folder; with out, the MTP acceptance sentences of out/speculative.json too."""
-    from . import speculative, task_scores
+    """The report.md of a results folder; with out, the sentences of out/budget.json (its predictions against the
+    re-made builds), out/tasks.json and out/speculative.json (MTP acceptance) too."""
+    from . import budget, speculative, task_scores
     from .table import caption
 
     lines = findings(results)
+    if out is not None:
+        lines += budget.requantized_sentences(out, results)
     tasks = task_scores.load(out) if out is not None else None
     if tasks:
         lines += task_scores.sentences(tasks)

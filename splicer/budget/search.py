@@ -5,7 +5,9 @@ the front), adds them to DIR's job as plan rows (with one more engine of the bui
 degree of freedom), runs them with DIR's own inputs and settings (`splicer ablate` into DIR: finished rows are kept),
 and prints each point's prediction (made before it ran) against its measurement, the difference with its interval:
 KL paired position by position, decode with both sides' engine spread. DIR/budget.json holds the search, the
-predictions and the verification; `splicer plot DIR` draws the predicted front hollow.
+predictions and the verification; `splicer plot DIR` draws the predicted front hollow. A build re-made by its quantizer
+with some classes in BF16 (`--add-requantized`) is not in the fit; each is stated against the prediction for its
+classes, its error's interval as a verified point's (analysis/budget.py: requantized).
 
 A point's row is named after its restore unless DIR already has a row of that name defined otherwise (then `-2`, ...),
 and a row counts as a prediction's measurement only when it restores the prediction's entries. A prediction stored
@@ -29,10 +31,12 @@ from ..analysis.budget import (
     fit,
     front,
     intervals,
+    kl_error,
     parse_entry,
     pick_verify,
-    pooled_or,
     predictions,
+    requantized,
+    requantized_verdict,
     variant_decode,
     variant_kl,
 )
@@ -200,8 +204,6 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
     change from the build, with the engine spread of the run (the point's engines, its atoms' and the build's).
     The model must be fitted on the corpus the prediction was made on. A row no longer in the results (a rerun of
     another plan dropped it) leaves the prediction alone, marked so."""
-    from ..analysis.metrics import paired_comparison
-
     out = {k: v for k, v in stored.items() if k not in STRIPPED and k != "missing"}
     row = next((v for v in results.get("variants", []) if v.get("name") == stored["row"] and v.get("status") == "ok"), None)
     if row is not None and not _restores(results, row, stored):
@@ -227,15 +229,11 @@ def _verification(model: Model, stored: dict, results: dict, scores: PositionSco
     saved = model.additivity
     model.additivity = Additivity.from_json(stored.get("additivity"))  # the prediction as it was made
     try:
-        strata = scores.strata(model, atoms, model.corpus, other=row["name"])
+        error, _ = kl_error(model, atoms, row["name"], stored["kl"], measured_kl, scores, reps)
     finally:
         model.additivity = saved
-    if strata:
-        r = pooled_or(paired_comparison(strata, reps), model.corpus)
-        ci = r["diff_ci"]  # None: too few sequences for an interval (metrics.MIN_SEQUENCES)
-        out["error_kl"] = {"diff": -r["diff"], "ci": None if ci is None else [-ci[1], -ci[0]]}  # measured - predicted
-    elif measured_kl is not None:
-        out["error_kl"] = {"diff": measured_kl - stored["kl"], "ci": None}
+    if error is not None:
+        out["error_kl"] = error  # measured - predicted
     m_v, n_v = variant_decode(results, row)
     if m_v is not None and model.build_decode is not None and all(a.d_decode is not None for a in atoms):
         rd = stored.get("decode_ratio") if finite_number(stored.get("decode_ratio")) else 1.0
@@ -360,6 +358,28 @@ def _run_verification(
     _, _, best, cost = _search(model, scores, max_decode_ms, max_gb, max_kl)
     record.update(cost=cost, model=model.to_json(), front=[_prediction_json(p, model) for p in best])
     return results, model, scores, best, cost, to_run
+
+
+def _requantized_lines(entries: list[dict]) -> list[str]:
+    """One line per re-made build (analysis.budget.requantized): its prediction, measurement and error, or why there
+    is none; nothing for a folder without them."""
+    if not entries:
+        return []
+    lines = [
+        "Re-made builds (the build quantized again by its quantizer with these classes in BF16: not splices, so not "
+        "in the fit) against the prediction for restoring the same classes (error = measured - predicted, 95 % "
+        "interval, KL paired position by position; the prediction holds where the interval includes 0):"
+    ]
+    for e in entries:
+        head = f"{e['row']} ({', '.join(e['classes'])})"
+        if e.get("why"):
+            lines.append(f"{head}: not compared: {e['why']}.")
+            continue
+        fitted = f" (row {e['splice_row']}, which splices exactly these classes, is in the fit)" if e.get("splice_row") else ""
+        lines.append(
+            f"{head}: {e['predicted_kl']:.4f} predicted, {e['measured_kl']:.4f} measured, error {requantized_verdict(e)}{fitted}."
+        )
+    return lines
 
 
 def _check_inputs(folder: Path, job: dict) -> tuple:
@@ -513,6 +533,9 @@ def budget_report(
             models[c] = fit(results, c)
         verified.append(_verification(models[c], e, results, scores))
     record["verified"] = verified
+    remade = requantized(model, results, scores)
+    if remade:  # a folder without re-made builds keeps its budget.json as it was
+        record["requantized"] = remade
     try:
         write_json(record_path, record)
         written = f"Written: {record_path}."
@@ -703,6 +726,7 @@ def budget_report(
             "Splice and measure the chosen points with --verify N (rows added to this folder's job), or splice "
             "one with `splicer splice --restore ENTRIES BUILD BASE -o OUT`."
         )
+    lines += _requantized_lines(remade)
     gone = [v for v in record["verified"] if v.get("missing") == DROPPED]
     if gone:
         lines.append(
