@@ -5,6 +5,7 @@
 #                                   the call), then as `wait`; the data and training stages need no vLLM
 #   trained_call.sh install-vllm    join the bundle parts staged so far, install vLLM's bundle, and tell the waiting
 #                                   pipeline (which needs it from the builds' post-processing on)
+#   trained_call.sh probe-lmeval    say whether lm-eval (its wheels, LMEVAL_SITE) imports beside vLLM's site
 #   trained_call.sh wait SECONDS    watch the pipeline until it ends or SECONDS pass, then bring back what is finished
 #   trained_call.sh weights A B     bring back parts A..B of the seed-0 base and GPTQ build (for splicer tasks here)
 # What comes back under $OUT: trained.tgz (results.json, tables, logs, train reports, builds.json, the run record) and
@@ -27,7 +28,7 @@ collect() {
   done
   for d in ablate0 ablate1 score0 ablate-rtn; do
     for f in results.json table.md report.md job.json budget.json budget-plan.toml ablate.log cluster-scores.safetensors \
-             speculative.json speculative.log mtp.log tasks.json tasks.log; do [ -f "$W/$d/$f" ] && list+=("$d/$f"); done
+             speculative.json speculative.log mtp.log tasks.json tasks.log mtp-teacher-forced.json; do [ -f "$W/$d/$f" ] && list+=("$d/$f"); done
     for f in logs mtp-logs task-logs; do [ -d "$W/$d/$f" ] && list+=("$d/$f"); done
   done
   for b in "$W"/seed0/builds-keep-*.log; do [ -f "$b" ] && list+=("${b#$W/}"); done
@@ -78,6 +79,11 @@ case "$verb" in
       mkdir -p /tmp/vb && cp /tmp/carry/bundle.part0* /tmp/vb/ && bash scripts/gpu/install_bundle.sh /tmp/vb .bundle/vb/SHA256SUMS || exit 1
       touch "$VLLM_READY"
     fi ;;
+  probe-lmeval)
+    # what trained.sh's task stage imports, beside vLLM's site: a missing package is said now, not after the builds
+    PYTHONPATH=/tmp/vllm_site:$PWD:/tmp/lmeval_site python3 -c "import lm_eval, datasets, lm_eval.models.vllm_causallms
+from lm_eval.tasks import TaskManager
+print('lm-eval', lm_eval.__version__, 'imports beside vLLM; datasets', datasets.__version__)" 2>&1 | tail -3 ;;
   wait) watch "${1:-540}" ;;
   weights)
     # The seed-0 base and its GPTQ build, for what runs here on the CPU afterwards (splicer tasks): one tar in parts of
@@ -89,5 +95,5 @@ case "$verb" in
     cp /tmp/weights/SHA256SUMS "$OUT/weights-SHA256SUMS"
     for i in $(seq -f %02g "${1:-0}" "${2:-6}"); do [ -f /tmp/weights/weights.tar.part$i ] && cp /tmp/weights/weights.tar.part$i "$OUT/"; done
     ls -la "$OUT" ;;
-  *) echo "usage: trained_call.sh stage PATH... | start SECONDS | install-vllm | wait SECONDS | weights FIRST LAST"; exit 2 ;;
+  *) echo "usage: trained_call.sh stage PATH... | start SECONDS | install-vllm | probe-lmeval | wait SECONDS | weights FIRST LAST"; exit 2 ;;
 esac
