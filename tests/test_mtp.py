@@ -86,7 +86,7 @@ def test_every_corpus_needs_five_prompts_and_intervals_stay_in_range():
 
 def test_chat_prompts_of_one_group_are_one_unit():
     prompts = [{"corpus": "chat", "index": i, "group": i % 5} for i in range(10)]
-    strata, cluster = figures._clusters(prompts)
+    strata, cluster = figures.prompt_clusters(prompts)
     assert cluster == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
     # the same totals counted as 10 independent prompts give a narrower interval than as 5 groups of 2
     num, den = [3, 7, 2, 8, 5, 3, 7, 2, 8, 5], [10] * 10

@@ -56,3 +56,9 @@ def task_backend(device: str, log_dir):
     """The backend whose model lm-evaluation-harness scores (`splicer tasks`): the torch reference, whose model is a
     transformers PreTrainedModel that lm-eval's HF model takes as it is (lm_eval_model)."""
     return options_type("torch")().make_backends(device, log_dir)[0]
+
+
+def drafter_backend(device: str, log_dir):
+    """The backend that runs a row's MTP head teacher-forced (`splicer mtp --teacher-forced`): the torch reference,
+    which builds the family's drafter from torch_mtp.py (check_drafter, load_drafter, draft_hits) on any folder."""
+    return options_type("torch")().make_backends(device, log_dir)[0]
