@@ -576,7 +576,7 @@ def render_markdown(results: dict, out: Path | None = None) -> str:
         for module, title in (
             (task_scores, "Task accuracy (lm-evaluation-harness)"),
             (speculative, "MTP acceptance (speculative decoding in vLLM)"),
-            (teacher_forced, "MTP acceptance, teacher-forced (torch reference), beside vLLM's"),
+            (teacher_forced, "MTP acceptance, teacher-forced (torch reference)"),
         ):
             spec = module.load(out)
             if spec:
