@@ -6,7 +6,13 @@ vLLM's spec-decode counters read before and after it give that prompt's drafts a
 (analysis.speculative turns them into rates with intervals). Batch-1 decode is timed on every engine, so the same row
 with and without the drafter are compared; the build is measured first and again last, which gives the engine-to-engine
 spread of decode and checks that acceptance repeats. The file is rewritten after every engine and a rerun with the
-same settings keeps what is finished."""
+same settings keeps what is finished.
+
+`splicer mtp DIR --teacher-forced` (run_teacher_forced, DIR/mtp-teacher-forced.json) starts no engine: the same rows,
+each in the torch reference with its own MTP head, on every sequence DIR scored, give a teacher-forced estimate of
+the first draft position's acceptance (analysis.teacher_forced), on any folder. It has a file of its own: its
+settings and resuming are its own, a rerun of the engines with other settings (which starts speculative.json afresh)
+leaves it alone, and a torch-backend folder gets no engine file whose note would speak of engines that never ran."""
 
 from __future__ import annotations
 
