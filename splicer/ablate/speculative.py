@@ -345,6 +345,7 @@ def run_teacher_forced(
                     backend.load(folder)
                     backend.load_drafter()
                     entry["hits"] = [int(h.sum()) for h in backend.draft_hits(ids, batch_size)]
+                    entry["device"] = backend.describe()["device"]  # kept rows may have run elsewhere than this run
                     entry["status"] = "ok"
                 except SplicerError as e:
                     entry.update(status="error", error=str(e))
