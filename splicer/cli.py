@@ -366,12 +366,27 @@ def _cmd_cluster_scores(args) -> int:
     return 0
 
 
+MTP_ENGINE_DEFAULTS = {"tokens": "1,2", "prompts": 8, "prompt_tokens": 128, "new_tokens": 64}
+
+
 def _cmd_mtp(args) -> int:
     from .ablate.speculative import run_mtp
     from .analysis import speculative
 
-    tokens = _int_list(args.tokens, "--tokens")
+    engine_only = [k for k in (*MTP_ENGINE_DEFAULTS, "no_time") if getattr(args, k) not in (None, False)]
+    forced_only = [k for k in ("sequences_per_corpus", "device") if getattr(args, k) is not None]
+    if args.teacher_forced and engine_only:
+        flag = "--" + engine_only[0].replace("_", "-")
+        raise SplicerError(f"{flag} sets vLLM's engines, and --teacher-forced starts none: drop one of them")
+    if not args.teacher_forced and forced_only:
+        flag = "--" + forced_only[0].replace("_", "-")
+        raise SplicerError(f"{flag} goes with --teacher-forced (vLLM's engines run where DIR's job ran): add it or drop {flag}")
     rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else None
+    if args.teacher_forced:
+        return _mtp_teacher_forced(args, rows)
+    for k, v in MTP_ENGINE_DEFAULTS.items():
+        setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
+    tokens = _int_list(args.tokens, "--tokens")
     record = run_mtp(
         args.dir,
         rows=rows,
@@ -412,6 +427,43 @@ def _cmd_mtp(args) -> int:
             file=sys.stderr,
         )
     return 1 if failed or asked or flagged else 0
+
+
+def _mtp_teacher_forced(args, rows: list[str] | None) -> int:
+    from tabulate import tabulate
+
+    from .ablate.speculative import run_teacher_forced
+    from .analysis import teacher_forced
+    from .io import results_record
+
+    record = run_teacher_forced(
+        args.dir,
+        rows=rows,
+        sequences_per_corpus=args.sequences_per_corpus,
+        device=args.device or "auto",
+        progress=not args.quiet,
+    )
+    spec = teacher_forced.load(args.dir)
+    order = [v["name"] for v in results_record.load(args.dir).get("variants", [])]
+    print(
+        tabulate(teacher_forced.table_rows(spec, order), headers=teacher_forced.HEADERS, tablefmt="github", disable_numparse=True)
+    )
+    print(f"\nwrote {args.dir / teacher_forced.FILE}; table.md and report.md of {args.dir} now hold the teacher-forced estimate")
+    sys.stdout.flush()
+    for x in record.get("skipped") or []:
+        print(f"splicer: {x['row']} not measured: {x['reason']}", file=sys.stderr)
+    failed = {r: e for r, e in record["rows"].items() if e.get("status") != "ok"}
+    asked = [x["row"] for x in record.get("skipped") or [] if rows and x["row"] in rows]
+    if failed:
+        print(
+            f"splicer: error: {len(failed)} rows failed ("
+            + "; ".join(f"{r}: {e.get('error', '')}" for r, e in failed.items())
+            + f"); see {args.dir / 'speculative.log'}, then run the same command again",
+            file=sys.stderr,
+        )
+    if asked:
+        print(f"splicer: error: --rows {', '.join(asked)} could not be measured (the reasons above)", file=sys.stderr)
+    return 1 if failed or asked else 0
 
 
 def _cmd_tasks(args) -> int:
@@ -760,15 +812,35 @@ def build_parser() -> argparse.ArgumentParser:
         "decoder (one engine per --tokens k) and once without, generate greedily from the first tokens of DIR's "
         "sequences, and count acceptance from vLLM's spec-decode counters (rate, per position, mean accepted length, "
         "paired against the build) and batch-1 decode with and without the drafter; DIR/speculative.json, and a "
-        "section in DIR/table.md and DIR/report.md. Resumable: a rerun keeps the finished engines.",
+        "section in DIR/table.md and DIR/report.md. Resumable: a rerun keeps the finished engines. --teacher-forced "
+        "starts no engine: it estimates the first draft position's acceptance on DIR's scored sequences with the "
+        "torch reference's model and MTP head of each row, on any folder, beside vLLM's k=1 figure where there is one.",
     )
-    s.add_argument("dir", metavar="DIR", type=Path, help="a results folder splicer ablate or score wrote with --backend vllm")
-    s.add_argument("--tokens", default="1,2", help="draft tokens per step, one engine each (default 1,2)")
+    s.add_argument(
+        "dir",
+        metavar="DIR",
+        type=Path,
+        help="a results folder splicer ablate or score wrote (with --backend vllm, but for --teacher-forced)",
+    )
+    s.add_argument("--tokens", help="draft tokens per step, one engine each (default 1,2)")
     s.add_argument("--rows", help="comma list of DIR's rows (default: every finished row but repeats and the base)")
-    s.add_argument("--prompts", type=_count(1, 10000), default=8, help="prompts per corpus (default 8)")
-    s.add_argument("--prompt-tokens", type=_count(1, 1 << 20), default=128, help="tokens of each prompt (default 128)")
-    s.add_argument("--new-tokens", type=_count(2, 1 << 16), default=64, help="tokens generated per prompt (default 64)")
+    s.add_argument("--prompts", type=_count(1, 10000), help="prompts per corpus (default 8)")
+    s.add_argument("--prompt-tokens", type=_count(1, 1 << 20), help="tokens of each prompt (default 128)")
+    s.add_argument("--new-tokens", type=_count(2, 1 << 16), help="tokens generated per prompt (default 64)")
     s.add_argument("--no-time", action="store_true", help="count acceptance only; no decode timing")
+    s.add_argument(
+        "--teacher-forced",
+        action="store_true",
+        help="no engines: estimate first-position acceptance on DIR's scored sequences with the torch reference's model "
+        "of each row and its MTP head (any folder; CPU or GPU), beside vLLM's k=1 figure where DIR has one; "
+        "DIR/mtp-teacher-forced.json",
+    )
+    s.add_argument(
+        "--sequences-per-corpus",
+        type=_count(1),
+        help="with --teacher-forced: the first N sequences of each corpus (default: all)",
+    )
+    s.add_argument("--device", help="with --teacher-forced: cpu, cuda or cuda:N (default: cuda when there is one)")
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=_cmd_mtp)
 

@@ -86,7 +86,7 @@ def test_every_corpus_needs_five_prompts_and_intervals_stay_in_range():
 
 def test_chat_prompts_of_one_group_are_one_unit():
     prompts = [{"corpus": "chat", "index": i, "group": i % 5} for i in range(10)]
-    strata, cluster = figures._clusters(prompts)
+    strata, cluster = figures.prompt_clusters(prompts)
     assert cluster == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
     # the same totals counted as 10 independent prompts give a narrower interval than as 5 groups of 2
     num, den = [3, 7, 2, 8, 5, 3, 7, 2, 8, 5], [10] * 10
@@ -207,6 +207,24 @@ def test_mtp_stage_counts_every_rows_drafts_and_writes_table_and_report(vllm_dir
         json.loads((vllm_dir / figures.FILE).read_text())["summary"]["build"]["1"]["acceptance"]["value"]
         == build["acceptance"]["value"]
     )
+    # the teacher-forced estimate on the same folder (torch reference, CPU) is set beside the engine's k=1 figure,
+    # paired over the 5 sequences the engine's prompts were cut from; the engine's file is left as it was
+    from splicer.ablate.speculative import run_teacher_forced
+    from splicer.analysis import teacher_forced
+
+    engines = (vllm_dir / figures.FILE).read_text()
+    forced = run_teacher_forced(vllm_dir, device="cpu", progress=False)
+    assert (vllm_dir / figures.FILE).read_text() == engines and set(forced["rows"]) == {"build", "all"}
+    spec = teacher_forced.load(vllm_dir)
+    cmp = spec["engine"]["build"]
+    assert cmp["engine"]["value"] == build["per_position"][0]["value"] and cmp["sequences"] == 5
+    hits = forced["rows"]["build"]["hits"]
+    assert cmp["estimate_shared"] == pytest.approx(sum(hits) / sum(s["positions"] for s in forced["sequences"]))
+    assert cmp["vs_engine"]["diff"] == pytest.approx(cmp["estimate_shared"] - cmp["engine_shared"])
+    table, report = (vllm_dir / "table.md").read_text(), (vllm_dir / "report.md").read_text()
+    section = table.split("MTP acceptance, teacher-forced (torch reference)")[1]
+    assert "| build " in section and "(5 sequences)" in section and "No vLLM figure" not in section
+    assert "MTP teacher-forced, build: first-position acceptance" in report and "teacher-forced − vLLM" in report
 
 
 def test_mtp_stage_resumes_and_flags_a_broken_drafter(vllm_dir, monkeypatch):

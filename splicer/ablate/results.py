@@ -89,7 +89,8 @@ def finish_results(results: dict, out: Path, backends, reps: int = 2000) -> None
 
 
 def render_outputs(out: Path, results: dict) -> None:
-    """DIR/table.md and DIR/report.md from results.json (and DIR/speculative.json, where `splicer mtp` wrote one)."""
+    """DIR/table.md and DIR/report.md from results.json (and the later stages' files where they wrote them:
+    DIR/tasks.json, DIR/speculative.json, DIR/mtp-teacher-forced.json)."""
     from ..analysis.report import render_report
     from ..analysis.table import render_markdown
 

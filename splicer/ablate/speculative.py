@@ -6,7 +6,13 @@ vLLM's spec-decode counters read before and after it give that prompt's drafts a
 (analysis.speculative turns them into rates with intervals). Batch-1 decode is timed on every engine, so the same row
 with and without the drafter are compared; the build is measured first and again last, which gives the engine-to-engine
 spread of decode and checks that acceptance repeats. The file is rewritten after every engine and a rerun with the
-same settings keeps what is finished."""
+same settings keeps what is finished.
+
+`splicer mtp DIR --teacher-forced` (run_teacher_forced, DIR/mtp-teacher-forced.json) starts no engine: the same rows,
+each in the torch reference with its own MTP head, on every sequence DIR scored, give a teacher-forced estimate of
+the first draft position's acceptance (analysis.teacher_forced), on any folder. It has a file of its own: its
+settings and resuming are its own, a rerun of the engines with other settings (which starts speculative.json afresh)
+leaves it alone, and a torch-backend folder gets no engine file whose note would speak of engines that never ran."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import time
 from pathlib import Path
 
 from ..analysis import speculative as figures
+from ..analysis import teacher_forced as tf_figures
 from ..errors import SplicerError
 from ..io import results_record
 from ..io.outputs import exclusive
@@ -34,9 +41,9 @@ def _has_drafter(folder: Path) -> bool:
     return any(m.cls == DRAFTER_CLASS for m in list_modules(open_checkpoint(folder, "variant")).values())
 
 
-def prompts_from_cache(out: Path, results: dict, per_corpus: int, prompt_tokens: int) -> tuple[list[dict], list]:
-    """The first per_corpus sequences of each corpus DIR scored (its base-pass cache), cut to prompt_tokens (a chat
-    sequence to its prompt): [{"corpus", "index", "group" (chat), "ids"}], and the corpora themselves."""
+def cached_corpora(out: Path, results: dict) -> list:
+    """The corpora DIR scored, as its base-pass cache holds them (cache/base-*/corpora.json: the one whose corpora
+    and sequence counts are those results.json names)."""
     from ..corpora.core import Corpus
 
     wanted = {n: c.get("sequences") for n, c in (results.get("corpora") or {}).items()}
@@ -45,21 +52,27 @@ def prompts_from_cache(out: Path, results: dict, per_corpus: int, prompt_tokens:
             corpora = [Corpus.from_json(c) for c in json.loads(cache.read_text(encoding="utf-8"))]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if {c.name: len(c.sequences) for c in corpora} != wanted:
-            continue
-        prompts = []
-        for c in corpora:
-            for i, seq in enumerate(c.sequences[:per_corpus]):
-                cut = c.prompt_lens[i] if c.prompt_lens else len(seq)
-                p = {"corpus": c.name, "index": i, "ids": list(seq[: min(cut, prompt_tokens)])}
-                if c.groups is not None:  # conversations that share a prompt are one unit of the intervals
-                    p["group"] = c.groups[i]
-                prompts.append(p)
-        return prompts, corpora
+        if {c.name: len(c.sequences) for c in corpora} == wanted:
+            return corpora
     raise SplicerError(
         f"{out} has no base-pass cache of the corpora its results.json names (cache/base-*/corpora.json); "
         "run its ablate or score command again to remake it"
     )
+
+
+def prompts_from_cache(out: Path, results: dict, per_corpus: int, prompt_tokens: int) -> tuple[list[dict], list]:
+    """The first per_corpus sequences of each corpus DIR scored (its base-pass cache), cut to prompt_tokens (a chat
+    sequence to its prompt): [{"corpus", "index", "group" (chat), "ids"}], and the corpora themselves."""
+    corpora = cached_corpora(out, results)
+    prompts = []
+    for c in corpora:
+        for i, seq in enumerate(c.sequences[:per_corpus]):
+            cut = c.prompt_lens[i] if c.prompt_lens else len(seq)
+            p = {"corpus": c.name, "index": i, "ids": list(seq[: min(cut, prompt_tokens)])}
+            if c.groups is not None:  # conversations that share a prompt are one unit of the intervals
+                p["group"] = c.groups[i]
+            prompts.append(p)
+    return prompts, corpora
 
 
 def _engine_plan(rows: list[str], build: str, tokens: list[int]) -> list[tuple[str, int, bool]]:
@@ -68,6 +81,42 @@ def _engine_plan(rows: list[str], build: str, tokens: list[int]) -> list[tuple[s
     order = [build, *(r for r in rows if r != build)]
     plan = [(r, k, False) for r in order for k in (0, *tokens)]
     return plan + [(build, k, True) for k in (0, *tokens)]
+
+
+def _rows_to_measure(out: Path, results: dict, rows: list[str] | None) -> tuple[str, list[str], list[dict]]:
+    """(the build row, the rows to measure, build first, and the rows skipped with why): every finished row (default:
+    all but repeats and the base) whose checkpoint has an MTP layer; refused when the build has none."""
+    ok = {v["name"]: v for v in results.get("variants", []) if v.get("status") == "ok"}
+    build = next((n for n, v in ok.items() if v.get("restored") == [] and not v.get("repeat_of")), None)
+    if build is None:
+        raise SplicerError(f"{out} has no finished build row to measure against; finish its ablate run first")
+    if rows is None:
+        rows = [n for n, v in ok.items() if not v.get("repeat_of") and v.get("restored") != "base"]
+    unknown = [r for r in rows if r not in ok]
+    if unknown:
+        raise SplicerError(f"--rows {unknown[0]}: {out} has no finished row of that name; finished: {', '.join(ok)}")
+    repeats = [r for r in rows if ok[r].get("repeat_of")]
+    if repeats:
+        raise SplicerError(
+            f"--rows {repeats[0]}: a repeat of {ok[repeats[0]]['repeat_of']}, which is measured anyway (the engines measure "
+            "the build first and again last); drop it"
+        )
+    skipped, measured = [], []
+    for r in dict.fromkeys([build, *rows]):
+        folder = row_folder(out, results, ok[r])
+        if not folder.is_dir():
+            skipped.append({"row": r, "reason": f"its folder {folder} is gone"})
+        elif not _has_drafter(folder):
+            skipped.append({"row": r, "reason": "no MTP layer in its checkpoint"})
+        else:
+            measured.append(r)
+    if build not in measured:
+        reason = next(s["reason"] for s in skipped if s["row"] == build)
+        raise SplicerError(
+            f"the build row of {out} cannot be measured ({reason}); MTP acceptance needs the build's drafter: "
+            "give it one (splicer splice --restore mtp BUILD BASE -o NEW) and run ablate or score on NEW"
+        )
+    return build, measured, skipped
 
 
 def run_mtp(
@@ -91,40 +140,12 @@ def run_mtp(
     if options is None:
         raise SplicerError(
             f"{out} was scored with the {results.get('backend')} backend; MTP acceptance is counted by vLLM's "
-            "speculative decoding: run ablate (or score) with --backend vllm on a GPU machine, then splicer mtp"
+            "speculative decoding: run ablate (or score) with --backend vllm on a GPU machine, then splicer mtp "
+            "(splicer mtp DIR --teacher-forced estimates it on any folder)"
         )
     if not tokens or any(k < 1 or k > 8 for k in tokens) or len(set(tokens)) != len(tokens):
         raise SplicerError(f"--tokens {','.join(map(str, tokens))}: give distinct draft-token counts from 1 to 8, e.g. 1,2")
-    ok = {v["name"]: v for v in results.get("variants", []) if v.get("status") == "ok"}
-    build = next((n for n, v in ok.items() if v.get("restored") == [] and not v.get("repeat_of")), None)
-    if build is None:
-        raise SplicerError(f"{out} has no finished build row to measure against; finish its ablate run first")
-    if rows is None:
-        rows = [n for n, v in ok.items() if not v.get("repeat_of") and v.get("restored") != "base"]
-    unknown = [r for r in rows if r not in ok]
-    if unknown:
-        raise SplicerError(f"--rows {unknown[0]}: {out} has no finished row of that name; finished: {', '.join(ok)}")
-    repeats = [r for r in rows if ok[r].get("repeat_of")]
-    if repeats:
-        raise SplicerError(
-            f"--rows {repeats[0]}: a repeat of {ok[repeats[0]]['repeat_of']}; the build is measured first and again last "
-            "anyway, so drop it"
-        )
-    skipped, measured = [], []
-    for r in dict.fromkeys([build, *rows]):
-        folder = row_folder(out, results, ok[r])
-        if not folder.is_dir():
-            skipped.append({"row": r, "reason": f"its folder {folder} is gone"})
-        elif not _has_drafter(folder):
-            skipped.append({"row": r, "reason": "no MTP layer in its checkpoint"})
-        else:
-            measured.append(r)
-    if build not in measured:
-        reason = next(s["reason"] for s in skipped if s["row"] == build)
-        raise SplicerError(
-            f"the build row of {out} cannot be measured ({reason}); MTP acceptance needs the build's drafter: "
-            "give it one (splicer splice --restore mtp BUILD BASE -o NEW) and run ablate or score on NEW"
-        )
+    build, measured, skipped = _rows_to_measure(out, results, rows)
     # Decode is timed as DIR's rows were (its plan's [timing]), else with the default plan's settings.
     timing = dict(timing or results.get("timing_settings") or DEFAULT_TIMING) if time_decode else None
     settings = {
@@ -254,3 +275,107 @@ def _rerender(out: Path, results: dict) -> None:
     from .results import render_outputs
 
     render_outputs(out, results)
+
+
+TF_SCHEMA = 1
+
+
+def run_teacher_forced(
+    out: Path,
+    *,
+    rows: list[str] | None = None,
+    sequences_per_corpus: int | None = None,
+    device: str = "auto",
+    batch_size: int = 4,
+    progress: bool = True,
+) -> dict:
+    """The teacher-forced estimate of MTP acceptance (analysis.teacher_forced says what it is) for the rows `run_mtp`
+    would measure, on every sequence DIR scored (or the first sequences_per_corpus of each corpus), with the torch
+    reference's model of each row on any folder; writes DIR/mtp-teacher-forced.json after every row (a rerun with the
+    same settings and sequences keeps finished rows) and returns the record."""
+    out = Path(out)
+    results = results_record.load(out)
+    if sequences_per_corpus is not None and sequences_per_corpus < 1:
+        raise SplicerError(f"--sequences-per-corpus {sequences_per_corpus}: give 1 or more (leave it out for every sequence)")
+    build, measured, skipped = _rows_to_measure(out, results, rows)
+    ok = {v["name"]: v for v in results["variants"] if v.get("status") == "ok"}
+    from ..backends import drafter_backend
+    from ..checkpoint import open_checkpoint
+
+    backend = drafter_backend(device, out / "mtp-logs")
+    # A family whose drafter the backend does not run is refused before any row is loaded.
+    backend.check_drafter(open_checkpoint(row_folder(out, results, ok[build]), "variant"))
+    sequences = []
+    for c in cached_corpora(out, results):
+        for i, seq in enumerate(c.sequences[:sequences_per_corpus]):
+            entry = {"corpus": c.name, "index": i, "ids": list(seq)}
+            if c.groups is not None:  # conversations that share a prompt are one unit of the intervals
+                entry["group"] = c.groups[i]
+            sequences.append(entry)
+    settings = {"sequences_per_corpus": sequences_per_corpus, "dtype": str(backend.dtype).replace("torch.", "")}
+    ids = [s["ids"] for s in sequences]
+    digest = parts_digest(TF_SCHEMA, settings, ids, results["inputs"]["build"].get("header_digest"))
+    path = out / tf_figures.FILE
+    stages = Stages(quiet=not progress, log_path=out / "speculative.log")
+    busy = f"another splicer command is writing to {out}; wait for it to finish"
+    with exclusive(out / ".lock", busy, in_place=True):
+        record = _resume_rows(path, digest)
+        record.update(
+            schema=TF_SCHEMA,
+            settings=settings,
+            settings_digest=digest,
+            build_row=build,
+            backend=backend.describe(),
+            sequences=[
+                {k: s[k] for k in ("corpus", "index", "group") if k in s} | {"positions": max(len(s["ids"]) - 2, 0)}
+                for s in sequences
+            ],
+            skipped=skipped,
+            rows_planned=len(measured),
+        )
+        try:
+            for n, row in enumerate(measured, 1):
+                if (record["rows"].get(row) or {}).get("status") == "ok":
+                    continue
+                folder = row_folder(out, results, ok[row])
+                entry = {"status": "running", "folder": str(folder)}
+                t0 = time.perf_counter()
+                stages.line(f"teacher-forced {n} of {len(measured)}: {row}: started")
+                try:
+                    backend.load(folder)
+                    backend.load_drafter()
+                    entry["hits"] = [int(h.sum()) for h in backend.draft_hits(ids, batch_size)]
+                    entry["device"] = backend.describe()["device"]  # kept rows may have run elsewhere than this run
+                    entry["status"] = "ok"
+                except SplicerError as e:
+                    entry.update(status="error", error=str(e))
+                except Exception as e:  # one row's failure (out of memory, a checkpoint torch cannot read) must not end the run
+                    entry.update(
+                        status="error", error=f"{e.__class__.__name__}: {(str(e).strip().splitlines() or [''])[0][:500]}"
+                    )
+                finally:
+                    backend.unload()
+                entry["elapsed_s"] = round(time.perf_counter() - t0, 2)
+                record["rows"][row] = entry
+                record["summary"] = tf_figures.summarize(record)
+                atomic_json(path, record)
+                stages.line(
+                    f"teacher-forced {n} of {len(measured)}: {row}: {entry['status']} in {entry['elapsed_s']:.1f} s"
+                    + (f" ({entry['error'][:300]})" if entry.get("error") else "")
+                )
+        finally:
+            backend.close()
+        record["summary"] = tf_figures.summarize(record)
+        atomic_json(path, record)
+        _rerender(out, results)
+    return record
+
+
+def _resume_rows(path: Path, digest: str) -> dict:
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {"rows": {}}
+    if not isinstance(old, dict) or old.get("settings_digest") != digest:
+        return {"rows": {}}  # other sequences or settings: nothing of it compares with a new run
+    return {"rows": {r: e for r, e in (old.get("rows") or {}).items() if isinstance(e, dict) and e.get("status") == "ok"}}

@@ -34,3 +34,12 @@ def fmt_paired_pp(cmp: dict | None) -> str:
     lo, hi = cmp.get("ci") or (None, None)
     why = f"{cmp['why']} for an interval" if cmp.get("why") else None
     return fmt_change_verdict(cmp["diff"], lo, hi, cmp.get("significant"), 100, "", "n.s.", 1, note=why)
+
+
+def fmt_share(fig: dict | None, digits: int = 1) -> str:
+    """A share with its interval, in percent: '71.2 % [68.0, 74.4]' (fig: value, ci); '' when it has no value."""
+    if not fig or fig.get("value") is None:
+        return ""
+    ci = fig.get("ci")
+    text = f"{100 * fig['value']:.{digits}f} %"
+    return text + (f" [{100 * ci[0]:.{digits}f}, {100 * ci[1]:.{digits}f}]" if ci else "")

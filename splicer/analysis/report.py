@@ -174,9 +174,9 @@ def findings(results: dict) -> list[str]:
 
 
 def render_report(results: dict, out: Path | None = None) -> str:
-    """The report.md of a results folder; with out, the sentences of out/budget.json (its predictions against the
-    re-made builds), out/tasks.json and out/speculative.json (MTP acceptance) too."""
-    from . import budget, speculative, task_scores
+    """The report.md of a results folder; with out, the sentences of the later stages' files in out too (budget.json's
+    predictions against the re-made builds, tasks.json, speculative.json, mtp-teacher-forced.json)."""
+    from . import budget, speculative, task_scores, teacher_forced
     from .table import caption
 
     lines = findings(results)
@@ -188,6 +188,9 @@ def render_report(results: dict, out: Path | None = None) -> str:
     spec = speculative.load(out) if out is not None else None
     if spec:
         lines += speculative.sentences(spec, [v["name"] for v in results.get("variants", [])])
+    forced = teacher_forced.load(out) if out is not None else None
+    if forced:
+        lines += teacher_forced.sentences(forced, [v["name"] for v in results.get("variants", [])])
     return caption(results) + "\n\n" + "\n".join(f"- {s}" for s in lines) + "\n"
 
 

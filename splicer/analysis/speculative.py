@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .formatting import fmt_paired_pp
+from .formatting import fmt_paired_pp, fmt_share
 from .metrics import MIN_SEQUENCES, decode_difference, excludes_zero, small_sample_half_width
 
 # A drafter whose tokens are (almost) never accepted was built from missing or random weights (a checkpoint whose
@@ -37,7 +37,7 @@ FLAG_HIGH = (
 )
 
 
-def _clusters(prompts: list[dict]) -> tuple[list[str], list[int]]:
+def prompt_clusters(prompts: list[dict]) -> tuple[list[str], list[int]]:
     """Each prompt's stratum (its corpus) and cluster (the independent unit: a prompt, or for chat prompts the group of
     conversations that share a prompt, corpora.chat), as indices."""
     strata = [p["corpus"] for p in prompts]
@@ -159,7 +159,7 @@ def _blocks(engine: dict) -> list[float]:
 
 def summarize(record: dict, reps: int = 2000) -> dict:
     """record: DIR/speculative.json -> {row: {str(k): figures}}; k "0" holds the row's plain decode only."""
-    strata, cluster = _clusters(record.get("prompts", []))
+    strata, cluster = prompt_clusters(record.get("prompts", []))
     engines = [e for e in record.get("engines", []) if e.get("status") == "ok"]
     by: dict = {}
     for e in engines:
@@ -252,14 +252,6 @@ def load(out) -> dict | None:
 FILE = "speculative.json"
 
 
-def _pct(fig: dict | None, digits: int = 1) -> str:
-    if not fig or fig.get("value") is None:
-        return ""
-    ci = fig.get("ci")
-    text = f"{100 * fig['value']:.{digits}f} %"
-    return text + (f" [{100 * ci[0]:.{digits}f}, {100 * ci[1]:.{digits}f}]" if ci else "")
-
-
 def _decode_cell(fig: dict) -> str:
     d = fig.get("decode_vs_plain")
     if not d or d.get("rel") is None:
@@ -297,8 +289,8 @@ def table_rows(spec: dict, order: list[str]) -> list[list[str]]:
                 [
                     name,
                     key,
-                    _pct(fig.get("acceptance")),
-                    " / ".join(_pct(p, 0).split(" [")[0] for p in fig.get("per_position") or []),
+                    fmt_share(fig.get("acceptance")),
+                    " / ".join(fmt_share(p, 0).split(" [")[0] for p in fig.get("per_position") or []),
                     f"{length['value']:.2f}" + (f" [{length['ci'][0]:.2f}, {length['ci'][1]:.2f}]" if length.get("ci") else "")
                     if length.get("value") is not None
                     else "",
@@ -383,7 +375,7 @@ def sentences(spec: dict, order: list[str] | None = None) -> list[str]:
             acc = fig.get("acceptance") or {}
             if acc.get("value") is None:
                 continue
-            text = f"MTP k={key}, {name}: acceptance {_pct(acc)}"
+            text = f"MTP k={key}, {name}: acceptance {fmt_share(acc)}"
             length = (fig.get("mean_accepted_length") or {}).get("value")
             if length is not None:
                 text += f", {length:.2f} tokens per target step"

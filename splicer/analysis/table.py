@@ -557,7 +557,8 @@ SPLICE_VS_REQUANTIZED_NOTE = (
 
 
 def render_markdown(results: dict, out: Path | None = None) -> str:
-    """The table.md of a results folder; with out, the MTP acceptance section of out/speculative.json too."""
+    """The table.md of a results folder; with out, the sections of the later stages' files in out too (tasks.json,
+    speculative.json, mtp-teacher-forced.json)."""
     from tabulate import tabulate
 
     headers, rows, notes = _rows(results)
@@ -569,12 +570,13 @@ def render_markdown(results: dict, out: Path | None = None) -> str:
         text += tabulate(pairs[1], headers=pairs[0], tablefmt="github", disable_numparse=True)
         text += f"\n\n- {SPLICE_VS_REQUANTIZED_NOTE}"
     if out is not None:  # what the later stages wrote into DIR, each its own section
-        from . import speculative, task_scores
+        from . import speculative, task_scores, teacher_forced
 
         order = [v["name"] for v in results.get("variants", [])]
         for module, title in (
             (task_scores, "Task accuracy (lm-evaluation-harness)"),
             (speculative, "MTP acceptance (speculative decoding in vLLM)"),
+            (teacher_forced, "MTP acceptance, teacher-forced (torch reference)"),
         ):
             spec = module.load(out)
             if spec:

@@ -51,6 +51,7 @@ DEEPSEEK_V3 = Architecture(
     # The router, and the MTP layer's eh_proj (a plain nn.Linear in the drafter).
     vllm_never_quantized=r"model\.layers\.\d+\.(mlp\.gate|eh_proj)",
     **model_layers_layout(mtp_layer=True),
+    mtp_layout="eh_proj over [enorm(embed), hnorm(hidden)], one decoder layer, shared_head",
     chat_stop_tokens=("<｜end▁of▁sentence｜>", "<|im_end|>"),  # DeepSeek's end of turn; Kimi-K2's
     vllm_kernel_classes=(
         ("lm_head", r"lm_head$"),

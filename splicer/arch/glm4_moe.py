@@ -42,6 +42,7 @@ GLM4_MOE = Architecture(
     # The router, and the MTP layer's eh_proj (a plain nn.Linear in the drafter).
     vllm_never_quantized=r"model\.layers\.\d+\.(mlp\.gate|eh_proj)",
     **model_layers_layout(mtp_layer=True),
+    mtp_layout="eh_proj over [enorm(embed), hnorm(hidden)], one decoder layer, shared_head",
     # GLM-4.5 ends a turn with these (its generation_config lists them as eos; recalled, not checked against a download)
     chat_stop_tokens=("<|user|>", "<|observation|>", "<|endoftext|>"),
     vllm_kernel_classes=(

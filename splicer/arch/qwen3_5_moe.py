@@ -63,6 +63,9 @@ QWEN3_5_MOE = Architecture(
     decoder_roots=(("model.language_model.layers", "language_model.model.layers"), ("mtp.layers", "mtp.layers")),
     lm_head_names=("lm_head", "language_model.lm_head"),
     mtp_prefix="mtp.",
+    # vLLM's qwen3_5_mtp: fc([norm(embed(x[t+1])), norm(h[t])]), the layer under mtp.layers, a norm, the shared lm_head
+    mtp_drafter="qwen3_5_mtp",
+    mtp_layout="fc over [pre_fc_norm_embedding(embed), pre_fc_norm_hidden(hidden)], one full-attention MoE layer, norm",
     non_text_prefixes=("model.visual",),
     text_config_key="text_config",
     text_tensor_pattern=r"model\.language_model\.|lm_head\.",

@@ -48,6 +48,7 @@ QWEN3_NEXT = Architecture(
     layer_pattern=r"((?:mtp|model)\.layers)\.(\d+)\.",
     decoder_roots=(("model.layers", "model.layers"), ("mtp.layers", "mtp.layers")),
     mtp_prefix="mtp.",
+    mtp_layout="qwen3_next_mtp: fc over the normed embedding and hidden state, one Qwen3-Next decoder layer, norm",
     chat_stop_tokens=("<|im_end|>",),
     vllm_kernel_classes=(
         ("experts", r".*\.mlp\.experts(\..*)?$"),

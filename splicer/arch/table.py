@@ -86,6 +86,10 @@ class Architecture:
     mtp_head_names: tuple[str, str] | None = None
     # Set by bind() when the checkpoint's config says it has no MTP layer (Kimi-K2): why `--restore mtp` finds none.
     no_mtp_reason: str | None = None
+    # The MTP drafter the torch backend runs for teacher-forced acceptance (backends/torch_mtp.py builds it by this
+    # name); None: not modeled there, and refused in one line that names the family and mtp_layout.
+    mtp_drafter: str | None = None
+    mtp_layout: str = ""  # the MTP head's layout in words, as that refusal says it
     non_text_prefixes: tuple[str, ...] = ()  # modules outside the text model (a vision tower): no decode reads them
     # The torch backend builds transformers' causal LM for the (text) config through its Auto classes (the text
     # config nested under `text_config_key` when the checkpoint is multimodal); these are the checkpoint tensors it

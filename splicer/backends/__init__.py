@@ -56,3 +56,9 @@ def task_backend(name: str, settings: dict, device: str, log_dir):
     """The backend whose model lm-evaluation-harness scores (`splicer tasks`): backend NAME with the options a results
     folder's job recorded (settings), one engine at a time (its options' tasks()); it implements evaluate_tasks."""
     return options_type(name).from_job(settings).tasks().make_backends(device, log_dir)[0]
+
+
+def drafter_backend(device: str, log_dir):
+    """The backend that runs a row's MTP head teacher-forced (`splicer mtp --teacher-forced`): the torch reference,
+    which builds the family's drafter from torch_mtp.py (check_drafter, load_drafter, draft_hits) on any folder."""
+    return options_type("torch")().make_backends(device, log_dir)[0]

@@ -244,6 +244,7 @@ class TorchBackend:
 
     def unload(self) -> None:
         self.model = None
+        self.drafter = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -358,6 +359,107 @@ class TorchBackend:
             "dtype": str(self.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(),
         }
+
+    # ------------------------------------------------------------ MTP drafter, teacher-forced
+    drafter = None  # the loaded checkpoint's MTP head, once load_drafter() built it
+
+    @staticmethod
+    def check_drafter(ckpt) -> None:
+        """Refuse, in one line, a checkpoint whose family's MTP drafter this backend does not run (before a run starts)."""
+        from .torch_mtp import drafter_class
+
+        drafter_class(ckpt.arch)
+
+    def load_drafter(self) -> None:
+        """The loaded checkpoint's MTP head (torch_mtp.py, the module its family's table names), filled with its MTP
+        tensors, quantized modules dequantized as the trunk's are."""
+        from safetensors import safe_open
+
+        try:
+            from transformers.initialization import no_init_weights
+        except ImportError:  # transformers < 5
+            from transformers.modeling_utils import no_init_weights
+
+        from ..splice.modules import list_modules
+        from .torch_mtp import drafter_class
+
+        model = self._need()
+        ckpt = open_checkpoint(self.folder, "checkpoint")
+        arch = ckpt.arch
+        kind = drafter_class(arch)
+        names = [n for n in ckpt.weight_map if arch.is_mtp(n)]
+        if not names:
+            raise SplicerError(
+                f"{self.folder}: no MTP tensors ({arch.mtp_prefix}*); give the checkpoint its head "
+                "(splicer splice --restore mtp BUILD BASE -o NEW) or leave this row out"
+            )
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with no_init_weights(), self.device:
+                drafter = kind(model.config)
+        finally:
+            torch.set_default_dtype(default)
+        raw: dict[str, torch.Tensor] = {}
+        by_shard: dict[str, list[str]] = defaultdict(list)
+        for name in names:
+            by_shard[ckpt.weight_map[name]].append(name)
+        for shard, shard_names in by_shard.items():
+            with safe_open(str(ckpt.root / shard), "pt") as f:
+                for n in shard_names:
+                    raw[n] = f.get_tensor(n)
+        if ckpt.quantization_config:
+            modules = {n: m for n, m in list_modules(ckpt).items() if arch.is_mtp(n)}
+            raw = self._dequantize(raw, self._module_schemes(ckpt, modules))
+        params = dict(drafter.state_dict(keep_vars=True))
+        filled: set[str] = set()
+        for name, tensor in self._to_model_names(raw, arch).items():
+            local = name[len(arch.mtp_prefix) :]
+            if local not in params:
+                raise SplicerError(f"{self.folder}: tensor {name} has no place in {arch.name}'s MTP drafter ({arch.mtp_drafter})")
+            p = params[local]
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise SplicerError(f"{self.folder}: {name} is {list(tensor.shape)} but the config implies {list(p.shape)}")
+            with torch.no_grad():
+                p.copy_(tensor.to(p.dtype))
+            filled.add(local)
+        missing = sorted(set(dict(drafter.named_parameters())) - filled)
+        if missing:
+            raise SplicerError(
+                f"{self.folder}: no weights for {arch.mtp_prefix}{missing[0]} (and {len(missing) - 1} more); "
+                "the checkpoint's MTP head is incomplete"
+            )
+        drafter.eval()
+        self.drafter = drafter
+
+    def draft_hits(self, sequences, batch_size: int = 4) -> list[torch.Tensor]:
+        """Per sequence x_0 .. x_{T-1}, a bool tensor over t = 0 .. T-3: whether the MTP head's argmax given (h_t,
+        x_{t+1}) equals the trunk's own argmax at t+1 (the token the model puts at t+2 after the true prefix), i.e.
+        whether its first draft token would be accepted under greedy verification, teacher-forced on the sequence."""
+        from .torch_mtp import draft_logits
+
+        model = self._need()
+        if self.drafter is None:
+            raise RuntimeError("load_drafter() after load() first")
+        out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.bool)] * len(sequences)
+        by_length = defaultdict(list)
+        for i, seq in enumerate(sequences):
+            if len(seq) >= 3:
+                by_length[len(seq)].append(i)
+        for length, idxs in sorted(by_length.items()):
+            for s in range(0, len(idxs), batch_size):
+                batch = idxs[s : s + batch_size]
+                with torch.inference_mode():
+                    ids = torch.tensor([sequences[i] for i in batch], dtype=torch.long, device=self.device)
+                    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+                    target = model.lm_head(hidden[:, 1 : length - 1]).argmax(-1)
+                    draft = draft_logits(
+                        self.drafter, model.model, model.lm_head, hidden[:, : length - 2], ids[:, 1 : length - 1]
+                    )
+                    hits = (draft.argmax(-1) == target).cpu()
+                for row, i in enumerate(batch):
+                    out[i] = hits[row]
+        return out
 
 
 @dataclass(frozen=True)

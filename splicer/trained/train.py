@@ -4,8 +4,9 @@ The trunk is transformers' own `Qwen3_5MoeTextModel` (Gated-DeltaNet and gated a
 expert), so what is trained is what transformers and vLLM compute from the same tensors. The MTP head is built the way
 vLLM's `qwen3_5_mtp` runs it: the next token's embedding and the trunk's final (normed) hidden state, each RMS-normed,
 concatenated [embedding, hidden], projected by `fc`, one full-attention decoder layer, a final norm, and the shared
-lm_head; it is trained on the token after next. The base is written by `splicer.fixtures.core.write_base` with the trained
-tensors (routed experts split per expert, as Qwen's release stores them); the tiny vision tower stays random (text only).
+lm_head (splicer/backends/torch_mtp.py, the one definition the torch backend runs too); it is trained on the token
+after next. The base is written by `splicer.fixtures.core.write_base` with the trained tensors (routed experts split
+per expert, as Qwen's release stores them); the tiny vision tower stays random (text only).
 
     python -m splicer.trained.train DATA OUT [--seed N] [--steps N] [--device cuda] [--recipe small|tiny]
 """
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backends.torch_mtp import MTPHead, draft_logits
 from ..errors import SplicerError, exit_code
 from ..fixtures.core import TEXT_PRESETS
 
@@ -104,28 +106,6 @@ def fixture_spec(r: Recipe):
     return FixtureSpec(preset="tiny", experts_layout="per_expert", seed=r.seed, text_overrides=dict(r.text))
 
 
-class MTPHead(nn.Module):
-    """vLLM's qwen3_5_mtp drafter: fc([norm(embed(x_{t+1})), norm(h_t)]) -> one full-attention layer -> norm."""
-
-    def __init__(self, tc):
-        super().__init__()
-        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
-
-        h = tc.hidden_size
-        full = tc.layer_types.index("full_attention")
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.pre_fc_norm_embedding = Qwen3_5MoeRMSNorm(h, eps=tc.rms_norm_eps)
-        self.pre_fc_norm_hidden = Qwen3_5MoeRMSNorm(h, eps=tc.rms_norm_eps)
-        self.layers = nn.ModuleList([Qwen3_5MoeDecoderLayer(tc, full)])
-        self.norm = Qwen3_5MoeRMSNorm(h, eps=tc.rms_norm_eps)
-
-    def forward(self, next_embeds, hidden, position_embeddings):
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        for layer in self.layers:
-            x = layer(x, position_embeddings=position_embeddings, attention_mask=None)
-        return self.norm(x)
-
-
 class TrainedLM(nn.Module):
     def __init__(self, tc):
         super().__init__()
@@ -148,11 +128,7 @@ class TrainedLM(nn.Module):
         inp = ids[:, :-1]
         hidden = self.model(input_ids=inp).last_hidden_state  # final norm applied, as vLLM hands to the drafter
         logits = self.lm_head(hidden)
-        b, t = inp.shape[0], inp.shape[1] - 1
-        pos = torch.arange(t, device=ids.device).view(1, 1, -1).expand(3, b, -1)
-        nxt = self.model.embed_tokens(ids[:, 1:-1])
-        pe = self.model.rotary_emb(nxt, pos)
-        mtp_logits = self.lm_head(self.mtp(nxt, hidden[:, :-1], pe))
+        mtp_logits = draft_logits(self.mtp, self.model, self.lm_head, hidden[:, :-1], ids[:, 1:-1])
         return logits, mtp_logits, self._router_logits
 
 

@@ -1,0 +1,237 @@
+"""Teacher-forced MTP acceptance from DIR/mtp-teacher-forced.json (written by `splicer mtp DIR --teacher-forced`,
+ablate.speculative.run_teacher_forced), beside vLLM's own figure from DIR/speculative.json where there is one.
+
+The estimate: on each scored sequence x_0 .. x_{T-1}, at every position t = 0 .. T-3, the row's MTP head is given
+the trunk's last hidden state h_t (after its final norm) and the true next token x_{t+1}; a hit when the argmax of
+its logits equals the argmax of the trunk's own logits at t+1 (the token the row itself puts at t+2 after the true
+prefix). That is whether the first draft token would be accepted under greedy verification, teacher-forced on the
+text: the drafts follow the text, not the model's own greedy continuation (where vLLM measures), and only the first
+draft position is estimated. acceptance = hits / positions, a ratio of sums over sequences whose interval resamples
+sequences (chat: groups of conversations that share a prompt) within corpora, as speculative.ratio does for vLLM's
+prompts; against the build, the paired difference on the same positions.
+
+Agreement with the engine is reported, not assumed: where the same row has a k=1 engine in DIR/speculative.json,
+its first-position acceptance is set beside the estimate, and estimate - engine is paired over the sequences both
+measured (each engine prompt is the start of one scored sequence), each figure on those sequences alone, with
+speculative.paired_ratio_difference's interval.
+"""
+
+from __future__ import annotations
+
+from .formatting import fmt_paired_pp, fmt_share
+from .speculative import paired_ratio_difference, prompt_clusters, ratio
+
+FILE = "mtp-teacher-forced.json"
+ENGINE_K = "1"  # the engine whose first draft position the estimate is compared with
+
+
+def _rows(record: dict) -> dict:
+    return {r: e for r, e in (record.get("rows") or {}).items() if e.get("status") == "ok"}
+
+
+def summarize(record: dict, reps: int = 2000) -> dict:
+    """record: DIR/mtp-teacher-forced.json -> {row: {acceptance, positions, vs_build}}."""
+    sequences = record.get("sequences") or []
+    strata, cluster = prompt_clusters(sequences)
+    positions = [s["positions"] for s in sequences]
+    rows, build = _rows(record), record.get("build_row")
+    out = {}
+    for row, entry in rows.items():
+        fig = {"acceptance": ratio(entry["hits"], positions, strata, reps, cluster=cluster), "positions": sum(positions)}
+        fig["hits"] = sum(entry["hits"])
+        if row != build and build in rows:
+            fig["vs_build"] = paired_ratio_difference(
+                (entry["hits"], positions), (rows[build]["hits"], positions), strata, reps, cluster=cluster
+            )
+        out[row] = fig
+    return out
+
+
+def engine_comparison(record: dict, engine: dict | None, reps: int = 2000) -> dict:
+    """{row: vLLM's figure beside the estimate}: its first-position acceptance at k=1 ("engine", with its interval
+    over all its prompts), or why there is none to compare ("flagged"); and estimate - engine paired over the
+    sequences both measured ("vs_engine", with "sequences", "estimate_shared", "engine_shared": each figure on those
+    sequences alone)."""
+    if not engine:
+        return {}
+    erec, esum = engine["record"], engine["summary"]
+    prompts = erec.get("prompts") or []
+    sequences = record.get("sequences") or []
+    where = {(s["corpus"], s["index"]): j for j, s in enumerate(sequences)}
+    shared = [(i, where[(p["corpus"], p["index"])]) for i, p in enumerate(prompts) if (p["corpus"], p.get("index")) in where]
+    strata, cluster = prompt_clusters([prompts[i] for i, _ in shared])
+    out = {}
+    for row, entry in _rows(record).items():
+        fig = (esum.get(row) or {}).get(ENGINE_K)
+        if fig is None:
+            continue
+        if fig.get("flagged"):
+            out[row] = {"flagged": fig["flagged"]}
+            continue
+        first = next(
+            (
+                e
+                for e in erec.get("engines", [])
+                if e.get("status") == "ok" and e["row"] == row and str(e["k"]) == ENGINE_K and not e.get("repeat")
+            ),
+            None,
+        )
+        if first is None or not fig.get("per_position"):
+            continue
+        per = first["per_prompt"]
+        a = ([entry["hits"][j] for _, j in shared], [sequences[j]["positions"] for _, j in shared])
+        b = ([per[i]["accepted_per_pos"][0] for i, _ in shared], [per[i]["drafts"] for i, _ in shared])
+        cmp = {"engine": fig["per_position"][0], "sequences": len(shared)}
+        if sum(a[1]) > 0 and sum(b[1]) > 0:
+            cmp["estimate_shared"] = sum(a[0]) / sum(a[1])
+            cmp["engine_shared"] = sum(b[0]) / sum(b[1])
+            cmp["vs_engine"] = paired_ratio_difference(a, b, strata, reps, cluster=cluster)
+        out[row] = cmp
+    return out
+
+
+def load(out) -> dict | None:
+    """DIR/mtp-teacher-forced.json summarised, with vLLM's figures of DIR/speculative.json beside it (None when DIR
+    has no such file or it cannot be read)."""
+    import json
+    from pathlib import Path
+
+    from . import speculative
+
+    try:
+        record = json.loads((Path(out) / FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    # Recomputed every time, as speculative.load does: the engine's file may have been written since
+    return {"record": record, "summary": summarize(record), "engine": engine_comparison(record, speculative.load(out))}
+
+
+HEADERS = [
+    "variant",
+    "teacher-forced acceptance [95 %]",
+    "positions",
+    "Δ vs build, pp",
+    f"vLLM k={ENGINE_K} acceptance [95 %]",
+    "teacher-forced − vLLM, pp [95 %]",
+]
+
+
+def _order(spec: dict, order: list[str]) -> list[str]:
+    summary = spec["summary"]
+    return [n for n in order if n in summary] + [n for n in summary if n not in order]
+
+
+def _engine_cells(cmp: dict | None) -> list[str]:
+    if not cmp:
+        return ["", ""]
+    if cmp.get("flagged"):
+        return ["flagged", "no comparison"]
+    vs = cmp.get("vs_engine")
+    return [fmt_share(cmp["engine"]), f"{fmt_paired_pp(vs)} ({cmp['sequences']} sequences)" if vs else ""]
+
+
+def table_rows(spec: dict, order: list[str]) -> list[list[str]]:
+    """One row per variant of DIR/mtp-teacher-forced.json, in the results table's order."""
+    build = spec["record"].get("build_row")
+    rows = []
+    for name in _order(spec, order):
+        fig = spec["summary"][name]
+        rows.append(
+            [
+                name,
+                fmt_share(fig["acceptance"]),
+                f"{fig['positions']:,}",
+                fmt_paired_pp(fig.get("vs_build")) if name != build else "",
+                *_engine_cells(spec["engine"].get(name)),
+            ]
+        )
+    return rows
+
+
+def _state(record: dict) -> str:
+    planned, rows = record.get("rows_planned"), record.get("rows") or {}
+    done = [r for r, e in rows.items() if e.get("status") == "ok"]
+    failed = {r: e for r, e in rows.items() if e.get("status") != "ok"}
+    text = ""
+    if planned and len(done) < planned:
+        text += f" Incomplete: {len(done)} of the {planned} rows finished; rerun splicer mtp --teacher-forced to finish."
+    if failed:
+        text += " Failed: " + "; ".join(f"{r} ({str(e.get('error', ''))[:160]})" for r, e in failed.items()) + "."
+    return text
+
+
+def note(spec: dict) -> str:
+    r = spec["record"]
+    sequences = r.get("sequences") or []
+    per: dict = {}
+    for s in sequences:
+        per[s["corpus"]] = per.get(s["corpus"], 0) + 1
+    skipped = "; ".join(f"{x['row']}: {x['reason']}" for x in r.get("skipped") or [])
+    device = (r.get("backend") or {}).get("device")
+    engine = (
+        f" Beside it, vLLM's acceptance at k={ENGINE_K} from `splicer mtp` (DIR/speculative.json: its own greedy "
+        "continuations of the first tokens of the first sequences); teacher-forced − vLLM is paired over the sequences "
+        "both measured (each figure on those sequences alone), so n.s. says that no difference is resolved and the "
+        "interval bounds the disagreement, not that the two agree."
+        if spec["engine"]
+        else f" No vLLM figure beside it: DIR/speculative.json holds no k={ENGINE_K} engine of these rows "
+        "(splicer mtp DIR --tokens 1 on a --backend vllm folder)."
+    )
+    return (
+        "MTP acceptance, teacher-forced, from `splicer mtp --teacher-forced`: the torch reference's model of each variant "
+        f"with its own MTP head (quantized modules dequantized as the trunk's; {r.get('settings', {}).get('dtype')}"
+        + (f" on {device}" if device else "")
+        + f"), on {len(sequences)} scored sequences ("
+        + ", ".join(f"{n} of {c}" for c, n in per.items())
+        + "); at every position t ≤ T−3 a hit when the head's argmax given (h_t, x_{t+1}) equals the trunk's own argmax "
+        "at t+1: the first draft token's acceptance under greedy verification, teacher-forced on the text (not on the "
+        "model's own continuation; first draft position only). acceptance = hits / positions; intervals resample "
+        "sequences (chat: groups of conversations that share a prompt) within corpora; Δ vs build is paired on the same "
+        "positions." + engine + (f" Not measured: {skipped}." if skipped else "") + _state(r)
+    )
+
+
+def _agreement(cmp: dict) -> str:
+    """One clause on how the estimate and vLLM's figure compare, claiming no more than the interval says."""
+    if cmp.get("flagged"):
+        return f"; vLLM's k={ENGINE_K} figure is flagged ({cmp['flagged']}), so there is nothing to compare it with"
+    vs = cmp.get("vs_engine")
+    if not vs or vs.get("diff") is None:
+        return f"; vLLM's k={ENGINE_K} acceptance {fmt_share(cmp['engine'])}, on no sequence in common with it"
+    text = (
+        f"; vLLM's k={ENGINE_K} acceptance {fmt_share(cmp['engine'])}: on the {cmp['sequences']} sequences both measured "
+        f"{100 * cmp['estimate_shared']:.1f} % against {100 * cmp['engine_shared']:.1f} %, teacher-forced − vLLM "
+        f"{fmt_paired_pp(vs).replace(' n.s.', '')} pp"
+    )
+    if vs.get("ci") is None:
+        return text + ", no verdict on agreement"
+    lo, hi = (100 * x for x in vs["ci"])
+    if vs.get("significant"):
+        return text + f", a difference the interval resolves (the estimate reads {'high' if vs['diff'] > 0 else 'low'})"
+    return text + f", no difference resolved (the estimate within {lo:+.1f} to {hi:+.1f} points of vLLM's)"
+
+
+def sentences(spec: dict, order: list[str] | None = None) -> list[str]:
+    """The report's sentences on teacher-forced acceptance, one per row, every figure from the summary."""
+    out = []
+    build = spec["record"].get("build_row")
+    for name in _order(spec, order or []):
+        fig = spec["summary"][name]
+        acc = fig["acceptance"]
+        if acc.get("value") is None:
+            continue
+        text = f"MTP teacher-forced, {name}: first-position acceptance {fmt_share(acc)} over {fig['positions']:,} positions"
+        vs = fig.get("vs_build")
+        if name != build and vs and vs.get("diff") is not None:
+            verdict = "" if vs.get("significant") else ", not significant"
+            text += f"; {fmt_paired_pp(vs).replace(' n.s.', '')} pp against the build{verdict}"
+        cmp = spec["engine"].get(name)
+        if cmp:
+            text += _agreement(cmp)
+        out.append(text + ".")
+    state = _state(spec["record"]).strip()
+    if state:
+        out.append(f"MTP teacher-forced: {state}")
+    return out
