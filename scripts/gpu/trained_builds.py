@@ -50,6 +50,7 @@ def kept_classes(kind: str) -> list[str] | None:
     classes = kind[len(KEEP_PREFIX) :].split("+")
     return classes if classes and all(c in KEEP_CLASS for c in classes) and len(set(classes)) == len(classes) else None
 
+
 # Seed 000's ignore list (splicer.fixtures.core.LOWLATENCY_IGNORE): the vision tower, GDN's tiny a/b projections, the
 # router, the shared expert's gate and the MTP head stay BF16.
 LOWLATENCY_IGNORE = [
