@@ -225,12 +225,12 @@ tasks_stage() {
   local dir=$1 name=$2
   [ "$TASKS" = 1 ] || return 0
   is_done "tasks-$name" && return 0
+  # the task's YAML names its items by absolute path, so they are made where they stay (the maker writes both or none)
   if [ ! -f "$W/tasks/cloze.yaml" ]; then
     python3 -m splicer.tasks.cloze "$D/heldout/en-dict.txt" "$D/heldout/en-kernel.txt" "$D/heldout/en-python.txt" \
-      -o "$W/tasks.partial" --items "$TASK_ITEMS" >> "$LOG" 2>&1 && mv "$W/tasks.partial" "$W/tasks" \
-      || { stage "cloze items could not be made"; return 1; }
+      -o "$W/tasks" --items "$TASK_ITEMS" >> "$LOG" 2>&1 || { stage "cloze items could not be made"; return 1; }
   fi
-  stage "tasks: $dir, cloze through lm-eval's VLLM model"
+  stage "tasks: $dir, cloze items through lm-eval"
   PYTHONPATH=$PYTHONPATH${LMEVAL_SITE:+:$LMEVAL_SITE} HF_DATASETS_OFFLINE=1 \
     python3 -m splicer tasks "$W/$dir" --tasks cloze --include-path "$W/tasks" -q > "$W/tasks-$name.log" 2>&1 \
     && done_mark "tasks-$name" || { stage "tasks $name exit $?"; tail -5 "$W/tasks-$name.log" | tee -a "$LOG"; }
@@ -244,7 +244,7 @@ teacher_forced_stage() {
   is_done "teacher-forced-$name" && return 0
   rows=$(finished_rows "$dir" "$rows")
   stage "mtp --teacher-forced: $dir rows $rows"
-  python3 -m splicer mtp "$W/$dir" --teacher-forced --rows "$rows" --device cuda -q > "$W/teacher-forced-$name.log" 2>&1 \
+  python3 -m splicer mtp "$W/$dir" --teacher-forced --rows "$rows" --device $DEVICE -q > "$W/teacher-forced-$name.log" 2>&1 \
     && done_mark "teacher-forced-$name" || { stage "teacher-forced $name exit $?"; tail -5 "$W/teacher-forced-$name.log" | tee -a "$LOG"; }
 }
 
@@ -296,13 +296,12 @@ score_builds() {
 # no score), for splicer mtp.
 ablate_rtn_mtp() {
   [ "$MTP" = 1 ] || return 0
-  is_done ablate-rtn && return 0
   case ",$OTHER_BUILDS," in *,rtn-g32-experts,*) ;; *) return 0 ;; esac
-  [ "$SCORE_BUILDS" = 1 ] || finish_build 0 builds-other "$W/seed0/raw-other"
-  [ -d "$W/seed0/rtn-g32-experts" ] || { stage "no RTN g32 build for the MTP rows"; return 1; }
-  [ -f "$W/plan-mtp.toml" ] || python3 -m splicer.trained.plans mtp-rows "$PLAN" "$W/plan-mtp.toml" || return 1
-  stage "ablate: seed 0 RTN g32 experts build and its MTP head restored"
   if ! is_done ablate-rtn; then
+    [ "$SCORE_BUILDS" = 1 ] || finish_build 0 builds-other "$W/seed0/raw-other"
+    [ -d "$W/seed0/rtn-g32-experts" ] || { stage "no RTN g32 build for the MTP rows"; return 1; }
+    [ -f "$W/plan-mtp.toml" ] || python3 -m splicer.trained.plans mtp-rows "$PLAN" "$W/plan-mtp.toml" || return 1
+    stage "ablate: seed 0 RTN g32 experts build and its MTP head restored"
     python3 -m splicer ablate all "$W/seed0/rtn-g32-experts" "$W/seed0/base" -o "$W/ablate-rtn" --plan "$W/plan-mtp.toml" \
       "${CORPORA[@]}" "${ENGINE[@]}" --no-time -q > "$W/ablate-rtn.log" 2>&1 && done_mark ablate-rtn \
       || { stage "ablate-rtn exit $?"; tail -5 "$W/ablate-rtn.log" | tee -a "$LOG"; return 1; }
