@@ -869,7 +869,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model lm-eval drives (default: the backend DIR was scored with); its options are DIR's",
     )
     s.add_argument(
-        "--batch-size", type=_count(1, 4096), help="lm-eval's batch size (default: 8 on the torch backend, all at once on vLLM)"
+        "--batch-size",
+        type=_count(1, 4096),
+        help="lm-eval's batch size (default: 8 on the torch backend; on vLLM, requests per engine call, 1024)",
     )
     s.add_argument(
         "--force", action="store_true", help="replace DIR/tasks.json made with other tasks, task files, --limit or model"

@@ -13,6 +13,8 @@ import torch
 
 from .vllm_outputs import SPEC_PREFIX, engine_step_s, sequence_scores, summarise_decode_runs
 
+TASK_CHUNK = 1024  # lm-eval's requests handed to vLLM per generate call when no --batch-size is given
+
 
 def _kernel_probe(model):
     """Runs inside vLLM's worker: which quantization method / scheme / kernel each layer got."""
@@ -255,7 +257,10 @@ def child_worker(conn, env: dict, log_path: str) -> None:
         from .lm_eval_tasks import evaluate
 
         unload()
-        batch = request.get("batch_size") or "auto"  # "auto": every request at once, vLLM's scheduler batches them
+        # A number, never lm-eval's "auto": with "auto" lm-eval asks vLLM for its progress bar, and vLLM 0.26 divides by
+        # that bar's elapsed time, which is 0 when tqdm is off (TQDM_DISABLE, as `-q` sets it): ZeroDivisionError in
+        # LLM._run_engine. Requests go to vLLM in chunks of this many; its scheduler batches within each.
+        batch = int(request.get("batch_size") or TASK_CHUNK)
         lm = VLLM(pretrained=folder, tokenizer=tokenizer, batch_size=batch, **engine_args)
         llm = lm.model  # released by unload(), here or when the worker stops
         try:

@@ -126,8 +126,8 @@ def run_tasks(
     backend: str | None = None,
 ) -> dict:
     """Run lm-eval's tasks on rows of DIR (default: every finished row but repeats) and write DIR/tasks.json; backend:
-    the one whose model lm-eval drives (default: DIR's own), batch_size: lm-eval's (default: the HF model's 8; vLLM's
-    scheduler batches all requests at once)."""
+    the one whose model lm-eval drives (default: DIR's own), batch_size: lm-eval's (default: the HF model's 8; on vLLM,
+    requests per engine call, vllm_child.TASK_CHUNK)."""
     out = Path(out)
     results = results_record.load(out)
     tasks = list(dict.fromkeys(t.strip() for t in tasks if t.strip()))

@@ -259,6 +259,10 @@ class LLM:
         per_prompt = (
             sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         )
+        if use_tqdm and os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes"):
+            # vLLM 0.26's LLM._run_engine divides by its progress bar's elapsed time, which a disabled tqdm leaves at 0
+            # (seen on the H200 when lm-eval asked for the bar under TQDM_DISABLE=1)
+            raise ZeroDivisionError("division by zero (fake: vLLM's progress bar under TQDM_DISABLE)")
         if self.sleeping:  # a real engine asleep has no weights on the GPU: serving it would be a bug in the caller
             raise RuntimeError("generate() on a sleeping engine (fake)")
         self._served()
