@@ -47,33 +47,5 @@ if [ -n "$dups" ]; then
 fi
 
 # Requirements (Python 3.12, Linux, no extras) of the wheels that no wheel here provides: each must be on the machine.
-python3 - "$dir" <<'EOF'
-import re, sys, zipfile
-from pathlib import Path
-try:
-    from packaging.requirements import Requirement
-except ImportError:  # pip carries its own copy
-    from pip._vendor.packaging.requirements import Requirement
-env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
-       "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython", "extra": ""}
-norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
-whls = sorted(Path(sys.argv[1]).glob("*.whl"))
-have = {norm(w.name.split("-")[0]) for w in whls}
-need = {}
-for w in whls:
-    with zipfile.ZipFile(w) as z:
-        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        for line in z.read(meta).decode().splitlines():
-            if not line.startswith("Requires-Dist:"):
-                continue
-            req = Requirement(line.split(":", 1)[1].strip())
-            if req.marker is not None and not req.marker.evaluate(env):
-                continue
-            name = norm(req.name)
-            if name not in have:
-                need.setdefault(name, set()).add(f"{req}  (from {w.name.split('-')[0]})")
-print("requirements the machine must already hold:")
-for name in sorted(need):
-    print("  " + "; ".join(sorted(need[name])))
-EOF
+python3 "$(dirname "$0")/wheel_needs.py" "$dir"
 du -ch "$dir"/*.whl | tail -1

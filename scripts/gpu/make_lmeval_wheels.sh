@@ -25,26 +25,5 @@ wheels=(
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dir" "${wheels[@]}"
-python3 - "$dir" <<'PY'
-import re, sys, zipfile
-from pathlib import Path
-try:
-    from packaging.requirements import Requirement
-except ImportError:  # pip carries its own copy
-    from pip._vendor.packaging.requirements import Requirement
-env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
-       "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython", "extra": ""}
-norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
-whls = sorted(Path(sys.argv[1]).glob("*.whl"))
-have = {norm(w.name.split("-")[0]) for w in whls}
-print("requirements the machine (or llm-compressor's wheels) must hold:")
-for w in whls:
-    with zipfile.ZipFile(w) as z:
-        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        for line in z.read(meta).decode().splitlines():
-            if line.startswith("Requires-Dist:"):
-                req = Requirement(line.split(":", 1)[1].strip())
-                if (req.marker is None or req.marker.evaluate(env)) and norm(req.name) not in have:
-                    print(f"  {req}  (from {w.name.split('-')[0]})")
-PY
+python3 "$(dirname "$0")/wheel_needs.py" "$dir"
 du -ch "$dir"/*.whl | tail -1
