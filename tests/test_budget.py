@@ -134,3 +134,58 @@ def test_an_unreadable_budget_json_is_refused_not_overwritten(tmp_path, capsys):
         (tmp_path / "results.json").write_text(json.dumps(r))
         assert main(["budget", str(tmp_path), *args]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_small_kls_and_sizes_print_so_that_their_differences_show(tmp_path, capsys):
+    """KLs near 0.002 at four decimals print neighbouring points alike (0.0021 and 0.0021), and tabulate reprinted a
+    size of 0.010 GB as 0.01 beside 0.009 and 0.011. Every KL of the answer is printed at one scale with three
+    significant digits of the smallest, and sizes keep their three decimals."""
+    r = _results(
+        _v("build", [], 0.00622, 9e6),
+        _v("g0", ["gdn@0"], 0.00361, 10e6),
+        _v("a", ["attention"], 0.00595, 10e6),
+        _v("g0a", ["gdn@0", "attention"], 0.00334, 11e6),
+    )
+    (tmp_path / "results.json").write_text(json.dumps(r))
+    assert main(["budget", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "build 0.00622, 0.009 GB" in out
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in out.splitlines()
+        if line.startswith("| ")
+    }
+    assert rows["none (the build)"][:2] == ["0.00622", "0.009"] and rows["none (the build)"][3] == "build: KL 0.00622"
+    assert rows["gdn@0"][:2] == ["0.00361", "0.010"] and rows["gdn@0,attention"][:2] == ["0.00334", "0.011"]
+    assert "g0a 0.00334 predicted, 0.00334 measured" in out  # the model's own error, on the same scale
+
+
+def test_a_row_restoring_a_class_no_single_row_measures_is_named_with_the_row_to_add(tmp_path, capsys):
+    """Rows build, gdn, attention, shared_expert and all, which restores experts too: no row restores several atoms and
+    nothing else, but an all row exists, so "add an all row" would be wrong advice. The output says why all does not
+    count and names the row that would: every class but experts (an experts-only row)."""
+    r = _results(
+        _v("build", [], 1.0, 10e9),
+        _v("gdn", ["gdn"], 0.7, 11e9),
+        _v("attention", ["attention"], 0.9, 11e9),
+        _v("shared_expert", ["shared_expert"], 0.8, 11e9),
+        _v("all", ["gdn", "attention", "shared_expert", "experts"], 0.0, 20e9),
+        class_layers={"gdn": [0, 1, 2], "attention": [3], "shared_expert": [0, 1, 2, 3], "experts": [0, 1, 2, 3]},
+    )
+    (tmp_path / "results.json").write_text(json.dumps(r))
+    assert main(["budget", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "add an all row" not in out
+    assert (
+        "No row restores several of these and nothing else: additivity is assumed (1.00), not measured, and the "
+        "prediction error cannot be stated: row all also restores experts, which no single-entry row measures, so it "
+        "is not predicted from them; add a row restoring the rest of row all's classes, restore = ['gdn', 'attention', "
+        "'shared_expert'] (an experts-only row: every class but experts), or leave-one-out rows."
+    ) in out.splitlines()
+    # with a row that does measure the additivity, the all row is still named as outside the fit
+    r["variants"].append(_v("experts-only", ["gdn", "attention", "shared_expert"], 0.45, 13e9))
+    (tmp_path / "results.json").write_text(json.dumps(r))
+    assert main(["budget", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Not in the fit: row all also restores experts, which no single-entry row measures." in out.splitlines()
+    assert "No row restores" not in out

@@ -6,6 +6,8 @@ with the interval --verify gives its points. Synthetic results.json and per-posi
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -53,13 +55,15 @@ RESTORED = {"build": [], "gdn": ["gdn"], "attention": ["attention"], "shared_exp
 RESTORED["gdn+attention"] = ["gdn", "attention"]
 
 
-def _folder(tmp_path: Path, remade=(THREE, TWO, "requantized-gdn"), scores=True, edit=None) -> Path:
+def _folder(tmp_path: Path, remade=(THREE, TWO, "requantized-gdn"), scores=True, edit=None, scale=1.0, top=None) -> Path:
     """A results folder: the splice rows, the re-made builds named (checkpoint rows as ablate writes them), and each
-    row's per-position scores (DIR/scores/ROW/wiki-en.safetensors)."""
+    row's per-position scores (DIR/scores/ROW/wiki-en.safetensors), every KL times `scale`; `top`: more top-level
+    fields of results.json."""
     folder = tmp_path / "run"
     folder.mkdir(parents=True)
     variants = []
     for name, kl in _scores().items():
+        kl = scale * kl
         if name.startswith("requantized-") and name not in remade:
             continue
         v = {
@@ -83,6 +87,7 @@ def _folder(tmp_path: Path, remade=(THREE, TWO, "requantized-gdn"), scores=True,
         "variants": variants,
         "corpora": {"wiki-en": {}},
         "class_layers": {"gdn": [0, 1, 2], "attention": [3], "shared_expert": [0, 1, 2, 3], "lm_head": []},
+        **(top or {}),
     }
     (folder / "results.json").write_text(json.dumps(results))
     return folder
@@ -122,9 +127,14 @@ def test_a_re_made_build_is_compared_with_the_prediction_for_its_classes(tmp_pat
     assert e["error_kl"]["ci"] == pytest.approx(r["diff_ci"], abs=1e-7)
     assert e["includes_0"] is False and e["error_kl"]["ci"][0] > 0
     lo, hi = e["error_kl"]["ci"]
+    # ... and as a share of the prediction: the same interval on a fixed scale
+    p_kl = e["predicted_kl"]
+    assert e["error_rel"] == {"diff": pytest.approx(e["error_kl"]["diff"] / p_kl), "ci": pytest.approx([lo / p_kl, hi / p_kl])}
+    rel = f"{100 * e['error_kl']['diff'] / p_kl:+.1f} % of the prediction [{100 * lo / p_kl:+.1f}, {100 * hi / p_kl:+.1f}]"
     assert (
         f"{THREE} (attention, gdn, shared_expert): {e['predicted_kl']:.4f} predicted, {kl[THREE]:.4f} measured, error "
-        f"{e['error_kl']['diff']:+.4f} [{lo:+.4f}, {hi:+.4f}], excludes 0: the re-made build leaves more KL than predicted."
+        f"{e['error_kl']['diff']:+.4f} [{lo:+.4f}, {hi:+.4f}], {rel}, excludes 0: the re-made build leaves more KL than "
+        "predicted."
     ) in out.splitlines()
     # The two-class build sits at its prediction up to noise of mean 0: its interval includes 0.
     two = _remade(record)[TWO]
@@ -200,7 +210,12 @@ def test_without_score_files_the_error_has_no_interval_and_says_why(tmp_path, ca
     e = _remade(record)[THREE]
     assert e["error_kl"]["ci"] is None and e["includes_0"] is None
     assert e["error_kl"]["diff"] == pytest.approx(e["measured_kl"] - e["predicted_kl"])
-    assert f"measured, error {e['error_kl']['diff']:+.4f} (no interval: neither {folder / 'scores'} nor" in out
+    rel = 100 * e["error_kl"]["diff"] / e["predicted_kl"]
+    assert e["error_rel"] == {"diff": pytest.approx(rel / 100), "ci": None}
+    assert (
+        f"measured, error {e['error_kl']['diff']:+.4f}, {rel:+.1f} % of the prediction (no interval: neither "
+        f"{folder / 'scores'} nor"
+    ) in out
 
 
 def test_report_quotes_budget_until_a_row_changes(tmp_path, capsys):
@@ -208,12 +223,14 @@ def test_report_quotes_budget_until_a_row_changes(tmp_path, capsys):
     _, record = _budget(folder, capsys)
     e = _remade(record)[THREE]
     lo, hi = e["error_kl"]["ci"]
+    p_kl = e["predicted_kl"]
+    rel = f"{100 * e['error_kl']['diff'] / p_kl:+.1f} % of the prediction [{100 * lo / p_kl:+.1f}, {100 * hi / p_kl:+.1f}]"
     text = report(folder)
     assert (
         f"- Budget against re-quantize (attention, gdn, shared_expert in BF16, KL pooled over corpora): row {THREE} (the "
         f"build re-made by its quantizer) measured {e['measured_kl']:.4f} where budget predicts {e['predicted_kl']:.4f} "
         f"from the splice rows; error (measured minus predicted) {e['error_kl']['diff']:+.4f} [{lo:+.4f}, {hi:+.4f}], "
-        "excludes 0: the re-made build leaves more KL than predicted."
+        f"{rel}, excludes 0: the re-made build leaves more KL than predicted."
     ) in text.splitlines()
     assert text.count("Budget against re-quantize") == 2  # the two multi-class builds; requantized-gdn is vs_splice's
     results = json.loads((folder / "results.json").read_text())
@@ -260,3 +277,106 @@ def test_classes_no_single_entry_rows_make_up_are_named(tmp_path, capsys):
         f"{THREE} (gdn, lm_head): not compared: no single-entry rows make up lm_head: run a row restoring it (or a "
         "sweep of its layers)."
     ) in out.splitlines()
+
+
+def test_kls_near_0002_print_three_significant_digits_and_the_error_as_a_share_of_the_prediction(tmp_path, capsys):
+    """With KLs around 0.002 (the trained model's), four decimals printed "0.0021 predicted, 0.0021 measured, error
+    +0.0000 [-0.0000, +0.0001]". The KLs get three significant digits, the error two of its largest end, and the
+    error as a share of the prediction (its interval divided by the predicted KL: a fixed scale, no new estimate);
+    budget.json keeps the raw numbers and adds the shares."""
+    folder = _folder(tmp_path, scale=0.002)
+    out, record = _budget(folder, capsys)
+    two = _remade(record)[TWO]
+    p_kl, m_kl, err = two["predicted_kl"], two["measured_kl"], two["error_kl"]
+    assert 0.001 < p_kl < 0.01 and m_kl == pytest.approx(0.002 * float(_scores()[TWO].mean()))  # raw, not rounded
+    assert two["error_rel"]["diff"] == pytest.approx(err["diff"] / p_kl)
+    assert two["error_rel"]["ci"] == pytest.approx([c / p_kl for c in err["ci"]])
+    line = next(x for x in out.splitlines() if x.startswith(f"{TWO} "))
+    assert line.startswith(f"{TWO} (attention, shared_expert): {p_kl:.5f} predicted, {m_kl:.5f} measured, error ")
+    assert not re.search(r"[-+]0\.0000\b", line)  # no interval end printed as a bare 0 (four decimals did)
+    lo, hi = err["ci"]
+    d = max(4, 1 - math.floor(math.log10(max(abs(err["diff"]), abs(lo), abs(hi)))))  # two significant digits
+    rel = two["error_rel"]
+    assert (
+        f"error {err['diff']:+.{d}f} [{lo:+.{d}f}, {hi:+.{d}f}], {100 * rel['diff']:+.2f} % of the prediction "
+        f"[{100 * rel['ci'][0]:+.2f}, {100 * rel['ci'][1]:+.2f}], includes 0: the prediction holds."
+    ) in line
+    text = report(folder)
+    assert f"measured {m_kl:.5f} where budget predicts {p_kl:.5f} from the splice rows" in text
+
+
+QUANTIZED = ["gdn", "attention", "shared_expert", "lm_head", "experts"]
+
+
+def _other_classes(v):
+    """THREE's quantizer also left lm_head in BF16 and quantized mtp, which the build keeps in BF16."""
+    if v["name"] == THREE:
+        v["checkpoint"]["quantized_classes"] = ["experts", "mtp"]
+    elif "checkpoint" in v:
+        v["checkpoint"]["quantized_classes"] = [c for c in QUANTIZED if c not in v["checkpoint"]["requantized_without"]]
+    return v
+
+
+def test_a_re_made_build_quantizing_other_classes_than_declared_gets_no_verdict(tmp_path, capsys):
+    """vs_splice's note ("it quantizes experts, mtp, where the build without ... would quantize ...") is carried into
+    budget's line, budget.json and report's sentence, and no verdict is stated: the re-made build is not the build with
+    these classes restored, so "leaves more KL than predicted" would compare unlike things."""
+    folder = _folder(tmp_path, edit=_other_classes, top={"quantized_classes": QUANTIZED})
+    out, record = _budget(folder, capsys)
+    e, two = _remade(record)[THREE], _remade(record)[TWO]
+    note = "it quantizes experts, mtp, where the build without attention, gdn, shared_expert would quantize lm_head, experts"
+    assert e["note"] == note and "note" not in two  # TWO quantizes what it declares
+    assert e["error_kl"]["ci"][0] > 0  # the figures are kept: its interval excludes 0 ...
+    line = next(x for x in out.splitlines() if x.startswith(f"{THREE} "))
+    assert line.endswith(f"; no verdict, the comparison is not like for like: {note}.")
+    assert "leaves more KL" not in line and "excludes 0" not in line  # ... but no verdict is drawn from it
+    assert next(x for x in out.splitlines() if x.startswith(f"{TWO} ")).endswith("includes 0: the prediction holds.")
+    sentence = next(x for x in report(folder).splitlines() if f"row {THREE} (the build re-made" in x)
+    assert sentence.endswith(f"; no verdict, the comparison is not like for like: {note}.") and "leaves more" not in sentence
+
+
+def test_budget_renders_report_md_and_table_md_again(tmp_path, capsys):
+    """report.md quotes budget.json, so budget renders it (and table.md) again after writing budget.json, as mtp and
+    tasks do: DIR/report.md is then what `splicer report DIR` prints, the budget sentences included."""
+    folder = _folder(tmp_path)
+    (folder / "report.md").write_text("stale\n")
+    out, _ = _budget(folder, capsys)
+    assert (folder / "report.md").read_text() == report(folder) and "Budget against re-quantize" in report(folder)
+    assert (folder / "table.md").read_text().startswith("Build ")
+    assert out.splitlines()[-1] == (
+        f"Written: {folder / 'budget.json'}, and {folder / 'report.md'} and {folder / 'table.md'} rendered again with it."
+    )
+
+
+@pytest.mark.parametrize("command", ["budget", "table", "report"])
+@pytest.mark.parametrize(
+    "without, top, says",
+    [
+        ("gdn", None, "checkpoint.requantized_without is 'gdn', not a list of class names"),
+        (["gdn", "gdn", "shared_expert"], None, "checkpoint.requantized_without names gdn twice"),
+        (["nosuch"], None, "checkpoint.requantized_without names unknown class 'nosuch' (classes: gdn, attention,"),
+        (
+            ["nosuch"],
+            {"quantized_classes": QUANTIZED},
+            "names unknown class 'nosuch' (the build quantizes gdn, attention, shared_expert, lm_head, experts)",
+        ),
+        (["mtp"], {"quantized_classes": QUANTIZED}, "names mtp, which the build does not quantize (it quantizes gdn,"),
+    ],
+    ids=["a-string", "twice", "unknown", "unknown-of-the-build", "not-quantized"],
+)
+def test_a_hand_edited_requantized_without_is_refused_alike_by_every_reader(tmp_path, capsys, command, without, top, says):
+    """results_record.load checks it, so budget, table and report refuse the same edit in the same line: before, the
+    string "gdn" was refused by budget and shown by table and report (rc 0), a class named twice gave "no single-entry
+    rows make up gdn, gdn, shared_expert" and an unknown one "run a row restoring it"."""
+
+    def bad(v):
+        if v["name"] == THREE:
+            v["checkpoint"]["requantized_without"] = without
+        return v
+
+    folder = _folder(tmp_path, remade=(THREE,), edit=bad, top=top)
+    capsys.readouterr()
+    assert main([command, str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and f"row '{THREE}'" in err and len(err.strip().splitlines()) == 1
+    assert not (folder / "budget.json").exists() and not (folder / "report.md").exists()

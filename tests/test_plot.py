@@ -191,3 +191,50 @@ def test_generated_row_names_are_spelled_out_and_others_kept():
     assert readable_name("gdn.0+attention-2", ["gdn@0", "attention"]) == ("gdn layer 0 + attention", True)
     assert readable_name("gdn-1", ["gdn@0-2,4-6"]) == ("gdn-1", False)  # a sweep's own name
     assert readable_name("build", []) == ("build", False)
+
+
+def test_rows_at_kl_0_on_a_log_axis_are_drawn_at_its_floor_and_named(tmp_path, capsys, monkeypatch):
+    """KLs spanning more than 10x get a log axis, which has no 0: rows at KL 0 (the base, a restore of every class the
+    build quantizes) were neither drawn nor named, and the measured front's last step ran off the panel's bottom.
+    They are drawn on a dotted floor below every positive KL, labelled KL 0 and named in the title, and every line
+    stays inside the panel."""
+    from matplotlib.axes import Axes
+
+    from splicer.analysis.plot import write_plot
+
+    variants = [
+        _variant("build", 0.006, 9e9, 10.0),
+        _variant("gdn", 0.003, 9.5e9, 10.5),
+        _variant("experts-only", 0.0004, 12e9, 12.0),
+        _variant("all", 0.0, 16e9, 14.0),
+        _variant("base", 0.0, 17e9, 15.0),
+    ]
+    for v in variants[3:]:
+        for m in v["metrics"].values():
+            m["kl_ci"] = [0.0, 0.0]
+    (tmp_path / "results.json").write_text(json.dumps({"corpora": {"wiki-en": {}}, "variants": variants}))
+    points = []
+    real_errorbar = Axes.errorbar
+
+    def recording_errorbar(self, x, y, *args, **kwargs):
+        points.append((self, x[0], y[0], kwargs.get("fmt")))
+        return real_errorbar(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "errorbar", recording_errorbar)
+    seen = _drawn_labels(monkeypatch)
+    write_plot(tmp_path)
+    drawn = seen[0]
+    axes = {ax for ax, *_ in points}
+    assert len(axes) == 2 and all(ax.get_yscale() == "log" for ax in axes)
+    for ax in axes:
+        bottom, top = ax.get_ylim()
+        at_floor = [(y, fmt) for a, _, y, fmt in points if a is ax and y < 0.0004]
+        assert len(at_floor) == 2 and all(bottom < y < 0.0004 and fmt == "v" for y, fmt in at_floor)
+        for line in ax.lines:  # the measured front, its last steps down to the KL-0 rows included
+            ys = [y for y in line.get_ydata() if not isinstance(y, str)]
+            assert all(bottom <= y <= top for y in ys if line.get_transform() == ax.transData)
+        front = next(line for line in ax.lines if line.get_label() == "Pareto front (measured)")
+        assert min(front.get_ydata()) > bottom
+    labels = sorted(t for _, t, _ in drawn["labels"])
+    assert labels.count("all (KL 0)") == 2 and labels.count("base (KL 0)") == 2  # one per panel: decode and size
+    assert "KL 0 on a log axis: all, base" in drawn["texts"].replace("\n", " ")

@@ -175,3 +175,41 @@ def test_an_mtp_plot_older_than_speculative_json_is_linked_as_stale(tmp_path):
     text = (folder / "table.md").read_text()
     assert text.count(MTP_LINK_LINE) == 1 and "drawn before the last MTP engines finished" in text
     assert "drawn before the last rows finished" not in text
+
+
+@pytest.mark.parametrize(
+    "ks",
+    [(1,), (1, 2)],
+    ids=["one-panel", "two-panels"],
+)
+def test_the_legend_fits_the_figure(tmp_path, monkeypatch, ks):
+    """Every marking the panels use in the legend (the reference, significant, not significant, no interval), one
+    panel wide (5.2 in) or two: the legend wraps into rows rather than run past the figure's edges, where the PNG
+    cut it off ("◆ build" ... "no significant difference from the bu")."""
+    from matplotlib.figure import Figure
+
+    spec = _spec(
+        {
+            "build": {k: BUILD_K1 for k in ks},
+            "gdn": {k: [10, 11, 9, 10, 10, 11, 9, 10, 10, 10] for k in ks},  # lower: significant
+            "attention": {k: [14, 14, 14, 14, 15, 14, 13, 14, 14, 14] for k in ks},  # n.s.
+        }
+    )
+    folder = _folder(tmp_path, spec, names=("build", "gdn", "attention"))
+    boxes = []
+    real_savefig = Figure.savefig
+
+    def recording_savefig(self, *args, **kwargs):
+        if self.legends:
+            self.canvas.draw()
+            renderer = self.canvas.get_renderer()
+            lowest = min(ax.get_tightbbox(renderer).y0 for ax in self.axes if ax.get_visible())  # the x labels' bottom
+            boxes.append((self.legends[0].get_window_extent(renderer), self.bbox, self.legends[0], lowest))
+        return real_savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    write_plot(folder)
+    (legend_box, figure_box, legend, lowest), *_ = boxes
+    assert len(legend.get_texts()) == 3
+    assert figure_box.x0 <= legend_box.x0 and legend_box.x1 <= figure_box.x1  # nothing cut at either side
+    assert figure_box.y0 <= legend_box.y0 and legend_box.y1 <= lowest  # inside the figure, under the panels

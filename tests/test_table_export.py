@@ -277,3 +277,24 @@ def test_decode_verdicts_say_they_hold_within_the_run(tmp_path):
     gdn = next(x for x in report.splitlines() if x.startswith("- gdn "))
     assert "decode -1.08 % [" in gdn and "resolved within this run" in gdn
     assert "holds within" in columns and "the run" in columns
+
+
+def test_a_re_made_build_s_note_and_a_gptq_checkpoint_read_once_in_the_markdown(tmp_path):
+    """Run 5's re-made builds have no splice row, so their Markdown note cell held only why; the note on what a re-made
+    build quantizes (which the CSV carries) was dropped. And a GPTQ checkpoint's format is its method's name: the
+    restored cell read "checkpoint: gptq gptq"."""
+    results = json.loads((RESULTS / "trained-h200/run-5/ablate0/results.json").read_text())
+    rows = {v["name"]: v for v in results["variants"]}
+    note = "it quantizes experts, mtp, where the build without gdn, shared_expert would quantize attention, lm_head, experts"
+    rows["requantized-gdn+shared_expert"]["vs_splice"]["note"] = note
+    rows["requantized-attention+gdn+shared_expert"]["checkpoint"].update(quant_method="gptq", format="gptq")
+    out = _write(tmp_path / "r", results)
+    md = render(out, "markdown")
+    pairs = md.split("Splice against re-quantize:")[1]
+    line = next(ln for ln in pairs.splitlines() if "| requantized-gdn+shared_expert " in ln)
+    why = rows["requantized-gdn+shared_expert"]["vs_splice"]["why"]
+    assert line.rstrip(" |").endswith(f"{why}; {note}")
+    assert _md_rows(md)["requantized-attention+gdn+shared_expert"]["restored to BF16"] == "checkpoint: gptq"
+    assert _md_rows(md)["requantized-gdn+shared_expert"]["restored to BF16"] == "checkpoint: compressed-tensors pack-quantized"
+    csv_rows = {r["variant"]: r for r in _csv(out)}
+    assert csv_rows["requantized-gdn+shared_expert"]["splice_minus_requantized_note"] == f"{why}; {note}"

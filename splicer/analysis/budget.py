@@ -44,7 +44,8 @@ from pathlib import Path
 
 from ..errors import SplicerError
 from ..splice.selection import DRAFTER_CLASS, layer_numbers
-from .verdicts import pooled_kl, timed_engines
+from .formatting import decimals, fmt_change
+from .verdicts import pooled_kl, requantized_classes_note, timed_engines
 
 MAX_ATOMS = 16  # 2^16 combinations at most, enumerated exactly
 
@@ -184,6 +185,9 @@ class Model:
     class_layers: dict = field(default_factory=dict)  # class -> the build's layers holding it quantized
     left_out: list = field(default_factory=list)  # (row, why): rows whose measurements are not finite numbers
     unphysical_decode: str | None = None  # why decode is not predicted although the rows were timed
+    # rows restoring several entries that are not unions of atoms, so in no fit: (row, its entries no atom makes up,
+    # the rest of its entries); an all row that also restores experts, which no single-entry row measured
+    unfitted: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -320,9 +324,6 @@ def fit(results: dict, corpus: str | None = None) -> Model:
     or infinite measurement) are left out, and listed in Model.left_out."""
     from ..io.results_record import UNUSABLE
 
-    for v in results.get("variants", []):  # a bad re-made row is refused before anything is fitted or written
-        if isinstance(v, dict):
-            _requantized_without(v)
     # Splice rows only: a build re-made by its quantizer (a checkpoint row, requantized_without) re-fitted every later
     # layer, so it is not the build with some classes restored; requantized() compares it with the prediction instead.
     ok = [
@@ -393,11 +394,15 @@ def fit(results: dict, corpus: str | None = None) -> Model:
     if len(atoms) > MAX_ATOMS:
         raise SplicerError(f"the results hold {len(atoms)} single-entry rows; the budget search enumerates up to {MAX_ATOMS}")
 
-    multi = []
+    multi, unfitted = [], []
     for v, entries in scored:
         parts = decompose(entries, atoms, class_layers) if entries and variant_kl(v, corpus) is not None else None
         if parts and len(parts) >= 2:
             multi.append((v, parts))
+        elif parts is None and len(entries) >= 2 and variant_kl(v, corpus) is not None:
+            missing = [e for e in entries if decompose([e], atoms, class_layers) is None]
+            if missing:  # (entries that are atoms but overlap one another are no mistake to point out)
+                unfitted.append((v["name"], missing, [e for e in entries if e not in missing]))
 
     kl_measure = lambda v: b_kl - variant_kl(v, corpus)  # noqa: E731
     additivity = Additivity.fit(multi, kl_measure)
@@ -448,6 +453,7 @@ def fit(results: dict, corpus: str | None = None) -> Model:
         decode_checks,
         class_layers,
         left_out,
+        unfitted=unfitted,
     )
     if timed:
         worst = min(predictions(model), key=lambda p: p.decode)
@@ -612,17 +618,10 @@ def pick_verify(best: list[Prediction], n: int) -> list[Prediction]:
 
 def _requantized_without(v: dict) -> list[str] | None:
     """The classes a re-made build's row (checkpoint.requantized_without: `--add-requantized`) left in BF16; None for
-    any other row; a hand edit that is not a list of class names is one line."""
+    any other row. results_record.load refuses a hand edit that is not a list of distinct classes the build quantizes,
+    in one line, for every command alike."""
     ck = v.get("checkpoint")
-    if not isinstance(ck, dict) or ck.get("requantized_without") is None:
-        return None
-    without = ck["requantized_without"]
-    if not isinstance(without, list) or not without or not all(isinstance(c, str) and c for c in without):
-        raise SplicerError(
-            f"results.json: row {str(v.get('name'))[:60]!r}: checkpoint.requantized_without is {str(without)[:40]!r}, not a "
-            "list of class names; restore results.json from the run, or rerun splicer ablate on it"
-        )
-    return without
+    return ck["requantized_without"] if isinstance(ck, dict) and ck.get("requantized_without") else None
 
 
 def kl_error(model: Model, atoms, row: str, predicted_kl: float, measured_kl, scores, reps: int = 2000):
@@ -678,6 +677,9 @@ def requantized(model: Model, results: dict, scores: PositionScores | None, reps
         if not classes or v.get("status") != "ok" or v.get("repeat_of"):
             continue
         entry = {"row": v["name"], "classes": classes, "corpus": model.corpus}
+        note = requantized_classes_note(results, v["checkpoint"])
+        if note:  # it quantizes other classes than declared: its figures are kept, its verdict is not drawn
+            entry["note"] = note
         out.append(entry)
         measured = None if v.get(UNUSABLE) else variant_kl(v, model.corpus)
         entries = [c for c in classes if c != DRAFTER_CLASS]
@@ -713,6 +715,11 @@ def requantized(model: Model, results: dict, scores: PositionScores | None, reps
             entry["splice_row"] = splice["name"]  # in the fit: it measured the additivity this prediction uses
         error, why = kl_error(model, parts, v["name"], p.kl, measured, scores, reps)
         entry["error_kl"] = error
+        if p.kl > 0:  # the error as a share of the prediction: the same interval on a fixed scale, no new estimate
+            entry["error_rel"] = {
+                "diff": error["diff"] / p.kl,
+                "ci": None if error["ci"] is None else [c / p.kl for c in error["ci"]],
+            }
         entry["includes_0"] = None if error["ci"] is None else error["ci"][0] <= 0 <= error["ci"][1]
         if error["ci"] is None:
             entry["no_interval"] = why
@@ -720,16 +727,38 @@ def requantized(model: Model, results: dict, scores: PositionScores | None, reps
     return out
 
 
+def requantized_levels(e: dict) -> tuple[str, str]:
+    """A requantized() entry's predicted and measured KL at one scale with three significant digits of the smaller
+    (0.00207 and 0.00209, which four decimals print alike)."""
+    d = decimals([e["predicted_kl"], e["measured_kl"]], 3)
+    return f"{e['predicted_kl']:.{d}f}", f"{e['measured_kl']:.{d}f}"
+
+
 def requantized_verdict(e: dict) -> str:
-    """'+0.0500 [+0.0401, +0.0600], excludes 0: the re-made build leaves more KL than predicted' (a requantized() entry
-    with an error)."""
+    """'+0.0500 [+0.0401, +0.0600], +11.0 % of the prediction [+8.8, +13.2], excludes 0: the re-made build leaves more
+    KL than predicted' (a requantized() entry with an error): the error to two significant digits of its largest end,
+    and as a share of the prediction where budget.json holds it. No verdict where the re-made build quantizes other
+    classes than declared (its note): then it is not the build with these classes restored."""
     err, ci = e["error_kl"], e["error_kl"].get("ci")
+    d = decimals([err["diff"], *(ci or [])], 2, of=max)
+    text = f"{err['diff']:+.{d}f}" + (f" [{ci[0]:+.{d}f}, {ci[1]:+.{d}f}]" if ci else "")
+    rel = e.get("error_rel")
+    if isinstance(rel, dict) and finite_number(rel.get("diff")):
+        lo, hi = rel["ci"] if _finite_pair(rel.get("ci")) else (None, None)
+        text += ", " + fmt_change(rel["diff"], lo, hi, 100, " % of the prediction")
     if not ci:
-        return f"{err['diff']:+.4f} (no interval: {e.get('no_interval') or 'none'})"
-    text = f"{err['diff']:+.4f} [{ci[0]:+.4f}, {ci[1]:+.4f}]"
+        text += f" (no interval: {e.get('no_interval') or 'none'})"
+    if isinstance(e.get("note"), str):
+        return text + f"; no verdict, the comparison is not like for like: {e['note']}"
+    if not ci:
+        return text
     if ci[0] <= 0 <= ci[1]:
         return text + ", includes 0: the prediction holds"
     return text + f", excludes 0: the re-made build leaves {'more' if err['diff'] > 0 else 'less'} KL than predicted"
+
+
+def _finite_pair(x) -> bool:
+    return isinstance(x, list) and len(x) == 2 and all(finite_number(v) for v in x)
 
 
 def _quotable(e) -> bool:
@@ -744,8 +773,9 @@ def _quotable(e) -> bool:
         and (e.get("corpus") is None or isinstance(e["corpus"], str))
         and all(finite_number(e.get(k)) for k in ("predicted_kl", "measured_kl"))
         and finite_number(err.get("diff"))
-        and (ci is None or (isinstance(ci, list) and len(ci) == 2 and all(finite_number(x) for x in ci)))
+        and (ci is None or _finite_pair(ci))
         and isinstance(e.get("fit_rows_kl"), dict)
+        and (e.get("note") is None or isinstance(e["note"], str))
     )
 
 
@@ -763,10 +793,7 @@ def requantized_sentences(folder: Path, results: dict) -> list[str]:
     out = []
     for e in [e for e in listed if _quotable(e)] if isinstance(listed, list) else []:
         row = next((v for v in results.get("variants", []) if isinstance(v, dict) and v.get("name") == e["row"]), None)
-        try:
-            now = fit_inputs(results, e["corpus"])
-        except SplicerError:
-            return []
+        now = fit_inputs(results, e["corpus"])
         kl = variant_kl(row, e["corpus"]) if row is not None and row.get("status") == "ok" else None
         if {**now, e["row"]: kl if finite_number(kl) else None} != e["fit_rows_kl"]:
             out.append(
@@ -776,9 +803,10 @@ def requantized_sentences(folder: Path, results: dict) -> list[str]:
             continue
         where = f"on {e['corpus']}" if e["corpus"] else "pooled over corpora"
         fitted = f"; row {e['splice_row']}, which splices exactly these classes, is in the fit" if e.get("splice_row") else ""
+        predicted, measured = requantized_levels(e)
         out.append(
             f"Budget against re-quantize ({', '.join(e['classes'])} in BF16, KL {where}): row {e['row']} (the build "
-            f"re-made by its quantizer) measured {e['measured_kl']:.4f} where budget predicts {e['predicted_kl']:.4f} "
+            f"re-made by its quantizer) measured {measured} where budget predicts {predicted} "
             f"from the splice rows{fitted}; error (measured minus predicted) {requantized_verdict(e)}."
         )
     return out

@@ -3,6 +3,8 @@ includes 0, the reason when there is none (table.py, report.py and the later sta
 
 from __future__ import annotations
 
+import math
+
 
 def fmt_change(
     x: float, lo: float | None, hi: float | None, scale: float = 100, unit: str = " %", digits: int | None = None
@@ -43,3 +45,14 @@ def fmt_share(fig: dict | None, digits: int = 1) -> str:
     ci = fig.get("ci")
     text = f"{100 * fig['value']:.{digits}f} %"
     return text + (f" [{100 * ci[0]:.{digits}f}, {100 * ci[1]:.{digits}f}]" if ci else "")
+
+
+def decimals(values, significant: int, of=min, least: int = 4, most: int = 8) -> int:
+    """Decimals that give `significant` digits to the smallest (of=min) or largest (of=max) nonzero |value| of one
+    output, so that figures printed side by side share a scale and their differences show: KLs of 0.00207 and 0.00209
+    at 5 decimals, where 4 print both as 0.0021. Never fewer than `least` (a KL of 0.4544 prints as before), never more
+    than `most` (a value near 0 by chance must not stretch every column)."""
+    nonzero = [abs(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v) and v != 0]
+    if not nonzero:
+        return least
+    return min(most, max(least, significant - 1 - math.floor(math.log10(of(nonzero)))))

@@ -166,6 +166,8 @@ def _drawable(e) -> bool:
 def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
     """Write DIR/plot-kl.png and .svg and link them from DIR/table.md; returns the files written, and the rows left
     out because a measurement is not a number (`row (why)`)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -185,6 +187,7 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
     by_row = {p["name"]: p for p in points}
     axes_x = ([("decode", "decode ms/token (batch 1)")] if timed else []) + [("size_gb", "size on disk, GB")]
     labels, keyed = {}, []  # keyed: (P1, spelled out, row name) for labels too long to draw
+    on_zero: dict = {}  # labels of the rows drawn at a log axis's floor (KL 0), in order
     _add_labels(points, labels, keyed)
     # One panel per corpus and cost, at most PANELS_PER_ROW side by side: a row of five panels is too wide to read
     # where a README shows it.
@@ -204,33 +207,64 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
         for i, corpus in enumerate(corpora):
             ax = axes[r * rows_per_cost + i // cols][i % cols]
             pts = [p for p in (timed if key == "decode" else points) if corpus in p["metrics"]]
+            kls = [p["metrics"][corpus]["kl"] for p in pts if p["metrics"][corpus]["kl"] > 0]
+            log = bool(kls) and max(kls) / min(kls) > 10  # a restore that removes most of the error: both ends readable
+            # A log axis has no 0: a row at KL 0 (the base, a restore of every class the build quantizes) would be
+            # neither drawn nor named, and the measured front would run off the panel's bottom to it. Such a point is
+            # drawn on a dotted floor below every positive KL, as a down triangle labelled "KL 0".
+            zero = log and (any(p["metrics"][corpus]["kl"] <= 0 for p in pts) or _predicted_zero(predicted, key, corpus))
+            floor = min(kls + _predicted_kls(predicted, key, corpus)) / 4 if zero else None
+
+            def at(y, floor=floor):
+                return floor if floor is not None and y <= 0 else y
+
             anchors, marks = [], []
             for p in pts:
                 m = p["metrics"][corpus]
-                x, y = p[key], m["kl"]
+                x, y = p[key], at(m["kl"])
+                on_floor = y != m["kl"]
                 xerr = _bar(x, p["decode_iqr"], cut) if key == "decode" else None
                 ax.errorbar(
-                    [x], [y], yerr=_bar(y, m.get("kl_ci"), cut), xerr=xerr, fmt="o", ms=MEASURED_MS, capsize=2, lw=0.8, color="C0"
+                    [x],
+                    [y],
+                    yerr=_bar(y, m.get("kl_ci"), cut, floor or 0.0),
+                    xerr=xerr,
+                    fmt="v" if on_floor else "o",
+                    ms=MEASURED_MS,
+                    capsize=2,
+                    lw=0.8,
+                    color="C0",
                 )
                 marks.append((x, y, MEASURED_MS))
                 engines = len(p["engines"]) if key == "decode" else 1
                 if engines > 1:  # each engine's own figure
                     ax.plot(p["engines"], [y] * engines, "|", ms=TICK_MS, mew=0.8, color="C0")
                     marks += [(e, y, TICK_MS) for e in p["engines"]]
-                anchors.append((x, y, labels[p["name"]] + (f" ({engines} engines)" if engines > 1 else "")))
-            marks += _draw_predicted(ax, key, corpus, predicted, verified, by_row, key == cost, cut)
+                text = labels[p["name"]] + (f" ({engines} engines)" if engines > 1 else "") + (" (KL 0)" if on_floor else "")
+                anchors.append((x, y, text))
+                if on_floor:
+                    on_zero.setdefault(labels[p["name"]], None)
+            marks += _draw_predicted(ax, key, corpus, predicted, verified, by_row, key == cost, cut, floor)
             front = pareto([(p[key], p["metrics"][corpus]["kl"], p["name"]) for p in pts])
             if len(front) > 1:
                 ax.step(
-                    [f[0] for f in front], [f[1] for f in front], where="post", color="C3", lw=1, label="Pareto front (measured)"
+                    [f[0] for f in front],
+                    [at(f[1]) for f in front],
+                    where="post",
+                    color="C3",
+                    lw=1,
+                    label="Pareto front (measured)",
                 )
+            if floor is not None:
+                ax.axhline(floor, color="0.5", ls=":", lw=0.8, label="KL 0 (floor of the log axis)")
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=7, loc="best")
             ax.set_xlabel(label)
             ax.set_ylabel(f"KL(base ‖ variant), {corpus}")
-            kls = [p["metrics"][corpus]["kl"] for p in pts if p["metrics"][corpus]["kl"] > 0]
-            if kls and max(kls) / min(kls) > 10:  # a restore that removes most of the error: both ends readable
+            if log:
                 ax.set_yscale("log")
+            if floor is not None:  # the floor's points and the front's last step inside the panel
+                ax.set_ylim(bottom=floor / 1.6)
             ax.grid(alpha=0.3)
             panels.append((ax, anchors, marks))
     build = ((results.get("inputs") or {}).get("build") or {}).get("source", "")
@@ -240,10 +274,19 @@ def write_plot(folder: str | Path) -> tuple[list[Path], list[str]]:
         notes.append("a variant timed on several engines: at their mean, a tick at each, its bar over all their runs")
     if cut:
         notes.append("bars cut at 0: a timing run's estimate or an interval reached below 0, as on a loaded machine")
+    if on_zero:
+        notes.append(
+            f"KL 0 on a log axis: {', '.join(on_zero)} drawn as a down triangle on the dotted floor, where bars reaching "
+            "below it end"
+        )
     if keyed:
         notes.append(f"{', '.join(k[0] for k in keyed[:2])}{', ...' if len(keyed) > 2 else ''}: see the key below the plots")
+    chars = max(40, int(width * 72 / (0.6 * 9)))  # 9 pt: at most 0.6 em a character, so that a line fits the figure
     fig.suptitle(
-        f"{Path(str(build)).name or folder.name}: every variant against the base\n" + "\n".join(f"({n})" for n in notes),
+        "\n".join(
+            textwrap.fill(line, chars)
+            for line in [f"{Path(str(build)).name or folder.name}: every variant against the base"] + [f"({n})" for n in notes]
+        ),
         fontsize=9,
     )
     if key_lines:
@@ -447,25 +490,47 @@ def _free_spot(point, ext, sides: list, blocked, frame, gap: float, ink: _LineIn
     raise AssertionError("no free place for a label within four panels' reach")  # unreachable: the figure is finite
 
 
-def _bar(x: float, span, cut: list) -> list | None:
+def _bar(x: float, span, cut: list, floor: float = 0.0) -> list | None:
     """Matplotlib's error bar of a point x from an interval or IQR `span` (None: no bar): drawn from the point, never
-    below 0 (neither KL nor a time is negative: a bar reaching below 0 is cut there and noted in `cut`), and an
-    interval that misses its point draws no negative length."""
+    below 0 (neither KL nor a time is negative: a bar reaching below 0 is cut there and noted in `cut`) nor below a
+    log axis's floor (where KL 0 is drawn), and an interval that misses its point draws no negative length."""
     if not _pair(span):
         return None
     if span[0] < 0:
         cut.append(span)
-    lo, hi = min(max(span[0], 0.0), x), max(span[1], x)
+    lo, hi = min(max(span[0], floor), x), max(span[1], x)
     return [[x - lo], [hi - x]]
 
 
+def _predicted_kls(front: list[dict], key: str, corpus: str) -> list[float]:
+    """The positive predicted KLs a panel draws (budget.json's front on that corpus and cost)."""
+    return [e["kl_by_corpus"][corpus] for e in front if e.get(key) is not None and e["kl_by_corpus"].get(corpus, 0) > 0]
+
+
+def _predicted_zero(front: list[dict], key: str, corpus: str) -> bool:
+    """Whether a panel draws a predicted KL of 0 (a prediction floored at 0)."""
+    return any(e.get(key) is not None and e["kl_by_corpus"].get(corpus) == 0 for e in front)
+
+
 def _draw_predicted(
-    ax, key: str, corpus: str, front: list[dict], verified: list[dict], by_row: dict, front_line: bool, cut: list
+    ax,
+    key: str,
+    corpus: str,
+    front: list[dict],
+    verified: list[dict],
+    by_row: dict,
+    front_line: bool,
+    cut: list,
+    floor: float | None = None,
 ) -> list[tuple]:
     """The budget's predicted front (hollow squares with their KL and decode intervals, joined by a dashed line on the
     panels of the cost it was searched against) and a line from each verified prediction to its measured row; returns
-    the markers drawn, (x, y, size), for the labels to keep off."""
-    pts = [(e[key], e["kl_by_corpus"][corpus], e) for e in front if e.get(key) is not None and corpus in e["kl_by_corpus"]]
+    the markers drawn, (x, y, size), for the labels to keep off. A KL of 0 is drawn at a log axis's floor."""
+
+    def at(y):
+        return floor if floor is not None and y <= 0 else y
+
+    pts = [(e[key], at(e["kl_by_corpus"][corpus]), e) for e in front if e.get(key) is not None and corpus in e["kl_by_corpus"]]
     marks = [(x, y, PREDICTED_MS) for x, y, _ in pts]
     if pts:
         pts.sort(key=lambda t: t[0])
@@ -482,7 +547,7 @@ def _draw_predicted(
         )
         for x, y, e in pts:
             xerr = _bar(x, e.get("decode_ci"), cut) if key == "decode" else None
-            yerr = _bar(y, (e.get("kl_ci_by_corpus") or {}).get(corpus), cut)
+            yerr = _bar(y, (e.get("kl_ci_by_corpus") or {}).get(corpus), cut, floor or 0.0)
             ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="s", ms=PREDICTED_MS - 1, mfc="none", color="C1", capsize=2, lw=0.6)
     for e in verified:
         row = by_row.get(e.get("row"))
@@ -494,8 +559,8 @@ def _draw_predicted(
             or corpus not in row["metrics"]
         ):
             continue
-        x, y = e[key], e["kl_by_corpus"][corpus]
-        ax.plot([x, row[key]], [y, row["metrics"][corpus]["kl"]], color="C1", lw=0.8)
+        x, y = e[key], at(e["kl_by_corpus"][corpus])
+        ax.plot([x, row[key]], [y, at(row["metrics"][corpus]["kl"])], color="C1", lw=0.8)
         ax.plot([x], [y], "s", ms=PREDICTED_MS, mfc="none", color="C1")
         marks.append((x, y, PREDICTED_MS))
     return marks
@@ -575,7 +640,8 @@ def _write_mtp(folder: Path, variants: list[dict], title: str, labels: dict, key
     used = {labels[r] for r in rows}
     key_lines = _key_lines([k for k in keyed if k[0] in used], width)
     styles = [s for s in MTP_STYLES if any(_mtp_style(e) == s for p in panels for e in p["rows"])]
-    legend_lines = -(-len(styles) // (2 if cols == 1 else 4))
+    legend_cols = 2 if cols == 1 else 4
+    legend_lines = -(-len(styles) // legend_cols)
     bottom = (0.14 * (len(key_lines) + 1) if key_lines else 0.0) + 0.18 * legend_lines + 0.12  # inches: key, legend
     fig, axes = plt.subplots(
         grid_rows, cols, figsize=(width, (1.3 + MTP_ROW_IN * len(rows)) * grid_rows + bottom), squeeze=False, sharey=True, dpi=DPI
@@ -651,15 +717,28 @@ def _write_mtp(folder: Path, variants: list[dict], title: str, labels: dict, key
         for _, m, c, f in [MTP_STYLES[s]]
     ]
     key_height = 0.14 * (len(key_lines) + 1) if key_lines else 0.0
-    fig.legend(
-        handles,
-        [MTP_STYLES[s][0] for s in styles],
-        loc="lower center",
-        bbox_to_anchor=(0.5, key_height / fig.get_figheight()),
-        ncol=2 if cols == 1 else 4,
-        fontsize=7,
-        frameon=False,
-    )
+    # As many entries a row as fit the figure's width, measured as drawn: the legend's texts are long, and one panel
+    # (5.2 in) does not hold two of them side by side, nor two panels four (the PNG cut them off at both sides).
+    ncol = min(len(styles), legend_cols)
+    while True:
+        legend = fig.legend(
+            handles,
+            [MTP_STYLES[s][0] for s in styles],
+            loc="lower center",
+            bbox_to_anchor=(0.5, key_height / fig.get_figheight()),
+            ncol=ncol,
+            fontsize=7,
+            frameon=False,
+        )
+        if ncol == 1 or legend.get_window_extent(fig.canvas.get_renderer()).width <= fig.bbox.width:
+            break
+        legend.remove()
+        ncol -= 1
+    extra = 0.18 * (-(-len(styles) // ncol) - legend_lines)  # inches: the rows the legend has beyond those planned
+    if extra > 0:
+        fig.set_size_inches(width, fig.get_figheight() + extra)
+        bottom += extra
+        legend.set_bbox_to_anchor((0.5, key_height / fig.get_figheight()))
     if key_lines:
         fig.text(0.01, 0.07 / fig.get_figheight(), "\n".join(key_lines), fontsize=7, va="bottom", family="monospace")
     fig.tight_layout(rect=(0, bottom / fig.get_figheight(), 1, 1))

@@ -100,8 +100,9 @@ def records(results: dict) -> list[dict]:
         restored = v["restored"] if isinstance(v["restored"], str) else ",".join(v["restored"])
         if restored == "checkpoint":  # another build of the model, scored as it is: say which format it is
             ck = v.get("checkpoint") or {}
+            # once each: a GPTQ or AWQ checkpoint's format is its method's name ("gptq gptq" says it twice)
             restored = "checkpoint: " + (
-                " ".join(str(x) for x in (ck.get("quant_method"), ck.get("format")) if x) or "not quantized"
+                " ".join(dict.fromkeys(str(x) for x in (ck.get("quant_method"), ck.get("format")) if x)) or "not quantized"
             )
         rec = {
             "variant": v["name"],
@@ -529,7 +530,9 @@ def splice_vs_requantized_rows(results: dict) -> tuple[list[str], list[list]] | 
         vs = v["vs_splice"]
         classes, splice = ", ".join(vs["classes"]), vs.get("splice")
         if not splice or not vs.get("kl"):
-            rows.append([classes, "none", "", v["name"], vs_build(v["name"]), "", "", "", vs.get("why", "")])
+            # why there is no pair, and the note on what the re-made build quantizes, as the CSV's note column has both
+            note = "; ".join(n for n in (vs.get("why"), vs.get("note")) if n)
+            rows.append([classes, "none", "", v["name"], vs_build(v["name"]), "", "", "", note])
             continue
         rows.append(
             [

@@ -324,6 +324,23 @@ def splice_rows(variants: dict[str, dict]) -> dict[tuple, str]:
     return out
 
 
+def requantized_classes_note(results: dict, checkpoint: dict) -> str | None:
+    """Where a re-made build (a checkpoint with requantized_without) quantizes other classes than the build less the
+    classes it declares in BF16, what differs (its quantizer skipped or added a class): then it is not the build with
+    those classes restored, and neither a splice nor a prediction of them is a like-for-like comparison. None where
+    it matches, or where either list is unknown."""
+    without = checkpoint.get("requantized_without")
+    if not isinstance(without, list) or not isinstance(checkpoint.get("quantized_classes"), list):
+        return None
+    expected = [c for c in results.get("quantized_classes") or [] if c not in without]
+    if sorted(checkpoint["quantized_classes"]) == sorted(expected):
+        return None
+    return (
+        f"it quantizes {', '.join(checkpoint['quantized_classes']) or 'nothing'}, where the build without "
+        f"{', '.join(sorted(without))} would quantize {', '.join(expected) or 'nothing'}"
+    )
+
+
 def splice_vs_requantized(results: dict, out: Path, ok: dict[str, dict], noise: dict | None, reps: int) -> None:
     """For every finished row of the build re-made without some classes (its checkpoint's requantized_without), the
     paired difference splice - re-quantized of KL, top-1 and dNLL on the same positions, into the row's vs_splice;
@@ -344,12 +361,9 @@ def splice_vs_requantized(results: dict, out: Path, ok: dict[str, dict], noise: 
         key, classes = tuple(sorted(without)), ", ".join(sorted(without))
         splice = splices.get(key)
         entry = {"classes": sorted(without), "splice": splice}
-        expected = [c for c in results.get("quantized_classes") or [] if c not in without]
-        if ck.get("quantized_classes") is not None and sorted(ck["quantized_classes"]) != sorted(expected):
-            entry["note"] = (
-                f"it quantizes {', '.join(ck['quantized_classes']) or 'nothing'}, where the build without {classes} "
-                f"would quantize {', '.join(expected) or 'nothing'}"
-            )
+        note = requantized_classes_note(results, ck)
+        if note:
+            entry["note"] = note
         if splice is None:
             entry["why"] = (
                 f"the row splicing {classes}, {failed[key]}, failed"

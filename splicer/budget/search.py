@@ -36,10 +36,12 @@ from ..analysis.budget import (
     pick_verify,
     predictions,
     requantized,
+    requantized_levels,
     requantized_verdict,
     variant_decode,
     variant_kl,
 )
+from ..analysis.formatting import decimals
 from ..errors import SplicerError
 
 BUDGET_JSON = "budget.json"
@@ -368,17 +370,18 @@ def _requantized_lines(entries: list[dict]) -> list[str]:
     lines = [
         "Re-made builds (the build quantized again by its quantizer with these classes in BF16: not splices, so not "
         "in the fit) against the prediction for restoring the same classes (error = measured - predicted, 95 % "
-        "interval, KL paired position by position; the prediction holds where the interval includes 0):"
+        "interval, KL paired position by position, and as a share of the prediction; the prediction holds where the "
+        "interval includes 0):"
     ]
     for e in entries:
         head = f"{e['row']} ({', '.join(e['classes'])})"
         if e.get("why"):
-            lines.append(f"{head}: not compared: {e['why']}.")
+            note = f" (note: {e['note']})" if e.get("note") else ""
+            lines.append(f"{head}: not compared: {e['why']}{note}.")
             continue
         fitted = f" (row {e['splice_row']}, which splices exactly these classes, is in the fit)" if e.get("splice_row") else ""
-        lines.append(
-            f"{head}: {e['predicted_kl']:.4f} predicted, {e['measured_kl']:.4f} measured, error {requantized_verdict(e)}{fitted}."
-        )
+        predicted, measured = requantized_levels(e)
+        lines.append(f"{head}: {predicted} predicted, {measured} measured, error {requantized_verdict(e)}{fitted}.")
     return lines
 
 
@@ -544,9 +547,34 @@ def budget_report(
             raise
         # Plain budget only reads DIR: a colleague's read-only results are answered all the same.
         written = f"Not written: {e}; the answer above is complete (budget --verify needs a writable folder)."
+    else:
+        from ..ablate.results import render_outputs
 
+        # report.md quotes budget.json (the re-made builds against their predictions): rendered again with it, as
+        # mtp and tasks render table.md and report.md after writing their files, so that DIR/report.md is what
+        # `splicer report DIR` prints. Only where ablate wrote one: a folder without report.md has none to go stale,
+        # and budget adds no files to it beside budget.json.
+        if (folder / "report.md").exists():
+            try:
+                render_outputs(folder, results)
+                written = f"Written: {record_path}, and {folder / 'report.md'} and {folder / 'table.md'} rendered again with it."
+            except SplicerError as e:  # budget.json is whole: the answer stands, only the two renderings lag behind
+                written = (
+                    f"Written: {record_path}; not rendered again: {e}; report.md and table.md quote the earlier "
+                    "budget.json until `splicer budget DIR` runs again."
+                )
+
+    # One scale for every KL of the answer, three significant digits of the smallest: with KLs near 0.002, four
+    # decimals print neighbouring points of the front alike (0.0021 and 0.0021 for 0.00207 and 0.00209).
+    d = decimals(
+        [model.build_kl, *(c[k] for c in model.checks for k in ("predicted_kl", "measured_kl"))]
+        + [p.kl for p in best]
+        + [p.measured["kl"] for p in best if p.measured]
+        + [x for v in record["verified"] if v.get("measured") for x in (v["kl"], v["measured"]["kl"])],
+        3,
+    )
     lines = [
-        f"KL {'on ' + corpus if corpus else 'pooled over corpora'}; build {model.build_kl:.4f}, "
+        f"KL {'on ' + corpus if corpus else 'pooled over corpora'}; build {model.build_kl:.{d}f}, "
         f"{model.build_size / 1e9:.3f} GB"
         + (f", {model.build_decode:.3f} ms/token" if model.build_decode is not None else "")
         + f"; {len(model.atoms)} single-entry rows: {', '.join(a.entry for a in model.atoms)}."
@@ -568,12 +596,35 @@ def budget_report(
             worst = max(errs, key=lambda c: abs(c["predicted_kl"] - c["measured_kl"]))
             lines.append(
                 "The model's own error, each such row predicted from the others: "
-                + ", ".join(f"{c['row']} {c['predicted_kl']:.4f} predicted, {c['measured_kl']:.4f} measured" for c in errs)
-                + f"; largest |error| {abs(worst['predicted_kl'] - worst['measured_kl']):.4f} ({worst['row']})."
+                + ", ".join(f"{c['row']} {c['predicted_kl']:.{d}f} predicted, {c['measured_kl']:.{d}f} measured" for c in errs)
+                + f"; largest |error| {abs(worst['predicted_kl'] - worst['measured_kl']):.{d}f} ({worst['row']})."
             )
         else:
             lines.append("The model's own error: one row restores several atoms, so none can be predicted from the others.")
-    else:
+    # A row restoring several entries, one of which no single-entry row measures (an all row restoring experts too),
+    # is no union of atoms: the model cannot predict it, so it measures no additivity. Say so, or its absence from
+    # the fit reads as a row overlooked.
+    unfitted = "; ".join(
+        f"row {n} also restores {', '.join(missing)}, which no single-entry row measures" for n, missing, _ in model.unfitted
+    )
+    if model.checks and unfitted:
+        lines.append(f"Not in the fit: {unfitted}.")
+    elif not model.checks and model.unfitted:
+        n, missing, rest = model.unfitted[0]
+        instead = (
+            f"a row restoring the rest of row {n}'s classes, restore = {rest!r}"
+            + (" (an experts-only row: every class but experts)" if missing == ["experts"] else "")
+            + ", or leave-one-out rows"
+            if len(rest) >= 2
+            else "leave-one-out rows"
+        )
+        lines.append(
+            "No row restores several of these and nothing else: additivity is assumed (1.00), not measured, and the "
+            f"prediction error cannot be stated: {unfitted}, so "
+            + ("it is" if len(model.unfitted) == 1 else "they are")
+            + f" not predicted from them; add {instead}."
+        )
+    elif not model.checks:
         lines.append(
             "No row restores several of these together: additivity is assumed (1.00), not measured, and the "
             "prediction error cannot be stated; add an all row or leave-one-out rows."
@@ -636,17 +687,17 @@ def budget_report(
         lines.append(f"{record_path}: {dropped} verified entries could not be read and were left out.")
 
     def ci(x):
-        return "" if not x else f" [{x[0]:.4f}, {x[1]:.4f}]"
+        return "" if not x else f" [{x[0]:.{d}f}, {x[1]:.{d}f}]"
 
     rows = [
         [
             p.label,
-            f"{p.kl:.4f}{ci(p.kl_ci)}",
+            f"{p.kl:.{d}f}{ci(p.kl_ci)}",
             f"{p.size_gb:.3f}",
             ""
             if p.decode is None
             else f"{p.decode:.3f}" + ("" if not p.decode_ci else f" [{p.decode_ci[0]:.3f}, {p.decode_ci[1]:.3f}]"),
-            "" if p.measured is None else f"{p.measured['row']}: KL {p.measured['kl']:.4f}",
+            "" if p.measured is None else f"{p.measured['row']}: KL {p.measured['kl']:.{d}f}",
         ]
         for p in best
     ]
@@ -672,7 +723,10 @@ def budget_report(
     else:
         lines.append(
             tabulate(
-                rows, headers=["restore", "KL predicted", "size GB", "decode ms/tok predicted", "measured row"], tablefmt="github"
+                rows,
+                headers=["restore", "KL predicted", "size GB", "decode ms/tok predicted", "measured row"],
+                tablefmt="github",
+                disable_numparse=True,  # tabulate would reprint "0.130" as 0.13: the column keeps its three decimals
             )
         )
     done = [v for v in record["verified"] if v.get("measured")]
@@ -690,15 +744,20 @@ def budget_report(
             + "):"
         )
         vrows = []
+        # the KL errors to two significant digits of the largest: they are small differences of the KLs
+        errors = [v.get("error_kl") or {} for v in done]
+        de = decimals([x for ek in errors for x in [ek.get("diff"), *(ek.get("ci") or [])]], 2, of=max)
         for v in done:
             ek, ed = v.get("error_kl") or {}, v.get("error_decode") or {}
             vrows.append(
                 [
                     v["restore"],
                     v["row"],
-                    f"{v['kl']:.4f}",
-                    f"{v['measured']['kl']:.4f}",
-                    "" if not ek else f"{ek['diff']:+.4f}{ci(ek['ci'])}",
+                    f"{v['kl']:.{d}f}",
+                    f"{v['measured']['kl']:.{d}f}",
+                    ""
+                    if not ek
+                    else f"{ek['diff']:+.{de}f}" + ("" if not ek["ci"] else f" [{ek['ci'][0]:+.{de}f}, {ek['ci'][1]:+.{de}f}]"),
                     "" if not ed else f"{100 * ed['predicted_rel']:+.2f} % / {100 * ed['measured_rel']:+.2f} %",
                     ""
                     if not ed
@@ -719,6 +778,7 @@ def budget_report(
                     "decode error ms",
                 ],
                 tablefmt="github",
+                disable_numparse=True,
             )
         )
     elif not verify:

@@ -215,5 +215,34 @@ def check_results(results: dict, path: Path) -> None:
         d = v.get("decode_vs_build")
         if isinstance(d, dict):
             number(d.get("engine_sd_ms"), "decode_vs_build.engine_sd_ms", 0)
+        ck = v.get("checkpoint")
+        if isinstance(ck, dict) and ck.get("requantized_without") is not None:
+            _check_requantized_without(ck["requantized_without"], results, where, fix)
         if bad:
             v[UNUSABLE] = "; ".join(bad)
+
+
+def _check_requantized_without(without, results: dict, where: str, fix: str) -> None:
+    """A re-made build's classes left in BF16 (checkpoint.requantized_without, `--add-requantized`), as ablate writes
+    them: a list of distinct classes the build quantizes (results.json's quantized_classes; every family's classes
+    where a hand-made file has none). Checked here, so that budget, table and report refuse the same hand edit alike."""
+    if not isinstance(without, list) or not without or not all(isinstance(c, str) and c for c in without):
+        raise SplicerError(f"{where}: checkpoint.requantized_without is {str(without)[:40]!r}, not a list of class names; {fix}")
+    twice = sorted({c for c in without if without.count(c) > 1})
+    if twice:
+        raise SplicerError(f"{where}: checkpoint.requantized_without names {', '.join(twice)[:60]} twice; {fix}")
+    from ..arch import all_classes
+
+    classes = all_classes()
+    quantized = results.get("quantized_classes")
+    if not (isinstance(quantized, list) and all(isinstance(c, str) for c in quantized)):
+        quantized = None  # a hand-made file: any family's class
+    for c in without:
+        if c not in classes:
+            known = f"the build quantizes {', '.join(quantized)}" if quantized else f"classes: {', '.join(classes)}"
+            raise SplicerError(f"{where}: checkpoint.requantized_without names unknown class {c[:40]!r} ({known}); {fix}")
+        if quantized is not None and c not in quantized:
+            raise SplicerError(
+                f"{where}: checkpoint.requantized_without names {c}, which the build does not quantize (it quantizes "
+                f"{', '.join(quantized) or 'nothing'}); {fix}"
+            )
