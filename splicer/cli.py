@@ -179,15 +179,17 @@ def _cmd_ablate(args) -> int:
     options = backend_options(args.backend, _backend_options(args), args.device)  # before --demo writes its pair into DIR
     task_names = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     if task_names:  # an unknown task or a missing lm-eval is refused before anything runs
-        from .tasks.run import check_tasks, settings_conflict, task_settings
+        from .tasks.run import check_tasks, settings_refusal, task_settings
 
         check_tasks(task_names, args.include_path)
-        conflict = settings_conflict(Path(args.out), task_settings(task_names, args.include_path, args.task_limit, args.backend))
-        if conflict:
-            raise SplicerError(
-                f"{Path(args.out) / 'tasks.json'} holds task results of other settings ({conflict}); run `splicer tasks "
-                "DIR ... --force` to replace them, or give the same --tasks, task files and --task-limit"
-            )
+        refusal = settings_refusal(
+            Path(args.out),
+            task_settings(task_names, args.include_path, args.task_limit, args.backend),
+            force_hint="run `splicer tasks DIR ... --force` to replace them",
+            limit_flag="--task-limit",
+        )
+        if refusal:
+            raise SplicerError(refusal)
     elif args.include_path:
         raise SplicerError("--include-path names a folder of task YAMLs for --tasks; add --tasks NAMES")
     from .io.outputs import ABLATE, FIXTURE, check_output, removed_on_refusal
@@ -374,13 +376,17 @@ def _cmd_mtp(args) -> int:
     from .analysis import speculative
 
     engine_only = [k for k in (*MTP_ENGINE_DEFAULTS, "no_time") if getattr(args, k) not in (None, False)]
-    forced_only = [k for k in ("sequences_per_corpus", "device") if getattr(args, k) is not None]
+    forced_only = [k for k in ("sequences_per_corpus", "device", "force") if getattr(args, k) not in (None, False)]
     if args.teacher_forced and engine_only:
         flag = "--" + engine_only[0].replace("_", "-")
         raise SplicerError(f"{flag} sets vLLM's engines, and --teacher-forced starts none: drop one of them")
     if not args.teacher_forced and forced_only:
         flag = "--" + forced_only[0].replace("_", "-")
-        raise SplicerError(f"{flag} goes with --teacher-forced (vLLM's engines run where DIR's job ran): add it or drop {flag}")
+        why = {
+            "--device": " (vLLM's engines run where DIR's job ran)",
+            "--force": " (a rerun of the engines with other settings starts DIR/speculative.json afresh)",
+        }.get(flag, "")
+        raise SplicerError(f"{flag} goes with --teacher-forced{why}: add it or drop {flag}")
     rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else None
     if args.teacher_forced:
         return _mtp_teacher_forced(args, rows)
@@ -442,6 +448,7 @@ def _mtp_teacher_forced(args, rows: list[str] | None) -> int:
         sequences_per_corpus=args.sequences_per_corpus,
         device=args.device or "auto",
         progress=not args.quiet,
+        force=args.force,
     )
     spec = teacher_forced.load(args.dir)
     order = [v["name"] for v in results_record.load(args.dir).get("variants", [])]
@@ -454,6 +461,7 @@ def _mtp_teacher_forced(args, rows: list[str] | None) -> int:
         print(f"splicer: {x['row']} not measured: {x['reason']}", file=sys.stderr)
     failed = {r: e for r, e in record["rows"].items() if e.get("status") != "ok"}
     asked = [x["row"] for x in record.get("skipped") or [] if rows and x["row"] in rows]
+    flagged = (spec["summary"].get(record["build_row"]) or {}).get("flagged")
     if failed:
         print(
             f"splicer: error: {len(failed)} rows failed ("
@@ -463,7 +471,13 @@ def _mtp_teacher_forced(args, rows: list[str] | None) -> int:
         )
     if asked:
         print(f"splicer: error: --rows {', '.join(asked)} could not be measured (the reasons above)", file=sys.stderr)
-    return 1 if failed or asked else 0
+    if flagged:
+        print(
+            f"splicer: error: the build's teacher-forced estimate is flagged ({args.dir / 'table.md'}): its acceptance "
+            "is no result, and no row is compared with it",
+            file=sys.stderr,
+        )
+    return 1 if failed or asked or flagged else 0
 
 
 def _cmd_tasks(args) -> int:
@@ -841,6 +855,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --teacher-forced: the first N sequences of each corpus (default: all)",
     )
     s.add_argument("--device", help="with --teacher-forced: cpu, cuda or cuda:N (default: cuda when there is one)")
+    s.add_argument(
+        "--force",
+        action="store_true",
+        help="with --teacher-forced: replace DIR/mtp-teacher-forced.json made with other settings or sequences",
+    )
     s.add_argument("-q", "--quiet", action="store_true")
     s.set_defaults(func=_cmd_mtp)
 

@@ -223,7 +223,7 @@ def test_mtp_stage_counts_every_rows_drafts_and_writes_table_and_report(vllm_dir
     assert cmp["vs_engine"]["diff"] == pytest.approx(cmp["estimate_shared"] - cmp["engine_shared"])
     table, report = (vllm_dir / "table.md").read_text(), (vllm_dir / "report.md").read_text()
     section = table.split("MTP acceptance, teacher-forced (torch reference)")[1]
-    assert "| build " in section and "(5 sequences)" in section and "No vLLM figure" not in section
+    assert "| build " in section and "(on the 5 sequences both measured)" in section and "No vLLM figure" not in section
     assert "MTP teacher-forced, build: first-position acceptance" in report and "teacher-forced − vLLM" in report
 
 
@@ -247,11 +247,14 @@ def test_mtp_refuses_a_folder_of_the_torch_backend_in_one_line(vllm_dir, capsys)
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "torch backend" in err and "--backend vllm" in err
     assert not (vllm_dir / figures.FILE).exists()
-    (vllm_dir / "results.json").write_text(json.dumps(results))
+    # a row whose ablate run failed: named as failed, with its error, not as a row DIR never ran
+    failed = {"name": "gdn", "restored": ["gdn"], "status": "error", "error": "RuntimeError: engine died\nTraceback ..."}
+    (vllm_dir / "results.json").write_text(json.dumps(dict(results, variants=[*results["variants"], failed])))
     for argv, says in (
         (["--tokens", "0"], "distinct draft-token counts"),
         (["--tokens", "1,x"], "whole numbers"),
         (["--rows", "nope"], "no finished row of that name"),
+        (["--rows", "gdn"], "gdn failed in " + str(vllm_dir) + " (its error: RuntimeError: engine died); rerun ablate"),
         (["--tokens", ","], "give whole numbers"),
     ):
         assert main(["mtp", str(vllm_dir), *argv]) == 2

@@ -176,7 +176,46 @@ def test_the_agreement_sentence_claims_no_more_than_its_interval():
     assert vs["diff"] == pytest.approx(0.5 - 128 / 160) and vs["significant"] is True
     assert "a difference the interval resolves (the estimate reads low)" in tf.sentences(far)[0]
     row = tf.table_rows(far, ["build"])[0]
-    assert row[4].startswith("80.0 % [") and row[5].startswith("-30.0 [") and row[5].endswith("(8 sequences)")
+    assert (
+        row[4].startswith("80.0 % [") and row[5].startswith("-30.0 [") and row[5].endswith("(on the 8 sequences both measured)")
+    )
+
+
+def test_a_flagged_estimate_is_not_compared_with_vllm_and_its_units_are_sequences():
+    seqs = [{"corpus": "a", "index": i, "positions": 50} for i in range(6)]  # 300 positions: judged by the bounds
+    record = {
+        "build_row": "build",
+        "sequences": seqs,
+        "rows": {"build": {"status": "ok", "hits": [20, 22, 18, 21, 19, 20]}, "gdn": {"status": "ok", "hits": [0] * 6}},
+    }
+    per = [{"drafts": 20, "draft_tokens": 20, "accepted": 10, "accepted_per_pos": [10]} for _ in range(5)]
+    engine_record = {
+        "build_row": "build",
+        "prompts": [{"corpus": "a", "index": i} for i in range(5)],
+        "engines": [{"row": r, "k": 1, "status": "ok", "per_prompt": per} for r in ("build", "gdn")],
+    }
+    from splicer.analysis import speculative
+
+    spec = {
+        "record": record,
+        "summary": tf.summarize(record, reps=200),
+        "engine": tf.engine_comparison(record, {"record": engine_record, "summary": speculative.summarize(engine_record)}),
+    }
+    gdn = spec["summary"]["gdn"]
+    assert "drafts almost never match" in gdn["flagged"] and "acceptance" not in gdn and "vs_build" not in gdn
+    assert spec["summary"]["build"]["acceptance"]["sequences"] == 6
+    assert spec["engine"]["gdn"]["estimate_flagged"] and "vs_engine" not in spec["engine"]["gdn"]
+    assert "vs_engine" in spec["engine"]["build"]
+    rows = {r[0]: r for r in tf.table_rows(spec, ["build", "gdn"])}
+    assert rows["gdn"][1].startswith("flagged: acceptance 0.0 % over 300 positions") and rows["gdn"][3] == ""
+    assert rows["gdn"][4].startswith("50.0 %") and rows["gdn"][5] == "no comparison: the estimate is flagged"
+    assert rows["build"][5].endswith("(on the 5 sequences both measured)")
+    text = " ".join(tf.sentences(spec, ["build", "gdn"]))
+    assert "MTP teacher-forced, gdn: flagged, acceptance 0.0 % over 300 positions" in text and text.count("vLLM's k=1") == 1
+    assert "need not equal the difference of the two columns beside it" in tf.note(spec)
+    # too few sequences for an interval: the reason counts sequences, which is what the estimate resamples
+    few = tf.summarize(dict(record, sequences=seqs[:3], rows={"build": {"status": "ok", "hits": [5, 6, 7]}}), reps=50)
+    assert few["build"]["acceptance"]["why"] == "fewer than 5 sequences (or chat groups) in corpus a"
 
 
 @pytest.fixture(scope="module")
@@ -198,14 +237,25 @@ def torch_dir(pairs, tmp_path_factory):
 
 def test_teacher_forced_end_to_end_on_a_torch_folder_and_resume(torch_dir, capsys):
     out = torch_dir
-    for argv, says in (
-        (["--teacher-forced", "--tokens", "1"], "--tokens sets vLLM's engines"),
-        (["--device", "cpu"], "--device goes with --teacher-forced"),
-        (["--teacher-forced", "--rows", "nope"], "no finished row of that name"),
-    ):
-        assert main(["mtp", str(out), *argv]) == 2
-        err = capsys.readouterr().err.strip()
-        assert err.count("\n") == 0 and says in err, err
+    results = (out / "results.json").read_text()
+    # a row whose ablate run failed: named as failed, with the first line of its error, not as a row DIR never ran
+    failed = {"name": "lm_head", "restored": ["lm_head"], "status": "error", "error": "RuntimeError: out of memory\nat ..."}
+    record = json.loads(results)
+    (out / "results.json").write_text(json.dumps(dict(record, variants=[*record["variants"], failed])))
+    try:
+        for argv, says in (
+            (["--teacher-forced", "--tokens", "1"], "--tokens sets vLLM's engines"),
+            (["--device", "cpu"], "--device goes with --teacher-forced"),
+            (["--force"], "--force goes with --teacher-forced"),
+            (["--teacher-forced", "--rows", "nope"], "no finished row of that name"),
+            (["--teacher-forced", "--rows", "lm_head"], "(its error: RuntimeError: out of memory); rerun ablate to finish it"),
+        ):
+            assert main(["mtp", str(out), *argv]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.count("\n") == 0 and says in err, err
+            assert "no finished row" not in err or "nope" in err
+    finally:
+        (out / "results.json").write_text(results)
     assert not (out / tf.FILE).exists()
     assert main(["mtp", str(out), "--teacher-forced", "--device", "cpu", "-q"]) == 0
     record = json.loads((out / tf.FILE).read_text())
@@ -216,7 +266,15 @@ def test_teacher_forced_end_to_end_on_a_torch_folder_and_resume(torch_dir, capsy
     record_hits = record["rows"]["mtp"]["hits"]
     summary = record["summary"]
     assert summary["build"]["positions"] == 180 and "vs_build" in summary["mtp"] and "vs_build" not in summary["build"]
+    assert summary["build"]["acceptance"]["sequences"] == 6 and "prompts" not in summary["build"]["acceptance"]
+    # the fixture's heads hit nowhere, both of them: no sequence differs, so the difference has no interval, nor verdict
+    assert record["rows"]["build"]["hits"] == record_hits
+    vs = summary["mtp"]["vs_build"]
+    assert vs["diff"] == 0 and vs["ci"] is None and vs["significant"] is None
+    assert vs["why"] == "no sequence differs from the build's: no interval"
     table, report = (out / "table.md").read_text(), (out / "report.md").read_text()
+    assert "| +0.0 (no sequence differs from the build's: no interval) |" in table and "[+0.0, +0.0]" not in table
+    assert "+0.0 pp against the build (no sequence differs from the build's: no interval)." in report
     assert "MTP acceptance, teacher-forced (torch reference)" in table
     assert "| mtp " in table.split("teacher-forced (torch reference)")[1] and "No vLLM figure beside it" in table
     assert "MTP teacher-forced, build: first-position acceptance" in report
@@ -228,6 +286,43 @@ def test_teacher_forced_end_to_end_on_a_torch_folder_and_resume(torch_dir, capsy
     assert main(["mtp", str(out), "--teacher-forced", "--device", "cpu", "-q"]) == 0
     again = json.loads((out / tf.FILE).read_text())["rows"]
     assert again["build"]["elapsed_s"] == 999.0 and again["mtp"]["status"] == "ok" and again["mtp"]["hits"] == record_hits
-    assert main(["mtp", str(out), "--teacher-forced", "--device", "cpu", "--sequences-per-corpus", "5", "-q"]) == 0
+    # the same settings with other --rows: the finished rows stay beside them, none run again
+    assert main(["mtp", str(out), "--teacher-forced", "--device", "cpu", "--rows", "build", "-q"]) == 0
+    kept = json.loads((out / tf.FILE).read_text())
+    assert set(kept["rows"]) == {"build", "mtp"} and kept["rows"]["build"]["elapsed_s"] == 999.0 and kept["rows_planned"] == 2
+    # other settings never silently replace what is there: refused in one line naming the change; --force replaces
+    before = (out / tf.FILE).read_text()
+    capsys.readouterr()
+    argv = ["mtp", str(out), "--teacher-forced", "--device", "cpu", "--sequences-per-corpus", "5", "--rows", "mtp", "-q"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "(--sequences-per-corpus: all -> 5)" in err and "--force" in err, err
+    assert (out / tf.FILE).read_text() == before
+    assert main([*argv, "--force"]) == 0
     fewer = json.loads((out / tf.FILE).read_text())
     assert len(fewer["sequences"]) == 5 and all(len(e["hits"]) == 5 for e in fewer["rows"].values())
+    assert set(fewer["rows"]) == {"build", "mtp"}  # the build is measured with any --rows
+
+
+def test_a_head_whose_drafts_never_match_is_flagged_not_tabulated(torch_dir, monkeypatch, capsys):
+    """The bounds vLLM's drafters are flagged by (analysis.speculative.broken): the fixture's random heads hit nowhere,
+    over fewer positions than the bounds need, so the test lowers that count."""
+    from splicer.analysis import speculative
+
+    monkeypatch.setattr(speculative, "FLAG_MIN_TOKENS", 100)
+    out = torch_dir
+    capsys.readouterr()
+    assert main(["mtp", str(out), "--teacher-forced", "--device", "cpu", "--force", "-q"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "the build's teacher-forced estimate is flagged" in err, err
+    summary = tf.load(out)["summary"]
+    for row in ("build", "mtp"):
+        assert "drafts almost never match" in summary[row]["flagged"] and "acceptance" not in summary[row]
+        assert "vs_build" not in summary[row]
+    section = (out / "table.md").read_text().split("MTP acceptance, teacher-forced (torch reference)")[1]
+    n = f"{summary['build']['positions']:,} positions"
+    assert f"| build     | flagged: acceptance 0.0 % over {n}" in section and "no sequence differs" not in section
+    assert "is flagged, not a result" in section
+    report = (out / "report.md").read_text()
+    assert f"MTP teacher-forced, mtp: flagged, acceptance 0.0 % over {n}" in report
+    assert "MTP teacher-forced, mtp: first-position acceptance" not in report

@@ -29,13 +29,22 @@ def test_cloze_refuses_what_it_cannot_use_in_one_line(tmp_path, capsys):
     sources = {json.loads(line)["source"] for line in (tmp_path / "t" / "cloze.jsonl").read_text().splitlines()}
     assert sources == {"notes", "notes-2"}  # two files of one name stay two sources
     capsys.readouterr()
+    zh = tmp_path / "zh.txt"
+    zh.write_text(DEMO_TEXT.with_name("demo_wiki_zh.txt").read_text(encoding="utf-8"), encoding="utf-8")
     for argv, says in (
         ([str(a / "notes.txt"), str(a / "notes.txt"), "-o", str(tmp_path / "u")], "given twice"),
         ([str(a / "notes.txt"), "-o", str(a / "notes.txt")], "cannot make that folder"),
+        ([str(zh), "-o", str(tmp_path / "u")], f"no cloze item could be cut from {zh} (no words of four letters or more"),
     ):
         assert cloze(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and says in err, err
+    # a text without words separated by spaces gives no item: named, with why, and left out of the YAML's sources
+    assert cloze([str(a / "notes.txt"), str(zh), "-o", str(tmp_path / "v"), "--items", "6", "--context-words", "20"]) == 0
+    said = capsys.readouterr().out
+    assert f"none from {zh} (no words of four letters or more separated by spaces)" in said
+    header = (tmp_path / "v" / "cloze.yaml").read_text().splitlines()[:2]
+    assert header[0].endswith(f"cut from {a / 'notes.txt'}.") and header[1].startswith(f"# None from {zh}: no words of four")
 
 
 def test_cloze_items_are_whole_words_with_three_other_choices_and_repeat_by_seed():
@@ -114,15 +123,27 @@ def test_a_group_of_tasks_is_scored_over_its_subtasks_items(scored, tmp_path, ca
 def test_bad_task_inputs_are_one_line_before_anything_runs(scored, pairs, tmp_path, capsys):
     out, tasks = scored
     capsys.readouterr()
-    for argv, says in (
-        (["--tasks", "clozee", "--include-path", str(tasks)], "close: cloze"),
-        (["--tasks", "cloze", "--include-path", str(tmp_path / "nope")], "not a folder"),
-        (["--tasks", "cloze", "--include-path", str(tasks), "--rows", "gdn"], "no finished row"),
-        (["--tasks", ","], "name one task"),
-    ):
-        assert main(["tasks", str(out), *argv]) == 2
-        err = capsys.readouterr().err.strip()
-        assert err.count("\n") == 0 and says in err, err
+    results = (out / "results.json").read_text()
+    # a row whose ablate run failed: named as failed, with the first line of its error, not as a row DIR never ran
+    failed = {"name": "lm_head", "restored": ["lm_head"], "status": "error", "error": "RuntimeError: out of memory\nat ..."}
+    record = json.loads(results)
+    (out / "results.json").write_text(json.dumps(dict(record, variants=[*record["variants"], failed])))
+    try:
+        for argv, says in (
+            (["--tasks", "clozee", "--include-path", str(tasks)], "close: cloze"),
+            (["--tasks", "cloze", "--include-path", str(tmp_path / "nope")], "not a folder"),
+            (["--tasks", "cloze", "--include-path", str(tasks), "--rows", "gdn"], "no finished row"),
+            (
+                ["--tasks", "cloze", "--include-path", str(tasks), "--rows", "lm_head"],
+                f"lm_head failed in {out} (its error: RuntimeError: out of memory); rerun ablate to finish it",
+            ),
+            (["--tasks", ","], "name one task"),
+        ):
+            assert main(["tasks", str(out), *argv]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.count("\n") == 0 and says in err, err
+    finally:
+        (out / "results.json").write_text(results)
     p = pairs["fused"]
     fresh = tmp_path / "fresh"
     argv = ["ablate", "build", str(p["lowlatency"]), str(p["base"]), "-o", str(fresh), "--plan", "demo", "--tasks", "clozee"]
@@ -155,7 +176,7 @@ def fake_vllm(monkeypatch):
     return vb
 
 
-def test_tasks_through_lm_evals_vllm_model_answer_as_the_torch_model_does(scored, fake_vllm, monkeypatch, capsys):
+def test_tasks_through_lm_evals_vllm_model_answer_as_the_torch_model_does(scored, pairs, fake_vllm, monkeypatch, capsys):
     """--backend vllm: lm-eval's own VLLM model, built in the vLLM backend's worker process from DIR's engine
     arguments, scores every item as lm-eval's HF model over the torch reference does (the stand-in computes its
     log-probs with that reference, so any difference is in splicer's plumbing); a different model is another run."""
@@ -169,10 +190,17 @@ def test_tasks_through_lm_evals_vllm_model_answer_as_the_torch_model_does(scored
     assert through_vllm["n"] == 10 and through_vllm["metric"] == "acc"
     logs = list((out / "task-logs").glob("*-tasks*.log"))
     assert logs and "FAKE_VLLM_ECHO=tasks-engine" in "".join(p.read_text() for p in logs)  # the engine ran in the worker
+    # each row's log is named after the row, the build's too (its folder is named after the checkpoint)
+    assert {p.name.split("-tasks")[0] for p in logs} == {"build"}
     capsys.readouterr()
     assert main([*argv, "--backend", "torch"]) == 2  # another model: refused in one line, not mixed in
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "model:" in err and "--force" in err
+    assert err.count("\n") == 0 and "model:" in err and "--force" in err and "the same --backend" in err, err
+    p = pairs["fused"]
+    ablate = ["ablate", "build", str(p["lowlatency"]), str(p["base"]), "-o", str(out), "--plan", "demo", "--no-time", "-q"]
+    assert main([*ablate, "--tasks", "cloze", "--include-path", str(tasks)]) == 2  # ablate checks before it runs
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "model:" in err and "splicer tasks DIR ... --force" in err and "--backend" in err, err
     assert main([*argv, "--backend", "torch", "--force"]) == 0
     through_torch = json.loads((out / "tasks.json").read_text())["rows"]["build"]["tasks"]["cloze"]
     assert through_vllm["items"] == through_torch["items"] and through_vllm["value"] == pytest.approx(through_torch["value"])
@@ -189,3 +217,67 @@ def test_a_row_whose_engine_fails_under_lm_eval_is_recorded_and_the_run_says_so(
     assert "quantization schemes" in rows["all"]["error"]
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "all" in err
+
+
+def test_no_item_differs_from_the_build_so_no_interval_nor_verdict():
+    """A bootstrap over items none of which differs has standard error 0: its [0, 0] would say nothing about a
+    difference. The difference is 0 with why, in the JSON, the table and the report; with one item that differs the
+    interval is the bootstrap's, as before."""
+    from splicer.analysis import task_scores
+    from splicer.analysis.formatting import fmt_paired_pp
+
+    items = {str(i): float(i % 3 == 0) for i in range(11)}
+
+    def spec(other):
+        task = {"metric": "acc", "value": sum(other.values()) / 11, "stderr": 0.1}
+        record = {
+            "build_row": "build",
+            "rows": {
+                "build": {"status": "ok", "tasks": {"cloze": dict(task, value=sum(items.values()) / 11, items=items)}},
+                "gdn": {"status": "ok", "tasks": {"cloze": dict(task, items=other)}},
+            },
+        }
+        return {"record": record, "summary": task_scores.summarize(record, reps=200)}
+
+    same = spec(dict(items))
+    vs = same["summary"]["gdn"]["cloze"]["vs_build"]
+    assert vs["diff"] == 0 and vs["ci"] is None and vs["significant"] is None and vs["items"] == 11
+    assert vs["why"] == "no item differs from the build's: no interval"
+    assert task_scores.table_rows(same, ["build", "gdn"])[1][5] == "+0.0 (no item differs from the build's: no interval)"
+    text = " ".join(task_scores.sentences(same))
+    assert "+0.0 pp against the build (no item differs from the build's: no interval)." in text and "significant" not in text
+    one = spec(dict(items, **{"1": 1.0}))["summary"]["gdn"]["cloze"]["vs_build"]
+    assert one["diff"] == pytest.approx(1 / 11) and one["ci"] is not None and one["ci"][0] < one["ci"][1]
+    # a difference or bound that rounds to zero prints unsigned
+    assert fmt_paired_pp({"diff": -0.0001, "ci": [-0.004, 0.003], "significant": False}) == "+0.0 [-0.4, +0.3] n.s."
+    assert fmt_paired_pp({"diff": -0.0, "ci": [-0.0002, 0.0001], "significant": False}) == "+0.0 [+0.0, +0.0] n.s."
+
+
+def test_lm_evals_warning_on_the_model_splicer_hands_it_stays_out_of_the_output(scored, pairs, monkeypatch):
+    """lm-eval's HF model warns that `pretrained` is no string (how splicer hands it the torch backend's model) unless
+    its logger is set before the model is made: as in a fresh process, lm_eval's logger at WARNING."""
+    import logging
+
+    from splicer.backends import task_backend
+
+    monkeypatch.delenv("LMEVAL_LOG_LEVEL", raising=False)
+    logger, seen = logging.getLogger("lm_eval"), []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler = Keep()
+    old = logger.level
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+    engine = task_backend("torch", {}, "cpu", scored[0] / "task-logs")
+    try:
+        engine.load(pairs["fused"]["lowlatency"])
+        engine.lm_eval_model(pairs["fused"]["base"])
+    finally:
+        engine.unload()
+        engine.close()
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    assert not [m for m in seen if "pretrained" in m], seen

@@ -147,3 +147,19 @@ def row_folder(out: Path, results: dict, v: dict) -> Path:
     if restored == []:
         return Path(inputs["build"]["source"])
     return Path(out) / "variants" / (v.get("repeat_of") or v["name"])
+
+
+def check_rows_finished(out: Path, results: dict, rows: list[str]) -> None:
+    """Refuse, in one line, the first of rows (a --rows list of a later stage: tasks, mtp) that DIR has not finished:
+    a row whose ablate run failed says so with its error (rerunning ablate finishes it), a name DIR never ran lists
+    the finished rows."""
+    variants = {v["name"]: v for v in results.get("variants", [])}
+    for r in rows:
+        v = variants.get(r)
+        if v is not None and v.get("status") == "ok":
+            continue
+        if v is not None:
+            error = (str(v.get("error") or v.get("status") or "").strip().splitlines() or ["no error recorded"])[0][:300]
+            raise SplicerError(f"{r} failed in {out} (its error: {error}); rerun ablate to finish it")
+        finished = [n for n, x in variants.items() if x.get("status") == "ok"]
+        raise SplicerError(f"--rows {r}: {out} has no finished row of that name; finished: {', '.join(finished)}")

@@ -26,7 +26,7 @@ from ..errors import SplicerError
 from ..io import results_record
 from ..io.outputs import exclusive
 from ..io.progress import Stages
-from .common import atomic_json, parts_digest, row_folder
+from .common import atomic_json, check_rows_finished, parts_digest, row_folder
 from .rows import timing_prompt_of
 
 SCHEMA = 1
@@ -92,9 +92,7 @@ def _rows_to_measure(out: Path, results: dict, rows: list[str] | None) -> tuple[
         raise SplicerError(f"{out} has no finished build row to measure against; finish its ablate run first")
     if rows is None:
         rows = [n for n, v in ok.items() if not v.get("repeat_of") and v.get("restored") != "base"]
-    unknown = [r for r in rows if r not in ok]
-    if unknown:
-        raise SplicerError(f"--rows {unknown[0]}: {out} has no finished row of that name; finished: {', '.join(ok)}")
+    check_rows_finished(out, results, rows)
     repeats = [r for r in rows if ok[r].get("repeat_of")]
     if repeats:
         raise SplicerError(
@@ -288,11 +286,13 @@ def run_teacher_forced(
     device: str = "auto",
     batch_size: int = 4,
     progress: bool = True,
+    force: bool = False,
 ) -> dict:
     """The teacher-forced estimate of MTP acceptance (analysis.teacher_forced says what it is) for the rows `run_mtp`
     would measure, on every sequence DIR scored (or the first sequences_per_corpus of each corpus), with the torch
-    reference's model of each row on any folder; writes DIR/mtp-teacher-forced.json after every row (a rerun with the
-    same settings and sequences keeps finished rows) and returns the record."""
+    reference's model of each row on any folder; writes DIR/mtp-teacher-forced.json after every row and returns the
+    record. A rerun with the same settings and sequences keeps finished rows (other --rows are added to them); a file
+    of other settings is refused in one line unless force replaces it."""
     out = Path(out)
     results = results_record.load(out)
     if sequences_per_corpus is not None and sequences_per_corpus < 1:
@@ -319,7 +319,17 @@ def run_teacher_forced(
     stages = Stages(quiet=not progress, log_path=out / "speculative.log")
     busy = f"another splicer command is writing to {out}; wait for it to finish"
     with exclusive(out / ".lock", busy, in_place=True):
+        conflict = _tf_settings_conflict(path, settings, digest)
+        if conflict and not force:
+            backend.close()
+            change, same = conflict
+            raise SplicerError(
+                f"{path} holds teacher-forced estimates of other settings ({change}); pass --force to replace them"
+                + (f", or run with the same {same}" if same else "")
+            )
         record = _resume_rows(path, digest)
+        # the rows this file is to hold: those it holds, finished, and those asked for now
+        planned = list(dict.fromkeys([*record["rows"], *measured]))
         record.update(
             schema=TF_SCHEMA,
             settings=settings,
@@ -331,7 +341,7 @@ def run_teacher_forced(
                 for s in sequences
             ],
             skipped=skipped,
-            rows_planned=len(measured),
+            rows_planned=len(planned),
         )
         try:
             for n, row in enumerate(measured, 1):
@@ -379,3 +389,29 @@ def _resume_rows(path: Path, digest: str) -> dict:
     if not isinstance(old, dict) or old.get("settings_digest") != digest:
         return {"rows": {}}  # other sequences or settings: nothing of it compares with a new run
     return {"rows": {r: e for r, e in (old.get("rows") or {}).items() if isinstance(e, dict) and e.get("status") == "ok"}}
+
+
+# Each recorded setting of DIR/mtp-teacher-forced.json: its name in the refusal, and the option that sets it (None: the
+# torch backend's own dtype, no option of this command).
+TF_SETTING_FLAGS = {"sequences_per_corpus": ("--sequences-per-corpus", "--sequences-per-corpus"), "dtype": ("dtype", None)}
+
+
+def _tf_settings_conflict(path: Path, settings: dict, digest: str) -> tuple[str, str | None] | None:
+    """Which recorded setting of the teacher-forced file differs from these, as ('FLAG: old -> new', FLAG) (None: no
+    file, none of its rows finished, or the same settings and sequences): what a rerun would otherwise silently start
+    afresh over."""
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(old, dict) or old.get("settings_digest") == digest:
+        return None
+    if not any(isinstance(e, dict) and e.get("status") == "ok" for e in (old.get("rows") or {}).values()):
+        return None  # nothing finished to lose
+    before = old.get("settings") or {}
+    for field, (label, flag) in TF_SETTING_FLAGS.items():
+        was, now = before.get(field), settings.get(field)
+        if was != now:
+            shown = ("all" if v is None and field == "sequences_per_corpus" else v for v in (was, now))
+            return f"{label}: {' -> '.join(map(str, shown))}", flag
+    return "the sequences DIR scored, or its build, changed since it was written", None

@@ -28,14 +28,49 @@ def fmt_change_verdict(
     )
 
 
+def _zero_unsigned(x: float | None, scale: float, digits: int) -> float | None:
+    """x, or 0.0 where it prints as zero: a difference that rounds to 0 is printed '+0.0', never '-0.0'."""
+    return 0.0 if x is not None and round(scale * x, digits) == 0 else x
+
+
+def _paired_parts(cmp: dict) -> tuple[str, str | None]:
+    """(the difference in points with its interval, or alone; why it has no interval, or None)."""
+    lo, hi = cmp.get("ci") or (None, None)
+    diff, lo, hi = (_zero_unsigned(x, 100, 1) for x in (cmp["diff"], lo, hi))
+    text = fmt_change(diff, lo, hi, 100, "", 1)
+    if lo is not None:
+        return text, None
+    why = cmp.get("why")
+    if why and cmp.get("discordant") != 0:  # identical_pairs' why says itself that there is no interval
+        why = f"{why} for an interval"
+    return text, why
+
+
 def fmt_paired_pp(cmp: dict | None) -> str:
-    """A paired difference of two shares in points: '+1.1 [-1.4, +3.6] n.s.', or '+0.0 (fewer than 5 items for an
-    interval)' where cmp says why it has none (cmp: diff, ci, significant, why)."""
+    """A paired difference of two shares in points, for a table cell: '+1.1 [-1.4, +3.6] n.s.', or the difference and
+    why it has no interval: '+0.0 (fewer than 5 items for an interval)', '+0.0 (no item differs from the build's: no
+    interval)' (cmp: diff, ci, significant, why; metrics.identical_pairs)."""
     if not cmp or cmp.get("diff") is None:
         return ""
-    lo, hi = cmp.get("ci") or (None, None)
-    why = f"{cmp['why']} for an interval" if cmp.get("why") else None
-    return fmt_change_verdict(cmp["diff"], lo, hi, cmp.get("significant"), 100, "", "n.s.", 1, note=why)
+    text, why = _paired_parts(cmp)
+    if why:
+        return f"{text} ({why})"
+    return text + (" n.s." if cmp.get("significant") is False else "")
+
+
+def fmt_paired_clause(cmp: dict | None, against: str = "against the build") -> str:
+    """The same difference in a report's sentence: '+1.1 [-1.4, +3.6] pp against the build, not significant', or
+    without an interval '+0.0 pp against the build (no item differs from the build's: no interval)': a difference
+    without an interval gets no verdict either way."""
+    if not cmp or cmp.get("diff") is None:
+        return ""
+    text, why = _paired_parts(cmp)
+    text = f"{text} pp" + (f" {against}" if against else "")
+    if why:
+        return f"{text} ({why})"
+    if cmp.get("ci") is None:
+        return text
+    return text + ("" if cmp.get("significant") else ", not significant")
 
 
 def fmt_share(fig: dict | None, digits: int = 1) -> str:

@@ -331,6 +331,20 @@ def _comparison(
     return out
 
 
+def identical_pairs(unit: str, against: str = "the build's") -> dict:
+    """The paired difference where no unit (item, sequence, prompt) differs between the two sides: 0, with no interval
+    and no verdict. A bootstrap over such units draws the same difference every time, so its standard error is 0 and
+    its interval [0, 0] would say nothing about a difference, only that this sample has none; tables and reports print
+    the 0 with why (formatting.fmt_paired_pp), never a verdict. "discordant": 0 marks it."""
+    return {
+        "diff": 0.0,
+        "ci": None,
+        "significant": None,
+        "discordant": 0,
+        "why": f"no {unit} differs from {against}: no interval",
+    }
+
+
 def excludes_zero(ci: list[float] | None) -> bool | None:
     """The verdict of an interval: True when it excludes 0 (significant, resolved); None without one."""
     return None if ci is None else bool(ci[0] > 0 or ci[1] < 0)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .formatting import fmt_paired_pp, fmt_share
-from .metrics import MIN_SEQUENCES, decode_difference, excludes_zero, small_sample_half_width
+from .formatting import fmt_paired_clause, fmt_paired_pp, fmt_share
+from .metrics import MIN_SEQUENCES, decode_difference, excludes_zero, identical_pairs, small_sample_half_width
 
 # A drafter whose tokens are (almost) never accepted was built from missing or random weights (a checkpoint whose
 # MTP tensors vLLM did not find, or found under names it skipped); one whose every token is accepted is not drafting
@@ -51,16 +51,19 @@ def _sums(values: list[float], cluster: list[int]) -> torch.Tensor:
     return out.index_add_(0, torch.tensor(cluster, dtype=torch.long), torch.tensor(values, dtype=torch.float64))
 
 
-def _draws(strata: list[str], cluster: list[int], reps: int, seed: int) -> tuple[torch.Tensor | None, int, str | None]:
+def _draws(
+    strata: list[str], cluster: list[int], reps: int, seed: int, unit: str = "prompts"
+) -> tuple[torch.Tensor | None, int, str | None]:
     """[reps, C] cluster indices, each replicate resampling the clusters of every corpus within that corpus; None (and
-    why) when a corpus has fewer than MIN_SEQUENCES clusters, as every other interval of splicer requires."""
+    why) when a corpus has fewer than MIN_SEQUENCES clusters, as every other interval of splicer requires. unit: what
+    the clusters are made of (prompts here, the teacher-forced estimate's scored sequences)."""
     by = {}
     for s, c in zip(strata, cluster):
         by.setdefault(s, set()).add(c)
     small = [s for s, cs in by.items() if len(cs) < MIN_SEQUENCES]
     n = len(set(cluster))
     if small:
-        return None, n, f"fewer than {MIN_SEQUENCES} prompts (or chat groups) in corpus {small[0]}"
+        return None, n, f"fewer than {MIN_SEQUENCES} {unit} (or chat groups) in corpus {small[0]}"
     g = torch.Generator().manual_seed(seed)
     cols = []
     for s in by:
@@ -77,17 +80,19 @@ def ratio(
     seed: int = 0,
     cluster: list[int] | None = None,
     bounds: tuple[float, float] = (0.0, 1.0),
+    unit: str = "prompts",
 ) -> dict:
     """sum(num) / sum(den) over prompts, with its 95 % interval clipped to bounds (None, with why, when a corpus has
-    too few prompts); cluster: each prompt's independent unit (default: the prompt itself)."""
+    too few prompts); cluster: each prompt's independent unit (default: the prompt itself); unit: what the entries
+    are ("prompts", or the teacher-forced estimate's "sequences"), the key that counts them."""
     cluster = list(range(len(num))) if cluster is None else cluster
     n, d = _sums(num, cluster), _sums(den, cluster)
     total = float(d.sum())
     if total <= 0:
-        return {"value": None, "ci": None, "prompts": len(num)}
+        return {"value": None, "ci": None, unit: len(num)}
     value = float(n.sum()) / total
-    out = {"value": value, "ci": None, "prompts": len(num)}
-    draw, clusters, why = _draws(strata, cluster, reps, seed)
+    out = {"value": value, "ci": None, unit: len(num)}
+    draw, clusters, why = _draws(strata, cluster, reps, seed, unit)
     if draw is None:
         return dict(out, why=why)
     ds = d[draw].sum(1)
@@ -104,15 +109,21 @@ def paired_ratio_difference(
     reps: int = 2000,
     seed: int = 0,
     cluster: list[int] | None = None,
+    unit: str = "prompts",
+    against: str = "the build's",
 ) -> dict:
-    """(sum a_num / sum a_den) - (sum b_num / sum b_den) on the same prompts, resampled together, with its interval."""
+    """(sum a_num / sum a_den) - (sum b_num / sum b_den) on the same prompts, resampled together, with its interval;
+    where every prompt's counts are the same on both sides, 0 with no interval (metrics.identical_pairs: `against`
+    names the other side). unit: as ratio's."""
     cluster = list(range(len(strata))) if cluster is None else cluster
     an, ad, bn, bd = (_sums(x, cluster) for x in (*a, *b))
     if float(ad.sum()) <= 0 or float(bd.sum()) <= 0:
         return {"diff": None, "ci": None, "significant": None}
+    if list(a[0]) == list(b[0]) and list(a[1]) == list(b[1]):
+        return dict(identical_pairs(unit.removesuffix("s"), against), **{unit: len(strata)})
     diff = float(an.sum() / ad.sum() - bn.sum() / bd.sum())
-    out = {"diff": diff, "ci": None, "significant": None, "prompts": len(strata)}
-    draw, clusters, why = _draws(strata, cluster, reps, seed)
+    out = {"diff": diff, "ci": None, "significant": None, unit: len(strata)}
+    draw, clusters, why = _draws(strata, cluster, reps, seed, unit)
     if draw is None:
         return dict(out, why=why)
     sad, sbd = ad[draw].sum(1), bd[draw].sum(1)
@@ -135,21 +146,31 @@ def _columns(prompts: list[dict]) -> dict:
     }
 
 
+def broken(accepted: float, drafted: float) -> str | None:
+    """The one test of a drafter built from missing or random weights, for vLLM's engines (flag) and the teacher-forced
+    estimate (teacher_forced.flag) alike: "low" when its share of accepted draft tokens is under BROKEN_BELOW, "high"
+    when over BROKEN_ABOVE, each judged over FLAG_MIN_TOKENS draft tokens or more; else None."""
+    if drafted < FLAG_MIN_TOKENS:  # too few to tell a broken drafter from chance (a good one accepts 20 of 20 often)
+        return None
+    rate = accepted / drafted
+    return "low" if rate < BROKEN_BELOW else "high" if rate > BROKEN_ABOVE else None
+
+
+def flag_rule(tokens: str = "draft tokens") -> str:
+    """The bounds of `broken`, in words for a table's note."""
+    return f"under {100 * BROKEN_BELOW:.0f} % or over {100 * BROKEN_ABOVE:.0f} % (over {FLAG_MIN_TOKENS} {tokens} or more)"
+
+
 def flag(prompts: list[dict]) -> str | None:
-    """Why this engine's acceptance is no result (BROKEN_BELOW / BROKEN_ABOVE over at least FLAG_MIN_TOKENS draft
-    tokens), or None."""
+    """Why this engine's acceptance is no result (`broken`), or None."""
     accepted = sum(p["accepted"] for p in prompts)
     drafted = sum(p["draft_tokens"] for p in prompts)
     if drafted <= 0:
         return "vLLM counted no draft tokens: speculative decoding did not run"
-    if drafted < FLAG_MIN_TOKENS:  # too few to tell a broken drafter from chance (a good one accepts 20 of 20 often)
+    how = broken(accepted, drafted)
+    if how is None:
         return None
-    rate = accepted / drafted
-    if rate < BROKEN_BELOW:
-        return FLAG_LOW.format(rate=100 * rate, n=drafted)
-    if rate > BROKEN_ABOVE:
-        return FLAG_HIGH.format(rate=100 * rate, n=drafted)
-    return None
+    return (FLAG_LOW if how == "low" else FLAG_HIGH).format(rate=100 * accepted / drafted, n=drafted)
 
 
 def _blocks(engine: dict) -> list[float]:
@@ -352,8 +373,7 @@ def note(spec: dict) -> str:
         "drafts, from vLLM's spec-decode counters; intervals resample prompts (chat: groups of conversations that share a "
         "prompt) within corpora; Δ acceptance is paired with the build on the same prompts; Δ decode compares the same "
         "variant with and without the drafter, its interval from the engine-to-engine spread of the variants timed "
-        f"twice (the build, first and last). A drafter with acceptance under {100 * BROKEN_BELOW:.0f} % or over "
-        f"{100 * BROKEN_ABOVE:.0f} % (over {FLAG_MIN_TOKENS} draft tokens or more) is flagged, not a result."
+        f"twice (the build, first and last). A drafter with acceptance {flag_rule()} is flagged, not a result."
         + repeat
         + (f" Not measured: {skipped}." if skipped else "")
         + _state(r)
@@ -381,8 +401,7 @@ def sentences(spec: dict, order: list[str] | None = None) -> list[str]:
                 text += f", {length:.2f} tokens per target step"
             vs = fig.get("vs_build")
             if name != build and vs and vs.get("diff") is not None:
-                verdict = "" if vs.get("significant") else ", not significant"
-                text += f"; {fmt_paired_pp(vs).replace(' n.s.', '')} pp against the build{verdict}"
+                text += f"; {fmt_paired_clause(vs)}"
             d = fig.get("decode_vs_plain")
             plain = (ks.get("0") or {}).get("decode_ms_per_token")
             if d and d.get("rel") is not None:

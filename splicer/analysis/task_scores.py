@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .formatting import fmt_paired_pp
-from .metrics import MIN_SEQUENCES, paired_comparison, wilson
+from .formatting import fmt_paired_clause, fmt_paired_pp
+from .metrics import MIN_SEQUENCES, identical_pairs, paired_comparison, wilson
 
 FILE = "tasks.json"
 
@@ -16,7 +16,8 @@ FILE = "tasks.json"
 def summarize(record: dict, reps: int = 2000) -> dict:
     """Per row and task: the metric lm-eval reports with its standard error, a 95 % Wilson interval over the items
     (0/1 scores; lm-eval's standard error is 0 at 0 or n correct of n), and the paired difference from the build on the
-    items both answered (metrics.paired_comparison over items, each item its own unit)."""
+    items both answered (metrics.paired_comparison over items, each item its own unit; where no item's score differs
+    from the build's, metrics.identical_pairs: 0 with no interval)."""
     import torch
 
     build = (record.get("rows") or {}).get(record.get("build_row") or "", {})
@@ -31,7 +32,9 @@ def summarize(record: dict, reps: int = 2000) -> dict:
                 fig["ci"] = list(wilson(int(sum(items.values())), len(items)))
             ref = ((build.get("tasks") or {}).get(task) or {}).get("items") or {}
             common = sorted(set(items) & set(ref))
-            if row != record.get("build_row") and fig["metric"] and common:
+            if row != record.get("build_row") and fig["metric"] and common and all(items[i] == ref[i] for i in common):
+                fig["vs_build"] = dict(identical_pairs("item"), items=len(common))
+            elif row != record.get("build_row") and fig["metric"] and common:
                 a = torch.tensor([items[i] for i in common])
                 b = torch.tensor([ref[i] for i in common])
                 cmp = paired_comparison({task: {"a": a, "b": b, "cluster": torch.arange(len(common)), "unit": "items"}}, reps)
@@ -100,7 +103,8 @@ def note(spec: dict) -> str:
         + "; the score of 0/1 items with its 95 % Wilson interval (else lm-eval's standard error), a group's over its "
         "subtasks' items, a filtered task's under its first filter; Δ vs build is paired on the items both answered, its "
         "95 % interval from a bootstrap over items (t x standard error, as the other intervals; with few discordant items "
-        "it is approximate)."
+        "it is approximate, and with none there is no interval: a row whose every item scores as the build's has a "
+        "difference of 0 and no verdict)."
     )
 
 
@@ -113,9 +117,8 @@ def sentences(spec: dict) -> list[str]:
                 continue
             text = f"Task {task}, {name}: {fig['metric']} {_acc(fig)} over {fig.get('n')} items"
             vs = fig.get("vs_build")
-            if name != build and vs and vs.get("diff") is not None and vs.get("ci"):
-                verdict = "" if vs.get("significant") else ", not significant"
-                text += f"; {fmt_paired_pp(fig.get('vs_build')).replace(' n.s.', '')} pp against the build{verdict}"
+            if name != build and vs and vs.get("diff") is not None:
+                text += f"; {fmt_paired_clause(vs)}"
             out.append(text + ".")
     for row, e in (spec["record"].get("rows") or {}).items():
         if e.get("status") != "ok":

@@ -14,34 +14,64 @@ Agreement with the engine is reported, not assumed: where the same row has a k=1
 its first-position acceptance is set beside the estimate, and estimate - engine is paired over the sequences both
 measured (each engine prompt is the start of one scored sequence), each figure on those sequences alone, with
 speculative.paired_ratio_difference's interval.
+
+A row whose estimate falls outside the bounds vLLM's drafters are judged by (speculative.broken: a head built from
+missing or random weights, or one not drafting) is flagged with the reason instead of tabulated, and compared with
+nothing: not with the build, not with vLLM, and no row with a flagged build.
 """
 
 from __future__ import annotations
 
-from .formatting import fmt_paired_pp, fmt_share
-from .speculative import paired_ratio_difference, prompt_clusters, ratio
+from .formatting import fmt_paired_clause, fmt_paired_pp, fmt_share
+from .speculative import broken, flag_rule, paired_ratio_difference, prompt_clusters, ratio
 
 FILE = "mtp-teacher-forced.json"
 ENGINE_K = "1"  # the engine whose first draft position the estimate is compared with
+UNIT = "sequences"  # what the intervals resample: DIR's scored sequences (chat: groups of them), not prompts
+
+# A head whose drafts (almost) never match is one built from missing or random weights, one whose every draft matches
+# is not drafting: the engine's bounds (speculative.broken), each position one first draft token.
+FLAG_LOW = (
+    "acceptance {rate:.1f} % over {n:,} positions: the MTP head's drafts almost never match the trunk's own next token, "
+    "as from missing or random weights; not a result"
+)
+FLAG_HIGH = (
+    "acceptance {rate:.1f} % over {n:,} positions: every draft matches the trunk's own next token, so the head is not "
+    "drafting on its own; not a result"
+)
 
 
 def _rows(record: dict) -> dict:
     return {r: e for r, e in (record.get("rows") or {}).items() if e.get("status") == "ok"}
 
 
+def flag(hits: list[int], positions: list[int]) -> str | None:
+    """Why a row's estimate is no result (speculative.broken, as for vLLM's drafters), or None."""
+    n = sum(positions)
+    how = broken(sum(hits), n)
+    if how is None:
+        return None
+    return (FLAG_LOW if how == "low" else FLAG_HIGH).format(rate=100 * sum(hits) / n, n=n)
+
+
 def summarize(record: dict, reps: int = 2000) -> dict:
-    """record: DIR/mtp-teacher-forced.json -> {row: {acceptance, positions, vs_build}}."""
+    """record: DIR/mtp-teacher-forced.json -> {row: {acceptance, positions, hits, vs_build}}, or for a row whose estimate
+    is flagged {flagged, positions, hits}: no figure, and no row compared with a flagged build."""
     sequences = record.get("sequences") or []
     strata, cluster = prompt_clusters(sequences)
     positions = [s["positions"] for s in sequences]
     rows, build = _rows(record), record.get("build_row")
+    flagged = {r: why for r, e in rows.items() if (why := flag(e["hits"], positions))}
     out = {}
     for row, entry in rows.items():
-        fig = {"acceptance": ratio(entry["hits"], positions, strata, reps, cluster=cluster), "positions": sum(positions)}
-        fig["hits"] = sum(entry["hits"])
-        if row != build and build in rows:
+        fig = {"positions": sum(positions), "hits": sum(entry["hits"])}
+        if row in flagged:
+            out[row] = dict(fig, flagged=flagged[row])
+            continue
+        fig["acceptance"] = ratio(entry["hits"], positions, strata, reps, cluster=cluster, unit=UNIT)
+        if row != build and build in rows and build not in flagged:
             fig["vs_build"] = paired_ratio_difference(
-                (entry["hits"], positions), (rows[build]["hits"], positions), strata, reps, cluster=cluster
+                (entry["hits"], positions), (rows[build]["hits"], positions), strata, reps, cluster=cluster, unit=UNIT
             )
         out[row] = fig
     return out
@@ -60,6 +90,7 @@ def engine_comparison(record: dict, engine: dict | None, reps: int = 2000) -> di
     where = {(s["corpus"], s["index"]): j for j, s in enumerate(sequences)}
     shared = [(i, where[(p["corpus"], p["index"])]) for i, p in enumerate(prompts) if (p["corpus"], p.get("index")) in where]
     strata, cluster = prompt_clusters([prompts[i] for i, _ in shared])
+    positions = [s["positions"] for s in sequences]
     out = {}
     for row, entry in _rows(record).items():
         fig = (esum.get(row) or {}).get(ENGINE_K)
@@ -67,6 +98,10 @@ def engine_comparison(record: dict, engine: dict | None, reps: int = 2000) -> di
             continue
         if fig.get("flagged"):
             out[row] = {"flagged": fig["flagged"]}
+            continue
+        if flag(entry["hits"], positions):  # the estimate is no result: nothing of it to set against vLLM's
+            if fig.get("per_position"):
+                out[row] = {"engine": fig["per_position"][0], "estimate_flagged": True}
             continue
         first = next(
             (
@@ -85,7 +120,7 @@ def engine_comparison(record: dict, engine: dict | None, reps: int = 2000) -> di
         if sum(a[1]) > 0 and sum(b[1]) > 0:
             cmp["estimate_shared"] = sum(a[0]) / sum(a[1])
             cmp["engine_shared"] = sum(b[0]) / sum(b[1])
-            cmp["vs_engine"] = paired_ratio_difference(a, b, strata, reps, cluster=cluster)
+            cmp["vs_engine"] = paired_ratio_difference(a, b, strata, reps, cluster=cluster, unit=UNIT, against="vLLM's")
         out[row] = cmp
     return out
 
@@ -128,8 +163,11 @@ def _engine_cells(cmp: dict | None) -> list[str]:
         return ["", ""]
     if cmp.get("flagged"):
         return ["flagged", "no comparison"]
+    if cmp.get("estimate_flagged"):
+        return [fmt_share(cmp["engine"]), "no comparison: the estimate is flagged"]
     vs = cmp.get("vs_engine")
-    return [fmt_share(cmp["engine"]), f"{fmt_paired_pp(vs)} ({cmp['sequences']} sequences)" if vs else ""]
+    # paired on the shared sequences alone: not the difference of the two columns beside it (all sequences, all prompts)
+    return [fmt_share(cmp["engine"]), f"{fmt_paired_pp(vs)} (on the {cmp['sequences']} sequences both measured)" if vs else ""]
 
 
 def table_rows(spec: dict, order: list[str]) -> list[list[str]]:
@@ -138,6 +176,11 @@ def table_rows(spec: dict, order: list[str]) -> list[list[str]]:
     rows = []
     for name in _order(spec, order):
         fig = spec["summary"][name]
+        if fig.get("flagged"):
+            rows.append(
+                [name, f"flagged: {fig['flagged']}", f"{fig['positions']:,}", "", *_engine_cells(spec["engine"].get(name))]
+            )
+            continue
         rows.append(
             [
                 name,
@@ -173,7 +216,8 @@ def note(spec: dict) -> str:
     engine = (
         f" Beside it, vLLM's acceptance at k={ENGINE_K} from `splicer mtp` (DIR/speculative.json: its own greedy "
         "continuations of the first tokens of the first sequences); teacher-forced − vLLM is paired over the sequences "
-        "both measured (each figure on those sequences alone), so n.s. says that no difference is resolved and the "
+        "both measured (each figure on those sequences alone, so it need not equal the difference of the two columns "
+        "beside it, which are over all sequences and all prompts), so n.s. says that no difference is resolved and the "
         "interval bounds the disagreement, not that the two agree."
         if spec["engine"]
         else f" No vLLM figure beside it: DIR/speculative.json holds no k={ENGINE_K} engine of these rows "
@@ -189,7 +233,11 @@ def note(spec: dict) -> str:
         "at t+1: the first draft token's acceptance under greedy verification, teacher-forced on the text (not on the "
         "model's own continuation; first draft position only). acceptance = hits / positions; intervals resample "
         "sequences (chat: groups of conversations that share a prompt) within corpora; Δ vs build is paired on the same "
-        "positions." + engine + (f" Not measured: {skipped}." if skipped else "") + _state(r)
+        f"positions. An estimate {flag_rule('positions')} is flagged, not a result (the bounds vLLM's drafters are "
+        "flagged by): no row is compared with a flagged build, nor a flagged row with vLLM."
+        + engine
+        + (f" Not measured: {skipped}." if skipped else "")
+        + _state(r)
     )
 
 
@@ -203,10 +251,10 @@ def _agreement(cmp: dict) -> str:
     text = (
         f"; vLLM's k={ENGINE_K} acceptance {fmt_share(cmp['engine'])}: on the {cmp['sequences']} sequences both measured "
         f"{100 * cmp['estimate_shared']:.1f} % against {100 * cmp['engine_shared']:.1f} %, teacher-forced − vLLM "
-        f"{fmt_paired_pp(vs).replace(' n.s.', '')} pp"
     )
     if vs.get("ci") is None:
-        return text + ", no verdict on agreement"
+        return text + fmt_paired_clause(vs, "") + ", no verdict on agreement"
+    text += f"{fmt_paired_pp(vs).replace(' n.s.', '')} pp"
     lo, hi = (100 * x for x in vs["ci"])
     if vs.get("significant"):
         return text + f", a difference the interval resolves (the estimate reads {'high' if vs['diff'] > 0 else 'low'})"
@@ -219,14 +267,16 @@ def sentences(spec: dict, order: list[str] | None = None) -> list[str]:
     build = spec["record"].get("build_row")
     for name in _order(spec, order or []):
         fig = spec["summary"][name]
+        if fig.get("flagged"):
+            out.append(f"MTP teacher-forced, {name}: flagged, {fig['flagged']}.")
+            continue
         acc = fig["acceptance"]
         if acc.get("value") is None:
             continue
         text = f"MTP teacher-forced, {name}: first-position acceptance {fmt_share(acc)} over {fig['positions']:,} positions"
         vs = fig.get("vs_build")
         if name != build and vs and vs.get("diff") is not None:
-            verdict = "" if vs.get("significant") else ", not significant"
-            text += f"; {fmt_paired_pp(vs).replace(' n.s.', '')} pp against the build{verdict}"
+            text += f"; {fmt_paired_clause(vs)}"
         cmp = spec["engine"].get(name)
         if cmp:
             text += _agreement(cmp)

@@ -139,8 +139,9 @@ class TorchBackend:
     # What `splicer tasks` records as the model lm-eval scored (tasks.json's settings: another model is another run).
     task_model = "torch backend (transformers' model of the family) through lm-eval's HFLM"
 
-    def evaluate_tasks(self, folder: Path, tokenizer_folder: Path, request: dict) -> dict:
-        """lm-eval's tasks on folder's model in this process (lm_eval_tasks.evaluate: request and what comes back)."""
+    def evaluate_tasks(self, folder: Path, tokenizer_folder: Path, request: dict, log_name: str | None = None) -> dict:
+        """lm-eval's tasks on folder's model in this process (lm_eval_tasks.evaluate: request and what comes back);
+        log_name goes unused: lm-eval runs in this process, whose output is the command's own, and writes no log."""
         from .lm_eval_tasks import evaluate
 
         self.load(folder)
@@ -153,8 +154,12 @@ class TorchBackend:
         """The loaded model as lm-evaluation-harness's HF model (its own log-likelihood and generation code over this
         very model instance), with the base's tokenizer."""
         from lm_eval.models.huggingface import HFLM
+        from lm_eval.utils import setup_logging
         from transformers import AutoTokenizer
 
+        # lm-eval's logger at the level evaluate() sets anyway (LMEVAL_LOG_LEVEL overrides both), before the model is
+        # made: else HFLM warns on every row that `pretrained` is no string, which is how splicer hands it the model
+        setup_logging("ERROR")
         tok = AutoTokenizer.from_pretrained(str(tokenizer_folder))
         return HFLM(pretrained=self._need(), tokenizer=tok, batch_size=batch_size, device=str(self.device))
 

@@ -681,18 +681,19 @@ class VllmBackend:
     # What `splicer tasks` records as the model lm-eval scored (tasks.json's settings: another model is another run).
     task_model = "vLLM engine with DIR's engine arguments through lm-eval's VLLM model"
 
-    def evaluate_tasks(self, folder: Path, tokenizer_folder: Path, request: dict) -> dict:
+    def evaluate_tasks(self, folder: Path, tokenizer_folder: Path, request: dict, log_name: str | None = None) -> dict:
         """lm-eval's tasks on folder through lm-eval's own VLLM model, built in the worker process with this backend's
         engine arguments and environment (lm-eval's VLLM hands its keyword arguments to vllm.LLM) and released after,
-        as an engine of a row is; lm_eval_tasks.evaluate says what comes back. A failure is a RuntimeError of one line
-        naming that engine's log (which holds the traceback), and the worker is replaced."""
+        as an engine of a row is; lm_eval_tasks.evaluate says what comes back. The engine's log is LOG_NAME-tasks.log
+        (the row's name: the build's folder is named after its checkpoint, not its row; default the folder's name). A
+        failure is a RuntimeError of one line naming that log (which holds the traceback), and the worker is replaced."""
         self.unload()
         worker = self.workers[0]
         if not worker.alive():
             worker.stop()
             worker.spawn()
         worker.wait_started()
-        log = self._fresh_log(f"{Path(folder).name}-tasks")
+        log = self._fresh_log(f"{log_name or Path(folder).name}-tasks")
         # lm-eval gives the engine the tokenizer it reads itself (the base's): one tokenizer for both sides
         args = {k: v for k, v in self.engine_args.items() if k not in ("tokenizer", "skip_tokenizer_init")}
         self.active = worker

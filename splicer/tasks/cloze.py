@@ -24,7 +24,7 @@ WORD = re.compile(r"[A-Za-z][A-Za-z'-]*[A-Za-z]|[A-Za-z]")
 ANSWER = re.compile(r"[a-z]{4,}")  # lower-case whole words: not names, numbers or code
 
 YAML = """\
-# Written by python -m splicer.tasks.cloze: {items} multiple-choice cloze items cut from {sources}.
+# Written by python -m splicer.tasks.cloze: {items} multiple-choice cloze items cut from {sources}.{none}
 task: {name}
 dataset_path: json
 dataset_kwargs:
@@ -84,8 +84,29 @@ def items_from_texts(texts: dict[str, str], n: int, context_words: int = 48, see
     return out
 
 
-def write_task(folder: Path, name: str, items: list[dict], sources: list[str]) -> tuple[Path, Path]:
-    """FOLDER/NAME.jsonl and FOLDER/NAME.yaml (the data file named by its absolute path, which lm-eval needs)."""
+def why_no_items(texts: dict[str, str], items: list[dict], context_words: int) -> dict[str, str]:
+    """For each text (source name -> text) that gave no item, why: words are runs of Latin letters between spaces, so a
+    text without them (Chinese, Japanese) gives none; nor does one shorter than a passage and its answer."""
+    gave = {it["source"] for it in items}
+    out = {}
+    for name, text in texts.items():
+        if name in gave:
+            continue
+        words = [m.group(0) for m in WORD.finditer(text)]
+        if not any(ANSWER.fullmatch(w) for w in words):
+            out[name] = "no words of four letters or more separated by spaces"
+        elif len(words) <= context_words:
+            out[name] = f"{len(words)} words, fewer than a passage of {context_words} and its answer"
+        else:
+            out[name] = "no passage of it ended where an item could be cut, or --items left it no share"
+    return out
+
+
+def write_task(
+    folder: Path, name: str, items: list[dict], sources: list[str], none: dict[str, str] | None = None
+) -> tuple[Path, Path]:
+    """FOLDER/NAME.jsonl and FOLDER/NAME.yaml (the data file named by its absolute path, which lm-eval needs); sources:
+    the files the items came from, none: the files given that gave none, with why (named in the YAML's header)."""
     from ..io.outputs import write_file
 
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
@@ -100,7 +121,10 @@ def write_task(folder: Path, name: str, items: list[dict], sources: list[str]) -
     data, yaml = folder / f"{name}.jsonl", folder / f"{name}.yaml"
     text = "".join(json.dumps(it, ensure_ascii=False) + "\n" for it in items)
     write_file(data, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-    body = YAML.format(name=name, data=json.dumps(str(data.resolve())), items=len(items), sources=", ".join(sources))
+    gave_none = "".join(f"\n# None from {src}: {why}." for src, why in (none or {}).items())
+    body = YAML.format(
+        name=name, data=json.dumps(str(data.resolve())), items=len(items), sources=", ".join(sources), none=gave_none
+    )
     write_file(yaml, lambda tmp: tmp.write_text(body, encoding="utf-8"))
     return data, yaml
 
@@ -116,7 +140,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     def run() -> int:
-        texts = {}
+        texts, paths = {}, {}
         if len({t.resolve() for t in args.texts}) != len(args.texts):
             raise SplicerError("the same text is given twice; give each file once")
         for t in args.texts:
@@ -127,18 +151,25 @@ def main(argv=None) -> int:
             name, k = t.stem, 2
             while name in texts:  # two files of one stem (a/notes.txt, b/notes.txt) stay two sources
                 name, k = f"{t.stem}-{k}", k + 1
-            texts[name] = text
+            texts[name], paths[name] = text, str(t)
         if args.items < 1 or args.context_words < 1:
             raise SplicerError("--items and --context-words must be 1 or more")
         items = items_from_texts(texts, args.items, args.context_words, args.seed)
+        none = {paths[n]: why for n, why in why_no_items(texts, items, args.context_words).items()}
+        given_none = ", ".join(f"{p} ({why})" for p, why in none.items())
         if not items:
             raise SplicerError(
-                "no cloze item could be cut from these texts (too short, or no Latin-letter words of four letters: the "
-                "items are English cloze items)"
+                f"no cloze item could be cut from {given_none}; the items are cloze items of words separated by spaces, "
+                "as in English"
             )
-        data, yaml = write_task(args.out, args.name, items, [str(t) for t in args.texts])
+        gave = [paths[n] for n in dict.fromkeys(it["source"] for it in items)]
+        data, yaml = write_task(args.out, args.name, items, gave, none)
         short = f" (of {args.items} asked: the texts hold no more passages of that length)" if len(items) < args.items else ""
-        print(f"wrote {yaml} and {data}: {len(items)} items{short}; run them with --tasks {args.name} --include-path {args.out}")
+        print(
+            f"wrote {yaml} and {data}: {len(items)} items{short}"
+            + (f"; none from {given_none}" if none else "")
+            + f"; run them with --tasks {args.name} --include-path {args.out}"
+        )
         return 0
 
     return exit_code(run)

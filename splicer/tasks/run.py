@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from ..ablate.common import atomic_json, row_folder
+from ..ablate.common import atomic_json, check_rows_finished, row_folder
 from ..analysis.task_scores import FILE, summarize
 from ..backends import backend_type, task_backend
 from ..backends.lm_eval_tasks import task_manager as check_tasks
@@ -85,16 +85,31 @@ def _per_task(result: dict, names: list[str]) -> dict:
     return out
 
 
-def settings_conflict(out: Path, settings: dict) -> str | None:
-    """Which recorded setting of DIR/tasks.json differs from these (None: none, or no file)."""
+def settings_refusal(
+    out: Path, settings: dict, force_hint: str = "pass --force to replace them", limit_flag: str = "--limit"
+) -> str | None:
+    """The one-line refusal when DIR/tasks.json holds results of other settings than these (None: the same, or no
+    file): which recorded setting differs (old -> new), then force_hint, then the option that gives the old setting
+    back (limit_flag: --limit, or ablate's --task-limit)."""
     try:
         old = json.loads((Path(out) / FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     before = (old or {}).get("settings") or {}
-    for field in ("tasks", "limit", "task_files", "lm_eval", "model"):
+    same = {
+        "tasks": "the same --tasks",
+        "limit": f"the same {limit_flag}",
+        "task_files": "the --include-path files they were made with",
+        "lm_eval": f"lm-eval {before.get('lm_eval')}",
+        # the model lm-eval drives is the backend's: the folder's own, or --backend's
+        "model": "the same --backend (the model follows from it)",
+    }
+    for field, fix in same.items():
         if before.get(field) != settings.get(field):
-            return f"{field}: {before.get(field)!r} -> {settings.get(field)!r}"
+            return (
+                f"{Path(out) / FILE} holds task results of other settings ({field}: {before.get(field)!r} -> "
+                f"{settings.get(field)!r}); {force_hint}, or run with {fix}"
+            )
     return None
 
 
@@ -140,20 +155,15 @@ def run_tasks(
     ok = {v["name"]: v for v in results.get("variants", []) if v.get("status") == "ok"}
     if rows is None:
         rows = [n for n, v in ok.items() if not v.get("repeat_of")]
-    unknown = [r for r in rows if r not in ok]
-    if unknown:
-        raise SplicerError(f"--rows {unknown[0]}: {out} has no finished row of that name; finished: {', '.join(ok)}")
+    check_rows_finished(out, results, rows)
     import os
 
     if not progress:  # lm-eval draws its own progress bars (tqdm) for every request batch
         os.environ.setdefault("TQDM_DISABLE", "1")
     settings = task_settings(tasks, include_path, limit, backend)
-    conflict = settings_conflict(out, settings)
-    if conflict and not force:
-        raise SplicerError(
-            f"{out / FILE} holds task results of other settings ({conflict}); pass --force to replace them, or run "
-            "the same --tasks, --include-path files and --limit"
-        )
+    refusal = settings_refusal(out, settings)
+    if refusal and not force:
+        raise SplicerError(refusal)
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     path = out / FILE
     stages = Stages(quiet=not progress, log_path=out / "tasks.log")
@@ -180,7 +190,7 @@ def run_tasks(
                             "batch_size": batch_size,
                             "metrics": METRICS,
                         }
-                        res = engine.evaluate_tasks(row_folder(out, results, ok[row]), base, request)
+                        res = engine.evaluate_tasks(row_folder(out, results, ok[row]), base, request, log_name=row)
                         entry.update(status="ok", tasks=_per_task(res, tasks))
                 except SplicerError as e:
                     entry.update(status="error", error=str(e))
