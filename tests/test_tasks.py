@@ -248,9 +248,11 @@ def test_no_item_differs_from_the_build_so_no_interval_nor_verdict():
     assert "+0.0 pp against the build (no item differs from the build's: no interval)." in text and "significant" not in text
     one = spec(dict(items, **{"1": 1.0}))["summary"]["gdn"]["cloze"]["vs_build"]
     assert one["diff"] == pytest.approx(1 / 11) and one["ci"] is not None and one["ci"][0] < one["ci"][1]
-    # a difference or bound that rounds to zero prints unsigned
+    # a difference that rounds to zero prints unsigned; an interval's end that would print as 0 gets the decimals that
+    # keep its sign, so a "not significant" interval never reads [+0.0, +0.1]
     assert fmt_paired_pp({"diff": -0.0001, "ci": [-0.004, 0.003], "significant": False}) == "+0.0 [-0.4, +0.3] n.s."
-    assert fmt_paired_pp({"diff": -0.0, "ci": [-0.0002, 0.0001], "significant": False}) == "+0.0 [+0.0, +0.0] n.s."
+    assert fmt_paired_pp({"diff": -0.0, "ci": [-0.0002, 0.0001], "significant": False}) == "+0.00 [-0.02, +0.01] n.s."
+    assert fmt_paired_pp({"diff": 0.0009, "ci": [-0.0001, 0.0021], "significant": False}) == "+0.09 [-0.01, +0.21] n.s."
 
 
 def test_lm_evals_warning_on_the_model_splicer_hands_it_stays_out_of_the_output(scored, pairs, monkeypatch):

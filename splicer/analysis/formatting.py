@@ -33,11 +33,22 @@ def _zero_unsigned(x: float | None, scale: float, digits: int) -> float | None:
     return 0.0 if x is not None and round(scale * x, digits) == 0 else x
 
 
+def _point_digits(values, most: int = 3) -> int:
+    """Decimals for figures in points printed side by side: one, or more where a nonzero figure would print as 0, so
+    that an interval's end keeps its sign ('+0.06 [-0.01, +0.13]', not '+0.1 [+0.0, +0.1]' beside 'not significant')."""
+    d = 1
+    for v in values:
+        while v and round(100 * v, d) == 0 and d < most:
+            d += 1
+    return d
+
+
 def _paired_parts(cmp: dict) -> tuple[str, str | None]:
     """(the difference in points with its interval, or alone; why it has no interval, or None)."""
     lo, hi = cmp.get("ci") or (None, None)
-    diff, lo, hi = (_zero_unsigned(x, 100, 1) for x in (cmp["diff"], lo, hi))
-    text = fmt_change(diff, lo, hi, 100, "", 1)
+    d = _point_digits((lo, hi))
+    diff, lo, hi = (_zero_unsigned(x, 100, d) for x in (cmp["diff"], lo, hi))
+    text = fmt_change(diff, lo, hi, 100, "", d)
     if lo is not None:
         return text, None
     why = cmp.get("why")
