@@ -162,7 +162,7 @@ def run_mtp(
     stages = Stages(quiet=not progress, log_path=out / "speculative.log")
     busy = f"another splicer command is writing to {out}; wait for it to finish"
     with exclusive(out / ".lock", busy, in_place=True):
-        record = _resume(path, digest)
+        record = {"engines": results_record.finished_entries(path, digest, "engines")}
         record.update(
             schema=SCHEMA,
             settings=settings,
@@ -182,16 +182,6 @@ def run_mtp(
         atomic_json(path, record)
         _rerender(out, results)
     return record
-
-
-def _resume(path: Path, digest: str) -> dict:
-    try:
-        old = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {"engines": []}
-    if not isinstance(old, dict) or old.get("settings_digest") != digest:
-        return {"engines": []}  # other prompts or settings: nothing of it compares with a new run
-    return {"engines": [e for e in old.get("engines", []) if e.get("status") == "ok"]}
 
 
 def _options(results: dict):
@@ -327,7 +317,7 @@ def run_teacher_forced(
                 f"{path} holds teacher-forced estimates of other settings ({change}); pass --force to replace them"
                 + (f", or run with the same {same}" if same else "")
             )
-        record = _resume_rows(path, digest)
+        record = {"rows": results_record.finished_entries(path, digest, "rows")}
         # the rows this file is to hold: those it holds, finished, and those asked for now
         planned = list(dict.fromkeys([*record["rows"], *measured]))
         record.update(
@@ -381,16 +371,6 @@ def run_teacher_forced(
     return record
 
 
-def _resume_rows(path: Path, digest: str) -> dict:
-    try:
-        old = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {"rows": {}}
-    if not isinstance(old, dict) or old.get("settings_digest") != digest:
-        return {"rows": {}}  # other sequences or settings: nothing of it compares with a new run
-    return {"rows": {r: e for r, e in (old.get("rows") or {}).items() if isinstance(e, dict) and e.get("status") == "ok"}}
-
-
 # Each recorded setting of DIR/mtp-teacher-forced.json: its name in the refusal, and the option that sets it (None: the
 # torch backend's own dtype, no option of this command).
 TF_SETTING_FLAGS = {"sequences_per_corpus": ("--sequences-per-corpus", "--sequences-per-corpus"), "dtype": ("dtype", None)}
@@ -400,11 +380,8 @@ def _tf_settings_conflict(path: Path, settings: dict, digest: str) -> tuple[str,
     """Which recorded setting of the teacher-forced file differs from these, as ('FLAG: old -> new', FLAG) (None: no
     file, none of its rows finished, or the same settings and sequences): what a rerun would otherwise silently start
     afresh over."""
-    try:
-        old = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(old, dict) or old.get("settings_digest") == digest:
+    old = results_record.read_stage_record(path)
+    if old is None or old.get("settings_digest") == digest:
         return None
     if not any(isinstance(e, dict) and e.get("status") == "ok" for e in (old.get("rows") or {}).values()):
         return None  # nothing finished to lose

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..io import results_record
 from .formatting import fmt_paired_clause, fmt_paired_pp, fmt_share
 from .metrics import MIN_SEQUENCES, decode_difference, excludes_zero, identical_pairs, small_sample_half_width
 
@@ -255,15 +256,11 @@ def _mean_over_engines(engines: list[dict]) -> float | None:
 
 def load(out) -> dict | None:
     """DIR/speculative.json, summarised (None when DIR has none or it cannot be read)."""
-    import json
     from pathlib import Path
 
     path = Path(out) / FILE
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict):
+    record = results_record.read_stage_record(path)
+    if record is None:
         return None
     # Recomputed from the per-prompt counts every time (milliseconds), so that a table always follows this splicer's
     # figures; the summary stored in the file is what the run that wrote it computed.

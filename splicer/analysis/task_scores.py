@@ -4,9 +4,9 @@ table's task section and the report's sentences."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ..io import results_record
 from .formatting import fmt_paired_clause, fmt_paired_pp
 from .metrics import MIN_SEQUENCES, identical_pairs, paired_comparison, wilson
 
@@ -52,11 +52,8 @@ def summarize(record: dict, reps: int = 2000) -> dict:
 
 def load(out) -> dict | None:
     """DIR/tasks.json with its summary (None when DIR has none or it cannot be read)."""
-    try:
-        record = json.loads((Path(out) / FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict):
+    record = results_record.read_stage_record(Path(out) / FILE)
+    if record is None:
         return None
     return {"record": record, "summary": summarize(record)}  # recomputed, as speculative.load does
 

@@ -22,6 +22,7 @@ nothing: not with the build, not with vLLM, and no row with a flagged build.
 
 from __future__ import annotations
 
+from ..io import results_record
 from .formatting import fmt_paired_clause, fmt_paired_pp, fmt_share
 from .speculative import broken, flag_rule, paired_ratio_difference, prompt_clusters, ratio
 
@@ -128,16 +129,12 @@ def engine_comparison(record: dict, engine: dict | None, reps: int = 2000) -> di
 def load(out) -> dict | None:
     """DIR/mtp-teacher-forced.json summarised, with vLLM's figures of DIR/speculative.json beside it (None when DIR
     has no such file or it cannot be read)."""
-    import json
     from pathlib import Path
 
     from . import speculative
 
-    try:
-        record = json.loads((Path(out) / FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict):
+    record = results_record.read_stage_record(Path(out) / FILE)
+    if record is None:
         return None
     # Recomputed every time, as speculative.load does: the engine's file may have been written since
     return {"record": record, "summary": summarize(record), "engine": engine_comparison(record, speculative.load(out))}

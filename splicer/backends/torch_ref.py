@@ -25,6 +25,35 @@ from .base import ResultsWording, SequenceScores, decode_summary
 from .cpu_threads import set_torch_threads
 
 
+def _read_tensors(ckpt, names) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors of these names, each shard opened once."""
+    from safetensors import safe_open
+
+    by_shard: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        by_shard[ckpt.weight_map[name]].append(name)
+    raw: dict[str, torch.Tensor] = {}
+    for shard, shard_names in by_shard.items():
+        with safe_open(str(ckpt.root / shard), "pt") as f:
+            for n in shard_names:
+                raw[n] = f.get_tensor(n)
+    return raw
+
+
+def _fill(params: dict, tensors: dict, folder, place: str, prefix: str = "") -> set[str]:
+    """Copy tensors (by the module's own names) into params (a state_dict with keep_vars); a name with no place there
+    or of another shape is one line naming folder and the checkpoint's name (prefix + name). Returns the names filled."""
+    for name, tensor in tensors.items():
+        if name not in params:
+            raise SplicerError(f"{folder}: tensor {prefix}{name} has no place in {place}")
+        p = params[name]
+        if tuple(p.shape) != tuple(tensor.shape):
+            raise SplicerError(f"{folder}: {prefix}{name} is {list(tensor.shape)} but the config implies {list(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensor.to(p.dtype))
+    return set(tensors)
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,29 +133,14 @@ class TorchBackend:
         for name in ckpt.weight_map:
             if text.match(name) and not arch.is_mtp(name):
                 chunks[ckpt.arch.layer_index(name)].append(name)
-        from safetensors import safe_open
-
         for key in sorted(chunks, key=lambda k: (k is None, k or 0)):
-            raw: dict[str, torch.Tensor] = {}
-            by_shard: dict[str, list[str]] = defaultdict(list)
-            for name in chunks[key]:
-                by_shard[ckpt.weight_map[name]].append(name)
-            for shard, names in by_shard.items():
-                with safe_open(str(ckpt.root / shard), "pt") as f:
-                    for n in names:
-                        raw[n] = f.get_tensor(n)
-            raw = self._dequantize(raw, schemes)
-            for name, tensor in self._to_model_names(raw, arch).items():
-                if name not in params:
-                    raise SplicerError(
-                        f"{folder}: tensor {name} has no place in the text model; is this a {arch.name} checkpoint?"
-                    )
-                p = params[name]
-                if tuple(p.shape) != tuple(tensor.shape):
-                    raise SplicerError(f"{folder}: {name} is {list(tensor.shape)} but the config implies {list(p.shape)}")
-                with torch.no_grad():
-                    p.copy_(tensor.to(p.dtype))
-                filled.add(name)
+            raw = self._dequantize(_read_tensors(ckpt, chunks[key]), schemes)
+            filled |= _fill(
+                params,
+                self._to_model_names(raw, arch),
+                folder,
+                f"the text model; is this a {arch.name} checkpoint?",
+            )
         missing = sorted(required - filled)
         if missing:
             raise SplicerError(
@@ -378,7 +392,6 @@ class TorchBackend:
     def load_drafter(self) -> None:
         """The loaded checkpoint's MTP head (torch_mtp.py, the module its family's table names), filled with its MTP
         tensors, quantized modules dequantized as the trunk's are."""
-        from safetensors import safe_open
 
         try:
             from transformers.initialization import no_init_weights
@@ -405,29 +418,13 @@ class TorchBackend:
                 drafter = kind(model.config)
         finally:
             torch.set_default_dtype(default)
-        raw: dict[str, torch.Tensor] = {}
-        by_shard: dict[str, list[str]] = defaultdict(list)
-        for name in names:
-            by_shard[ckpt.weight_map[name]].append(name)
-        for shard, shard_names in by_shard.items():
-            with safe_open(str(ckpt.root / shard), "pt") as f:
-                for n in shard_names:
-                    raw[n] = f.get_tensor(n)
+        raw = _read_tensors(ckpt, names)
         if ckpt.quantization_config:
             modules = {n: m for n, m in list_modules(ckpt).items() if arch.is_mtp(n)}
             raw = self._dequantize(raw, self._module_schemes(ckpt, modules))
         params = dict(drafter.state_dict(keep_vars=True))
-        filled: set[str] = set()
-        for name, tensor in self._to_model_names(raw, arch).items():
-            local = name[len(arch.mtp_prefix) :]
-            if local not in params:
-                raise SplicerError(f"{self.folder}: tensor {name} has no place in {arch.name}'s MTP drafter ({arch.mtp_drafter})")
-            p = params[local]
-            if tuple(p.shape) != tuple(tensor.shape):
-                raise SplicerError(f"{self.folder}: {name} is {list(tensor.shape)} but the config implies {list(p.shape)}")
-            with torch.no_grad():
-                p.copy_(tensor.to(p.dtype))
-            filled.add(local)
+        local = {name[len(arch.mtp_prefix) :]: t for name, t in self._to_model_names(raw, arch).items()}
+        filled = _fill(params, local, self.folder, f"{arch.name}'s MTP drafter ({arch.mtp_drafter})", arch.mtp_prefix)
         missing = sorted(set(dict(drafter.named_parameters())) - filled)
         if missing:
             raise SplicerError(

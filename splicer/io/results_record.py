@@ -246,3 +246,26 @@ def _check_requantized_without(without, results: dict, where: str, fix: str) -> 
                 f"{where}: checkpoint.requantized_without names {c}, which the build does not quantize (it quantizes "
                 f"{', '.join(quantized) or 'nothing'}); {fix}"
             )
+
+
+def read_stage_record(path: Path) -> dict | None:
+    """A later stage's JSON record in a results folder (speculative.json, tasks.json, mtp-teacher-forced.json, ...) as
+    a dict; None when it is missing, unreadable or not an object: each reader then behaves as if the stage never ran."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def finished_entries(path: Path, digest: str, key: str):
+    """The finished entries (status "ok") under `key` of a stage's record at path, when it was made with the same
+    settings (its settings_digest); none otherwise, since a record of other prompts, tasks or settings compares with
+    nothing a new run measures. A list under `key` comes back as a list, a mapping (row -> entry) as a mapping."""
+    old = read_stage_record(path) or {}
+    entries = old.get(key) if old.get("settings_digest") == digest else None
+    if isinstance(entries, dict):
+        return {k: e for k, e in entries.items() if isinstance(e, dict) and e.get("status") == "ok"}
+    if isinstance(entries, list):
+        return [e for e in entries if isinstance(e, dict) and e.get("status") == "ok"]
+    return [] if key == "engines" else {}

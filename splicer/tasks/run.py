@@ -91,11 +91,10 @@ def settings_refusal(
     """The one-line refusal when DIR/tasks.json holds results of other settings than these (None: the same, or no
     file): which recorded setting differs (old -> new), then force_hint, then the option that gives the old setting
     back (limit_flag: --limit, or ablate's --task-limit)."""
-    try:
-        old = json.loads((Path(out) / FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    old = results_record.read_stage_record(Path(out) / FILE)
+    if old is None:
         return None
-    before = (old or {}).get("settings") or {}
+    before = old.get("settings") or {}
     same = {
         "tasks": "the same --tasks",
         "limit": f"the same {limit_flag}",
@@ -168,7 +167,7 @@ def run_tasks(
     path = out / FILE
     stages = Stages(quiet=not progress, log_path=out / "tasks.log")
     with exclusive(out / ".lock", f"another splicer command is writing to {out}; wait for it to finish", in_place=True):
-        record = _resume(path, digest)
+        record = {"rows": results_record.finished_entries(path, digest, "rows")}
         record.update(schema=SCHEMA, settings=settings, settings_digest=digest)
         job_settings = (results.get("job") or {}).get("settings") or {}
         engine = task_backend(backend, job_settings, device, out / "task-logs")
@@ -214,13 +213,3 @@ def run_tasks(
 
 def _write(path: Path, record: dict) -> None:
     atomic_json(path, record)
-
-
-def _resume(path: Path, digest: str) -> dict:
-    try:
-        old = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {"rows": {}}
-    if not isinstance(old, dict) or old.get("settings_digest") != digest:
-        return {"rows": {}}
-    return {"rows": {k: v for k, v in (old.get("rows") or {}).items() if v.get("status") == "ok"}}
