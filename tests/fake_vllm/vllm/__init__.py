@@ -326,7 +326,8 @@ class LLM:
                         flat.ranks += [int((full > full[actual]).sum()) + 1, *range(1, params.prompt_logprobs + 1)]
                         flat.end_indices.append(len(flat.token_ids))
                     plp = flat
-                gen = [int(torch.argmax(s.full[-1]))]
+                # a one-token prompt has no prompt position: its token comes from generation, as vLLM's does
+                gen = [int(torch.argmax(s.full[-1]))] if len(ids) > 1 else self._ref.generate([ids], 1, [])[0]
             else:
                 gen = self._ref.generate([ids], params.max_tokens, params.stop_token_ids)[0]
                 if self.spec_k:
