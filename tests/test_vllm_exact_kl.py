@@ -252,3 +252,15 @@ def test_a_run_keeps_the_way_its_base_pass_was_scored(pairs, fake_vllm, tmp_path
     old = _ablate("vllm", tmp_path / "begun-exact", plan, pair=p, rows="gdn")
     assert old["kl_support"] == "exact" and {v["name"]: v for v in old["variants"]}["gdn"]["kl_support"] == "exact"
     shutil.rmtree(tmp_path / "begun-bounded")
+
+
+def test_token_id_logprobs_parse_into_gathered_and_bad_answers_are_refused():
+    from splicer.backends.vllm_outputs import PAD_LOGPROB, gathered_logprobs
+
+    ids = np.array([[4, 2, -1], [7, 1, 3]], dtype=np.int32)
+    got = gathered_logprobs(np.array([[-0.5, -1.5, -np.inf], [-0.1, -2.0, -3.0]], dtype=np.float32), ids)
+    assert got.dtype == torch.float32 and got.tolist() == [[-0.5, -1.5, PAD_LOGPROB], [-0.1, -2.0, -3.0]]
+    with pytest.raises(RuntimeError, match="no prompt_token_id_logprobs"):
+        gathered_logprobs(None, ids)
+    with pytest.raises(RuntimeError, match=r"shape \(1, 3\), not the \(2, 3\)"):
+        gathered_logprobs(np.zeros((1, 3), dtype=np.float32), ids)

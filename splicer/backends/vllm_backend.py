@@ -42,7 +42,7 @@ from .gpus import check_gpus, one_per_gpu
 from .vllm_child import child_worker
 from .vllm_engine_args import OVERLAP_DEFAULTS, default_engine_args, parse_engine_args, parse_engine_env
 from .vllm_logs import KERNEL_LINE, arch_of, kernels_by_class, startup_breakdown
-from .vllm_outputs import spec_decode_delta
+from .vllm_outputs import TOKEN_ID_SCORING_SINCE, spec_decode_delta
 
 __all__ = [
     "VllmBackend",
@@ -634,8 +634,8 @@ class VllmBackend:
     def hold_exact_gather(self, exact: bool) -> None:
         """Score every later engine as the run's base pass was scored, so that one run never mixes two KLs: bounded
         from the variant's own top-k whatever the engine offers, or exact, which a vLLM without
-        prompt_logprob_token_ids (before 0.31) cannot give: refused in one line, before any row runs, when the run
-        was begun on another vLLM."""
+        prompt_logprob_token_ids (before TOKEN_ID_SCORING_SINCE) cannot give: refused in one line, before any row
+        runs, when the run was begun on another vLLM."""
         self._held_exact = bool(exact)
         if not exact:
             return
@@ -643,9 +643,9 @@ class VllmBackend:
         if offered is not None and not offered.get("prompt_logprob_token_ids"):
             raise SplicerError(
                 "this run's base pass was scored with exact log-probs at the base's top-k ids (vLLM's "
-                f"prompt_logprob_token_ids, 0.31 and later), and vLLM {offered.get('vllm', '(unknown version)')} here "
-                "has no prompt_logprob_token_ids, so its rows would get a bounded KL: resume it with vLLM 0.31 or "
-                "later, or run the plan into a new folder"
+                f"prompt_logprob_token_ids, {TOKEN_ID_SCORING_SINCE} and later), and vLLM "
+                f"{offered.get('vllm', '(unknown version)')} here has no prompt_logprob_token_ids, so its rows would get a "
+                f"bounded KL: resume it with vLLM {TOKEN_ID_SCORING_SINCE} or later, or run the plan into a new folder"
             )
 
     def _installed_vllm(self) -> dict | None:

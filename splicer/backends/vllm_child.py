@@ -11,7 +11,14 @@ import traceback
 
 import torch
 
-from .vllm_outputs import SPEC_PREFIX, engine_step_s, gathered_logprobs, sequence_scores, summarise_decode_runs
+from .vllm_outputs import (
+    SPEC_PREFIX,
+    TOKEN_ID_SCORING_SINCE,
+    engine_step_s,
+    gathered_logprobs,
+    sequence_scores,
+    summarise_decode_runs,
+)
 
 TASK_CHUNK = 1024  # lm-eval's requests handed to vLLM per generate call when no --batch-size is given
 
@@ -196,7 +203,10 @@ def child_worker(conn, env: dict, log_path: str) -> None:
         except Exception as e:  # informative only
             runner = f"unknown ({e.__class__.__name__})"
         if not takes_token_ids:
-            scoring = {"served": False, "why_not": f"vLLM {vllm.__version__} has no prompt_logprob_token_ids (0.31 and later)"}
+            scoring = {
+                "served": False,
+                "why_not": f"vLLM {vllm.__version__} has no prompt_logprob_token_ids ({TOKEN_ID_SCORING_SINCE} and later)",
+            }
         elif engine_args.get("load_format") == "dummy":  # built to compile ahead, never served
             scoring = {"served": False, "why_not": "not asked: an engine with dummy weights"}
         else:

@@ -11,6 +11,9 @@ import torch
 from .base import SequenceScores, decode_summary
 
 PAD_LOGPROB = -1.0e4  # for a missing top-k slot: exp() is 0, and 0 * finite stays 0 in the KL sums
+# The first vLLM release with SamplingParams.prompt_logprob_token_ids (PR #56984), as messages name it; whether a vLLM
+# has it is asked of the vLLM itself (vllm_child), never read from this.
+TOKEN_ID_SCORING_SINCE = "0.31"
 
 
 def scores_from_prompt_logprobs(prompt_ids: list[int], prompt_logprobs: list, top_k: int) -> SequenceScores:
@@ -68,10 +71,10 @@ def gathered_logprobs(token_id_logprobs, ids) -> torch.Tensor:
 
     ids = torch.as_tensor(np.asarray(ids))
     if token_id_logprobs is None:
-        # the engine drops them for a request resumed after preemption (v1/worker/gpu/sample/prompt_logprob.py)
+        # vLLM 0.33 drops them for a request resumed after preemption (v1/worker/gpu/sample/prompt_logprob.py)
         raise RuntimeError(
-            "vLLM returned no prompt_token_id_logprobs for a sequence scored with prompt_logprob_token_ids (a request "
-            "preempted and resumed loses them); score again with a smaller --batch-size"
+            "vLLM returned no prompt_token_id_logprobs for a sequence scored with prompt_logprob_token_ids (vLLM drops "
+            "them for a request preempted and resumed); fewer sequences per engine call (--batch-size) leave less to preempt"
         )
     got = torch.from_numpy(np.array(token_id_logprobs, dtype=np.float32))
     if tuple(got.shape) != tuple(ids.shape):
