@@ -259,7 +259,7 @@ def test_token_id_logprobs_parse_into_gathered_and_bad_answers_are_refused():
 
     ids = np.array([[4, 2, -1], [7, 1, 3]], dtype=np.int32)
     got = gathered_logprobs(np.array([[-0.5, -1.5, -np.inf], [-0.1, -2.0, -3.0]], dtype=np.float32), ids)
-    assert got.dtype == torch.float32 and got.tolist() == [[-0.5, -1.5, PAD_LOGPROB], [-0.1, -2.0, -3.0]]
+    assert got.dtype == torch.float32 and torch.equal(got, torch.tensor([[-0.5, -1.5, PAD_LOGPROB], [-0.1, -2.0, -3.0]]))
     with pytest.raises(RuntimeError, match="no prompt_token_id_logprobs"):
         gathered_logprobs(None, ids)
     with pytest.raises(RuntimeError, match=r"shape \(1, 3\), not the \(2, 3\)"):
