@@ -194,7 +194,8 @@ def test_ablate_through_0_33_gives_the_torch_backends_kl_and_0_26_its_bound(pair
 def test_a_run_keeps_the_way_its_base_pass_was_scored(pairs, fake_vllm, tmp_path, monkeypatch, capsys):
     """Resumed on a vLLM with prompt_logprob_token_ids, a run begun without it stays bounded; resumed on one without it,
     a run begun exact is refused in one line before anything starts; a row whose engine cannot score exactly (another
-    model runner) fails with that line; a base pass cached before kl_support was recorded is read from its noise pass."""
+    model runner) fails with that line; a base pass cached before kl_support was recorded is read from its noise pass;
+    finished rows scored the other way than the base pass (made again) are refused."""
     from splicer.cli import main
 
     plan = tmp_path / "p.toml"
@@ -251,6 +252,11 @@ def test_a_run_keeps_the_way_its_base_pass_was_scored(pairs, fake_vllm, tmp_path
     (cache / "done.json").write_text(json.dumps(done))
     old = _ablate("vllm", tmp_path / "begun-exact", plan, pair=p, rows="gdn")
     assert old["kl_support"] == "exact" and {v["name"]: v for v in old["variants"]}["gdn"]["kl_support"] == "exact"
+
+    # a base pass made again the other way (its cache removed, then resumed elsewhere) under finished rows: refused
+    (cache / "done.json").write_text(json.dumps(dict(done, kl_support="own_top_k")))
+    with pytest.raises(SplicerError, match=r"finished rows build, gdn in .* were scored with exact log-probs .* variant's own"):
+        _ablate("vllm", tmp_path / "begun-exact", plan, pair=p, rows="all")
     shutil.rmtree(tmp_path / "begun-bounded")
 
 

@@ -10,7 +10,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ..backends.base import KL_EXACT, kl_support
+from ..backends.base import KL_EXACT, KL_SUPPORT_WORDS, kl_support
 from ..checkpoint import open_checkpoint
 from ..corpora.core import Corpus
 from ..errors import SplicerError
@@ -321,12 +321,12 @@ def run_rows(
     run_list = schedule.run_list
     base_done = (cache / "done.json").exists()
     if base_done:  # a resumed run that cannot score as it began is refused before anything is spliced or started
-        hold_base_pass_scoring(backends, cache, corpora)
+        hold_base_pass_scoring(backends, cache, corpora, done, out)
     schedule.before_base_pass(base_pending=not base_done)
     with stages.stage("base pass"):
         corpora = base_pass(run, cache=cache, tok=tok, corpora=corpora)
     if not base_done:
-        hold_base_pass_scoring(backends, cache, corpora)
+        hold_base_pass_scoring(backends, cache, corpora, done, out)
     schedule.wait_prepared()
     results = new_results(run, job=job, corpora=corpora, cache=cache, earlier_runs=earlier_runs, started=started)
     results["class_layers"] = run.class_layers  # what a whole-class row restores, layer by layer (splicer budget)
@@ -387,14 +387,22 @@ def run_rows(
     return results
 
 
-def hold_base_pass_scoring(backends, cache: Path, corpora: list[Corpus]) -> None:
+def hold_base_pass_scoring(backends, cache: Path, corpora: list[Corpus], done: dict, out: Path) -> None:
     """Every row of the run scored as its base pass (and noise pass) was: with exact log-probs at the base's top-k ids or
     bounded from the variant's own top-k (backends.base.kl_support), whatever a later engine could give, so that one
     results folder never mixes the two KLs (a resumed run included: its base pass is the cached one). A backend that
-    cannot score so refuses in one line (Backend.hold_exact_gather)."""
-    exact = base_pass_kl_support(cache, corpora) == KL_EXACT
+    cannot score so refuses in one line (Backend.hold_exact_gather), and so do finished rows (done) that recorded the
+    other way, which only a base pass made again (its cache removed) can bring about."""
+    support = base_pass_kl_support(cache, corpora)
     for b in backends:
-        b.hold_exact_gather(exact)
+        b.hold_exact_gather(support == KL_EXACT)
+    other = sorted(name for name, v in done.items() if v.get("kl_support") not in (None, support))
+    if other:
+        was = KL_SUPPORT_WORDS.get(done[other[0]]["kl_support"], done[other[0]]["kl_support"])
+        raise SplicerError(
+            f"finished rows {', '.join(other)} in {out} were scored with {was}, and its base pass (made again) with "
+            f"{KL_SUPPORT_WORDS.get(support, support)}: one folder holds one KL, so run the plan into a new folder"
+        )
 
 
 def _bytes_per_step(folder: Path) -> int:

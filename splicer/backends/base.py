@@ -144,6 +144,7 @@ class BackendOptions(Protocol):
 # (metrics.fill_missing). A file written before it was recorded has none: its backend's wording says which.
 KL_EXACT = "exact"
 KL_OWN_TOP_K = "own_top_k"
+KL_SUPPORT_WORDS = {KL_EXACT: "exact log-probs at the base's top-k ids", KL_OWN_TOP_K: "log-probs from the variant's own top-k"}
 
 
 def kl_support(exact_gather: bool) -> str:
