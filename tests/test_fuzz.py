@@ -574,6 +574,9 @@ class StubBackend:
     def unload(self):
         self.folder = None
 
+    def hold_exact_gather(self, exact):
+        assert not exact  # its base pass never gathers
+
     def close(self):
         self.unload()
 

@@ -6,8 +6,8 @@ import ast
 import re
 from pathlib import Path
 
-from splicer.backends import BACKENDS, backend_type
-from splicer.backends.base import ResultsWording
+from splicer.backends import BACKENDS, backend_type, results_wording
+from splicer.backends.base import KL_EXACT, KL_OWN_TOP_K, ResultsWording
 from splicer.formats.layouts import CT_FORMATS, LAYOUT
 from splicer.formats.registry import registry
 
@@ -207,6 +207,12 @@ def test_every_backend_words_its_figures():
         cls = backend_type(name)
         wording = cls.results_wording
         assert isinstance(wording, ResultsWording)
-        # a backend whose gathered log-probs are not exact says so in its KL caveat
-        assert (wording.kl_bound == ResultsWording().kl_bound) == cls.exact_gather
+        # a backend whose gathered log-probs are not always exact (exact_gather answered per engine, not a constant True)
+        # says so in its KL caveat, and words its exact runs (kl_support "exact") apart where it has any
+        always_exact = cls.exact_gather is True
+        assert (wording.kl_bound == ResultsWording().kl_bound) == always_exact
         assert wording.kl_bound.format(top="top-20", k=20, kth="its 20th log-prob")
+        exact = results_wording(name, KL_EXACT)
+        assert exact.kl_bound == (wording.kl_exact or wording.kl_bound) and results_wording(name, KL_OWN_TOP_K) == wording
+        assert always_exact or "exact log-probs at those ids" in exact.kl_bound.format(top="top-20", k=20, kth="")
+        assert results_wording(name) == wording  # a file written before kl_support was recorded: worded as then

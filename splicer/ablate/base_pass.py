@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..backends import BACKENDS
+from ..backends.base import kl_support
 from ..corpora.core import Corpus
 from ..errors import SplicerError
 from ..io.outputs import write_file
@@ -91,6 +92,9 @@ def base_pass(run: AblateRun, *, cache: Path, tok, corpora: list[Corpus]) -> lis
             raise SplicerError(_base_refused(e, backend.name)) from None
     load_s = time.perf_counter() - t0
     engine_info = backend.load_info() or None
+    # Whether the base's engine gathers exact log-probs at given ids: the noise pass is scored as every row will be
+    # (the rows are held to this: rows.run_rows), and done.json records it (base_pass_kl_support).
+    exact = backend.exact_gather
     unk = tok.unk_token_id
     stop = sorted(
         {
@@ -109,7 +113,7 @@ def base_pass(run: AblateRun, *, cache: Path, tok, corpora: list[Corpus]) -> lis
     for c in corpora:
         t0 = time.perf_counter()
         want_full = False
-        if backend.exact_gather:
+        if exact:
             vocab = vocab or _vocab_size(base_root)
             want_full = c.positions() * vocab * 4 <= FULL_VOCAB_CACHE_LIMIT
         batch = pick_batch_size(settings, backend)
@@ -132,20 +136,35 @@ def base_pass(run: AblateRun, *, cache: Path, tok, corpora: list[Corpus]) -> lis
                     c.sequences,
                     plan.top_k,
                     batch_size=batch,
-                    gather_ids=[s.topk_ids for s in scores] if backend.exact_gather else None,
+                    gather_ids=[s.topk_ids for s in scores] if exact else None,
                     want_full=want_full,
                 )
             )
             _save_scores(
                 cache / f"noise-{c.name}.safetensors",
                 noise,
-                {"gathered": torch.cat([n.gathered for n in noise])} if backend.exact_gather else None,
+                {"gathered": torch.cat([n.gathered for n in noise])} if exact else None,
             )
         timings[f"score_{c.name}_s"] = time.perf_counter() - t0
     backend.unload()
     (cache / "corpora.json").write_text(json.dumps([c.to_json() for c in corpora]))
-    atomic_json(done, {"timings": timings, "backend": backend.describe(), "engine": engine_info})
+    atomic_json(done, {"timings": timings, "backend": backend.describe(), "engine": engine_info, "kl_support": kl_support(exact)})
     return corpora
+
+
+def base_pass_kl_support(cache: Path, corpora: list[Corpus]) -> str:
+    """How the finished base pass in cache scored its noise pass, and so how the run's rows must be scored
+    (backends.base.KL_EXACT or KL_OWN_TOP_K): as done.json records it, or, in a cache written before it did, as the
+    noise pass's file shows (it holds `gathered` exactly when the backend gathered exact log-probs)."""
+    done = json.loads((cache / "done.json").read_text())
+    if done.get("kl_support"):
+        return done["kl_support"]
+    from safetensors import safe_open
+
+    for c in corpora[:1]:
+        with safe_open(str(cache / f"noise-{c.name}.safetensors"), "pt") as f:
+            return kl_support("gathered" in f.keys())
+    return kl_support(False)  # nothing was scored
 
 
 def _base_refused(e: Exception, backend: str) -> str:

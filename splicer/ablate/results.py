@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..corpora.core import Corpus
 from ..io import results_record
+from .base_pass import base_pass_kl_support
 from .common import AblateRun, atomic_text
 from .job import host_info, started_from_cli
 from .scores import noise_floor
@@ -30,6 +31,8 @@ def new_results(run: AblateRun, *, job: dict, corpora: list[Corpus], cache: Path
         "job": job,
         "plan": {"name": plan.name, "description": plan.description, "source": plan.source},
         "top_k": plan.top_k,  # the KL columns are over the base's top-k: the table names k from here
+        # how every row's KL was measured, as the base pass was (rows.hold_base_pass_scoring): the table words it from here
+        "kl_support": base_pass_kl_support(cache, corpora),
         "backend": None,
         "engine_version": None,
         "device": None,

@@ -10,6 +10,7 @@ import time
 import traceback
 from pathlib import Path
 
+from ..backends.base import KL_EXACT, KL_SUPPORT_WORDS, kl_support
 from ..checkpoint import open_checkpoint
 from ..corpora.core import Corpus
 from ..errors import SplicerError
@@ -17,7 +18,7 @@ from ..formats.registry import checkpoint_format
 from ..io import faults
 from ..plans import spread
 from ..plans.plan import PlannedRow
-from .base_pass import base_pass
+from .base_pass import base_pass, base_pass_kl_support
 from .common import AblateRun, folder_bytes, progress_bar
 from .results import finish_results, new_results
 from .scores import score_variant
@@ -283,6 +284,7 @@ def run_row(
         if not ahead:
             time_then_start_ahead()
         entry["metrics"] = metrics
+        entry["kl_support"] = kl_support(backend.exact_gather)  # as the run's base pass (hold_base_pass_scoring)
         entry["engine"] = timings.pop("engine", None)
         entry["elapsed"].update(timings)
         entry["decode_ms_per_token"] = (entry["timing"] or {}).get("decode_ms_per_token")
@@ -317,9 +319,14 @@ def run_rows(
     invocation began."""
     backend, backends, settings, stages, out = run.backend, run.backends, run.settings, run.stages, run.out
     run_list = schedule.run_list
-    schedule.before_base_pass(base_pending=not (cache / "done.json").exists())
+    base_done = (cache / "done.json").exists()
+    if base_done:  # a resumed run that cannot score as it began is refused before anything is spliced or started
+        hold_base_pass_scoring(backends, cache, corpora, done, out)
+    schedule.before_base_pass(base_pending=not base_done)
     with stages.stage("base pass"):
         corpora = base_pass(run, cache=cache, tok=tok, corpora=corpora)
+    if not base_done:
+        hold_base_pass_scoring(backends, cache, corpora, done, out)
     schedule.wait_prepared()
     results = new_results(run, job=job, corpora=corpora, cache=cache, earlier_runs=earlier_runs, started=started)
     results["class_layers"] = run.class_layers  # what a whole-class row restores, layer by layer (splicer budget)
@@ -378,6 +385,24 @@ def run_rows(
     results["runs"][-1].update(elapsed_s=round(results["elapsed_s"], 1), finished=True)
     finish_results(results, out, backends, settings.bootstrap)
     return results
+
+
+def hold_base_pass_scoring(backends, cache: Path, corpora: list[Corpus], done: dict, out: Path) -> None:
+    """Every row of the run scored as its base pass (and noise pass) was: with exact log-probs at the base's top-k ids or
+    bounded from the variant's own top-k (backends.base.kl_support), whatever a later engine could give, so that one
+    results folder never mixes the two KLs (a resumed run included: its base pass is the cached one). A backend that
+    cannot score so refuses in one line (Backend.hold_exact_gather), and so do finished rows (done) that recorded the
+    other way, which only a base pass made again (its cache removed) can bring about."""
+    support = base_pass_kl_support(cache, corpora)
+    for b in backends:
+        b.hold_exact_gather(support == KL_EXACT)
+    other = sorted(name for name, v in done.items() if v.get("kl_support") not in (None, support))
+    if other:
+        was = KL_SUPPORT_WORDS.get(done[other[0]]["kl_support"], done[other[0]]["kl_support"])
+        raise SplicerError(
+            f"finished rows {', '.join(other)} in {out} were scored with {was}, and its base pass (made again) with "
+            f"{KL_SUPPORT_WORDS.get(support, support)}: one folder holds one KL, so run the plan into a new folder"
+        )
 
 
 def _bytes_per_step(folder: Path) -> int:

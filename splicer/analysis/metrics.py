@@ -4,8 +4,9 @@ Per position (t predicts token t+1):
   top1     variant's most likely token == base's most likely token
   kl_top   KL(base || variant) over the base's top-k with everything else lumped into one
            "rest" bucket. By the data-processing inequality this is a lower bound on the full
-           KL when the variant's log-probs at the base's top-k ids are exact (torch backend);
-           with vLLM's own top-k they are filled in conservatively (see fill_missing).
+           KL when the variant's log-probs at the base's top-k ids are exact (torch backend, and
+           vLLM where it serves prompt_logprob_token_ids); with only the variant's own top-k
+           (older vLLM) they are filled in conservatively (see fill_missing).
   tail     the base's probability mass outside its top-k
   kl_full  exact KL over the whole vocabulary, where both full distributions are at hand
   dlogp    log p_base(next) - log p_variant(next); its mean over the base's own greedy

@@ -295,12 +295,14 @@ def caption(results: dict) -> str:
 
 
 def _kl_bound(results: dict) -> str:
-    """What the KL columns are, which depends on what the backend can return (its results_wording) and on the plan's
-    top_k (recorded in results.json; a file written before it was recorded says so rather than guess)."""
+    """What the KL columns are, which depends on what the backend returned (its results_wording for the run's recorded
+    kl_support: exact log-probs at the base's top-k ids, or the variant's own top-k) and on the plan's top_k (recorded
+    in results.json; a file written before it was recorded says so rather than guess)."""
     k = results.get("top_k")
     top = f"top-{k}" if isinstance(k, int) else "top-k (top-k not recorded in this results.json)"
     kth = f"its {k}th log-prob" if isinstance(k, int) else "its k-th log-prob"
-    return results_wording(results.get("backend")).kl_bound.format(top=top, k=k if isinstance(k, int) else "k", kth=kth)
+    wording = results_wording(results.get("backend"), results.get("kl_support"))
+    return wording.kl_bound.format(top=top, k=k if isinstance(k, int) else "k", kth=kth)
 
 
 def _top1_rule(results: dict) -> str:

@@ -5,8 +5,10 @@ module until its name is asked for.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..errors import SplicerError
-from .base import ResultsWording
+from .base import KL_EXACT, ResultsWording
 
 BACKENDS = ("torch", "vllm")  # the names --backend takes
 DEFAULT_BACKEND = "torch"
@@ -46,10 +48,14 @@ def backend_type(name: str) -> type:
     return options_type(name).backend_type()
 
 
-def results_wording(name) -> ResultsWording:
-    """How a results table words the figures of backend NAME (results.json's `backend`); the defaults for a name no
-    backend has."""
-    return backend_type(name).results_wording if name in BACKENDS else ResultsWording()
+def results_wording(name, kl_support=None) -> ResultsWording:
+    """How a results table words the figures of backend NAME (results.json's `backend`) measured as kl_support says
+    (results.json's `kl_support`; None in a file written before it was recorded, worded as then); the defaults for a
+    name no backend has."""
+    wording = backend_type(name).results_wording if name in BACKENDS else ResultsWording()
+    if kl_support == KL_EXACT and wording.kl_exact:
+        return replace(wording, kl_bound=wording.kl_exact)
+    return wording
 
 
 def task_backend(name: str, settings: dict, device: str, log_dir):

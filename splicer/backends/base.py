@@ -25,7 +25,7 @@ class SequenceScores:
     topk_ids: torch.Tensor  # int32 [T-1, k]
     topk_logprobs: torch.Tensor  # float32 [T-1, k]
     target_logprobs: torch.Tensor  # float32 [T-1]: log p(actual next token)
-    gathered: torch.Tensor | None = None  # float32 [T-1, g]: log p at requested ids (exact or bounded)
+    gathered: torch.Tensor | None = None  # float32 [T-1, g]: exact log p at gather_ids, where exact_gather says so
     full: torch.Tensor | None = None  # float32 [T-1, V]: full log-softmax, where the backend sees it
 
 
@@ -57,7 +57,10 @@ class Backend(Protocol):
     """Everything `ablate` uses of a backend; both implementations provide all of it (no feature probes)."""
 
     name: str
-    exact_gather: bool  # gathered log-probs are exact (full vocabulary visible)
+    # score() returns the loaded engine's exact log-probs at gather_ids (SequenceScores.gathered); read after load().
+    # torch: always. vLLM: where its engine serves prompt_logprob_token_ids (0.31 and later, V2 model runner), unless
+    # hold_exact_gather() held the run to bounded scores. Without it the KL is bounded from the variant's own top-k.
+    exact_gather: bool
     default_batch: int  # sequences per score() call when the plan or command line does not say
     overlap_starts: int  # engines it can start ahead while another serves (0: one at a time)
     precompile_slots: int  # processes that compile variants' engines ahead, before any is timed (0: none)
@@ -91,6 +94,10 @@ class Backend(Protocol):
     def time_decode(self, prompt: list[int], new_tokens: int, warmup: int, runs: int) -> dict | None: ...
 
     def unload(self) -> None: ...
+
+    # Every later engine scores as the run's base pass did (exact: gathered log-probs at the base's top-k ids; else
+    # bounded), so that one run never mixes the two KLs; a one-line SplicerError when this backend cannot.
+    def hold_exact_gather(self, exact: bool) -> None: ...
 
     def describe(self) -> dict: ...
 
@@ -132,6 +139,19 @@ class BackendOptions(Protocol):
     def speculative(self): ...
 
 
+# What the KL columns' variant log-probs at the base's top-k ids were (results.json `kl_support`, for the run and per
+# row): the engine's exact log-probs there, or the variant's own top-k with a missing id given its k-th log-prob
+# (metrics.fill_missing). A file written before it was recorded has none: its backend's wording says which.
+KL_EXACT = "exact"
+KL_OWN_TOP_K = "own_top_k"
+KL_SUPPORT_WORDS = {KL_EXACT: "exact log-probs at the base's top-k ids", KL_OWN_TOP_K: "log-probs from the variant's own top-k"}
+
+
+def kl_support(exact_gather: bool) -> str:
+    """results.json's `kl_support` of scores made with (True) or without exact gathered log-probs."""
+    return KL_EXACT if exact_gather else KL_OWN_TOP_K
+
+
 @dataclass(frozen=True)
 class ResultsWording:
     """How a results table words what a backend measured. results.json names the backend, so a file of any age is
@@ -143,6 +163,9 @@ class ResultsWording:
         "KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's exact log-probs at those ids: "
         "a lower bound on the full KL (data-processing inequality)"
     )
+    # the KL columns of a run that recorded exact log-probs at the base's top-k ids (kl_support KL_EXACT), for a backend
+    # whose kl_bound words its other runs (None: kl_bound words every run)
+    kl_exact: str | None = None
     engine_in_caption: bool = False  # the caption names the engine's version beside the backend
     # the heading of the speed table, for a backend whose engine logs each variant's start-up, weight memory and compile
     # time (None: no such table)

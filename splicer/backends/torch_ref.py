@@ -267,6 +267,14 @@ class TorchBackend:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def hold_exact_gather(self, exact: bool) -> None:
+        """The full vocabulary is always at hand here, so every base pass of this backend gathered exactly."""
+        if not exact:
+            raise SplicerError(
+                "this run's base pass was scored without exact log-probs at the base's top-k ids, which the torch "
+                "backend always gathers: run the plan into a new folder"
+            )
+
     def _need(self):
         if self.model is None:
             raise RuntimeError("load() a checkpoint first")

@@ -9,9 +9,12 @@ cannot take `ablate` down. Compile, Triton and autotuning caches stay on disk (p
 cache_dir), so later engines and later runs reuse them.
 
 Scoring uses `SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False)`: per
-prompt position vLLM returns its own top-k plus the actual next token. Its top-k need not
-contain the base's top-k ids, so KL over the base's top-k is filled in conservatively
-(metrics.fill_missing). Timing runs batch-1 requests with CUDA graphs as configured.
+prompt position vLLM returns its own top-k plus the actual next token. Where the engine serves
+`prompt_logprob_token_ids` (vLLM 0.31 and later, on its V2 model runner), a row is also asked for its
+log-probs at the base's top-k ids, and the KL over the base's top-k is the torch backend's (exact_gather).
+Elsewhere its top-k need not contain the base's top-k ids, so that KL is filled in conservatively
+(metrics.fill_missing). One run keeps the base pass's way (hold_exact_gather). Timing runs batch-1
+requests with CUDA graphs as configured.
 
 Split at the process boundary: this module is the parent's side (the worker pool and the Backend interface);
 `vllm_child` is what runs in the child process; `vllm_outputs` turns vLLM's outputs into splicer's records;
@@ -34,12 +37,12 @@ from pathlib import Path
 import torch
 
 from ..errors import SplicerError
-from .base import ResultsWording, SequenceScores
+from .base import ResultsWording, SequenceScores, kl_support
 from .gpus import check_gpus, one_per_gpu
 from .vllm_child import child_worker
 from .vllm_engine_args import OVERLAP_DEFAULTS, default_engine_args, parse_engine_args, parse_engine_env
 from .vllm_logs import KERNEL_LINE, arch_of, kernels_by_class, startup_breakdown
-from .vllm_outputs import spec_decode_delta
+from .vllm_outputs import TOKEN_ID_SCORING_SINCE, spec_decode_delta
 
 __all__ = [
     "VllmBackend",
@@ -91,6 +94,7 @@ class _Worker:
                 self.stop()
                 raise RuntimeError(f"vLLM worker could not start: {payload}\n{self.log.read_text(errors='replace')[-3000:]}")
             self.started = True
+            self.backend.installed = payload  # every worker imports the same vLLM: what it offers, for the backend
         return time.perf_counter() - t0
 
     def stop(self) -> None:
@@ -353,13 +357,18 @@ class VllmBackend:
     """
 
     name = "vllm"
-    exact_gather = False
     results_wording = ResultsWording(
-        # its gather returns the variant's own top-k: an id of the base's top-k missing there is bounded by its k-th
+        # without prompt_logprob_token_ids it sees the variant's own top-k only: an id of the base's top-k missing there
+        # is bounded by its k-th
         kl_bound=(
             "KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's log-probs taken from its "
             "own top-{k} (an id missing there gets {kth}): a lower bound on the full KL, looser than the torch "
             "backend's, so KLs of the two backends are not comparable"
+        ),
+        kl_exact=(
+            "KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's exact log-probs at those "
+            "ids (vLLM's prompt_logprob_token_ids): a lower bound on the full KL (data-processing inequality), the "
+            "quantity the torch backend measures"
         ),
         engine_in_caption=True,  # kernels, and so the figures, change with vLLM's version
         start_up_heading="Speed per variant (engine start, weight memory and compile time as vLLM logged them):",
@@ -466,6 +475,10 @@ class VllmBackend:
         self.worker_starts = 0
         self.info: dict = {}
         self.default_batch = 256
+        # What a worker said once it had imported vLLM (its version; whether SamplingParams takes
+        # prompt_logprob_token_ids); None until one has.
+        self.installed: dict | None = None
+        self._held_exact: bool | None = None  # the run's way of scoring, once hold_exact_gather() fixed it
 
     @property
     def proc(self):
@@ -594,11 +607,60 @@ class VllmBackend:
 
     def load(self, folder: Path, engine_args: dict | None = None) -> None:
         """Start folder's engine (one started ahead for it, when there is one); engine_args: arguments over the
-        backend's own for this engine alone (e.g. a speculative decoder), which never takes one started ahead."""
+        backend's own for this engine alone (e.g. a speculative decoder), which never takes one started ahead. An
+        engine that cannot score as the run holds it to (hold_exact_gather) is refused in one line."""
         self._load_engine(folder, engine_args)
+        if self._held_exact and not self._serves_token_ids():
+            why = (self.info.get("token_id_scoring") or {}).get("why_not") or "no probe recorded"
+            raise SplicerError(
+                f"this engine cannot score exact log-probs at the base's top-k ids ({why}), as the run's base pass "
+                "was scored: start every engine of the run as the base's (the same vLLM, model runner and "
+                "--kv-sharing-fast-prefill), or run the plan into a new folder"
+            )
         if self.sleep_between:  # every engine slept once it started: wake it for its turn
             self.info["wake_s"] = self._call("wake", timeout=600)
         self.info["timing_state"] = self.timing_state
+
+    def _serves_token_ids(self) -> bool:
+        """The loaded engine answered prompt_logprob_token_ids (the child's probe at its start)."""
+        return bool((self.info.get("token_id_scoring") or {}).get("served"))
+
+    @property
+    def exact_gather(self) -> bool:
+        """score() gathers the loaded engine's exact log-probs at gather_ids: the engine serves
+        prompt_logprob_token_ids and the run was not held to bounded scores (hold_exact_gather)."""
+        return self._serves_token_ids() if self._held_exact is None else self._held_exact
+
+    def hold_exact_gather(self, exact: bool) -> None:
+        """Score every later engine as the run's base pass was scored, so that one run never mixes two KLs: bounded
+        from the variant's own top-k whatever the engine offers, or exact, which a vLLM without
+        prompt_logprob_token_ids (before TOKEN_ID_SCORING_SINCE) cannot give: refused in one line, before any row
+        runs, when the run was begun on another vLLM."""
+        self._held_exact = bool(exact)
+        if not exact:
+            return
+        offered = self._installed_vllm()
+        if offered is not None and not offered.get("prompt_logprob_token_ids"):
+            raise SplicerError(
+                "this run's base pass was scored with exact log-probs at the base's top-k ids (vLLM's "
+                f"prompt_logprob_token_ids, {TOKEN_ID_SCORING_SINCE} and later), and vLLM "
+                f"{offered.get('vllm', '(unknown version)')} here has no prompt_logprob_token_ids, so its rows would get a "
+                f"bounded KL: resume it with vLLM {TOKEN_ID_SCORING_SINCE} or later, or run the plan into a new folder"
+            )
+
+    def _installed_vllm(self) -> dict | None:
+        """What the installed vLLM offers, from a worker's start (one is started, and reused by the next load, when
+        none has been); None when no worker can start (each row's load then fails and says why)."""
+        if self.installed is None:
+            worker = next((w for w in self.workers if w.proc is not None), None)
+            try:
+                if worker is None:
+                    worker = self.workers[0]
+                    worker.spawn()
+                worker.wait_started()
+            except RuntimeError:
+                return None
+        return self.installed
 
     def _load_engine(self, folder: Path, extra_args: dict | None = None) -> None:
         self.unload()
@@ -655,7 +717,14 @@ class VllmBackend:
         return self.active.call(*msg, timeout=timeout)
 
     def score(self, sequences, top_k=20, gather_ids=None, want_full=False, batch_size=None) -> Iterator[SequenceScores]:
-        yield from self._call("score", sequences, top_k, batch_size or self.default_batch)
+        # The ids go as plain int32 arrays (vLLM takes them so); without exact_gather they are not asked for, and the
+        # KL is bounded from the variant's own top-k (metrics.fill_missing).
+        import numpy as np
+
+        gather = None
+        if gather_ids is not None and self.exact_gather:
+            gather = [np.ascontiguousarray(np.asarray(g), dtype=np.int32) for g in gather_ids]
+        yield from self._call("score", sequences, top_k, batch_size or self.default_batch, gather)
 
     def generate(self, prompts, max_new_tokens, stop_ids):
         return self._call("generate", prompts, max_new_tokens, list(stop_ids))
@@ -781,4 +850,6 @@ class VllmBackend:
             "rewake_before_timing": self.rewake_before_timing,
             "precompile": self.precompile_slots,
             "engine_cache_dir": str(self.cache_dir) if self.cache_dir is not None else "per-user defaults",
+            # how its engines score (held for the run by hold_exact_gather, else the last engine's; None before either)
+            "kl_support": kl_support(self.exact_gather) if self._held_exact is not None or self.info else None,
         }

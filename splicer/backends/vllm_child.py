@@ -11,7 +11,14 @@ import traceback
 
 import torch
 
-from .vllm_outputs import SPEC_PREFIX, engine_step_s, sequence_scores, summarise_decode_runs
+from .vllm_outputs import (
+    SPEC_PREFIX,
+    TOKEN_ID_SCORING_SINCE,
+    engine_step_s,
+    gathered_logprobs,
+    sequence_scores,
+    summarise_decode_runs,
+)
 
 TASK_CHUNK = 1024  # lm-eval's requests handed to vLLM per generate call when no --batch-size is given
 
@@ -110,6 +117,35 @@ def _runner_probe(worker):
     return None if runner is None else f"{type(runner).__module__}.{type(runner).__qualname__}"
 
 
+def _takes_prompt_logprob_token_ids(sampling_params) -> bool:
+    """Whether this vLLM's SamplingParams has prompt_logprob_token_ids (vLLM 0.31, PR #56984: log-probs of given ids
+    per prompt position); an older one refuses the keyword with a TypeError, as for any keyword it does not know."""
+    try:
+        sampling_params(max_tokens=1, prompt_logprob_token_ids=[[0]])
+    except TypeError:
+        return False
+    except Exception:  # a known keyword whose value this release checks at once: the engine's probe decides
+        return True
+    return True
+
+
+def _token_id_scoring(llm, sampling_params, tokens_prompt) -> dict:
+    """Whether this engine serves prompt_logprob_token_ids, asked with one two-token request: vLLM 0.33 also needs its
+    V2 model runner and refuses the parameter with kv_sharing_fast_prefill (v1/engine/input_processor.py), so the
+    engine, not the release, decides. {"served": bool, "why_not": vLLM's refusal or what came back, in one line}."""
+    try:
+        params = sampling_params(max_tokens=1, temperature=0.0, detokenize=False, prompt_logprob_token_ids=[[0]])
+        res = llm.generate([tokens_prompt(prompt_token_ids=[0, 0])], params, use_tqdm=False)
+        got = getattr(res[0], "prompt_token_id_logprobs", None)
+        if got is None or tuple(getattr(got, "shape", ())) != (1, 1):
+            shape = None if got is None else tuple(getattr(got, "shape", ()))
+            return {"served": False, "why_not": f"asked for 1 row of 1 id, it returned prompt_token_id_logprobs {shape}"}
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [""])[0][:300]
+        return {"served": False, "why_not": f"{e.__class__.__name__}: {reason}"}
+    return {"served": True, "why_not": None}
+
+
 def child_worker(conn, env: dict, log_path: str) -> None:
     """Child process: import vLLM once, then load engines one after another and serve requests on each.
 
@@ -135,6 +171,7 @@ def child_worker(conn, env: dict, log_path: str) -> None:
         conn.send(("error", f"{e.__class__.__name__}: {e}"))
         return
     import_s = time.perf_counter() - t0
+    takes_token_ids = _takes_prompt_logprob_token_ids(SamplingParams)
     llm = None
 
     def load(folder, engine_args, variant_log, sleep_after=False):
@@ -165,9 +202,19 @@ def child_worker(conn, env: dict, log_path: str) -> None:
             runner = runner[0] if isinstance(runner, list) and runner else runner
         except Exception as e:  # informative only
             runner = f"unknown ({e.__class__.__name__})"
+        if not takes_token_ids:
+            scoring = {
+                "served": False,
+                "why_not": f"vLLM {vllm.__version__} has no prompt_logprob_token_ids ({TOKEN_ID_SCORING_SINCE} and later)",
+            }
+        elif engine_args.get("load_format") == "dummy":  # built to compile ahead, never served
+            scoring = {"served": False, "why_not": "not asked: an engine with dummy weights"}
+        else:
+            scoring = _token_id_scoring(llm, SamplingParams, TokensPrompt)
         info = {
             "vllm": vllm.__version__,
             "model_runner": runner,
+            "token_id_scoring": scoring,
             "startup_s": startup,
             "import_s": import_s,
             "compile_time_s": compile_s,
@@ -196,17 +243,35 @@ def child_worker(conn, env: dict, log_path: str) -> None:
             holder, llm = [llm], None
             _release(holder)
 
-    def score(seqs, top_k, chunk):
+    def score(seqs, top_k, chunk, gather=None):
+        """Per sequence vLLM's own top-k and the actual next token (prompt_logprobs); with gather (per sequence the ids
+        to score at each position, [T-1, g] int32: the base's top-k) also the engine's log-probs of those ids
+        (prompt_logprob_token_ids), one SamplingParams per sequence since the rows are its own. The variant's top-k
+        stays asked for: top-1 agreement reads its tied maxima (metrics.top1_agreement), and its log-prob of the actual
+        token comes from the same computation as the base pass's (dNLL)."""
         kw = dict(max_tokens=1, prompt_logprobs=top_k, detokenize=False, temperature=0.0)
         try:  # flat lists instead of one dict of Logprob objects per position: far less Python work per position
             params = SamplingParams(**kw, flat_logprobs=True)
+            kw["flat_logprobs"] = True
         except TypeError:  # a vLLM without flat logprobs
             params = SamplingParams(**kw)
         out = []
         for s in range(0, len(seqs), chunk):
             batch = seqs[s : s + chunk]
-            res = llm.generate([TokensPrompt(prompt_token_ids=q) for q in batch], params, use_tqdm=False)
-            out += [sequence_scores(q, r.prompt_logprobs, top_k) for q, r in zip(batch, res)]
+            prompts = [TokensPrompt(prompt_token_ids=q) for q in batch]
+            if gather is None:
+                res = llm.generate(prompts, params, use_tqdm=False)
+                out += [sequence_scores(q, r.prompt_logprobs, top_k) for q, r in zip(batch, res)]
+                continue
+            ids = gather[s : s + chunk]
+            # vLLM refuses an empty row array; a one-token sequence has no position to score
+            per_seq = [SamplingParams(**kw, prompt_logprob_token_ids=g) if len(g) else params for g in ids]
+            res = llm.generate(prompts, per_seq, use_tqdm=False)
+            for q, g, r in zip(batch, ids, res):
+                scores = sequence_scores(q, r.prompt_logprobs, top_k)
+                got = getattr(r, "prompt_token_id_logprobs", None)
+                scores.gathered = gathered_logprobs(got, g) if len(g) else torch.zeros(g.shape, dtype=torch.float32)
+                out.append(scores)
         return out
 
     def generate(prompts, n, stop):
@@ -303,7 +368,7 @@ def child_worker(conn, env: dict, log_path: str) -> None:
         "speculate": speculate,
         "lm_eval": lm_eval,
     }
-    conn.send(("started", {"import_s": import_s}))
+    conn.send(("started", {"import_s": import_s, "vllm": vllm.__version__, "prompt_logprob_token_ids": takes_token_ids}))
     while True:
         msg = conn.recv()
         if msg[0] == "stop":

@@ -1,5 +1,6 @@
-"""vLLM's outputs as splicer's records: prompt log-probs -> SequenceScores, and per-run request times -> the decode
-summary (engine estimator beside the wall-clock one). Pure functions: the child process and tests use them."""
+"""vLLM's outputs as splicer's records: prompt log-probs (and the log-probs of given ids, prompt_token_id_logprobs) ->
+SequenceScores, and per-run request times -> the decode summary (engine estimator beside the wall-clock one). Pure
+functions: the child process and tests use them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import torch
 from .base import SequenceScores, decode_summary
 
 PAD_LOGPROB = -1.0e4  # for a missing top-k slot: exp() is 0, and 0 * finite stays 0 in the KL sums
+# The first vLLM release with SamplingParams.prompt_logprob_token_ids (PR #56984), as messages name it; whether a vLLM
+# has it is asked of the vLLM itself (vllm_child), never read from this.
+TOKEN_ID_SCORING_SINCE = "0.31"
 
 
 def scores_from_prompt_logprobs(prompt_ids: list[int], prompt_logprobs: list, top_k: int) -> SequenceScores:
@@ -56,6 +60,28 @@ def scores_from_flat_logprobs(prompt_ids: list[int], flat, top_k: int) -> Sequen
         topk_logprobs=lps[:, 1:].contiguous(),
         target_logprobs=lps[:, 0].contiguous(),
     )
+
+
+def gathered_logprobs(token_id_logprobs, ids) -> torch.Tensor:
+    """vLLM's RequestOutput.prompt_token_id_logprobs (vLLM >= 0.31: [prompt_len - 1, num_ids], row t the log-probs of
+    the ids asked for position t as predictions of token t+1, -inf where an id was -1) -> SequenceScores.gathered,
+    float32 of the ids' shape; an id of -1 (a top-k slot the base pass left empty) gets PAD_LOGPROB as its top-k slot
+    has, so that 0 x its log-prob stays 0 in the KL sums."""
+    import numpy as np
+
+    ids = torch.as_tensor(np.asarray(ids))
+    if token_id_logprobs is None:
+        # vLLM 0.33 drops them for a request resumed after preemption (v1/worker/gpu/sample/prompt_logprob.py)
+        raise RuntimeError(
+            "vLLM returned no prompt_token_id_logprobs for a sequence scored with prompt_logprob_token_ids (vLLM drops "
+            "them for a request preempted and resumed); fewer sequences per engine call (--batch-size) leave less to preempt"
+        )
+    got = torch.from_numpy(np.array(token_id_logprobs, dtype=np.float32))
+    if tuple(got.shape) != tuple(ids.shape):
+        raise RuntimeError(
+            f"vLLM's prompt_token_id_logprobs have shape {tuple(got.shape)}, not the {tuple(ids.shape)} of the ids asked"
+        )
+    return torch.where(ids < 0, torch.tensor(PAD_LOGPROB, dtype=torch.float32), got)
 
 
 def sequence_scores(prompt_ids, prompt_logprobs, top_k) -> SequenceScores:

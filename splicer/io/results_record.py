@@ -34,6 +34,7 @@ class Variant(TypedDict, total=False):
     name: str
     status: str  # "ok" once scored on every corpus
     metrics: dict[str, CorpusMetrics]
+    kl_support: str | None  # how its KL was measured (as the run's kl_support)
     size_bytes: int | None
     decode_ms_per_token: float | None
     timing: dict[str, Any] | None
@@ -53,6 +54,7 @@ class Results(TypedDict, total=False):
     job: dict[str, Any]
     plan: dict[str, Any]
     top_k: int | None
+    kl_support: str | None  # backends.base.KL_EXACT or KL_OWN_TOP_K; absent in files written before it was recorded
     backend: str | None
     engine_version: str | None
     device: str | None

@@ -2,6 +2,10 @@
 
 It lets the CPU suite exercise the backend's child-process protocol, prompt_logprobs parsing and failure handling.
 It is not vLLM: nothing measured with it says anything about vLLM.
+
+FAKE_VLLM_API=0.26 (the default) or 0.33 picks the release whose API it follows where the two differ for splicer:
+0.33 takes SamplingParams.prompt_logprob_token_ids and answers RequestOutput.prompt_token_id_logprobs (vLLM 0.31,
+PR #56984) with that release's checks; 0.26 refuses the keyword as it refuses any it does not know.
 """
 
 from __future__ import annotations
@@ -105,6 +109,24 @@ def _drafter_accept(model: str) -> float:
     return MTP_ACCEPT_QUANTIZED if any(k.endswith(("weight_packed", "qweight", "weight_scale")) for k in mtp) else MTP_ACCEPT_BF16
 
 
+# The SamplingParams keywords of later releases, and the release each came in (vLLM 0.31.0: PR #56984).
+_LATER_KEYWORDS = {"prompt_logprob_token_ids": (0, 31), "prompt_logprob_start": (0, 31)}
+
+
+def _api() -> tuple[int, int]:
+    """The release whose API this stand-in follows (FAKE_VLLM_API, read at each call: a test sets it for the worker)."""
+    major, minor = os.environ.get("FAKE_VLLM_API", "0.26").split(".")[:2]
+    return int(major), int(minor)
+
+
+def _token_ids_served() -> bool:
+    return _api() >= _LATER_KEYWORDS["prompt_logprob_token_ids"]
+
+
+class VLLMValidationError(ValueError):
+    """vLLM's refusal of a request's parameters (vllm/exceptions.py: a ValueError)."""
+
+
 @dataclass
 class Logprob:
     logprob: float
@@ -123,9 +145,16 @@ class SamplingParams:
         min_tokens=0,
         ignore_eos=False,
         flat_logprobs=False,
+        **later,
     ):
+        for key in later:  # vLLM's SamplingParams is a msgspec.Struct, which words an unknown keyword so
+            if _api() < _LATER_KEYWORDS.get(key, (99, 0)):
+                raise TypeError(f"Unexpected keyword argument '{key}'")
         self.max_tokens, self.prompt_logprobs, self.flat_logprobs = max_tokens, prompt_logprobs, flat_logprobs
         self.stop_token_ids = stop_token_ids or []
+        # checked by the engine, as vLLM 0.33 checks them when a request arrives (SamplingParams.verify)
+        self.prompt_logprob_token_ids = later.get("prompt_logprob_token_ids")
+        self.prompt_logprob_start = later.get("prompt_logprob_start")
 
 
 @dataclass
@@ -266,8 +295,15 @@ class LLM:
         if self.sleeping:  # a real engine asleep has no weights on the GPU: serving it would be a bug in the caller
             raise RuntimeError("generate() on a sleeping engine (fake)")
         self._served()
+        rows = []
+        for p, params in zip(prompts, per_prompt):  # every request is checked before any is served, as vLLM adds them
+            checked = (None, 0)
+            if _token_ids_served():
+                vocab = self._ref.model.get_output_embeddings().weight.shape[0]
+                checked = _token_id_rows(params, len(p["prompt_token_ids"]), vocab, self.kwargs)
+            rows.append(checked)
         out = []
-        for p, params in zip(prompts, per_prompt):
+        for p, params, (asked, start) in zip(prompts, per_prompt, rows):
             ids = p["prompt_token_ids"]
             plp = None
             if params.prompt_logprobs:
@@ -290,7 +326,8 @@ class LLM:
                         flat.ranks += [int((full > full[actual]).sum()) + 1, *range(1, params.prompt_logprobs + 1)]
                         flat.end_indices.append(len(flat.token_ids))
                     plp = flat
-                gen = [int(torch.argmax(s.full[-1]))]
+                # a one-token prompt has no prompt position: its token comes from generation, as vLLM's does
+                gen = [int(torch.argmax(s.full[-1]))] if len(ids) > 1 else self._ref.generate([ids], 1, [])[0]
             else:
                 gen = self._ref.generate([ids], params.max_tokens, params.stop_token_ids)[0]
                 if self.spec_k:
@@ -304,8 +341,61 @@ class LLM:
             stats = None
             if self.kwargs.get("disable_log_stats") is False:
                 stats = RequestStateStats(len(gen), first, time.monotonic())
-            out.append(RequestOutput(plp, [_Completion(gen)], stats))
+            answer = RequestOutput(plp, [_Completion(gen)], stats)
+            if _token_ids_served():  # vLLM 0.31's field, None unless asked: [prompt_len - 1 - start, num_ids], -inf at -1
+                answer.prompt_token_id_logprobs = None
+                if asked is not None:
+                    full = next(self._ref.score([ids], top_k=1, want_full=True)).full[start:]
+                    index = torch.from_numpy(asked).long()
+                    got = full.gather(1, index.clamp_min(0)).masked_fill(index < 0, float("-inf"))
+                    answer.prompt_token_id_logprobs = got.numpy().astype("float32")
+            out.append(answer)
         return out
+
+
+def _token_id_rows(params, prompt_len: int, vocab: int, engine_kwargs: dict):
+    """A request's prompt_logprob_token_ids checked as vLLM 0.33 checks them (sampling_params.py _validate_logprobs,
+    v1/engine/input_processor.py), in its order and words: (rows as an int64 array padded with -1, first row)."""
+    import numpy as np
+
+    ids, start = params.prompt_logprob_token_ids, params.prompt_logprob_start
+    if ids is None:
+        if start is not None:
+            raise VLLMValidationError("prompt_logprob_start requires prompt_logprob_token_ids.")
+        return None, 0
+    shape = ()
+    if isinstance(ids, list) and all(isinstance(row, list) for row in ids):
+        shape = (len(ids), max(map(len, ids), default=0))
+    elif isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
+        shape = ids.shape
+    if len(shape) != 2 or 0 in shape:
+        raise VLLMValidationError("prompt_logprob_token_ids must be a non-empty integer array of shape [num_rows, num_ids].")
+    max_logprobs = engine_kwargs.get("max_logprobs", 20)  # vLLM's default
+    if shape[1] > max_logprobs:
+        raise VLLMValidationError(
+            f"Requested {shape[1]} token ids per row in prompt_logprob_token_ids, which is greater than max allowed: "
+            f"{max_logprobs}. Set max_logprobs (--max-logprobs) to at least {shape[1]}."
+        )
+    if isinstance(ids, list):
+        ids = np.array([row + [-1] * (shape[1] - len(row)) for row in ids], dtype=np.int64)
+    if int(ids.min()) < -1 or int(ids.max()) >= vocab:
+        raise VLLMValidationError(
+            f"prompt_logprob_token_ids contain out-of-vocab token ids (-1 pads a row). Vocabulary size: {vocab}"
+        )
+    if start is not None and start < 0:
+        raise VLLMValidationError("prompt_logprob_start must be non-negative.")
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
+        raise VLLMValidationError("prompt_logprob_token_ids requires the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1).")
+    if engine_kwargs.get("kv_sharing_fast_prefill"):
+        raise VLLMValidationError("prompt_logprob_token_ids is incorrect with --kv-sharing-fast-prefill; disable it for scoring.")
+    start = start or 0
+    rows = max(prompt_len - 1 - start, 0)
+    if len(ids) != rows:
+        raise VLLMValidationError(
+            f"prompt_logprob_token_ids has {len(ids)} rows, but the prompt has {rows} scored rows "
+            "(prompt_len - 1 - prompt_logprob_start)."
+        )
+    return ids, start
 
 
 def _compile(model: str, kwargs: dict) -> float:
