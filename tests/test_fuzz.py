@@ -517,7 +517,9 @@ class StubBackend:
     """Deterministic scores without a model: what the ablate pipeline needs from a backend, in milliseconds."""
 
     name = "stub"
-    exact_gather = False  # as vLLM: missing base ids are filled from the variant's top-k
+    # As the torch backend, whose real run the "earlier-run" cases resume: log-probs gathered at the base's top-k ids
+    # (a run keeps its base pass's way of scoring, so a stub that scored otherwise would be refused there)
+    exact_gather = True
     default_batch = 4
 
     def __init__(self, device=None):
@@ -533,12 +535,19 @@ class StubBackend:
     def score(self, sequences, top_k=20, gather_ids=None, want_full=False, batch_size=4):
         assert self.folder is not None and batch_size >= 1
         lp = torch.log_softmax(-torch.arange(top_k, dtype=torch.float32), 0)
+        gathered_done: list = []
         for seq in sequences:
             n = len(seq) - 1
+            gathered = None
+            if gather_ids is not None:  # its vocabulary is its top-k: an id outside it has no probability
+                ids = gather_ids[len(gathered_done)].long()
+                gathered = torch.where(ids < top_k, lp[ids.clamp(0, top_k - 1)], torch.tensor(-1.0e4))
+                gathered_done.append(1)
             yield SequenceScores(
                 topk_ids=torch.arange(top_k, dtype=torch.int32).repeat(n, 1),
                 topk_logprobs=lp.repeat(n, 1),
                 target_logprobs=lp[:1].repeat(n),
+                gathered=gathered,
             )
 
     def generate(self, prompts, max_new_tokens, stop_ids):
@@ -575,7 +584,7 @@ class StubBackend:
         self.folder = None
 
     def hold_exact_gather(self, exact):
-        assert not exact  # its base pass never gathers
+        assert exact  # its base passes always gather
 
     def close(self):
         self.unload()

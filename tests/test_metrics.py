@@ -61,6 +61,20 @@ def test_fill_missing_exact_when_present_and_kth_value_otherwise():
     assert got.tolist() == [[-1.0, -0.5, -2.0]]  # 7 is not in the variant's top-3: its 3rd value bounds it
 
 
+def test_the_kl_from_the_variants_own_top_k_bounds_neither_the_exact_nor_the_full_kl():
+    """What the table's wording of an own-top-k run says: filling a missing id with the variant's k-th log-prob lowers
+    that id's term and raises the lumped rest's, so the sum can exceed the exact lumped KL and even the full KL."""
+    # vocabulary A, B, C; base p = (0.4, 0.6, 0), its top-1 is A; variant q = (0.05, 0.9, 0.05), its top-1 is B
+    p = torch.tensor([0.4, 0.6, 1e-30])
+    q = torch.tensor([0.05, 0.9, 0.05])
+    full = float(kl_full(p.log()[None], q.log()[None])[0])
+    exact = float(kl_top_lumped(p.log()[None, :1], q.log()[None, :1])[0])
+    filled = fill_missing(torch.tensor([[0]]), torch.tensor([[1]]), q.log()[None, 1:2])
+    own = float(kl_top_lumped(p.log()[None, :1], filled)[0])
+    assert exact <= full + 1e-6  # the data-processing inequality, for exact log-probs
+    assert own > full > exact  # 0.751 > 0.589 > 0.556: no bound either way
+
+
 def test_wilson_against_textbook_values():
     lo, hi = wilson(50, 100)
     assert (round(lo, 4), round(hi, 4)) == (0.4038, 0.5962)

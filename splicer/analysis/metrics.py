@@ -6,7 +6,8 @@ Per position (t predicts token t+1):
            "rest" bucket. By the data-processing inequality this is a lower bound on the full
            KL when the variant's log-probs at the base's top-k ids are exact (torch backend, and
            vLLM where it serves prompt_logprob_token_ids); with only the variant's own top-k
-           (older vLLM) they are filled in conservatively (see fill_missing).
+           (older vLLM) they are filled in from it (see fill_missing), which bounds nothing: the
+           filled id's term falls, the lumped rest's rises
   tail     the base's probability mass outside its top-k
   kl_full  exact KL over the whole vocabulary, where both full distributions are at hand
   dlogp    log p_base(next) - log p_variant(next); its mean over the base's own greedy

@@ -358,12 +358,14 @@ class VllmBackend:
 
     name = "vllm"
     results_wording = ResultsWording(
-        # without prompt_logprob_token_ids it sees the variant's own top-k only: an id of the base's top-k missing there
-        # is bounded by its k-th
+        # Without prompt_logprob_token_ids it sees the variant's own top-k only: an id of the base's top-k missing there
+        # gets the k-th log-prob, an upper bound on its own. That lowers its term but shrinks the lumped rest, which
+        # raises the rest's term, so the sum bounds nothing: e.g. base p(A) = 0.4, p(B) = 0.6, variant q(B) = 0.9,
+        # q(A) = q(C) = 0.05, top-1: 0.751 against the full KL's 0.589.
         kl_bound=(
             "KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's log-probs taken from its "
-            "own top-{k} (an id missing there gets {kth}): a lower bound on the full KL, looser than the torch "
-            "backend's, so KLs of the two backends are not comparable"
+            "own top-{k} (an id missing there gets {kth}, at least its own): an approximation that bounds neither the "
+            "full KL nor the torch backend's exact figure, so KLs of the two backends are not comparable"
         ),
         kl_exact=(
             "KL = KL(base ‖ variant) over the base's {top} with the rest lumped, the variant's exact log-probs at those "
