@@ -412,24 +412,28 @@ def _cmd_mtp(args) -> int:
     print(tabulate(speculative.table_rows(spec, order), headers=speculative.HEADERS, tablefmt="github", disable_numparse=True))
     print(f"\nwrote {args.dir / speculative.FILE}; table.md and report.md of {args.dir} now hold MTP acceptance")
     sys.stdout.flush()
+    failed = [f"{e['row']} k={e['k']}: {e.get('error', '')}" for e in record["engines"] if e.get("status") != "ok"]
+    flagged = [k for k, fig in spec["summary"].get(record["build_row"], {}).items() if fig.get("flagged")]
+    what = f"the build's drafter is flagged at k={', '.join(flagged)}" if flagged else None
+    return _mtp_outcome(args.dir, record, rows, failed, "engines", args.dir / "mtp-logs", what)
+
+
+def _mtp_outcome(out: Path, record: dict, rows, failed: list[str], unit: str, log: Path, flagged: str | None) -> int:
+    """The end of `splicer mtp` on stderr, engine path and teacher-forced alike: each skipped row in one line, then an
+    error line each for what failed, for --rows that could not be measured and for a flagged build; 1 when any."""
     for x in record.get("skipped") or []:
         print(f"splicer: {x['row']} not measured: {x['reason']}", file=sys.stderr)
-    failed = [e for e in record["engines"] if e.get("status") != "ok"]
     asked = [x["row"] for x in record.get("skipped") or [] if rows and x["row"] in rows]
-    flagged = [k for k, fig in spec["summary"].get(record["build_row"], {}).items() if fig.get("flagged")]
     if failed:
         print(
-            f"splicer: error: {len(failed)} engines failed ("
-            + "; ".join(f"{e['row']} k={e['k']}: {e.get('error', '')}" for e in failed)
-            + f"); see {args.dir / 'mtp-logs'}, then run the same command again",
+            f"splicer: error: {len(failed)} {unit} failed ({'; '.join(failed)}); see {log}, then run the same command again",
             file=sys.stderr,
         )
     if asked:
         print(f"splicer: error: --rows {', '.join(asked)} could not be measured (the reasons above)", file=sys.stderr)
     if flagged:
         print(
-            f"splicer: error: the build's drafter is flagged at k={', '.join(flagged)} ({args.dir / 'table.md'}): "
-            "its acceptance is no result, and no row is compared with it",
+            f"splicer: error: {flagged} ({out / 'table.md'}): its acceptance is no result, and no row is compared with it",
             file=sys.stderr,
         )
     return 1 if failed or asked or flagged else 0
@@ -457,27 +461,10 @@ def _mtp_teacher_forced(args, rows: list[str] | None) -> int:
     )
     print(f"\nwrote {args.dir / teacher_forced.FILE}; table.md and report.md of {args.dir} now hold the teacher-forced estimate")
     sys.stdout.flush()
-    for x in record.get("skipped") or []:
-        print(f"splicer: {x['row']} not measured: {x['reason']}", file=sys.stderr)
-    failed = {r: e for r, e in record["rows"].items() if e.get("status") != "ok"}
-    asked = [x["row"] for x in record.get("skipped") or [] if rows and x["row"] in rows]
+    failed = [f"{r}: {e.get('error', '')}" for r, e in record["rows"].items() if e.get("status") != "ok"]
     flagged = (spec["summary"].get(record["build_row"]) or {}).get("flagged")
-    if failed:
-        print(
-            f"splicer: error: {len(failed)} rows failed ("
-            + "; ".join(f"{r}: {e.get('error', '')}" for r, e in failed.items())
-            + f"); see {args.dir / 'speculative.log'}, then run the same command again",
-            file=sys.stderr,
-        )
-    if asked:
-        print(f"splicer: error: --rows {', '.join(asked)} could not be measured (the reasons above)", file=sys.stderr)
-    if flagged:
-        print(
-            f"splicer: error: the build's teacher-forced estimate is flagged ({args.dir / 'table.md'}): its acceptance "
-            "is no result, and no row is compared with it",
-            file=sys.stderr,
-        )
-    return 1 if failed or asked or flagged else 0
+    what = "the build's teacher-forced estimate is flagged" if flagged else None
+    return _mtp_outcome(args.dir, record, rows, failed, "rows", args.dir / "speculative.log", what)
 
 
 def _cmd_tasks(args) -> int:

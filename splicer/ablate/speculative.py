@@ -60,19 +60,26 @@ def cached_corpora(out: Path, results: dict) -> list:
     )
 
 
+def sequence_entries(corpora: list, per_corpus: int | None, prompt_tokens: int | None = None) -> list[dict]:
+    """The first per_corpus sequences of each corpus (None: all) as [{"corpus", "index", "group" (chat), "ids"}]: whole,
+    or cut to prompt_tokens (a chat sequence to its prompt first)."""
+    out = []
+    for c in corpora:
+        for i, seq in enumerate(c.sequences[:per_corpus]):
+            if prompt_tokens is not None:
+                seq = seq[: min(c.prompt_lens[i] if c.prompt_lens else len(seq), prompt_tokens)]
+            entry = {"corpus": c.name, "index": i, "ids": list(seq)}
+            if c.groups is not None:  # conversations that share a prompt are one unit of the intervals
+                entry["group"] = c.groups[i]
+            out.append(entry)
+    return out
+
+
 def prompts_from_cache(out: Path, results: dict, per_corpus: int, prompt_tokens: int) -> tuple[list[dict], list]:
     """The first per_corpus sequences of each corpus DIR scored (its base-pass cache), cut to prompt_tokens (a chat
     sequence to its prompt): [{"corpus", "index", "group" (chat), "ids"}], and the corpora themselves."""
     corpora = cached_corpora(out, results)
-    prompts = []
-    for c in corpora:
-        for i, seq in enumerate(c.sequences[:per_corpus]):
-            cut = c.prompt_lens[i] if c.prompt_lens else len(seq)
-            p = {"corpus": c.name, "index": i, "ids": list(seq[: min(cut, prompt_tokens)])}
-            if c.groups is not None:  # conversations that share a prompt are one unit of the intervals
-                p["group"] = c.groups[i]
-            prompts.append(p)
-    return prompts, corpora
+    return sequence_entries(corpora, per_corpus, prompt_tokens), corpora
 
 
 def _engine_plan(rows: list[str], build: str, tokens: list[int]) -> list[tuple[str, int, bool]]:
@@ -295,13 +302,7 @@ def run_teacher_forced(
     backend = drafter_backend(device, out / "mtp-logs")
     # A family whose drafter the backend does not run is refused before any row is loaded.
     backend.check_drafter(open_checkpoint(row_folder(out, results, ok[build]), "variant"))
-    sequences = []
-    for c in cached_corpora(out, results):
-        for i, seq in enumerate(c.sequences[:sequences_per_corpus]):
-            entry = {"corpus": c.name, "index": i, "ids": list(seq)}
-            if c.groups is not None:  # conversations that share a prompt are one unit of the intervals
-                entry["group"] = c.groups[i]
-            sequences.append(entry)
+    sequences = sequence_entries(cached_corpora(out, results), sequences_per_corpus)
     settings = {"sequences_per_corpus": sequences_per_corpus, "dtype": str(backend.dtype).replace("torch.", "")}
     ids = [s["ids"] for s in sequences]
     digest = parts_digest(TF_SCHEMA, settings, ids, results["inputs"]["build"].get("header_digest"))

@@ -324,17 +324,7 @@ def fit(results: dict, corpus: str | None = None) -> Model:
     or infinite measurement) are left out, and listed in Model.left_out."""
     from ..io.results_record import UNUSABLE
 
-    # Splice rows only: a build re-made by its quantizer (a checkpoint row, requantized_without) re-fitted every later
-    # layer, so it is not the build with some classes restored; requantized() compares it with the prediction instead.
-    ok = [
-        v
-        for v in results.get("variants", [])
-        if isinstance(v, dict)
-        and v.get("status") == "ok"
-        and isinstance(v.get("restored"), list)
-        and not v.get("repeat_of")
-        and not _requantized_without(v)
-    ]
+    ok = [v for v in results.get("variants", []) if _splice_row(v) and not v.get("repeat_of")]
     left_out = [(v["name"], v[UNUSABLE]) for v in ok if v.get(UNUSABLE)]
     if any(v["restored"] == [] for v in ok if v.get(UNUSABLE)):
         raise SplicerError(
@@ -616,6 +606,13 @@ def pick_verify(best: list[Prediction], n: int) -> list[Prediction]:
     return chosen
 
 
+def _splice_row(v) -> bool:
+    """A finished row of the build with some classes restored (repeats of one included): what the model is fitted on.
+    A build re-made by its quantizer is no splice: it re-fitted every later layer, so requantized() compares it with
+    the prediction instead."""
+    return isinstance(v, dict) and v.get("status") == "ok" and isinstance(v.get("restored"), list) and not _requantized_without(v)
+
+
 def _requantized_without(v: dict) -> list[str] | None:
     """The classes a re-made build's row (checkpoint.requantized_without: `--add-requantized`) left in BF16; None for
     any other row. results_record.load refuses a hand edit that is not a list of distinct classes the build quantizes,
@@ -648,12 +645,7 @@ def fit_inputs(results: dict, corpus: str | None) -> dict:
     can depend on. A stored comparison whose inputs differ from today's (a row rerun, added or dropped) is out of date."""
     out = {}
     for v in results.get("variants", []):
-        if (
-            isinstance(v, dict)
-            and v.get("status") == "ok"
-            and isinstance(v.get("restored"), list)
-            and not _requantized_without(v)
-        ):
+        if _splice_row(v):
             kl = variant_kl(v, corpus)
             out[v["name"]] = kl if finite_number(kl) else None
     return out

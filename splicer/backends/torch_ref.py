@@ -54,6 +54,13 @@ def _fill(params: dict, tensors: dict, folder, place: str, prefix: str = "") -> 
     return set(tensors)
 
 
+def _require(required: set, filled: set, folder, prefix: str, why: str) -> None:
+    """Every parameter filled, or one line naming the first missing one (by the checkpoint's name, prefix + name)."""
+    missing = sorted(required - filled)
+    if missing:
+        raise SplicerError(f"{folder}: no weights for {prefix}{missing[0]} (and {len(missing) - 1} more); {why}")
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -98,11 +105,6 @@ class TorchBackend:
     def load(self, folder: Path) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        try:
-            from transformers.initialization import no_init_weights
-        except ImportError:  # transformers < 5
-            from transformers.modeling_utils import no_init_weights
-
         self.unload()
         ckpt = open_checkpoint(folder, "checkpoint")
         arch = ckpt.arch
@@ -115,13 +117,7 @@ class TorchBackend:
             text_cfg = getattr(text_cfg, arch.text_config_key)
         text_cfg._attn_implementation = "sdpa"
         self.max_positions = text_cfg.max_position_embeddings
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with no_init_weights(), self.device:
-                model = AutoModelForCausalLM.from_config(text_cfg)
-        finally:
-            torch.set_default_dtype(default)
+        model = self._unfilled(lambda: AutoModelForCausalLM.from_config(text_cfg))
         # Parameters and persistent buffers (DeepSeek's router keeps e_score_correction_bias as a buffer); every
         # parameter must be filled, a buffer the checkpoint lacks keeps the value the model class gives it.
         params = dict(model.state_dict(keep_vars=True))
@@ -141,14 +137,26 @@ class TorchBackend:
                 folder,
                 f"the text model; is this a {arch.name} checkpoint?",
             )
-        missing = sorted(required - filled)
-        if missing:
-            raise SplicerError(
-                f"{folder}: no weights for {missing[0]} (and {len(missing) - 1} more); the checkpoint is incomplete"
-            )
+        _require(required, filled, folder, "", "the checkpoint is incomplete")
         model.eval()
         self.model = model
         self.folder = Path(folder)
+
+    def _unfilled(self, make):
+        """make()'s module built on this backend's device and dtype with no weight initialised (the checkpoint fills
+        every parameter, and initialising a model that is overwritten costs seconds)."""
+        try:
+            from transformers.initialization import no_init_weights
+        except ImportError:  # transformers < 5
+            from transformers.modeling_utils import no_init_weights
+
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with no_init_weights(), self.device:
+                return make()
+        finally:
+            torch.set_default_dtype(default)
 
     # What `splicer tasks` records as the model lm-eval scored (tasks.json's settings: another model is another run).
     task_model = "torch backend (transformers' model of the family) through lm-eval's HFLM"
@@ -400,12 +408,6 @@ class TorchBackend:
     def load_drafter(self) -> None:
         """The loaded checkpoint's MTP head (torch_mtp.py, the module its family's table names), filled with its MTP
         tensors, quantized modules dequantized as the trunk's are."""
-
-        try:
-            from transformers.initialization import no_init_weights
-        except ImportError:  # transformers < 5
-            from transformers.modeling_utils import no_init_weights
-
         from ..splice.modules import list_modules
         from .torch_mtp import drafter_class
 
@@ -419,13 +421,7 @@ class TorchBackend:
                 f"{self.folder}: no MTP tensors ({arch.mtp_prefix}*); give the checkpoint its head "
                 "(splicer splice --restore mtp BUILD BASE -o NEW) or leave this row out"
             )
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with no_init_weights(), self.device:
-                drafter = kind(model.config)
-        finally:
-            torch.set_default_dtype(default)
+        drafter = self._unfilled(lambda: kind(model.config))
         raw = _read_tensors(ckpt, names)
         if ckpt.quantization_config:
             modules = {n: m for n, m in list_modules(ckpt).items() if arch.is_mtp(n)}
@@ -433,12 +429,9 @@ class TorchBackend:
         params = dict(drafter.state_dict(keep_vars=True))
         local = {name[len(arch.mtp_prefix) :]: t for name, t in self._to_model_names(raw, arch).items()}
         filled = _fill(params, local, self.folder, f"{arch.name}'s MTP drafter ({arch.mtp_drafter})", arch.mtp_prefix)
-        missing = sorted(set(dict(drafter.named_parameters())) - filled)
-        if missing:
-            raise SplicerError(
-                f"{self.folder}: no weights for {arch.mtp_prefix}{missing[0]} (and {len(missing) - 1} more); "
-                "the checkpoint's MTP head is incomplete"
-            )
+        _require(
+            set(dict(drafter.named_parameters())), filled, self.folder, arch.mtp_prefix, "the checkpoint's MTP head is incomplete"
+        )
         drafter.eval()
         self.drafter = drafter
 

@@ -12,8 +12,8 @@ Scoring uses `SamplingParams(max_tokens=1, prompt_logprobs=k, detokenize=False)`
 prompt position vLLM returns its own top-k plus the actual next token. Where the engine serves
 `prompt_logprob_token_ids` (vLLM 0.31 and later, on its V2 model runner), a row is also asked for its
 log-probs at the base's top-k ids, and the KL over the base's top-k is the torch backend's (exact_gather).
-Elsewhere its top-k need not contain the base's top-k ids, so that KL is filled in conservatively
-(metrics.fill_missing). One run keeps the base pass's way (hold_exact_gather). Timing runs batch-1
+Elsewhere its top-k need not contain the base's top-k ids, so a missing one gets the k-th log-prob
+(metrics.fill_missing), which bounds nothing (results_wording.kl_bound says why). One run keeps the base pass's way (hold_exact_gather). Timing runs batch-1
 requests with CUDA graphs as configured.
 
 Split at the process boundary: this module is the parent's side (the worker pool and the Backend interface);
@@ -654,15 +654,20 @@ class VllmBackend:
         """What the installed vLLM offers, from a worker's start (one is started, and reused by the next load, when
         none has been); None when no worker can start (each row's load then fails and says why)."""
         if self.installed is None:
-            worker = next((w for w in self.workers if w.proc is not None), None)
             try:
-                if worker is None:
-                    worker = self.workers[0]
-                    worker.spawn()
-                worker.wait_started()
+                self._started(next((w for w in self.workers if w.proc is not None), self.workers[0]))
             except RuntimeError:
                 return None
         return self.installed
+
+    @staticmethod
+    def _started(worker: _Worker) -> _Worker:
+        """worker with its process running and vLLM imported there: a fresh process where it had none, or it died."""
+        if not worker.alive():
+            worker.stop()
+            worker.spawn()
+        worker.wait_started()
+        return worker
 
     def _load_engine(self, folder: Path, extra_args: dict | None = None) -> None:
         self.unload()
@@ -759,11 +764,7 @@ class VllmBackend:
         (the row's name: the build's folder is named after its checkpoint, not its row; default the folder's name). A
         failure is a RuntimeError of one line naming that log (which holds the traceback), and the worker is replaced."""
         self.unload()
-        worker = self.workers[0]
-        if not worker.alive():
-            worker.stop()
-            worker.spawn()
-        worker.wait_started()
+        worker = self._started(self.workers[0])
         log = self._fresh_log(f"{log_name or Path(folder).name}-tasks")
         # lm-eval gives the engine the tokenizer it reads itself (the base's): one tokenizer for both sides
         args = {k: v for k, v in self.engine_args.items() if k not in ("tokenizer", "skip_tokenizer_init")}
