@@ -4,6 +4,7 @@ worker), reduced to what splicer keeps. Imported where lm-eval runs, never at sp
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from ..errors import SplicerError
@@ -11,7 +12,29 @@ from ..errors import SplicerError
 
 def task_manager(names: list[str], include_path: Path | None):
     """lm-eval's task registry, with the caller's own folder of YAMLs; an unknown name is one line listing what is
-    close. Raises SplicerError when lm-eval is missing or a task is unknown."""
+    close. Raises SplicerError when lm-eval is missing or a task is unknown. Built once per process for the same
+    tasks and folder: the check before a run and every row's evaluation (in this process, or in the vLLM worker that
+    serves one row after another) share it, since indexing lm-eval's own registry takes seconds; a YAML of the folder
+    added or changed since makes another."""
+    include = None if include_path is None else str(include_path)
+    return _task_manager(tuple(names), include, _yaml_state(include))
+
+
+def _yaml_state(include_path: str | None) -> tuple:
+    """What lm-eval reads of a folder of task YAMLs, as names, sizes and times: the cache key's part for the folder."""
+    if include_path is None or not Path(include_path).is_dir():
+        return ()
+    return tuple(
+        sorted(
+            (str(p), p.stat().st_size, p.stat().st_mtime_ns)
+            for p in Path(include_path).rglob("*")
+            if p.suffix in (".yaml", ".yml")
+        )
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _task_manager(names: tuple[str, ...], include_path: str | None, _state: tuple):
     try:
         from lm_eval.tasks import TaskManager
     except ImportError:
