@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..ablate.common import atomic_json, check_rows_finished, row_folder
 from ..analysis.task_scores import FILE, summarize
-from ..backends import backend_type, task_backend
+from ..backends import DEFAULT_BACKEND, backend_type, task_backend
 from ..backends.lm_eval_tasks import task_manager as check_tasks
 from ..errors import SplicerError
 from ..io import results_record
@@ -150,7 +150,7 @@ def run_tasks(
     if limit is not None and limit < 1:
         raise SplicerError(f"--limit {limit}: give the number of items per task to run (1 or more)")
     check_tasks(tasks, include_path)
-    backend = backend or results.get("backend") or "torch"
+    backend = backend or results.get("backend") or DEFAULT_BACKEND
     ok = {v["name"]: v for v in results.get("variants", []) if v.get("status") == "ok"}
     if rows is None:
         rows = [n for n, v in ok.items() if not v.get("repeat_of")]
