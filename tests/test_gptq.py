@@ -60,8 +60,64 @@ def test_inspect_gptq_build(gptq_build):
 
 
 def _negative(name: str, dynamic: dict) -> bool:
-    """vLLM's and GPTQModel's rule: the first `-:` pattern that re.matches excludes the module."""
-    return any(k.startswith("-:") and re.match(k[2:], name) for k in dynamic)
+    """vLLM's and GPTQModel's rule: the first rule whose pattern re.matches decides; a `-:` rule excludes the module."""
+    for k in dynamic:
+        if re.match(k[2:] if k[:2] in ("-:", "+:") else k, name):
+            return k.startswith("-:")
+    return False
+
+
+def _with_config(src, dst, edit):
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_a_positive_dynamic_rule_before_an_exclusion_keeps_the_module_quantized(pairs, gptq_build, tmp_path):
+    """GPTQModel and vLLM stop at the first `dynamic` rule that matches: a `+:` override listed before the `-:` rule
+    that leaves attention in BF16 claims layer 3's attention as 8-bit for GPTQModel, which finds it stored unquantized;
+    vLLM reads it unquantized all the same, from its scan of the packed tensors."""
+    build = _with_config(
+        gptq_build, tmp_path / "build", lambda qc: qc.update(dynamic={"+:.*\\.3\\.self_attn.*": {"bits": 8}, **qc["dynamic"]})
+    )
+    issues = inspect_checkpoint(open_checkpoint(build, "b"))["lint"]["issues"]
+    flagged = {i["naming"] for i in issues if ".3.self_attn." in i["detail"]}
+    assert flagged == {"hf"}, issues
+    assert not [i for i in issues if ".1.self_attn." in i["detail"]]  # the exclusion still holds elsewhere
+
+
+def test_a_splice_puts_its_exclusions_before_a_positive_rule(pairs, gptq_build, tmp_path):
+    """A build whose `dynamic` opens with a `+:` rule over every decoder expert: the splice's `-:` rules for the restored
+    experts go first, so GPTQModel and vLLM (whose MoE layers read `dynamic` only) both read them unquantized."""
+    from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
+    from splicer.formats.gptq import dynamic_rule
+
+    RULE = "+:(model\\.language_model|language_model\\.model)\\.layers\\.\\d+\\.mlp\\.experts.*"  # both namings, not the MTP's
+    build = _with_config(gptq_build, tmp_path / "build", lambda qc: qc.update(dynamic={RULE: {}, **qc["dynamic"]}))
+    assert inspect_checkpoint(open_checkpoint(build, "b"))["lint"]["issues"] == []
+    out = tmp_path / "out"
+    splice(str(build), str(pairs["fused"]["base"]), out, "experts", layers="0", progress=False)
+    dynamic = json.loads((out / "config.json").read_text())["quantization_config"]["dynamic"]
+    moe0 = QWEN3_5_MOE.to_vllm_name("model.language_model.layers.0.mlp.experts")
+    assert dynamic_rule(dynamic, moe0) is False and dynamic_rule(dynamic, moe0.replace(".0.", ".1.")) == {}
+    assert _negative("model.language_model.layers.0.mlp.experts.3.up_proj", dynamic)
+    assert inspect_checkpoint(open_checkpoint(out, "o"))["lint"]["issues"] == []
+
+
+def test_a_configs_own_module_list_is_what_vllm_reads(gptq_build, tmp_path):
+    """With modules_in_block_to_quantize in the config vLLM reads that list, not the checkpoint: naming q_proj without
+    k_proj and v_proj splits the fused qkv_proj, which vLLM refuses before it reads `dynamic`, even where a `-:` rule
+    excludes attention."""
+    build = _with_config(
+        gptq_build, tmp_path / "build", lambda qc: qc.update(modules_in_block_to_quantize=[["self_attn.q_proj"]])
+    )
+    issues = inspect_checkpoint(open_checkpoint(build, "b"))["lint"]["issues"]
+    refused = [i for i in issues if i["naming"] == "vllm" and "some but not all shards" in i["detail"]]
+    assert refused and "self_attn.qkv_proj" in refused[0]["detail"], issues
 
 
 def test_splice_gptq_experts_of_some_layers(pairs, gptq_build, tmp_path):

@@ -296,12 +296,19 @@ class Architecture:
                 return VllmLayer(vname[: -len(proj)] + fused, "linear", vname, ("MergedColumnParallelLinear",), drafter)
         return VllmLayer(vname, "linear", vname, ("RowParallelLinear", "ColumnParallelLinear"), drafter)
 
-    def vllm_shards_of(self, layer: VllmLayer) -> list[str]:
-        """Every shard name vLLM tests for a fused layer (should_ignore_layer)."""
+    def vllm_fused_shards(self, layer: VllmLayer) -> list[str] | None:
+        """The shard names vLLM tests for a layer its packed_modules_mapping fuses (None for any other layer)."""
         proj = layer.name.rsplit(".", 1)[-1]
         packed = self.vllm_mtp_packed_modules if layer.drafter else self.vllm_packed_modules
         if layer.kind == "linear" and proj in packed:
             return [layer.name[: -len(proj)] + s for s in packed[proj]]
+        return None
+
+    def vllm_shards_of(self, layer: VllmLayer) -> list[str]:
+        """Every shard name vLLM tests for a fused layer (should_ignore_layer)."""
+        fused = self.vllm_fused_shards(layer)
+        if fused is not None:
+            return fused
         if layer.kind == "moe":
             return [f"{layer.name}.0.{p}" for _, projs in self.fused_expert_shards for p in projs]
         return [layer.shard]

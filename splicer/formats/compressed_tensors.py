@@ -90,13 +90,39 @@ def vllm_should_ignore(
     return ignore.match(shards[0]) or layer_name in ignore.exact
 
 
+def vllm_matched_target(
+    name: str, class_names: tuple[str, ...], shards: list[str] | None, targets: Entries, fused_before_class: bool
+) -> str | None:
+    """vLLM's find_matched_target for one layer: the first target equal to or re.matching its name; else, for a fused
+    layer (`shards`), the first shard's target when every shard matches one; else the first target contained in its
+    class name, case-insensitively. fused_before_class: vLLM 0.27 and later, where the shards are tried before the
+    class (before, a class target such as Linear won over targets naming the shards)."""
+
+    def first(value: str) -> str | None:
+        return next((t for t in targets.entries if _eq_or_re(value, t)), None)
+
+    def by_class():
+        return next((t for t in targets.entries if any(_eq_or_re(c, t, contains=True) for c in class_names)), None)
+
+    def by_shards():  # all fused shards must match some name target
+        hits = [first(s) for s in shards] if shards else []
+        return hits[0] if hits and all(hits) else None
+
+    hit = first(name)
+    if hit:
+        return hit
+    tries = (by_shards, by_class) if fused_before_class else (by_class, by_shards)
+    return tries[0]() or tries[1]()
+
+
 class VllmReader:
     def __init__(self, qc: dict, arch: Architecture, release: VllmReleaseReader | None = None):
         self.release = release or modeled()
         self.arch = arch
         self.ignore = Entries(arch.vllm_rename_entry(e) for e in qc.get("ignore") or [])
-        self.targets = [(g, arch.vllm_rename_entry(t)) for g, ts in _groups(qc) for t in ts]
-        self.name_targets = [(g, t, re.compile(t[3:]) if t.startswith("re:") else None) for g, t in self.targets]
+        # vLLM's target_scheme_map: one entry per target, in the order first seen, the last group naming it winning
+        self.target_group = {arch.vllm_rename_entry(t): g for g, ts in _groups(qc) for t in ts}
+        self.name_targets = Entries(self.target_group)
         self.tested: set[str] = set()  # every name vLLM tests against ignore (for dead entries)
         self._moe_cache: dict[str, Reading] = {}
 
@@ -104,31 +130,13 @@ class VllmReader:
         self.tested.add(name)
         return self.ignore.match(name)
 
-    def _name_target(self, name: str) -> str | None:
-        for g, t, p in self.name_targets:
-            if p.match(name) if p is not None else t == name:
-                return g
-        return None
-
     def _should_ignore_layer(self, layer, shards: list[str]) -> bool:
         self.tested.add(layer.name)
         return vllm_should_ignore(layer.name, shards, self.ignore, self.release.ignore_fused_name_first, self.tested)
 
-    def _match_target(self, name: str, class_names: tuple[str, ...], shards: list[str]) -> str | None:
-        g = self._name_target(name)
-        if g:
-            return g
-
-        def by_class():
-            return next((g for g, t in self.targets if any(_eq_or_re(c, t, contains=True) for c in class_names)), None)
-
-        def by_shards():  # all fused shards must match some name target
-            hits = [self._name_target(s) for s in shards] if len(shards) > 1 else []
-            return hits[0] if hits and all(hits) else None
-
-        # find_matched_target's order (vllm_versions.target_fused_before_class)
-        first, second = (by_shards, by_class) if self.release.target_fused_before_class else (by_class, by_shards)
-        return first() or second()
+    def _match_target(self, name: str, class_names: tuple[str, ...], shards: list[str] | None) -> str | None:
+        target = vllm_matched_target(name, class_names, shards, self.name_targets, self.release.target_fused_before_class)
+        return self.target_group.get(target)
 
     def reading(self, module: Module) -> Reading:
         layer = self.arch.vllm_layer(module.name)
@@ -141,7 +149,7 @@ class VllmReader:
             if layer.kind == "moe":
                 per_proj = []
                 for s in shards:
-                    per_proj.append(None if self._ignored(s) else self._match_target(s, layer.class_names, [s]))
+                    per_proj.append(None if self._ignored(s) else self._match_target(s, layer.class_names, None))
                 if len(set(per_proj)) > 1:
                     raise ValueError(
                         f"All MoE projections need to have same quantization scheme ({layer.name}: expert 0 gate/up/down read as {per_proj})"
@@ -150,12 +158,30 @@ class VllmReader:
             elif self._should_ignore_layer(layer, shards):
                 reading = Reading(None)
             else:
-                reading = Reading(self._match_target(layer.name, layer.class_names, shards))
+                reading = Reading(self._match_target(layer.name, layer.class_names, self.arch.vllm_fused_shards(layer)))
         except ValueError as e:
             reading = Reading(None, error=str(e))
         if layer.kind == "moe":
             self._moe_cache[layer.name] = reading
         return reading
+
+
+def _ways_of_reading(modeled_release: VllmReleaseReader) -> list[list[VllmReleaseReader]]:
+    """The checked releases that read compressed-tensors otherwise than `modeled_release`, grouped by how they read it
+    (consecutive releases alike form one group)."""
+
+    def way(r):
+        return (r.ignore_fused_name_first, r.target_fused_before_class)
+
+    groups: list[list[VllmReleaseReader]] = []
+    for r in RELEASES:
+        if way(r) == way(modeled_release):
+            continue
+        if groups and way(groups[-1][-1]) == way(r):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
 
 
 def _said(reading: Reading) -> str:
@@ -236,16 +262,17 @@ class CompressedTensors(QuantFormat):
             m = modules[name]
             report.hf[name] = hr.reading(m)
             report.vllm[name] = vr.reading(m)
-        # The releases read `ignore` differently (vllm_versions): where another checked release would read a module
-        # otherwise than the one modeled, say so once, with the first such module.
-        for other in (r for r in RELEASES if r.version != vr.release.version):
-            ovr = VllmReader(qc, arch, other)
+        # The releases read `ignore` and targets differently (vllm_versions): where other checked releases would read
+        # a module otherwise than the one modeled, say so once per way of reading, with the first such module.
+        for others in _ways_of_reading(vr.release):
+            ovr = VllmReader(qc, arch, others[0])
             differ = [n for n in sorted(modules) if ovr.reading(modules[n]) != report.vllm[n]]
             if differ:
                 n = differ[0]
+                who = f"vLLM {others[0].version}" + (f" to {others[-1].version} read" if len(others) > 1 else " reads")
                 report.notes.append(
-                    f"vLLM {other.version} reads {len(differ)} modules otherwise than vLLM {vr.release.version} (modeled "
-                    f"here), e.g. {n}: {_said(ovr.reading(modules[n]))} against {_said(report.vllm[n])}"
+                    f"{who} {len(differ)} modules otherwise than vLLM {vr.release.version} (modeled here), e.g. {n}: "
+                    f"{_said(ovr.reading(modules[n]))} against {_said(report.vllm[n])}"
                 )
         for g, group in (qc.get("config_groups") or {}).items():
             order = (group.get("weights") or {}).get("actorder")

@@ -14,8 +14,51 @@ from .module import Module
 from .readings import Reading, fused_on_disk, readings_vs_storage, record_dead
 
 
-def _dynamic_negative(qc: dict) -> list[tuple[str, re.Pattern]]:
-    return [(k, re.compile(k[2:])) for k in (qc.get("dynamic") or {}) if k.startswith("-:")]
+def dynamic_rule(dynamic: dict | None, name: str) -> bool | dict | None:
+    """What the first `dynamic` rule whose regex re.matches `name` says, in the config's order, as vLLM's
+    `gptq_utils.get_dynamic_override` and GPTQModel's `dynamic_get` both read it: False for a `-:` rule (the module
+    stays unquantized), the rule's overrides for a `+:` or bare one, None where no rule matches. So a `+:` rule listed
+    before a `-:` rule that also matches keeps the module quantized: a splice puts its `-:` rules first."""
+    for pattern, overrides in (dynamic or {}).items():
+        if pattern.startswith("-:"):
+            if re.match(pattern[2:], name):
+                return False
+        elif re.match(pattern.removeprefix("+:"), name):
+            return overrides
+    return None
+
+
+def vllm_gptq_quantized(
+    layer: str, shards: list[str] | None, kind: str, dynamic: dict | None, listed: list[str], empty_list_quantized: bool
+) -> bool:
+    """vLLM's answer for one layer of a GPTQ build (`get_moe_quant_method` / `get_linear_quant_method`): routed experts
+    are quantized unless the first `dynamic` rule matching `...mlp.experts` is `-:`; any other layer also needs an entry
+    of `listed` (`modules_in_block_to_quantize`: the config's, else every module the checkpoint stores packed) to be a
+    substring of its name or, for a fused layer (`shards`, None when it is not fused), of every shard's name. Shards
+    that disagree are refused (ValueError), before `dynamic` is read. An empty list reads every layer as quantized from
+    vLLM 0.32 (`empty_list_quantized`), as unquantized before; vLLM fills an absent list from the checkpoint, so only
+    a config that names no module at all reaches it."""
+    if kind == "moe":
+        return dynamic_rule(dynamic, layer) is not False
+    if not listed:
+        quantized = empty_list_quantized
+    elif shards is None:
+        quantized = any(e in layer for e in listed)
+    else:
+        states = {any(e in s for e in listed) for s in shards}
+        if len(states) > 1:
+            raise ValueError(f"Detected some but not all shards of {layer} are quantized")
+        quantized = states.pop()
+    return quantized and dynamic_rule(dynamic, layer) is not False
+
+
+def listed_modules(qc: dict) -> list[str] | None:
+    """The config's `modules_in_block_to_quantize`, flattened as vLLM flattens a list of lists (None where absent or
+    empty: vLLM then scans the checkpoint)."""
+    listed = qc.get("modules_in_block_to_quantize")
+    if not listed:
+        return None
+    return [e for item in listed for e in (item if isinstance(item, list) else [item])]
 
 
 def desc_act_refused(qc: dict) -> str | None:
@@ -34,16 +77,16 @@ def desc_act_refused(qc: dict) -> str | None:
 
 
 class GptqHfReader:
-    """GPTQModel's view (HF names): every Linear of a decoder or MTP layer is quantized unless a `-:` rule of
-    `dynamic` re.matches its name; lm_head only with `lm_head: true`."""
+    """GPTQModel's view (HF names): every Linear of a decoder or MTP layer is quantized unless the first `dynamic`
+    rule that re.matches its name is a `-:` rule; lm_head only with `lm_head: true`."""
 
     def __init__(self, qc: dict, arch: Architecture):
         self.arch, self.qc = arch, qc
-        self.negative = _dynamic_negative(qc)
+        self.dynamic = qc.get("dynamic") or {}
 
     def reading(self, module: Module) -> Reading:
         name = module.name
-        if any(p.match(name) for _, p in self.negative):
+        if dynamic_rule(self.dynamic, name) is False:
             return Reading(None)
         cls = self.arch.module_class(name)
         if cls == "lm_head":
@@ -54,24 +97,23 @@ class GptqHfReader:
 
 
 class GptqVllmReader:
-    """vLLM's GPTQ / GPTQ-Marlin view (`quantization/utils/gptq_utils.py`). Linear layers: quantized when the
-    checkpoint holds packed tensors for them (vLLM scans it into `modules_in_block_to_quantize` and matches by
-    substring; shards of a fused layer must agree) and no `-:` rule of `dynamic` re.matches the layer's vLLM name.
-    MoE layers: quantized unless a `-:` rule matches the `...mlp.experts` prefix (the scan does not cover them)."""
+    """vLLM's GPTQ / GPTQ-Marlin view (`quantization/utils/gptq_utils.py`, `vllm_gptq_quantized`): the list of
+    quantized modules is the config's `modules_in_block_to_quantize` (renamed as vLLM's mapper renames it), else the
+    modules the checkpoint stores packed (vLLM scans the safetensors headers)."""
 
-    def __init__(self, qc: dict, arch: Architecture, modules: dict[str, Module]):
+    def __init__(self, qc: dict, arch: Architecture, modules: dict[str, Module], release=None):
+        from .vllm_versions import modeled
+
         self.arch, self.qc = arch, qc
-        self.negative = _dynamic_negative(qc)
-        self.quantized = [arch.to_vllm_name(n) if not arch.is_mtp(n) else n for n, m in modules.items() if m.quantized]
+        self.dynamic = qc.get("dynamic") or {}
+        self.release = release or modeled()
+        listed = listed_modules(qc)
+        if listed is not None:
+            self.listed = [arch.vllm_rename_entry(e) for e in listed]
+        else:
+            self.listed = [arch.to_vllm_name(n) if not arch.is_mtp(n) else n for n, m in modules.items() if m.quantized]
         self.tested: set[str] = set()
         self._cache: dict[str, Reading] = {}
-
-    def _excluded(self, prefix: str) -> bool:
-        self.tested.add(prefix)
-        return any(p.match(prefix) for _, p in self.negative)
-
-    def _scanned(self, prefix: str) -> bool:
-        return any(q in prefix for q in self.quantized)
 
     def reading(self, module: Module) -> Reading:
         layer = self.arch.vllm_layer(module.name)
@@ -79,18 +121,22 @@ class GptqVllmReader:
             return Reading(None)
         if layer.name in self._cache:
             return self._cache[layer.name]
-        if layer.kind == "moe":
-            reading = Reading(None if self._excluded(layer.name) else "gptq")
-        elif layer.kind == "lm_head" and not self.qc.get("lm_head"):
+        if layer.kind == "lm_head" and not self.qc.get("lm_head"):
             reading = Reading(None)
         else:
-            shards = self.arch.vllm_shards_of(layer)
-            states = {s: self._scanned(s) for s in shards}
-            if len(set(states.values())) > 1:
-                reading = Reading(None, error=f"Detected some but not all shards of {layer.name} are quantized")
-            else:
-                quantized = next(iter(states.values())) and not self._excluded(layer.name)
+            self.tested.add(layer.name)
+            try:
+                quantized = vllm_gptq_quantized(
+                    layer.name,
+                    self.arch.vllm_fused_shards(layer),
+                    layer.kind,
+                    self.dynamic,
+                    self.listed,
+                    self.release.gptq_empty_list_quantized,
+                )
                 reading = Reading("gptq" if quantized else None)
+            except ValueError as e:
+                reading = Reading(None, error=str(e))
         self._cache[layer.name] = reading
         return reading
 

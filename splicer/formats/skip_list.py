@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from abc import abstractmethod
+from collections.abc import Collection
 
 from ..arch.table import Architecture
 from ..errors import SplicerError
@@ -36,6 +37,29 @@ def skip_list_entries(modules: dict[str, Module], arch: Architecture) -> list[st
     return list(dict.fromkeys(names))
 
 
+def vllm_layer_skipped(layer: str, shards: list[str] | None, entries: Collection[str], substring: bool) -> bool:
+    """vLLM's `quant_utils.is_layer_skipped` for one layer, the same from 0.26 to 0.33 (tests/test_vllm_readers.py
+    runs each release's own function): an entry matches the exact name (FP8) or as a substring of it (AWQ). A fused
+    layer (`shards`, None when it is not fused) is skipped when its own name matches, else when every shard's does
+    (shards that disagree: ValueError). With exact names, a name containing "experts" that is not fused (an MoE
+    layer's `...mlp.experts`) is skipped when it is a substring of a listed name that contains "experts", so one listed
+    expert skips its whole layer."""
+
+    def match(name: str) -> bool:
+        return any(e in name for e in entries) if substring else name in entries
+
+    if shards is not None:
+        if match(layer):
+            return True
+        states = {match(s) for s in shards}
+        if len(states) > 1:
+            raise ValueError(f"Detected some but not all shards of {layer} are quantized")
+        return states.pop()
+    if "experts" in layer and not substring:
+        return any(layer in e for e in entries if "experts" in e)
+    return match(layer)
+
+
 class SkipListHfReader:
     """transformers' view of a native FP8 or AWQ build: every Linear is replaced unless `should_convert_module` says
     skip; routed experts are one module per layer (`...mlp.experts`), decided together, and only FP8 replaces them
@@ -61,10 +85,7 @@ class SkipListHfReader:
 
 
 class SkipListVllmReader:
-    """vLLM 0.26's view (`quant_utils.is_layer_skipped`): FP8 matches a layer's full name exactly, AWQ as a substring
-    of it; a fused layer is skipped when its own name matches, else all its shards must agree; FP8 skips a whole MoE
-    layer when its prefix is a substring of any listed name that contains "experts" (so one listed expert skips them
-    all). The head is never FP8, and AWQ only with `lm_head: true`. An empty AWQ list makes vLLM list the parent of
+    """vLLM's view, the same from 0.26 to 0.33 (`vllm_layer_skipped`). The head is never FP8, and AWQ only with `lm_head: true`. An empty AWQ list makes vLLM list the parent of
     every tensor whose dtype is float16, bfloat16 or float32 unless a sibling tensor is not (`AutoAWQConfig.
     maybe_update_config`): that includes parents such as `...linear_attn` (its A_log, dt_bias), which as a substring
     then unquantizes every projection under it. tensor_dtypes (tensor name -> safetensors dtype) gives those parents;
@@ -94,27 +115,13 @@ class SkipListVllmReader:
         self.tested: set[str] = set()
         self._cache: dict[str, Reading] = {}
 
-    def _match(self, prefix: str) -> bool:
-        self.tested.add(prefix)
-        return any(e in prefix for e in self.entries) if self.substr else prefix in self.entry_set
-
     def _skipped(self, layer) -> bool:
-        if layer.kind == "moe":
-            if not self.fmt.vllm_quantizes_moe:
-                return True
-            if self.substr:
-                return self._match(layer.name)
-            self.tested.add(layer.name)
-            return any(layer.name in e for e in self.entries if "experts" in e)
-        shards = self.arch.vllm_shards_of(layer)
-        if len(shards) > 1:
-            if self._match(layer.name):
-                return True
-            states = {s: self._match(s) for s in shards}
-            if len(set(states.values())) > 1:
-                raise ValueError(f"Detected some but not all shards of {layer.name} are quantized")
-            return next(iter(states.values()))
-        return self._match(layer.name)
+        if layer.kind == "moe" and not self.fmt.vllm_quantizes_moe:
+            return True
+        self.tested.add(layer.name)
+        shards = self.arch.vllm_fused_shards(layer)
+        self.tested.update(shards or [])
+        return vllm_layer_skipped(layer.name, shards, self.entries if self.substr else self.entry_set, self.substr)
 
     def entry_live(self, entry: str) -> bool:
         if self.substr:

@@ -240,6 +240,7 @@ GPTQ = (
     F(f"{QC}.lm_head", "bool"),
     F(f"{QC}.dynamic", "object|null"),
     F(f"{QC}.dynamic.*", "object"),
+    F(f"{QC}.modules_in_block_to_quantize", "list|null"),  # vLLM reads it instead of scanning the checkpoint
     F(f"{QC}.checkpoint_format", "str"),
     F(f"{QC}.true_sequential", "bool"),
     F(f"{QC}.static_groups", "bool"),
