@@ -227,6 +227,52 @@ def test_mtp_stage_counts_every_rows_drafts_and_writes_table_and_report(vllm_dir
     assert "MTP teacher-forced, build: first-position acceptance" in report and "teacher-forced − vLLM" in report
 
 
+def test_each_sequences_own_counts_from_vllm_0_33_are_the_counters_difference():
+    """vLLM 0.33's per-request spec-decode metrics (RequestSpecDecodeMetrics.to_dict) give one sequence's histogram of
+    accepted draft tokens per verify step; the same drafts as the engine counters' difference around the request."""
+    from splicer.backends.vllm_outputs import SPEC_ACCEPTED, SPEC_DRAFT_TOKENS, SPEC_DRAFTS, SPEC_PER_POS, spec_counts
+
+    # k=2: five verify steps accepting 0, 2, 1, 2, 2 draft tokens
+    request = {"acceptance_histogram": [1, 1, 3], "num_draft_tokens": 10, "num_spec_tokens": 2}
+    before = {SPEC_DRAFTS: 4.0, SPEC_DRAFT_TOKENS: 8.0, SPEC_ACCEPTED: 3.0, SPEC_PER_POS: [2.0, 1.0]}
+    after = {SPEC_DRAFTS: 9.0, SPEC_DRAFT_TOKENS: 18.0, SPEC_ACCEPTED: 10.0, SPEC_PER_POS: [6.0, 4.0]}
+    got = spec_counts({"before": before, "after": after, "request": request}, 2)
+    assert got == {
+        "drafts": 5,
+        "draft_tokens": 10,
+        "accepted": 7,
+        "accepted_per_pos": [4, 3],
+        "counted_by": "request",
+        "counters_agree": True,
+    }
+    after[SPEC_ACCEPTED] = 11.0  # the counters say otherwise: the sequence's own counts stand, the disagreement is kept
+    assert spec_counts({"before": before, "after": after, "request": request}, 2)["counters_agree"] is False
+    assert "counters_agree" not in spec_counts({"before": {}, "after": {}, "request": request}, 2)  # stats off
+    assert spec_counts({"before": before, "after": after, "request": None}, 2)["counted_by"] == "engine counters"
+    with pytest.raises(ValueError, match="3 entries for k=1"):
+        spec_counts({"before": {}, "after": {}, "request": request}, 1)
+
+
+def test_mtp_stage_on_vllm_0_33_counts_each_sequence_itself_and_agrees_with_0_26(vllm_dir, tmp_path, monkeypatch):
+    """With the stand-in following 0.33's API the worker asks for per-request spec-decode metrics (an engine argument
+    0.26 does not have, so never given there) and counts each prompt from them; the counts equal 0.26's, which come
+    from the engine counters, prompt by prompt."""
+    import shutil
+
+    from splicer.ablate.speculative import run_mtp
+
+    old = tmp_path / "on-0.26"
+    shutil.copytree(vllm_dir, old, symlinks=True)
+    monkeypatch.setenv("FAKE_VLLM_API", "0.26")
+    before = run_mtp(old, rows=["build"], tokens=(2,), **KW)
+    monkeypatch.setenv("FAKE_VLLM_API", "0.33")
+    after = run_mtp(vllm_dir, rows=["build"], tokens=(2,), **KW)
+    drafting = [[e for e in r["engines"] if e["k"] == 2 and not e["repeat"]][0] for r in (before, after)]
+    assert drafting[0]["counted_by"] == ["engine counters"] and "counters_agree" not in drafting[0]
+    assert drafting[1]["counted_by"] == ["request"] and drafting[1]["counters_agree"] is True
+    assert drafting[0]["per_prompt"] == drafting[1]["per_prompt"] and sum(p["drafts"] for p in drafting[1]["per_prompt"])
+
+
 def test_mtp_stage_resumes_and_flags_a_broken_drafter(vllm_dir, monkeypatch):
     from splicer.ablate.speculative import run_mtp
 

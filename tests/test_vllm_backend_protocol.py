@@ -153,6 +153,31 @@ def test_startup_breakdown_reads_vllm_0_26_log_lines():
     }
 
 
+def test_startup_breakdown_reads_vllm_0_33_tagged_lines_of_a_target_and_its_drafter():
+    """vLLM 0.33 tags each compiled model's compile and warm-up lines (compilation/monitor.py, "%storch.compile took",
+    the tag "[backbone] " or the drafter's); an engine with a drafter loads weights, compiles and warms up once per
+    model, so the engine's figure is their sum, and the init line's compilation total is the engine's own."""
+    from splicer.backends.vllm_logs import startup_breakdown
+
+    log = (
+        "INFO [default_loader.py:431] Loading weights took 27.50 seconds\n"
+        "INFO [default_loader.py:431] Loading weights took 1.25 seconds\n"
+        "INFO [gpu_model_runner.py:5348] Model loading took 20.10 GiB memory and 31.000000 seconds\n"
+        "INFO [monitor.py:62] [backbone] torch.compile took 40.00 s in total\n"
+        "INFO [monitor.py:62] [eagle_head] torch.compile took 7.00 s in total\n"
+        "INFO [monitor.py:93] [backbone] Initial profiling/warmup run took 60.00 s\n"
+        "INFO [monitor.py:93] [eagle_head] Initial profiling/warmup run took 4.50 s\n"
+        "INFO [core.py:341] init engine (profile, create kv cache, warmup model) took 210.00 s (compilation: 47.00 s)\n"
+    )
+    got = startup_breakdown(log)
+    assert got["weights_load_s"] == 28.75 and got["compile_s"] == 47.0 and got["profiling_warmup_s"] == 64.5
+    assert got["compile_s_by_model"] == {"backbone": 40.0, "eagle_head": 7.0}
+    assert got["profiling_warmup_s_by_model"] == {"backbone": 60.0, "eagle_head": 4.5}
+    assert "weights_load_s_by_model" not in got  # the loader's line names no model
+    # without the init line the per-model lines' sum stands
+    assert startup_breakdown(log.rsplit("INFO [core.py", 1)[0])["compile_s"] == 47.0
+
+
 def test_ablate_with_the_vllm_backend_path(pairs, fake_vllm, tmp_path, monkeypatch):
     """ablate --backend vllm end to end (stand-in engine): top-k filled from the engine's own top-k, engine info kept."""
     from splicer.ablate import AblateSettings, run_ablate
@@ -233,6 +258,21 @@ def test_with_overlapped_starts_every_engine_sleeps_once_started_and_is_woken_at
     assert not serial.sleep_between and "enable_sleep_mode" not in serial.engine_args
     with pytest.raises(SplicerError, match="enable_sleep_mode"):
         fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=1, engine_args={"enable_sleep_mode": False})
+
+
+def test_an_engine_that_does_not_wake_fully_is_an_error_not_a_timing(pairs, fake_vllm, tmp_path, monkeypatch):
+    """vLLM 0.33's LLM.wake_up returns whether the engine is fully awake (0.26's returns None): False fails the load in
+    one line instead of timing or scoring an engine whose weights are not all back on the GPU."""
+    monkeypatch.setenv("FAKE_VLLM_API", "0.33")
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=1)
+    b.load(pairs["fused"]["lowlatency"])  # fully awake: True
+    assert b.load_info()["wake_s"] >= 0
+    b.close()
+    monkeypatch.setenv("FAKE_VLLM_WAKE_INCOMPLETE", "1")
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, overlap_starts=1)
+    with pytest.raises(RuntimeError, match=r"did not wake fully from sleep \(LLM.wake_up returned False\)"):
+        b.load(pairs["fused"]["lowlatency"])
+    b.close()
 
 
 def test_rewake_before_timing_sleeps_and_wakes_the_engine_once_more_before_each_timing_only(pairs, fake_vllm, tmp_path):

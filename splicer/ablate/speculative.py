@@ -239,6 +239,11 @@ def _run_engines(out, results, record, path, backend, prompts, rows, build, stag
             else:
                 entry["per_prompt"] = per_prompt
                 entry["drafter_layers"] = backend.drafter_layers()
+                # which counts vLLM gave (the sequence's own from 0.33, else its engine counters), and whether both agree
+                entry["counted_by"] = sorted({a.get("counted_by", "engine counters") for a in answers})
+                agree = [a["counters_agree"] for a in answers if "counters_agree" in a]
+                if agree:
+                    entry["counters_agree"] = all(agree)
             if timing:
                 entry["timing"] = backend.time_decode(
                     timing_prompt,

@@ -42,7 +42,7 @@ from .gpus import check_gpus, one_per_gpu
 from .vllm_child import child_worker
 from .vllm_engine_args import OVERLAP_DEFAULTS, default_engine_args, parse_engine_args, parse_engine_env
 from .vllm_logs import KERNEL_LINE, arch_of, kernels_by_class, startup_breakdown
-from .vllm_outputs import TOKEN_ID_SCORING_SINCE, spec_decode_delta
+from .vllm_outputs import TOKEN_ID_SCORING_SINCE, spec_counts
 
 __all__ = [
     "VllmBackend",
@@ -749,10 +749,11 @@ class VllmBackend:
         return self.info
 
     def speculate(self, prompts: list[list[int]], new_tokens: int, k: int) -> list[dict]:
-        """Per prompt, generated greedily on its own on the loaded engine: the tokens, and the drafts vLLM's
-        spec-decode counters counted for it (vllm_outputs.spec_decode_delta; all 0 on an engine without a drafter)."""
+        """Per prompt, generated greedily on its own on the loaded engine: the tokens, and the drafts vLLM counted for
+        it, from the sequence's own counts where the engine gives them (0.33), else from its spec-decode counters
+        (vllm_outputs.spec_counts; all 0 on an engine without a drafter)."""
         answers = self._call("speculate", [list(p) for p in prompts], int(new_tokens))
-        return [{"tokens": a["tokens"], **spec_decode_delta(a["before"], a["after"], k)} for a in answers]
+        return [{"tokens": a["tokens"], **spec_counts(a, k)} for a in answers]
 
     # What `splicer tasks` records as the model lm-eval scored (tasks.json's settings: another model is another run).
     task_model = "vLLM engine with DIR's engine arguments through lm-eval's VLLM model"

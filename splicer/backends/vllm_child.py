@@ -129,6 +129,23 @@ def _takes_prompt_logprob_token_ids(sampling_params) -> bool:
     return True
 
 
+def _has_engine_arg(name: str) -> bool:
+    """Whether this vLLM's EngineArgs has the field (an older release refuses an unknown one when the engine is built)."""
+    try:
+        import dataclasses
+
+        from vllm.engine.arg_utils import EngineArgs
+
+        return name in {f.name for f in dataclasses.fields(EngineArgs)}
+    except Exception:
+        return False
+
+
+# vLLM 0.33: each finished sequence's own spec-decode counts (CompletionOutput.spec_decode_metrics), independent of the
+# engine's cumulative counters and of disable_log_stats; "summary" is the histogram without per-step arrays.
+PER_REQUEST_SPEC = "per_request_spec_decode_metrics"
+
+
 def _token_id_scoring(llm, sampling_params, tokens_prompt) -> dict:
     """Whether this engine serves prompt_logprob_token_ids, asked with one two-token request: vLLM 0.33 also needs its
     V2 model runner and refuses the parameter with kv_sharing_fast_prefill (v1/engine/input_processor.py), so the
@@ -172,6 +189,7 @@ def child_worker(conn, env: dict, log_path: str) -> None:
         return
     import_s = time.perf_counter() - t0
     takes_token_ids = _takes_prompt_logprob_token_ids(SamplingParams)
+    per_request_spec = _has_engine_arg(PER_REQUEST_SPEC)
     llm = None
 
     def load(folder, engine_args, variant_log, sleep_after=False):
@@ -184,6 +202,9 @@ def child_worker(conn, env: dict, log_path: str) -> None:
                 getattr(vlogger, fn, None) and getattr(vlogger, fn).cache_clear()
         except Exception:
             pass
+        spec_per_request = bool(engine_args.get("speculative_config")) and per_request_spec
+        if spec_per_request and PER_REQUEST_SPEC not in engine_args:
+            engine_args = {**engine_args, PER_REQUEST_SPEC: "summary"}
         t = time.perf_counter()
         llm = LLM(model=folder, **engine_args)
         startup = time.perf_counter() - t
@@ -215,6 +236,7 @@ def child_worker(conn, env: dict, log_path: str) -> None:
             "vllm": vllm.__version__,
             "model_runner": runner,
             "token_id_scoring": scoring,
+            "spec_counts_per_request": spec_per_request and engine_args.get(PER_REQUEST_SPEC) != "none",
             "startup_s": startup,
             "import_s": import_s,
             "compile_time_s": compile_s,
@@ -229,7 +251,8 @@ def child_worker(conn, env: dict, log_path: str) -> None:
 
     def wake():
         t = time.perf_counter()
-        llm.wake_up()
+        if llm.wake_up() is False:  # vLLM 0.33 says whether the engine is fully awake (before, it returns None)
+            raise RuntimeError("vLLM's engine did not wake fully from sleep (LLM.wake_up returned False)")
         return time.perf_counter() - t
 
     def sleep():
@@ -303,13 +326,17 @@ def child_worker(conn, env: dict, log_path: str) -> None:
 
     def speculate(prompts, n):
         """Each prompt generated greedily on its own (n tokens, EOS ignored), with the spec-decode counters read
-        before and after it: the counters are cumulative, so the difference is that request's drafts alone."""
+        before and after it (the counters are cumulative, so the difference is that request's drafts alone) and, where
+        the engine gives them (vLLM 0.33), the sequence's own counts."""
         params = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
         out = []
         for p in prompts:
             before = metrics(SPEC_PREFIX)
             res = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)
-            out.append({"tokens": list(res[0].outputs[0].token_ids), "before": before, "after": metrics(SPEC_PREFIX)})
+            seq = res[0].outputs[0]
+            own = getattr(seq, "spec_decode_metrics", None)
+            own = own.to_dict() if hasattr(own, "to_dict") else own
+            out.append({"tokens": list(seq.token_ids), "before": before, "after": metrics(SPEC_PREFIX), "request": own})
         return out
 
     def lm_eval(folder, tokenizer, engine_args, variant_log, request):

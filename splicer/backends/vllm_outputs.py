@@ -169,6 +169,33 @@ def _count(value) -> int:
     return int(value or 0)
 
 
+def spec_from_request(metrics: dict, k: int) -> dict:
+    """One sequence's drafts from vLLM's own per-request counts (vLLM 0.33, `--per-request-spec-decode-metrics`:
+    CompletionOutput.spec_decode_metrics, RequestSpecDecodeMetrics.to_dict): its histogram of accepted draft tokens per
+    verify step gives the drafts (steps), the accepted tokens and the accepted tokens per position (a step that
+    accepted j tokens accepted positions 1..j), as the engine's counters count them."""
+    hist = [int(c) for c in metrics["acceptance_histogram"]]
+    if len(hist) != k + 1:
+        raise ValueError(f"vLLM's per-request spec-decode histogram has {len(hist)} entries for k={k} (want {k + 1})")
+    return {
+        "drafts": sum(hist),
+        "draft_tokens": int(metrics["num_draft_tokens"]),
+        "accepted": sum(j * c for j, c in enumerate(hist)),
+        "accepted_per_pos": [sum(hist[i + 1 :]) for i in range(k)],
+    }
+
+
+def spec_counts(answer: dict, k: int) -> dict:
+    """One request's drafts: the sequence's own counts where the engine gave them, else the engine counters' difference
+    (spec_decode_delta); `counted_by` says which, and `counters_agree` whether both, where both were there, agree."""
+    delta = spec_decode_delta(answer["before"], answer["after"], k)
+    if not answer.get("request"):
+        return {**delta, "counted_by": "engine counters"}
+    own = spec_from_request(answer["request"], k)
+    counted = SPEC_DRAFTS in answer["after"]  # the engine reports its counters only with stats on
+    return {**own, "counted_by": "request", **({"counters_agree": own == delta} if counted else {})}
+
+
 def spec_decode_delta(before: dict, after: dict, k: int) -> dict:
     """One request's drafts from the counters read before and after it (the `speculate` op): drafts, draft tokens,
     accepted tokens and accepted tokens per position (k of them). Counters the engine did not report count 0; a counter

@@ -5,7 +5,10 @@ It is not vLLM: nothing measured with it says anything about vLLM.
 
 FAKE_VLLM_API=0.26 (the default) or 0.33 picks the release whose API it follows where the two differ for splicer:
 0.33 takes SamplingParams.prompt_logprob_token_ids and answers RequestOutput.prompt_token_id_logprobs (vLLM 0.31,
-PR #56984) with that release's checks; 0.26 refuses the keyword as it refuses any it does not know.
+PR #56984) with that release's checks; it takes the engine argument per_request_spec_decode_metrics and then gives
+each finished sequence its spec_decode_metrics (CompletionOutput, vLLM 0.33); its LLM.wake_up returns whether the
+engine is fully awake (FAKE_VLLM_WAKE_INCOMPLETE=1: not). 0.26 refuses the keywords as it refuses any it does not know,
+and its wake_up returns None.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ _NOT_IN_COMPILE_KEY = {
     "gpu_memory_utilization",
     "enable_prefix_caching",
     "disable_log_stats",
+    "per_request_spec_decode_metrics",
     "max_logprobs",
     "model_loader_extra_config",
 }
@@ -111,6 +115,7 @@ def _drafter_accept(model: str) -> float:
 
 # The SamplingParams keywords of later releases, and the release each came in (vLLM 0.31.0: PR #56984).
 _LATER_KEYWORDS = {"prompt_logprob_token_ids": (0, 31), "prompt_logprob_start": (0, 31)}
+_LATER_ENGINE_ARGS = {"per_request_spec_decode_metrics": (0, 33)}  # vllm/engine/arg_utils.py EngineArgs fields
 
 
 def _api() -> tuple[int, int]:
@@ -169,8 +174,32 @@ class FlatLogprobs:
 
 
 @dataclass
+class RequestSpecDecodeMetrics:
+    """vLLM 0.33's per-sequence spec-decode accumulator (v1/metrics/stats.py): a histogram of accepted draft tokens per
+    verify step and the draft tokens proposed."""
+
+    num_spec_tokens: int
+    histogram: list
+    num_draft_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        steps = sum(self.histogram)
+        accepted = sum(j * c for j, c in enumerate(self.histogram))
+        return {
+            "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+            "draft_acceptance_rate": accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+            "acceptance_histogram": list(self.histogram),
+            "num_spec_steps": steps,
+            "num_accepted_draft_tokens": accepted,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_spec_tokens": self.num_spec_tokens,
+        }
+
+
+@dataclass
 class _Completion:
     token_ids: list
+    spec_decode_metrics: RequestSpecDecodeMetrics | None = None
 
 
 @dataclass
@@ -189,6 +218,9 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str, **kwargs):
+        for name, since in _LATER_ENGINE_ARGS.items():
+            if name in kwargs and _api() < since:  # EngineArgs(**kwargs) in vLLM: a dataclass without the field
+                raise TypeError(f"EngineArgs.__init__() got an unexpected keyword argument '{name}'")
         if kwargs.get("load_format") == "dummy" and kwargs.get("model_loader_extra_config"):
             # vLLM 0.26's DummyModelLoader.__init__ refuses any extra loader config (dummy_loader.py)
             raise ValueError("Model loader extra config is not supported for load format dummy (fake)")
@@ -244,6 +276,9 @@ class LLM:
 
     def wake_up(self, tags=None):
         self.sleeping, self.wakes = False, self.wakes + 1
+        if _api() >= (0, 33):  # 0.33 returns whether the engine is fully awake
+            return os.environ.get("FAKE_VLLM_WAKE_INCOMPLETE") != "1"
+        return None
 
     def apply_model(self, fn):
         return [fn(self._ref.model if self._ref is not None else torch.nn.Module())]
@@ -264,12 +299,13 @@ class LLM:
             ]
         return out
 
-    def _count_drafts(self, gen: list) -> None:
+    def _count_drafts(self, gen: list) -> RequestSpecDecodeMetrics:
         """Speculative decoding over the generated tokens: after the first, each target step checks k draft tokens and
         accepts a leading run of them (token t is accepted when its hash falls under the acceptance share)."""
         import zlib
 
         k, p = self.spec_k, 1
+        mine = RequestSpecDecodeMetrics(k, [0] * (k + 1))
         while p < len(gen):
             run = 0
             while run < k and p + run < len(gen):
@@ -281,7 +317,10 @@ class LLM:
             self.spec["accepted"] += run
             for j in range(run):
                 self.spec["per_pos"][j] += 1
+            mine.histogram[run] += 1
+            mine.num_draft_tokens += k
             p += run + 1
+        return mine
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None):
         """vLLM's signature: one SamplingParams for every prompt, or a list of one per prompt (lm-eval passes a list)."""
@@ -305,7 +344,7 @@ class LLM:
         out = []
         for p, params, (asked, start) in zip(prompts, per_prompt, rows):
             ids = p["prompt_token_ids"]
-            plp = None
+            plp, request_spec = None, None
             if params.prompt_logprobs:
                 s = next(self._ref.score([ids], top_k=params.prompt_logprobs, want_full=True))
                 plp = [None]
@@ -331,7 +370,9 @@ class LLM:
             else:
                 gen = self._ref.generate([ids], params.max_tokens, params.stop_token_ids)[0]
                 if self.spec_k:
-                    self._count_drafts(gen)
+                    counted = self._count_drafts(gen)
+                    if self.kwargs.get("per_request_spec_decode_metrics", "none") != "none":
+                        request_spec = counted
             # The reference computed every token at once: call that the prefill and first token, then pay each
             # later token's decode step, so that the engine's token times and the wall clock both see steps of
             # DECODE_STEP_S (the wall clock also sees the reference's compute, which tells the two estimators apart).
@@ -341,7 +382,7 @@ class LLM:
             stats = None
             if self.kwargs.get("disable_log_stats") is False:
                 stats = RequestStateStats(len(gen), first, time.monotonic())
-            answer = RequestOutput(plp, [_Completion(gen)], stats)
+            answer = RequestOutput(plp, [_Completion(gen, request_spec)], stats)
             if _token_ids_served():  # vLLM 0.31's field, None unless asked: [prompt_len - 1 - start, num_ids], -inf at -1
                 answer.prompt_token_id_logprobs = None
                 if asked is not None:
