@@ -162,6 +162,8 @@ def _backend_options(args) -> dict:
         "rewake_before_timing": args.rewake_before_timing,
         "precompile": args.precompile,
         "gpus": tuple(g.strip() for g in args.gpus.split(",") if g.strip()) if args.gpus else None,
+        "ray": getattr(args, "ray", None),
+        "ray_lanes": getattr(args, "ray_lanes", None),
     }
     return {k: v for k, v in given.items() if v or (k == "gpus" and v is not None)}
 
@@ -625,6 +627,17 @@ def _run_options(s) -> None:
         "--precompile's processes compile on the others, then every GPU runs rows one engine at a time, "
         "timing the build at its start and end; each row's decode is compared with the build on its own GPU",
     )
+    s.add_argument(
+        "--ray",
+        nargs="?",
+        const="default",
+        metavar="ADDRESS",
+        help="run the rows on a Ray cluster (pip install 'splicer[ray]'): one lane per engine's worth of GPUs "
+        "(tensor x pipeline parallel size; the torch backend on the CPU: per core), each timing the build at its "
+        "start and end; ADDRESS as ray.init takes it (HOST:6379, auto), default RAY_ADDRESS or a local cluster; "
+        "every worker must see the checkpoints and DIR at the same paths",
+    )
+    s.add_argument("--ray-lanes", type=_count(1), metavar="N", help="--ray: use at most N lanes")
     s.add_argument(
         "--rewake-before-timing",
         action="store_true",

@@ -71,7 +71,9 @@ class AblateRun:
     todo: list  # every row of the plan the build's family has, in order (PlannedRow)
     selected: frozenset  # the rows asked for (with the build, its repeats and, spread over GPUs, each GPU's build rows)
     skipped: list  # {"name", "reason"} of the rows asked for that cannot run
-    spread: tuple | None  # with --gpus: (each GPU's first build row, each GPU's last, the other rows) (spread.py)
+    spread: (
+        tuple | None
+    )  # with --gpus or Ray lanes: (each lane's first build row, each lane's last, the other rows, the lanes) (spread.py)
     backends: tuple  # one, or one per GPU; the first runs the base pass
     stages: Stages  # stage lines (stderr off a terminal, and DIR/ablate.log)
     smoothing_warning: str | None = None  # the build's unquantized tensors changed beyond rounding (run.smoothing_warning)

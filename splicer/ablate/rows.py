@@ -293,6 +293,8 @@ def run_row(
         entry.update(status="error", error=str(e))
     except Exception as e:  # one variant's failure (engine error, OOM) must not end the plan
         entry.update(status="error", error=f"{e.__class__.__name__}: {e}", traceback=traceback.format_exc(limit=3))
+        if getattr(e, "lane_lost", False):  # a Ray lane's worker died: spread.py tries the row once more
+            entry["lane_lost"] = True
     finally:
         for lock in measuring:
             lock.release()
@@ -319,6 +321,10 @@ def run_rows(
     invocation began."""
     backend, backends, settings, stages, out = run.backend, run.backends, run.settings, run.stages, run.out
     run_list = schedule.run_list
+    if getattr(run.options, "ray", None):  # every lane sees DIR and the inputs, before the base pass and any row
+        from ..backends.ray_lanes import check_storage
+
+        check_storage(backends, out, [str(p) for p in run.inputs])
     base_done = (cache / "done.json").exists()
     if base_done:  # a resumed run that cannot score as it began is refused before anything is spliced or started
         hold_base_pass_scoring(backends, cache, corpora, done, out)
@@ -367,9 +373,9 @@ def run_rows(
 
     names = {it.row.name for it in run_list}
     if run.spread:
-        firsts, lasts, spread_rows = run.spread
+        firsts, lasts, spread_rows, lanes = run.spread
         spread.run_rows_on_gpus(
-            list(zip(run.options.gpus, backends)),
+            list(zip(lanes, backends)),
             [it if it is not None and it.row.name in names else None for it in firsts],
             [it if it is not None and it.row.name in names else None for it in lasts],
             [it for it in spread_rows if it.row.name in names],

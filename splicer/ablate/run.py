@@ -136,14 +136,14 @@ def prepare_run(
         plan, family, build.arch.classes, quantized, frozen, class_layers, build.text_config.get("num_hidden_layers")
     )
     spread_rows = None
-    if options.gpus:  # each GPU's own engines of the build replace the plan's extra ones (spread.py); refused before DIR changes
-        firsts, lasts, rows, replaced = spread.gpu_build_rows(
-            todo, options.gpus, timed=bool(settings.time_decode and plan.timing)
-        )
+    lanes = spread.lane_labels(options.gpus, backends)
+    if lanes:  # each lane's own engines of the build replace the plan's extra ones (spread.py); refused before DIR changes
+        firsts, lasts, rows, replaced = spread.gpu_build_rows(todo, lanes, timed=bool(settings.time_decode and plan.timing))
         todo = [firsts[0], *rows, *(it for it in (*firsts[1:], *lasts) if it is not None)]
-        skipped += [{"name": it.row.name, "reason": spread.SPREAD_REPEAT_REASON} for it in replaced]
+        why = spread.SPREAD_REPEAT_REASON if options.gpus else spread.RAY_REPEAT_REASON
+        skipped += [{"name": it.row.name, "reason": why} for it in replaced]
         selected |= {it.row.name for it in (*firsts, *lasts) if it is not None}
-        spread_rows = (firsts, lasts, rows)
+        spread_rows = (firsts, lasts, rows, lanes)
     run = AblateRun(
         rows_spec=rows_spec,
         build_src=build_src,

@@ -34,8 +34,11 @@ def time_breakdown(results: dict) -> dict:
         parts["weight loading, summed over engines"] += sb.get("model_load_s", sb.get("weights_load_s", 0.0))
     if any(v.get("gpu") is not None for v in results.get("variants", [])):
         # Rows spread over GPUs ran side by side: their stages add up to more than the wall time.
+        from .verdicts import lanes_word
+
+        over = "Ray lanes" if lanes_word(results) == "Ray lane" else "GPUs"
         parts = {
-            (f"{k}, summed over GPUs" if k in ("waiting for engines", "scoring", "timing") else k): x for k, x in parts.items()
+            (f"{k}, summed over {over}" if k in ("waiting for engines", "scoring", "timing") else k): x for k, x in parts.items()
         }
     if results.get("elapsed_s") is not None:
         parts["this run, wall"] = results["elapsed_s"]

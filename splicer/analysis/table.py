@@ -324,7 +324,7 @@ def _top1_rule(results: dict) -> str:
 
 def _footnotes(results: dict) -> list[str]:
     from .metrics import MIN_SEQUENCES
-    from .verdicts import engine_means_text, noise_text, per_gpu_engines_text, pooled_kl
+    from .verdicts import engine_means_text, lanes_word, noise_text, per_gpu_engines_text, pooled_kl
 
     notes = []
     method = (results.get("verdicts") or {}).get("method")
@@ -339,8 +339,9 @@ def _footnotes(results: dict) -> list[str]:
     d = next((v["decode_vs_build"] for v in results["variants"] if (v.get("decode_vs_build") or {}).get("rel") is not None), None)
     timed = any(r.get("decode_ms_per_token") for r in results["variants"])
     if d and engines and engines.get("by_gpu"):
-        ref = "the mean of the build's engines' levels on the row's own GPU"
-        spread = f"the build's engines on each GPU ({per_gpu_engines_text(engines)})"
+        lane = lanes_word(results)
+        ref = f"the mean of the build's engines' levels on the row's own {lane}"
+        spread = f"the build's engines on each {lane} ({per_gpu_engines_text(engines)})"
     elif d:
         ref = f"the mean of the build's {d['engines'][1]} engines' levels, {d['reference_ms']:.3f} ms/token"
         spread = (

@@ -414,10 +414,22 @@ def engine_means_text(engines: dict) -> str:
     return ", ".join(f"{n} {m:.3f}" for n, m in zip(engines["rows"], engines["mean_ms"]))
 
 
+def lane_name(lane) -> str:
+    """How a report names where a row ran in a spread run: 'GPU 1' (a --gpus id), 'Ray lane ray1' (--ray)."""
+    return f"GPU {lane}" if str(lane).isdigit() else f"Ray lane {lane}"
+
+
+def lanes_word(results: dict) -> str:
+    """'GPU' or 'Ray lane': what a spread run's rows ran on (a row's `gpu` holds the --gpus id or the Ray lane)."""
+    lanes = [v["gpu"] for v in results.get("variants", []) if v.get("gpu") is not None]
+    return "Ray lane" if lanes and not str(lanes[0]).isdigit() else "GPU"
+
+
 def per_gpu_engines_text(engines: dict) -> str:
-    """The build's engines per GPU of a run spread over GPUs (build_engine_agreement's by_gpu), for report and table."""
+    """The build's engines per GPU (or Ray lane) of a spread run (build_engine_agreement's by_gpu), for report and
+    table."""
     return "; ".join(
-        f"GPU {g}: {engine_means_text(e)} ms/token, largest difference {100 * e['spread']:.2f} %"
+        f"{lane_name(g)}: {engine_means_text(e)} ms/token, largest difference {100 * e['spread']:.2f} %"
         for g, e in engines["by_gpu"].items()
     )
 

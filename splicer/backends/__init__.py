@@ -34,7 +34,7 @@ def backend_options(name: str, given: dict, device: str = "auto"):
     backend's line; the chosen backend's options check their combinations, and the device, where they are made."""
     chosen = options_type(name)
     for other in map(options_type, BACKENDS):
-        owned = {k: v for k, v in given.items() if k in other.option_names()}
+        owned = {k: v for k, v in given.items() if k in other.option_names() and k not in chosen.option_names()}
         if other is not chosen and owned:
             other(**owned)
             raise SplicerError(other.refused_elsewhere(owned))

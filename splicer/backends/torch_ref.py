@@ -470,9 +470,16 @@ class TorchOptions:
     """The torch backend's options (backends.BackendOptions): its CPU threads (--threads; None: choose_threads picks)."""
 
     threads: int | None = None
+    ray: str | None = None  # --ray [ADDRESS]: rows on a Ray cluster's lanes (ray_lanes.py)
+    ray_lanes: int | None = None  # at most this many lanes
 
     backend = "torch"
-    gpus = ()  # one device: rows are never spread
+    gpus = ()  # one device per run, or one per Ray lane
+
+    def __post_init__(self):
+        from . import ray_lanes
+
+        ray_lanes.check_options(self.ray, self.ray_lanes)
 
     def speculative(self) -> None:
         return None  # transformers' model of the family has no MTP head: no speculative decoding here
@@ -501,7 +508,8 @@ class TorchOptions:
 
     def job_settings(self) -> dict:
         # What a job of this backend recorded before options were the backend's own: kept, so that its jobs still resume.
-        return {"engine_args": {}, "overlap_starts": 0, "rewake_before_timing": False}
+        # Rows on Ray lanes are named and compared per lane: another job.
+        return {"engine_args": {}, "overlap_starts": 0, "rewake_before_timing": False, **({"ray": True} if self.ray else {})}
 
     def cache_key(self) -> list:
         return [{}]  # as job_settings: the key the base pass's cache had before
@@ -514,4 +522,10 @@ class TorchOptions:
             TorchBackend.check_readable(ckpt, modules)
 
     def make_backends(self, device: str, log_dir: Path) -> list:
+        if self.ray:  # one lane per GPU of the cluster (per core, on the CPU), each a backend of these options but --ray
+            from dataclasses import replace
+
+            from . import ray_lanes
+
+            return ray_lanes.make_lanes(replace(self, ray=None, ray_lanes=None), device, log_dir, self.ray, self.ray_lanes)
         return [TorchBackend(device=device, threads=self.threads)]

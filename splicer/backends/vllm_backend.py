@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SplicerError
+from . import ray_lanes
 from .base import ResultsWording, SequenceScores, kl_support
 from .gpus import check_gpus, one_per_gpu
 from .vllm_child import child_worker
@@ -222,6 +223,7 @@ def check_engine_options(
 
 # Options that only schedule the vLLM backend's engines (the others are the engines' own arguments and environment).
 _SCHEDULING = ("gpus", "overlap_starts", "precompile", "rewake_before_timing", "process_per_variant", "engine_cache_dir")
+# both backends take --ray and --ray-lanes (ray_lanes.py)
 
 
 @dataclass(frozen=True)
@@ -239,10 +241,15 @@ class VllmOptions:
     rewake_before_timing: bool = False
     precompile: int = 0
     gpus: tuple | None = None  # None or (): one GPU
+    ray: str | None = None  # --ray [ADDRESS]: rows on a Ray cluster's lanes (ray_lanes.py)
+    ray_lanes: int | None = None  # at most this many lanes
 
     backend = "vllm"
 
     def __post_init__(self):
+        ray_lanes.check_options(
+            self.ray, self.ray_lanes, gpus=self.gpus, overlap_starts=self.overlap_starts, precompile=self.precompile
+        )
         if self.gpus is not None:  # given, even empty (--gpus ,): two or more ids
             check_gpus(tuple(self.gpus), self.overlap_starts)
         object.__setattr__(self, "gpus", tuple(self.gpus or ()))
@@ -294,6 +301,7 @@ class VllmOptions:
             "rewake_before_timing": self.rewake_before_timing,
             # Rows spread over GPUs are named and compared per GPU: another spread is another job.
             **({"gpus": list(self.gpus)} if self.gpus else {}),
+            **({"ray": True} if self.ray else {}),
         }
 
     def cache_key(self) -> list:
@@ -305,16 +313,18 @@ class VllmOptions:
 
     def speculative(self) -> VllmOptions:
         """One engine at a time, alone on the GPU: the speculative engines are timed, so none starts ahead."""
-        return replace(self, overlap_starts=0, rewake_before_timing=False, precompile=0, gpus=None)
+        return replace(self, overlap_starts=0, rewake_before_timing=False, precompile=0, gpus=None, ray=None, ray_lanes=None)
 
     def tasks(self) -> VllmOptions:
         """One engine at a time: lm-eval builds its own engine from these arguments, so none starts ahead."""
-        return replace(self, overlap_starts=0, rewake_before_timing=False, precompile=0, gpus=None)
+        return replace(self, overlap_starts=0, rewake_before_timing=False, precompile=0, gpus=None, ray=None, ray_lanes=None)
 
     def check_loadable(self, ckpt, modules: dict | None = None) -> None:
         pass  # vLLM loads a format or refuses it when the row's engine starts: that row fails, the others run
 
     def make_backends(self, device: str, log_dir: Path) -> list:
+        if self.ray:  # one lane per engine's worth of the cluster's GPUs, each with these options but --ray
+            return ray_lanes.make_lanes(replace(self, ray=None, ray_lanes=None), device, log_dir, self.ray, self.ray_lanes)
         options = {
             "engine_args": self.engine_args,
             "log_dir": log_dir,

@@ -1,4 +1,5 @@
-"""`splicer ablate --gpus 0,1`: a plan's rows spread over several GPUs of one host.
+"""`splicer ablate --gpus 0,1` (or `--ray`): a plan's rows spread over several GPUs of one host (or a Ray cluster's
+lanes, backends/ray_lanes.py: each lane's label stands where a GPU id stands below, `build-ray1`).
 
 Decode differences of a few percent are only seen when every engine is timed alone on its GPU, and engines of one
 variant on different GPUs differ by more than that: so each GPU times the build at its start and at its end (the rows
@@ -22,6 +23,7 @@ from ..errors import SplicerError
 from .plan import PlannedRow, Row
 
 SPREAD_REPEAT_REASON = "spread over GPUs: the build is timed at the start and end of every GPU instead"
+RAY_REPEAT_REASON = "spread over Ray lanes: the build is timed at the start and end of every lane instead"
 
 
 def compile_targets(lanes: list[int]):
@@ -34,6 +36,21 @@ def compile_targets(lanes: list[int]):
     later = [0] if lanes[0] else [k for k in range(1, len(lanes)) if lanes[k]] or [0]
     while True:
         yield from later
+
+
+def lane_labels(gpus: tuple, backends: list) -> tuple[str, ...]:
+    """The lanes the rows are spread over: --gpus' ids, or each Ray lane's label when a run has more than one; () when
+    the rows run one after another on one backend."""
+    if gpus:
+        return tuple(gpus)
+    if len(backends) > 1:
+        return tuple(b.label for b in backends)
+    return ()
+
+
+def _lane_row(name: str, lane: str, end: bool = False) -> str:
+    """The build's row on a lane: build-gpu1 (a --gpus id), build-ray1 (a Ray lane); -end- for its last engine."""
+    return f"{name}{'-end' if end else ''}-{'gpu' if lane.isdigit() else ''}{lane}"
 
 
 def gpu_build_rows(
@@ -53,9 +70,9 @@ def gpu_build_rows(
     if not timed:
         return [build, *[None] * (len(gpus) - 1)], [None] * len(gpus), [it for it in todo if it is not build], []
     firsts = [
-        build if k == 0 else PlannedRow(Row(f"{name}-gpu{g}", restore=[], repeat=True), [], name) for k, g in enumerate(gpus)
+        build if k == 0 else PlannedRow(Row(_lane_row(name, g), restore=[], repeat=True), [], name) for k, g in enumerate(gpus)
     ]
-    lasts = [PlannedRow(Row(f"{name}-end-gpu{g}", restore=[], repeat=True), [], name) for g in gpus]
+    lasts = [PlannedRow(Row(_lane_row(name, g, end=True), restore=[], repeat=True), [], name) for g in gpus]
     replaced = [it for it in todo if it is not build and it.restored == [] and it.splice_name == name]
     rows = [it for it in todo if it is not build and it not in replaced]
     return firsts, lasts, rows, replaced
@@ -71,14 +88,15 @@ def run_rows_on_gpus(
     before_rows=None,
 ) -> None:
     """One thread per (gpu, backend) in lanes: before_rows(backend, gpu) (its compiling processes end), its first item,
-    then rows from the shared queue while any is left, then its last item. run_one(item, backend, gpu) -> entry;
-    record(item, entry) writes it (under RowSchedule.measuring, by the caller). An interrupt (Ctrl-C) ends every lane:
+    then rows from the shared queue while any is left, then its last item. run_one(item, backend, gpu) -> entry; a row
+    whose lane lost its worker (entry `lane_lost`) goes back into the queue once; record(item, entry) writes it (under RowSchedule.measuring, by the caller). An interrupt (Ctrl-C) ends every lane:
     their backends are closed, which ends their engines, and what a lane was doing then is not recorded."""
     pending: queue.Queue = queue.Queue()
     for it in rows:
         pending.put(it)
     stop = threading.Event()
     failures: list[BaseException] = []
+    retried: set[int] = set()
 
     def lane(k: int, gpu: str, backend) -> None:
         def items():
@@ -101,6 +119,12 @@ def run_rows_on_gpus(
                 entry = run_one(it, backend, gpu)
                 if stop.is_set():
                     return
+                if entry.get("lane_lost") and id(it) not in retried and it is not firsts[k] and it is not lasts[k]:
+                    # The lane's worker died during this row (a Ray lane: ray_lanes.LaneLost): the row is tried once
+                    # more by whichever lane is free next, this one included with its new worker.
+                    retried.add(id(it))
+                    pending.put(it)
+                    continue
                 record(it, entry)
                 if it is firsts[k] and entry.get("status") != "ok":
                     # This GPU cannot serve the build: it takes no rows (each would fail fast and empty the queue),
