@@ -63,7 +63,10 @@ def connect(address: str) -> None:
     ray = ray_module()
     if ray.is_initialized():
         return
-    kwargs = {"include_dashboard": False, "log_to_driver": False}
+    import logging
+
+    # Ray's own lines (joining, starting a local instance) would break the one-line stderr of a refused run
+    kwargs = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING}
     try:
         ray.init(**({} if address == DEFAULT_ADDRESS else {"address": address}), **kwargs)
     except Exception as e:
@@ -112,8 +115,8 @@ def _worker_class():
     class LaneWorker:
         """One lane's backend, in the Ray worker that holds the lane's resources."""
 
-        def __init__(self, options, device: str, log_dir: str, backend_kwargs: dict, incarnation: int):
-            self.incarnation = incarnation
+        def __init__(self, label: str, options, device: str, log_dir: str, backend_kwargs: dict, incarnation: int):
+            self.fault = f"ray:lane-call:{label}:{incarnation}"  # SPLICER_FAULT names one worker of one lane
             cls = options.backend_type()
             if backend_kwargs:  # the tests' hook (BACKEND_KWARGS)
                 init = cls.__init__
@@ -121,7 +124,7 @@ def _worker_class():
             self.backend = options.make_backends(device, Path(log_dir))[0]
 
         def call(self, method: str, args: tuple, kwargs: dict):
-            faults.point(f"ray:lane-call:{self.incarnation}")
+            faults.point(self.fault)
             out = getattr(self.backend, method)(*args, **kwargs)
             return list(out) if method == "score" else out
 
@@ -200,7 +203,9 @@ class RayLane:
         if self.per_engine and not self.fits_node:
             options = _with_engine_args(options, distributed_executor_backend="ray")
         worker = _worker_class().options(**opts, **ACTOR_OPTIONS)
-        self._actor = worker.remote(options, self.device, str(self.log_dir), dict(BACKEND_KWARGS), self._incarnation)
+        self._actor = worker.remote(
+            self.label, options, self.device, str(self.log_dir), dict(BACKEND_KWARGS), self._incarnation
+        )
         if self._exact is not None:
             self._call("hold_exact_gather", self._exact)
 

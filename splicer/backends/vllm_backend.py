@@ -324,7 +324,8 @@ class VllmOptions:
 
     def make_backends(self, device: str, log_dir: Path) -> list:
         if self.ray:  # one lane per engine's worth of the cluster's GPUs, each with these options but --ray
-            return ray_lanes.make_lanes(replace(self, ray=None, ray_lanes=None), device, log_dir, self.ray, self.ray_lanes)
+            lane = replace(self, ray=None, ray_lanes=None, gpus=None)
+            return ray_lanes.make_lanes(lane, device, log_dir, self.ray, self.ray_lanes)
         options = {
             "engine_args": self.engine_args,
             "log_dir": log_dir,

@@ -1,0 +1,172 @@
+"""`--ray`: a plan's rows on the lanes of a Ray cluster (backends/ray_lanes.py), here a local cluster on the CPU with two
+cores and two logical GPUs (Ray hands them out as it would real ones; nothing here runs on a GPU). The torch backend on
+the CPU takes one lane per core; the stand-in vLLM (tests/fake_vllm, not vLLM) one lane per GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from splicer.ablate import AblateSettings, run_ablate
+from splicer.backends import backend_options
+from splicer.errors import SplicerError
+
+ray = pytest.importorskip("ray")  # the test extra installs it
+
+ROOT = Path(__file__).parents[1]
+FAKE = str(ROOT / "tests" / "fake_vllm")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def _settings(ray_address="default", backend="torch", time_decode=True, **options):
+    given = {"ray": ray_address, **options} if ray_address else dict(options)
+    return AblateSettings(
+        backend=backend,
+        device="cpu" if backend == "torch" else "auto",
+        time_decode=time_decode,
+        progress=False,
+        bootstrap=50,
+        backend_options=backend_options(backend, given, "cpu" if backend == "torch" else "auto"),
+    )
+
+
+def _metrics(results: dict) -> dict:
+    return {v["name"]: v["metrics"] for v in results["variants"] if v["status"] == "ok"}
+
+
+def test_rows_on_two_lanes_score_as_a_plain_run_and_time_the_build_on_each_lane(pairs, cluster, tmp_path):
+    p = pairs["fused"]
+    plain = run_ablate("gdn,attention", str(p["lowlatency"]), str(p["base"]), tmp_path / "plain", "demo", _settings(None))
+    spread = run_ablate("gdn,attention", str(p["lowlatency"]), str(p["base"]), tmp_path / "ray", "demo", _settings())
+    got = {v["name"]: v for v in spread["variants"]}
+    assert all(v["status"] == "ok" for v in got.values()), [v.get("error") for v in got.values()]
+    # each lane timed the build at its start and its end; every row names its lane
+    assert {"build", "build-ray1", "build-end-ray0", "build-end-ray1"} <= set(got)
+    assert {v["gpu"] for v in got.values()} == {"ray0", "ray1"}
+    assert got["build"]["gpu"] == "ray0" and got["build-ray1"]["gpu"] == "ray1"
+    # the same scores as one process gives: every row the plain run has, position for position
+    plain_metrics, ray_metrics = _metrics(plain), _metrics(spread)
+    for name in ("build", "gdn", "attention"):
+        assert ray_metrics[name] == plain_metrics[name], name
+    for name in ("build-ray1", "build-end-ray0", "build-end-ray1"):
+        assert ray_metrics[name] == plain_metrics["build"], name
+    # each row's decode is compared with the build on its own lane
+    for name in ("gdn", "attention"):
+        d = got[name].get("decode_vs_build")
+        assert d is not None and d.get("gpu") == got[name]["gpu"], (name, d)
+    job = json.loads((tmp_path / "ray" / "job.json").read_text())
+    assert job["settings"].get("ray") is True
+    table = (tmp_path / "ray" / "table.md").read_text()
+    assert "on the row's own Ray lane" in table and "Ray lane ray1:" in table
+    assert "spread over Ray lanes: the build is timed at the start and end of every lane instead" in table
+    assert not (tmp_path / "ray" / ".ray-storage-check").exists()
+
+
+def test_a_killed_worker_loses_its_row_once_and_the_run_resumes(pairs, cluster, tmp_path, monkeypatch):
+    """Lane ray1's first worker is killed at its fourth call (SIGKILL, inside a row): that row is tried again, on a new
+    worker, and every row ends ok. A second run of more rows into the same folder keeps the finished ones."""
+    from splicer.backends import ray_lanes
+
+    p = pairs["fused"]
+    monkeypatch.setattr(ray_lanes, "ACTOR_OPTIONS", {"runtime_env": {"env_vars": {"SPLICER_FAULT": "ray:lane-call:ray1:0#4"}}})
+    out = tmp_path / "out"
+    first = run_ablate("gdn,attention", str(p["lowlatency"]), str(p["base"]), out, "demo", _settings(time_decode=False))
+    got = {v["name"]: v for v in first["variants"]}
+    # untimed: the build runs once and the plan's build-again is a row like the others
+    assert set(got) == {"build", "build-again", "gdn", "attention"} and all(v["status"] == "ok" for v in got.values())
+    assert "lost its worker" not in (out / "ablate.log").read_text()  # the retried row is recorded once, ok
+    killed = [v for v in got.values() if v["gpu"] == "ray1"]
+    assert killed, "lane ray1 ran no row"
+    monkeypatch.setattr(ray_lanes, "ACTOR_OPTIONS", {})
+    again = run_ablate(
+        "gdn,attention,shared_expert", str(p["lowlatency"]), str(p["base"]), out, "demo", _settings(time_decode=False)
+    )
+    assert again["runs"][-1]["rows_run"] == ["shared_expert"]
+    assert {v["name"] for v in again["variants"] if v["status"] == "ok"} == {
+        "build",
+        "build-again",
+        "gdn",
+        "attention",
+        "shared_expert",
+    }
+
+
+def test_the_fake_vllm_runs_on_gpu_lanes(pairs, cluster, tmp_path, monkeypatch):
+    """The stand-in engine (not vLLM) in lanes of one logical GPU each: rows load, score and record their lane."""
+    from splicer.backends import ray_lanes
+
+    env = {"PYTHONPATH": os.pathsep.join([FAKE, str(ROOT)])}
+    monkeypatch.setattr(ray_lanes, "ACTOR_OPTIONS", {"runtime_env": {"env_vars": env}})
+    monkeypatch.setattr(ray_lanes, "BACKEND_KWARGS", {"require_cuda": False})
+    p = pairs["fused"]
+    out = tmp_path / "out"
+    results = run_ablate("gdn", str(p["lowlatency"]), str(p["base"]), out, "demo", _settings(backend="vllm", time_decode=False))
+    got = {v["name"]: v for v in results["variants"]}
+    assert set(got) == {"build", "build-again", "gdn"} and all(v["status"] == "ok" for v in got.values()), got
+    lanes = {v["engine"]["ray_lane"]["lane"] for v in got.values()}
+    assert lanes <= {"ray0", "ray1"} and all(v["engine"]["ray_lane"]["gpus"] for v in got.values())
+
+
+def test_a_cluster_too_small_for_one_engine_is_refused_in_one_line(pairs, cluster, tmp_path):
+    p = pairs["fused"]
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "splicer", "ablate", "gdn", str(p["lowlatency"]), str(p["base"]), "-o", str(out)]
+    cmd += ["--plan", "demo", "--backend", "vllm", "--tensor-parallel-size", "4", "--ray", cluster, "-q"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([FAKE, str(ROOT)]))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "the cluster has 2 GPU(s) and one engine needs 4" in lines[0], r.stderr
+    assert not out.exists()
+
+
+def test_a_lane_that_cannot_see_the_folders_fails_the_run_in_one_line(pairs, cluster, tmp_path):
+    from splicer.backends import ray_lanes
+
+    options = backend_options("torch", {"ray": "default", "ray_lanes": 1}, "cpu")
+    lanes = options.make_backends("cpu", tmp_path / "logs")
+    try:
+        assert len(lanes) == 1
+        ray_lanes.check_storage(lanes, tmp_path, [str(pairs["fused"]["base"])])  # sees it: no error
+        with pytest.raises(SplicerError, match=r"lane ray0 on .*: cannot read /nowhere/build/config.json; every worker"):
+            ray_lanes.check_storage(lanes, tmp_path, ["/nowhere/build"])
+        (tmp_path / ray_lanes.TOKEN_FILE).write_text("another run\n")
+        with pytest.raises(SplicerError, match="holds another run's token"):
+            lanes[0].check_storage(tmp_path, "this run", [])
+    finally:
+        for lane in lanes:
+            lane.close()
+
+
+def test_lanes_follow_the_engines_size_and_the_options_it_cannot_go_with(monkeypatch):
+    from splicer.backends import ray_lanes
+
+    def nodes(*gpus):
+        return lambda: [{"Alive": True, "Resources": {"GPU": g, "CPU": 8}} for g in gpus]
+
+    monkeypatch.setattr(ray, "nodes", nodes(8, 8))
+    assert ray_lanes.plan_lanes(2, None) == (8, True) and ray_lanes.plan_lanes(2, 3) == (3, True)
+    assert ray_lanes.plan_lanes(16, None) == (1, False)  # across both nodes, vLLM's Ray executor
+    monkeypatch.setattr(ray, "nodes", nodes(1, 1, 1))
+    assert ray_lanes.plan_lanes(2, None) == (1, False)
+    with pytest.raises(SplicerError, match="has 3 GPU"):
+        ray_lanes.plan_lanes(4, None)
+    with pytest.raises(SplicerError, match="--ray and --gpus, --precompile"):
+        backend_options("vllm", {"ray": "default", "gpus": ("0", "1"), "precompile": 2})
+    with pytest.raises(SplicerError, match="--ray-lanes caps"):
+        backend_options("torch", {"ray_lanes": 2})
+    vllm = backend_options("vllm", {"ray": "default", "engine_args": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}})
+    assert ray_lanes.engine_gpus(vllm, "auto") == 4
+    assert ray_lanes.engine_gpus(backend_options("torch", {"ray": "default"}, "cpu"), "cpu") == 0
