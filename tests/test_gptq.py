@@ -159,3 +159,68 @@ def test_torch_backend_reads_gptq(pairs, gptq_build):
     rel = ((pb[name].float() - pr[name].float()).norm() / pr[name].float().norm()).item()
     assert 0.03 < rel < 0.15  # 4-bit g32
     assert torch.equal(pb["model.layers.0.linear_attn.in_proj_qkv.weight"], pr["model.layers.0.linear_attn.in_proj_qkv.weight"])
+
+
+@pytest.fixture(scope="module")
+def gptq_mtp_build(pairs, tmp_path_factory):
+    """A GPTQ build whose MTP layer's experts are quantized too (GPTQModel quantized the drafter's decoder layer), its
+    fc left in BF16 and no rule naming mtp yet."""
+    import splicer.fixtures.core as core
+    from splicer.arch.qwen3_5_moe import QWEN3_5_MOE
+
+    orig = core._PLANS["gptq-experts-g32"]
+
+    def plan(kind):
+        p = orig(kind)
+        p.qc["dynamic"].pop("-:.*mtp.*")
+        return core.BuildPlan(p.qc, lambda m: (4, 32) if QWEN3_5_MOE.expert_parts(m) else None, p.quantize)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(core._PLANS, "gptq-experts-g32", plan)
+        return core.write_build(pairs["fused"]["base"], tmp_path_factory.mktemp("gptq-mtp") / "build", "gptq-experts-g32")
+
+
+def test_a_mtp_exclusion_anywhere_unquantizes_the_drafters_layers_from_vllm_0_27(gptq_mtp_build, tmp_path, monkeypatch):
+    """vLLM 0.27+ (qwen3_5_mtp.py) builds every MTP decoder layer unquantized when any `-:` key contains "mtp",
+    whatever it matches: a rule for the drafter's fc alone leaves its INT4 experts with nowhere to load there, not on 0.26."""
+    before = inspect_checkpoint(open_checkpoint(gptq_mtp_build, "b"))["lint"]["issues"]
+    assert [i["detail"] for i in before] == ["mtp.fc is stored BF16 but the config reads it as gptq"]  # GPTQModel's view
+    build = _with_config(gptq_mtp_build, tmp_path / "build", lambda qc: qc["dynamic"].update({"-:mtp\\.fc$": {}}))
+    issues = inspect_checkpoint(open_checkpoint(build, "b"))["lint"]["issues"]
+    mtp = [i for i in issues if i["naming"] == "vllm" and i["detail"].startswith("mtp.layers.0.mlp.experts")]
+    assert mtp and mtp[0]["check"] == "stored-quantized-read-bf16", issues
+    assert not [i for i in issues if i["naming"] == "hf"]  # GPTQModel reads the rule as written
+    notes = " ".join(inspect_checkpoint(open_checkpoint(build, "b"))["lint"]["notes"])
+    assert "vLLM 0.26 reads" in notes and "modules otherwise than vLLM 0.33" in notes
+    monkeypatch.setenv("SPLICER_VLLM_VERSION", "0.26.0")
+    assert inspect_checkpoint(open_checkpoint(build, "b"))["lint"]["issues"] == []
+
+
+def test_per_module_bits_of_a_dynamic_rule_are_checked_against_the_tensors(gptq_build, tmp_path):
+    """A `+:` rule that gives the experts 8 bits makes both readers build them 8-bit over 4-bit tensors; one that gives
+    them 3 bits is refused by vLLM's GPTQ loader (4- and 8-bit symmetric only)."""
+    rule = "+:.*mlp\\.experts.*"
+    eight = _with_config(gptq_build, tmp_path / "eight", lambda qc: qc.update(dynamic={rule: {"bits": 8}, **qc["dynamic"]}))
+    issues = inspect_checkpoint(open_checkpoint(eight, "b"))["lint"]["issues"]
+    mismatch = [i for i in issues if i["check"] == "scheme-mismatch"]
+    assert {i["naming"] for i in mismatch} == {"hf", "vllm"}, issues
+    assert f"dynamic rule {rule!r} reads it as 8-bit g32, tensors are 4-bit g32" in mismatch[0]["detail"]
+    three = _with_config(gptq_build, tmp_path / "three", lambda qc: qc.update(dynamic={rule: {"bits": 3}, **qc["dynamic"]}))
+    refused = [i for i in inspect_checkpoint(open_checkpoint(three, "b"))["lint"]["issues"] if i["check"] == "refused"]
+    assert len(refused) == 1 and "3-bit symmetric GPTQ" in refused[0]["detail"] and "4- and 8-bit" in refused[0]["detail"]
+
+
+def test_a_module_list_mixing_names_and_lists_is_read_as_vllm_reads_it(gptq_build, tmp_path):
+    """vLLM flattens modules_in_block_to_quantize only when its first item is a list, then iterates every item (a name
+    there is read letter by letter, which makes single letters match everything); a name first and a list after it
+    is refused."""
+    from splicer.formats.gptq import listed_modules
+
+    assert listed_modules({"modules_in_block_to_quantize": [["a.b", "c"], "de"]}) == ["a.b", "c", "d", "e"]
+    assert listed_modules({"modules_in_block_to_quantize": []}) is None  # vLLM scans the checkpoint
+    assert listed_modules({"modules_in_block_to_quantize": [[]]}) == []
+    build = _with_config(
+        gptq_build, tmp_path / "build", lambda qc: qc.update(modules_in_block_to_quantize=["mlp.experts", ["self_attn.q_proj"]])
+    )
+    issues = inspect_checkpoint(open_checkpoint(build, "b"))["lint"]["issues"]
+    assert any(i["naming"] == "vllm" and "mixes names and lists of names" in i["detail"] for i in issues), issues

@@ -37,6 +37,7 @@ FILES = {
     "config_utils": "vllm/model_executor/layers/quantization/utils/config_utils.py",
     "gptq_utils": "vllm/model_executor/layers/quantization/utils/gptq_utils.py",
     "quant_utils": "vllm/model_executor/layers/quantization/utils/quant_utils.py",
+    "ct_config": "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py",
 }
 MODULES = {
     "utils": "vllm.model_executor.layers.quantization.compressed_tensors.utils",
@@ -78,6 +79,8 @@ def _functions(source: bytes, path: str, names: tuple[str, ...]) -> dict:
     use from outside (typing, collections.abc, types, copy, and `regex` imported as `re` as those files do)."""
     tree = ast.parse(source)
     defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):  # methods named Class.method, as functions
+        defs += [m for m in cls.body if isinstance(m, ast.FunctionDef) and f"{cls.name}.{m.name}" in names]
     from collections.abc import Iterable, Mapping
     from types import MappingProxyType
     from typing import Any, Literal
@@ -96,7 +99,7 @@ def _functions(source: bytes, path: str, names: tuple[str, ...]) -> dict:
         "__name__": "vllm_release_functions",
     }
     exec(compile(ast.Module(body=defs, type_ignores=[]), path, "exec"), space)
-    return {n.name: space[n.name] for n in defs}
+    return {next(x for x in names if x.split(".")[-1] == n.name): space[n.name] for n in defs}
 
 
 def load_release(src: str):
@@ -142,6 +145,11 @@ def load_release(src: str):
             ("get_dynamic_override", "is_layer_gptq_quantized", "flatten_list", "normalize_and_validate_gptq_desc_act"),
         )
         fns |= _functions(files["quant_utils"], f"vllm-{version}/{FILES['quant_utils']}", ("is_layer_skipped",))
+        fns |= _functions(
+            files["ct_config"],
+            f"vllm-{version}/{FILES['ct_config']}",
+            ("CompressedTensorsConfig._add_fused_moe_to_target_scheme_map",),
+        )
         return version, fns, digests
     finally:
         for k in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")]:
@@ -234,6 +242,15 @@ def find_target_cases(seed: int = 1, n: int = 2000) -> list[dict]:
             targets += [rng.choice(["Linear", "re:.*Linear"]), rng.choice(shard_only)]
             rng.shuffle(targets)
         out.append({"layer": layer, "class": _class_name(layer, fused), "targets": targets})
+    # An MoE layer's experts, as get_moe_method asks for each (its prefix .0. a projection): a RoutedExperts module,
+    # whose target map has "Linear" copied to "RoutedExperts" first (_add_fused_moe_to_target_scheme_map).
+    moe_pool = ["Linear", "re:.*Linear", "FusedMoE", "Experts", "RoutedExperts", "re:.*experts.*", "re:.*gate_proj$"]
+    moe_pool += ["re:.*mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$", "re:.*\\.3\\..*", "linear"]
+    _, _, _, moe = _names()
+    rng = random.Random(seed + 100)
+    for _ in range(n // 4):
+        layer = f"{rng.choice(moe)}.0.{rng.choice(['gate_proj', 'up_proj', 'down_proj'])}"
+        out.append({"layer": layer, "class": "RoutedExperts", "targets": rng.sample(moe_pool, rng.randint(1, 3))})
     return out
 
 
@@ -337,6 +354,14 @@ def answers(fns: dict, fused: dict, cases: dict[str, list[dict]]) -> dict[str, l
     def module_of(name):
         return type(name, (), {})()
 
+    def find_target(c):
+        targets = list(c["targets"])
+        if c["class"] == "RoutedExperts":  # the MoE method's target map (the target's value is not asked here)
+            cfg = SimpleNamespace(target_scheme_map=dict.fromkeys(targets))
+            fns["CompressedTensorsConfig._add_fused_moe_to_target_scheme_map"](cfg)
+            targets = list(cfg.target_scheme_map)
+        return fns["find_matched_target"](c["layer"], module_of(c["class"]), targets, fused)
+
     def gptq(c):
         cfg = SimpleNamespace(dynamic=c["dynamic"])
         if c["kind"] == "moe":
@@ -366,10 +391,7 @@ def answers(fns: dict, fused: dict, cases: dict[str, list[dict]]) -> dict[str, l
             _answer(lambda c=c: bool(fns["should_ignore_layer"](c["layer"], ignore=c["ignore"], fused_mapping=fused)))
             for c in cases["should_ignore"]
         ],
-        "find_target": [
-            _answer(lambda c=c: fns["find_matched_target"](c["layer"], module_of(c["class"]), c["targets"], fused))
-            for c in cases["find_target"]
-        ],
+        "find_target": [_answer(lambda c=c: find_target(c)) for c in cases["find_target"]],
         "gptq": [_answer(lambda c=c: gptq(c)) for c in cases["gptq"]],
         "desc_act": [_answer(lambda c=c: desc_act(c)) for c in cases["desc_act"]],
         "skip_list": [_answer(lambda c=c: skipped(c)) for c in cases["skip_list"]],

@@ -57,6 +57,7 @@ QWEN3_5_MOE = Architecture(
     # conv1d is not a quantizable Linear either (facts §2).
     vllm_never_quantized=r"(mtp\.|model\.language_model\.)(layers\.\d+\.)?(mlp\.gate|mlp\.shared_expert_gate|linear_attn\.conv1d)",
     embedding_pattern=r"model\.language_model\.embed_tokens|mtp\.embed_tokens|model\.visual\.pos_embed",
+    vllm_gptq_mtp_rule_layers=r"mtp\.layers\..+",
     expert_pattern=r"((?:mtp|model\.language_model)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)",
     fused_expert_pattern=r"((?:mtp|model\.language_model)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)",
     layer_pattern=r"((?:mtp|model\.language_model)\.layers)\.(\d+)\.",

@@ -76,6 +76,9 @@ class Architecture:
     # vLLM renames plain names but not regexes (facts §3).
     decoder_roots: tuple[tuple[str, str], ...] = ()
     lm_head_names: tuple[str, ...] = ("lm_head",)  # the head's HF module name, then any vLLM layer name for it
+    # The MTP modules vLLM 0.27+ builds unquantized whenever a GPTQ `dynamic` key is a `-:` rule containing "mtp",
+    # whatever the rule matches (qwen3_5_mtp.py; None: the family's vLLM model has no such rule).
+    vllm_gptq_mtp_rule_layers: str | None = None
     mtp_prefix: str | None = None  # tensors of a separately stored MTP head ("mtp."), None when the family has none
     # Families that store their MTP head as one more decoder layer (DeepSeek-V3, GLM-4.5: model.layers.{N}.*): the text
     # config key holding N. get_architecture binds the table to a checkpoint's config, which sets mtp_prefix to that
@@ -287,9 +290,9 @@ class Architecture:
         if parts:
             prefix, _, proj = parts
             vprefix = prefix if drafter else self.to_vllm_name(prefix)
-            # get_moe_method adds the MoE layer to Linear's target map, so class targets
-            # written for Linear reach the experts too.
-            return VllmLayer(vprefix, "moe", f"{vprefix}.0.{proj}", ("FusedMoE", "Linear"), drafter)
+            # vLLM's MoE layer is a RoutedExperts module: a class target must be contained in that name, and an exact
+            # "Linear" target reaches it through compressed_tensors.vllm_targets.
+            return VllmLayer(vprefix, "moe", f"{vprefix}.0.{proj}", ("RoutedExperts",), drafter)
         proj = vname.rsplit(".", 1)[-1]
         for fused, shards in packed.items():
             if proj in shards and fused != proj:

@@ -203,9 +203,7 @@ class RayLane:
         if self.per_engine and not self.fits_node:
             options = _with_engine_args(options, distributed_executor_backend="ray")
         worker = _worker_class().options(**opts, **ACTOR_OPTIONS)
-        self._actor = worker.remote(
-            self.label, options, self.device, str(self.log_dir), dict(BACKEND_KWARGS), self._incarnation
-        )
+        self._actor = worker.remote(self.label, options, self.device, str(self.log_dir), dict(BACKEND_KWARGS), self._incarnation)
         if self._exact is not None:
             self._call("hold_exact_gather", self._exact)
 

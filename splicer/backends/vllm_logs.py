@@ -45,12 +45,16 @@ STARTUP_LINES = {
     "compile_s": re.compile(r"(?:\[([A-Za-z_][\w-]*)\] )?torch\.compile took ([\d.]+) s in total"),
     # The profiling run holds a cold machine's Triton autotuning (121.5 s of the H200 stand-in's first start, run 8).
     "profiling_warmup_s": re.compile(r"(?:\[([A-Za-z_][\w-]*)\] )?Initial profiling/warmup run took ([\d.]+) s"),
+    # without a compile cache, or on torch before 2.10, vLLM compiles inside the warm-up run and times both together
+    "compile_and_warmup_s": re.compile(
+        r"(?:\[([A-Za-z_][\w-]*)\] )?torch\.compile and initial profiling/warmup run together took ([\d.]+) s in total"
+    ),
     "graph_capture_s": re.compile(r"Graph capturing finished in ([\d.]+) secs"),
     "init_engine_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
     "kv_cache_gib": re.compile(r"Available KV cache memory: ([\d.]+) GiB"),
 }
 # Parts logged once per model an engine holds (the target and its drafter): the engine's figure is their sum.
-PER_MODEL = ("weights_load_s", "compile_s", "profiling_warmup_s")
+PER_MODEL = ("weights_load_s", "compile_s", "profiling_warmup_s", "compile_and_warmup_s")
 # The engine's own total of compilation, where its init line gives it ("... took 201.50 s (compilation: 47.02 s").
 ENGINE_COMPILATION = re.compile(r"init engine \(profile, create kv cache, warmup model\) took [\d.]+ s \(compilation: ([\d.]+) s")
 

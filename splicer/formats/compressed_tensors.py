@@ -20,8 +20,8 @@ from . import module_regexes
 from .base import QuantFormat
 from .layouts import CT_FORMATS, group_format, group_scheme, is_packed_tensor
 from .module import Module
-from .readings import Entries, Reading, fused_on_disk, match_name, readings_vs_storage, record_dead
-from .vllm_versions import RELEASES, VllmReleaseReader, modeled, refusing_group_actorder
+from .readings import Entries, Reading, fused_on_disk, match_name, reading_words, readings_vs_storage, record_dead
+from .vllm_versions import VllmReleaseReader, modeled, other_releases_note, refusing_group_actorder, ways_of_reading
 
 CLASS_TARGET_HF = "Linear"  # the class target compressed-tensors exporters write
 
@@ -90,6 +90,14 @@ def vllm_should_ignore(
     return ignore.match(shards[0]) or layer_name in ignore.exact
 
 
+def vllm_targets(target_group: dict) -> dict:
+    """vLLM's target_scheme_map as its MoE layers read it (CompressedTensorsConfig._add_fused_moe_to_target_scheme_map,
+    0.26 to 0.33): an exact "Linear" target is also given to "RoutedExperts", the MoE layer's class, last."""
+    if "Linear" in target_group and "RoutedExperts" not in target_group:
+        return {**target_group, "RoutedExperts": target_group["Linear"]}
+    return target_group
+
+
 def vllm_matched_target(
     name: str, class_names: tuple[str, ...], shards: list[str] | None, targets: Entries, fused_before_class: bool
 ) -> str | None:
@@ -121,7 +129,7 @@ class VllmReader:
         self.arch = arch
         self.ignore = Entries(arch.vllm_rename_entry(e) for e in qc.get("ignore") or [])
         # vLLM's target_scheme_map: one entry per target, in the order first seen, the last group naming it winning
-        self.target_group = {arch.vllm_rename_entry(t): g for g, ts in _groups(qc) for t in ts}
+        self.target_group = vllm_targets({arch.vllm_rename_entry(t): g for g, ts in _groups(qc) for t in ts})
         self.name_targets = Entries(self.target_group)
         self.tested: set[str] = set()  # every name vLLM tests against ignore (for dead entries)
         self._moe_cache: dict[str, Reading] = {}
@@ -164,28 +172,6 @@ class VllmReader:
         if layer.kind == "moe":
             self._moe_cache[layer.name] = reading
         return reading
-
-
-def _ways_of_reading(modeled_release: VllmReleaseReader) -> list[list[VllmReleaseReader]]:
-    """The checked releases that read compressed-tensors otherwise than `modeled_release`, grouped by how they read it
-    (consecutive releases alike form one group)."""
-
-    def way(r):
-        return (r.ignore_fused_name_first, r.target_fused_before_class)
-
-    groups: list[list[VllmReleaseReader]] = []
-    for r in RELEASES:
-        if way(r) == way(modeled_release):
-            continue
-        if groups and way(groups[-1][-1]) == way(r):
-            groups[-1].append(r)
-        else:
-            groups.append([r])
-    return groups
-
-
-def _said(reading: Reading) -> str:
-    return f"refused ({reading.error})" if reading.error else (reading.group or "unquantized")
 
 
 def _targets_only_head(target: str, arch: Architecture) -> bool:
@@ -264,16 +250,13 @@ class CompressedTensors(QuantFormat):
             report.vllm[name] = vr.reading(m)
         # The releases read `ignore` and targets differently (vllm_versions): where other checked releases would read
         # a module otherwise than the one modeled, say so once per way of reading, with the first such module.
-        for others in _ways_of_reading(vr.release):
+        for others in ways_of_reading(vr.release, ("ignore_fused_name_first", "target_fused_before_class")):
             ovr = VllmReader(qc, arch, others[0])
             differ = [n for n in sorted(modules) if ovr.reading(modules[n]) != report.vllm[n]]
             if differ:
                 n = differ[0]
-                who = f"vLLM {others[0].version}" + (f" to {others[-1].version} read" if len(others) > 1 else " reads")
-                report.notes.append(
-                    f"{who} {len(differ)} modules otherwise than vLLM {vr.release.version} (modeled here), e.g. {n}: "
-                    f"{_said(ovr.reading(modules[n]))} against {_said(report.vllm[n])}"
-                )
+                said = f"{reading_words(ovr.reading(modules[n]))} against {reading_words(report.vllm[n])}"
+                report.notes.append(other_releases_note(others, vr.release, differ, said))
         for g, group in (qc.get("config_groups") or {}).items():
             order = (group.get("weights") or {}).get("actorder")
             if order in ("group", "dynamic"):

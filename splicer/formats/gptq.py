@@ -11,7 +11,8 @@ from ..io.config_schema import GPTQ, QC
 from . import module_regexes
 from .base import QuantFormat
 from .module import Module
-from .readings import Reading, fused_on_disk, readings_vs_storage, record_dead
+from .readings import Reading, fused_on_disk, reading_words, readings_vs_storage, record_dead
+from .vllm_versions import other_releases_note, ways_of_reading
 
 
 def dynamic_rule(dynamic: dict | None, name: str) -> bool | dict | None:
@@ -53,12 +54,42 @@ def vllm_gptq_quantized(
 
 
 def listed_modules(qc: dict) -> list[str] | None:
-    """The config's `modules_in_block_to_quantize`, flattened as vLLM flattens a list of lists (None where absent or
-    empty: vLLM then scans the checkpoint)."""
+    """The config's `modules_in_block_to_quantize` as vLLM reads it (AutoGPTQConfig.maybe_update_config; None where
+    absent or empty: vLLM then scans the checkpoint). vLLM flattens it when its first item is a list, iterating every
+    item, so a name among lists is read letter by letter; a list after a first name is refused (ValueError: vLLM's
+    mapper fails on it)."""
     listed = qc.get("modules_in_block_to_quantize")
     if not listed:
         return None
-    return [e for item in listed for e in (item if isinstance(item, list) else [item])]
+    if isinstance(listed[0], list):
+        return [e for item in listed for e in item]
+    if any(isinstance(item, list) for item in listed):
+        raise ValueError(
+            "modules_in_block_to_quantize mixes names and lists of names, with a name first: vLLM fails to read it; "
+            "give a list of names or a list of lists"
+        )
+    return list(listed)
+
+
+# AutoGPTQConfig.TYPE_MAP (0.26 to 0.33): the (bits, symmetric) vLLM's GPTQ loader builds; any other is refused.
+VLLM_GPTQ_TYPES = {(4, True), (8, True)}
+
+
+def module_scheme(qc: dict, name: str) -> tuple[int, int | None, bool, str | None]:
+    """(bits, group size, symmetric, the rule that set any of them) a quantized module of this name is built with, by
+    vLLM (gptq_utils.override_config, on its vLLM name) and GPTQModel (on the HF name) alike: the config's values,
+    overridden by the first `dynamic` rule that matches, where that rule is not `-:` and gives an int or a bool."""
+    bits, group, sym = qc.get("bits"), qc.get("group_size"), qc.get("sym", True)
+    for key, overrides in (qc.get("dynamic") or {}).items():
+        if not re.match(key[2:] if key[:2] in ("-:", "+:") else key, name):
+            continue
+        if key.startswith("-:") or not isinstance(overrides, dict):
+            return bits, group, sym, None
+        bits = overrides["bits"] if isinstance(overrides.get("bits"), int) else bits
+        group = overrides["group_size"] if isinstance(overrides.get("group_size"), int) else group
+        sym = overrides["sym"] if isinstance(overrides.get("sym"), bool) else sym
+        return bits, group, sym, key
+    return bits, group, sym, None
 
 
 def desc_act_refused(qc: dict) -> str | None:
@@ -107,11 +138,18 @@ class GptqVllmReader:
         self.arch, self.qc = arch, qc
         self.dynamic = qc.get("dynamic") or {}
         self.release = release or modeled()
-        listed = listed_modules(qc)
+        self.list_error = None
+        try:
+            listed = listed_modules(qc)
+        except ValueError as e:
+            listed, self.list_error = [], str(e)
         if listed is not None:
             self.listed = [arch.vllm_rename_entry(e) for e in listed]
         else:
             self.listed = [arch.to_vllm_name(n) if not arch.is_mtp(n) else n for n, m in modules.items() if m.quantized]
+        # vLLM 0.27+ (qwen3_5_mtp.py): any `-:` key containing "mtp" leaves the drafter's decoder layers unquantized
+        rule = arch.vllm_gptq_mtp_rule_layers if self.release.gptq_mtp_rule else None
+        self.mtp_unquantized = re.compile(rule) if rule and any(k.startswith("-:") and "mtp" in k for k in self.dynamic) else None
         self.tested: set[str] = set()
         self._cache: dict[str, Reading] = {}
 
@@ -123,6 +161,10 @@ class GptqVllmReader:
             return self._cache[layer.name]
         if layer.kind == "lm_head" and not self.qc.get("lm_head"):
             reading = Reading(None)
+        elif self.mtp_unquantized is not None and self.mtp_unquantized.fullmatch(module.name):
+            reading = Reading(None)
+        elif self.list_error and layer.kind != "moe":
+            reading = Reading(None, error=self.list_error)
         else:
             self.tested.add(layer.name)
             try:
@@ -196,6 +238,14 @@ class Gptq(QuantFormat):
         want = (qc.get("bits"), qc.get("group_size"))
         if bits and bits != {want}:
             report.add("scheme-mismatch", "hf", f"config says {want[0]}-bit g{want[1]}, tensors are {sorted(bits)}")
+        self.check_module_schemes(modules, qc, arch, report)
+        # Where other checked releases read modules otherwise (vllm_versions), once per way of reading
+        for others in ways_of_reading(vr.release, ("gptq_empty_list_quantized", "gptq_mtp_rule")):
+            ovr = GptqVllmReader(qc, arch, modules, others[0])
+            differ = [n for n in sorted(modules) if ovr.reading(modules[n]) != report.vllm[n]]
+            if differ:
+                said = f"{reading_words(ovr.reading(modules[differ[0]]))} against {reading_words(report.vllm[differ[0]])}"
+                report.notes.append(other_releases_note(others, vr.release, differ, said))
         refused = desc_act_refused(qc)
         if refused:
             from .vllm_versions import modeled, refusing_group_actorder
@@ -210,6 +260,40 @@ class Gptq(QuantFormat):
             else:
                 report.notes.append(text)
         return report
+
+    def check_module_schemes(self, modules, qc, arch, report) -> None:
+        """Each module a reader builds quantized, with the bits and group size its first matching `dynamic` rule gives
+        (module_scheme), against the tensors stored; and what vLLM's GPTQ loader refuses outright (VLLM_GPTQ_TYPES)."""
+        refused = {}
+        for name in sorted(modules):
+            m = modules[name]
+            for naming, reading, rule_name in (
+                ("hf", report.hf[name], name),
+                ("vllm", report.vllm[name], arch.vllm_layer(name).name),
+            ):
+                if reading.group != "gptq":
+                    continue
+                bits, group, sym, key = module_scheme(qc, rule_name)
+                if naming == "vllm" and (bits, sym) not in VLLM_GPTQ_TYPES:
+                    refused.setdefault((bits, sym, key), name)
+                if not m.quantized or m.bits is None:
+                    continue
+                want = group if group and group > 0 else m.shape[1]
+                if (m.bits, m.group_size) != (bits, want):
+                    where = f"dynamic rule {key!r}" if key else "the config"
+                    report.add(
+                        "scheme-mismatch",
+                        naming,
+                        f"{name}: {where} reads it as {bits}-bit g{group}, tensors are {m.bits}-bit g{m.group_size}",
+                    )
+        for (bits, sym, key), name in refused.items():
+            where = f"dynamic rule {key!r}" if key else "the config"
+            report.add(
+                "refused",
+                "vllm",
+                f"{where} asks for {bits}-bit {'symmetric' if sym else 'asymmetric'} GPTQ (e.g. {name}), which vLLM's GPTQ "
+                "loader refuses (it builds 4- and 8-bit symmetric only, vLLM 0.26 to 0.33); re-quantize to one of those",
+            )
 
     def exclude_restored(self, qc, modules, picked, arch):
         # vLLM and GPTQModel stop at the first `dynamic` rule that matches: the new `-:` rules go first. They name the

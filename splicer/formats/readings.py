@@ -41,6 +41,11 @@ class Report:
         self.issues.append({"check": check, "naming": naming, "detail": detail})
 
 
+def reading_words(reading: Reading) -> str:
+    """A reading in the lint's words: the group, 'unquantized', or 'refused (why)'."""
+    return f"refused ({reading.error})" if reading.error else (reading.group or "unquantized")
+
+
 class Entries:
     """A list of ignore/target entries, compiled once: exact names in a set, `re:` patterns compiled."""
 

@@ -29,6 +29,9 @@ class VllmReleaseReader:
     # GPTQ: an empty modules_in_block_to_quantize reads every Linear as quantized (0.32:
     # gptq_utils.is_layer_gptq_quantized); before, as unquantized
     gptq_empty_list_quantized: bool = False
+    # GPTQ: a `-:` key of `dynamic` that contains "mtp" builds the drafter's decoder layers unquantized, whatever it
+    # matches (0.27: qwen3_5_mtp.py; the family's table names the layers, Architecture.vllm_gptq_mtp_rule_layers)
+    gptq_mtp_rule: bool = False
     # whether this release's code was checked (one of RELEASES), or its behaviours are taken from where they changed
     checked: bool = True
 
@@ -39,6 +42,7 @@ CHANGED_IN = {
     "ignore_fused_name_first": (0, 30),
     "refuses_group_actorder": (0, 30),
     "gptq_empty_list_quantized": (0, 32),
+    "gptq_mtp_rule": (0, 27),
 }
 SPLIT_GROUP_REFUSAL = (  # (from release, wording)
     ((0, 0), "Found a different quantization schemes for [shards] in LAYER"),
@@ -97,3 +101,27 @@ def refusing_group_actorder() -> str:
     first = ".".join(map(str, CHANGED_IN["refuses_group_actorder"]))
     checked = [r.version for r in RELEASES if r.refuses_group_actorder]
     return f"vLLM {first} and later ({checked[0]} to {checked[-1]} checked)"
+
+
+def ways_of_reading(modeled_release: VllmReleaseReader, fields: tuple[str, ...]) -> list[list[VllmReleaseReader]]:
+    """The checked releases that differ from `modeled_release` in any of these behaviours, grouped by how they behave
+    (consecutive releases alike form one group), for the lint's notes on how other releases read a checkpoint."""
+
+    def way(r):
+        return tuple(getattr(r, f) for f in fields)
+
+    groups: list[list[VllmReleaseReader]] = []
+    for r in RELEASES:
+        if way(r) == way(modeled_release):
+            continue
+        if groups and way(groups[-1][-1]) == way(r):
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
+
+
+def other_releases_note(others: list[VllmReleaseReader], modeled_release: VllmReleaseReader, differ: list[str], said) -> str:
+    """The lint's note: 'vLLM 0.26 reads 3 modules otherwise than vLLM 0.33 (modeled here), e.g. NAME: A against B'."""
+    who = f"vLLM {others[0].version}" + (f" to {others[-1].version} read" if len(others) > 1 else " reads")
+    return f"{who} {len(differ)} modules otherwise than vLLM {modeled_release.version} (modeled here), e.g. {differ[0]}: {said}"
