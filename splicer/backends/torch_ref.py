@@ -497,7 +497,9 @@ class TorchOptions:
 
     @classmethod
     def from_job(cls, settings: dict) -> TorchOptions:
-        return cls()  # the thread count changes no measurement: a job does not record it
+        # the thread count changes no measurement: a job does not record it; a run on Ray lanes is extended on Ray
+        # lanes (budget --verify), where ray.init's own choice finds the cluster (e.g. RAY_ADDRESS)
+        return cls(ray="default" if settings.get("ray") else None)
 
     @classmethod
     def backend_type(cls) -> type:

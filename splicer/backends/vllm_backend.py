@@ -283,6 +283,8 @@ class VllmOptions:
             overlap_starts=settings.get("overlap_starts") or 0,
             rewake_before_timing=bool(settings.get("rewake_before_timing")),
             gpus=tuple(settings["gpus"]) if settings.get("gpus") else None,
+            # a run on Ray lanes is extended on Ray lanes (budget --verify): ray.init's own choice, e.g. RAY_ADDRESS
+            ray=ray_lanes.DEFAULT_ADDRESS if settings.get("ray") else None,
         )
 
     @classmethod

@@ -119,12 +119,17 @@ def run_rows_on_gpus(
                 entry = run_one(it, backend, gpu)
                 if stop.is_set():
                     return
-                if entry.get("lane_lost") and id(it) not in retried and it is not firsts[k] and it is not lasts[k]:
+                if entry.get("lane_lost") and id(it) not in retried:
                     # The lane's worker died during this row (a Ray lane: ray_lanes.LaneLost): the row is tried once
-                    # more by whichever lane is free next, this one included with its new worker.
+                    # more, on its new worker for the lane's own engines of the build, else by whichever lane is free
+                    # next, this one included.
                     retried.add(id(it))
-                    pending.put(it)
-                    continue
+                    if it is not firsts[k] and it is not lasts[k]:
+                        pending.put(it)
+                        continue
+                    entry = run_one(it, backend, gpu)
+                    if stop.is_set():
+                        return
                 record(it, entry)
                 if it is firsts[k] and entry.get("status") != "ok":
                     # This GPU cannot serve the build: it takes no rows (each would fail fast and empty the queue),
