@@ -84,8 +84,12 @@ def main(argv=None) -> int:
         "command": "python benchmarks/ray_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average before "
         f"{os.getloadavg()[0]:.2f}",
-        "versions": {"python": platform.python_version(), "ray": ray.__version__, "torch": torch.__version__,
-                     "transformers": transformers.__version__},
+        "versions": {
+            "python": platform.python_version(),
+            "ray": ray.__version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
         "lanes": args.lanes,
         "rows": args.rows,
     }
