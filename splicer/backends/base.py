@@ -102,6 +102,22 @@ class Backend(Protocol):
     def describe(self) -> dict: ...
 
 
+class OneEngineAtATime:
+    """What Backend asks of one that starts nothing ahead and compiles nothing ahead (the torch reference, a Ray lane)."""
+
+    overlap_starts = 0
+    precompile_slots = 0
+
+    def prefetch(self, folder: Path) -> bool:
+        return False
+
+    def precompile(self, folder: Path) -> bool:
+        return False
+
+    def finish_precompile(self) -> list[dict]:
+        return []
+
+
 class BackendOptions(Protocol):
     """A backend's own options (its options_type): built once from what the user gave, checked where they are made,
     never changed during a run. Everything `ablate` asks of them, so that no stage outside splicer/backends/ needs a

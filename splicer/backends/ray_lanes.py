@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..errors import SplicerError
 from ..io import faults
+from .base import OneEngineAtATime
 
 DEFAULT_ADDRESS = "default"  # --ray without ADDRESS: ray.init()'s own choice (RAY_ADDRESS, a running local cluster, or a new one)
 TOKEN_FILE = ".ray-storage-check"
@@ -161,12 +162,9 @@ def _worker_class():
     return LaneWorker
 
 
-class RayLane:
+class RayLane(OneEngineAtATime):
     """A backend on one Ray lane, as the driver sees it (base.Backend): each call runs in the lane's actor. Engines are
     started one at a time on the lane (nothing ahead, nothing precompiled)."""
-
-    overlap_starts = 0
-    precompile_slots = 0
 
     def __init__(self, label: str, options, device: str, log_dir: Path, per_engine: int, fits_node: bool):
         self.label, self.options, self.device, self.log_dir = label, options, device, Path(log_dir)
@@ -245,15 +243,6 @@ class RayLane:
             return {}
         info = self._call("load_info")
         return dict(info, ray_lane={"lane": self.label, **self.where}) if info else info
-
-    def prefetch(self, folder: Path) -> bool:
-        return False
-
-    def precompile(self, folder: Path) -> bool:
-        return False
-
-    def finish_precompile(self) -> list[dict]:
-        return []
 
     def score(self, sequences, top_k=20, gather_ids=None, want_full=False, batch_size=4):
         yield from self._call("score", sequences, top_k, gather_ids, want_full, batch_size)

@@ -21,7 +21,7 @@ import torch
 
 from ..checkpoint import open_checkpoint
 from ..errors import SplicerError
-from .base import ResultsWording, SequenceScores, decode_summary
+from .base import OneEngineAtATime, ResultsWording, SequenceScores, decode_summary
 from .cpu_threads import set_torch_threads
 
 
@@ -82,13 +82,12 @@ def _cuda_kernel_advice_on_cpu(record: logging.LogRecord) -> bool:
     return "falling back to its reference PyTorch implementation" not in record.getMessage()
 
 
-class TorchBackend:
+class TorchBackend(OneEngineAtATime):
     name = "torch"
     exact_gather = True
     results_wording = ResultsWording()  # exact log-probs at the base's top-k ids; transformers logs no engine start
     default_batch = 4
-    overlap_starts = 0  # one model in this process at a time
-    precompile_slots = 0  # nothing is compiled: nothing to do ahead
+    # one model in this process at a time, nothing compiled: nothing to do ahead (OneEngineAtATime)
 
     def __init__(self, device: str = "auto", dtype: str = "bfloat16", threads: int | None = None):
         self.device = pick_device(device)
@@ -253,15 +252,6 @@ class TorchBackend:
 
     def load_info(self) -> dict:
         return {}
-
-    def prefetch(self, folder: Path) -> bool:
-        return False
-
-    def precompile(self, folder: Path) -> bool:
-        return False
-
-    def finish_precompile(self) -> list[dict]:
-        return []
 
     def abort(self) -> None:
         """Nothing runs in another process; close() frees the model."""
