@@ -6,9 +6,9 @@ On the tiny synthetic pair (the demo's) and the demo plan, with the torch backen
   1. Ray's own start and end alone: ray.init of a local cluster, `--lanes` actors each importing torch and splicer,
      ray.shutdown;
   2. the plan's rows one after another in this process (no --ray);
-  3. the same rows with --ray on a local cluster of `--lanes` lanes (one per core), the build timed first and last on
-     each lane.
-Each is timed once, in this order, on a quiet machine; the record (command, machine, versions, seconds, ratios) goes
+  3. the same rows with --ray, which starts a local cluster (one lane per core, at most `--lanes`; its start is in the
+     run's wall time), the build timed first and last on each lane.
+Each is timed once, in this order (run it on a quiet machine: the load average before is recorded); the record (command, machine, versions, seconds, ratios) goes
 to OUT/ray-overhead.json and is printed. It answers whether `--gpus` on one host should run on Ray too: what Ray adds
 before the first row, against a run's wall time.
 """
@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+LANES = 2  # --lanes
 
 
 def _ray_alone(lanes: int) -> dict:
@@ -54,7 +56,7 @@ def _run(rows: str, pair: dict, out: Path, ray_address: str | None) -> dict:
     from splicer.ablate import AblateSettings, run_ablate
     from splicer.backends import backend_options
 
-    given = {"ray": ray_address} if ray_address else {}
+    given = {"ray": ray_address, "ray_lanes": LANES} if ray_address else {}
     settings = AblateSettings(
         backend="torch", device="cpu", progress=False, backend_options=backend_options("torch", given, "cpu")
     )
@@ -71,6 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--lanes", type=int, default=2)
     p.add_argument("--rows", default="all")
     args = p.parse_args(argv)
+    global LANES
+    LANES = args.lanes
     import ray
     import torch
     import transformers
@@ -97,7 +101,7 @@ def main(argv=None) -> int:
     record["plain"] = _run(args.rows, pair, work / "plain", None)
     import ray as _ray
 
-    _ray.init(num_cpus=args.lanes, include_dashboard=False, log_to_driver=False)
+    # as `--ray` on a machine with no cluster running: the run starts a local one (ray.init), counted in its wall time
     try:
         record["ray"] = _run(args.rows, pair, work / "ray", "default")
     finally:

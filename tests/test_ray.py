@@ -97,7 +97,9 @@ def test_rows_on_two_lanes_score_as_a_plain_run_survive_a_killed_worker_and_resu
     assert set(got) == {"build", "build-ray1", "gdn", "build-end-ray0", "build-end-ray1"}
     assert {v["gpu"] for v in got.values()} == {"ray0", "ray1"}
     assert got["build"]["gpu"] == "ray0" and got["build-ray1"]["gpu"] == "ray1"
-    assert "lost its worker" not in (out / "ablate.log").read_text()  # the retried row is recorded once, ok
+    retried = [v for v in got.values() if v.get("after_lost_worker")]
+    assert len(retried) == 1 and retried[0]["gpu"] == "ray1", retried  # the killed worker cost one try of one row
+    assert "LaneLost: Ray lane ray1 lost its worker" in retried[0]["after_lost_worker"]
     # the same scores as one process gives, position for position
     plain_metrics, ray_metrics = _metrics(plain), _metrics(spread)
     for name in ("build", "gdn"):
@@ -139,17 +141,32 @@ def test_a_lane_that_cannot_see_the_folders_fails_the_run_in_one_line(pairs, clu
             lane.close()
 
 
+def test_a_lane_whose_worker_cannot_start_refuses_the_run_in_one_line(cluster, tmp_path, monkeypatch):
+    from splicer.backends import ray_lanes
+
+    monkeypatch.setattr(ray_lanes, "BACKEND_KWARGS", {"no_such_option": 1})  # the backend's constructor refuses it
+    options = backend_options("torch", {"ray": "default", "ray_lanes": 1}, "cpu")
+    with pytest.raises(SplicerError, match=r"^--ray: lane ray0's worker could not start: TypeError: .*no_such_option"):
+        options.make_backends("cpu", tmp_path / "logs")
+
+
 def test_lanes_follow_the_engines_size_and_the_options_it_cannot_go_with(monkeypatch):
     from splicer.backends import ray_lanes
 
     def nodes(*gpus):
         return lambda: [{"Alive": True, "Resources": {"GPU": g, "CPU": 8}} for g in gpus]
 
+    monkeypatch.setattr(ray_lanes, "FREE_WAIT_S", 0)
+    monkeypatch.setattr(ray, "available_resources", lambda: {"GPU": 16, "CPU": 16})
     monkeypatch.setattr(ray, "nodes", nodes(8, 8))
     assert ray_lanes.plan_lanes(2, None) == (8, True) and ray_lanes.plan_lanes(2, 3) == (3, True)
     assert ray_lanes.plan_lanes(16, None) == (1, False)  # across both nodes, vLLM's Ray executor
+    monkeypatch.setattr(ray, "available_resources", lambda: {"GPU": 3, "CPU": 16})
     monkeypatch.setattr(ray, "nodes", nodes(1, 1, 1))
     assert ray_lanes.plan_lanes(2, None) == (1, False)
+    monkeypatch.setattr(ray, "available_resources", lambda: {"GPU": 1, "CPU": 16})  # other work holds two
+    with pytest.raises(SplicerError, match="no 2 GPU\\(s\\) free for one engine now"):
+        ray_lanes.plan_lanes(2, None)
     with pytest.raises(SplicerError, match="has 3 GPU"):
         ray_lanes.plan_lanes(4, None)
     with pytest.raises(SplicerError, match="--ray and --gpus, --precompile"):

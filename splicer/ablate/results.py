@@ -72,7 +72,7 @@ def finish_results(results: dict, out: Path, backends, reps: int = 2000) -> None
     info = backends[0].describe()
     if len(backends) > 1:  # spread over GPUs: what differs per GPU
         info["per_gpu"] = [
-            {k: d.get(k) for k in ("cuda_device", "cpus", "precompile", "worker_starts")}
+            {k: d[k] for k in ("cuda_device", "cpus", "precompile", "worker_starts", "ray_lane") if k in d}
             for d in (b.describe() for b in backends)
         ]
     results["backend"] = info.get("backend")

@@ -81,7 +81,7 @@ def _residual_outside_classes(results: dict, variants: list[dict], build: dict |
 
 def findings(results: dict) -> list[str]:
     """One sentence per finding, in the table's row order."""
-    from .verdicts import engine_means_text, noise_text, per_gpu_engines_text, pooled_kl
+    from .verdicts import engine_means_text, lanes_word, noise_text, per_gpu_engines_text, pooled_kl
 
     out = []
     variants = [v for v in results.get("variants", []) if v.get("status") == "ok"]
@@ -98,7 +98,7 @@ def findings(results: dict) -> list[str]:
     if engines and engines.get("by_gpu"):
         out.append(
             f"The build on {engines['engines']} engines ({_level(engines)}), each row compared with "
-            f"the build on its own GPU: {per_gpu_engines_text(engines)}."
+            f"the build on its own {lanes_word(results)}: {per_gpu_engines_text(engines)}."
         )
     elif engines:
         ms = engine_means_text(engines)

@@ -8,12 +8,10 @@ its calls; RayLane is that backend as the driver sees it. The driver splices, wr
 table and the report into DIR itself; the lanes only load, score, generate and time. Each lane times the build first
 and last, so every row's decode is compared with the build on its own lane's GPUs (row names `build-rayN`).
 
-An engine bigger than one node's GPUs: the lane is a placement group of one-GPU bundles (PACK) with the actor in the
-first bundle holding no GPU, and the engine runs with vLLM's Ray executor (distributed_executor_backend="ray"), which
-takes the placement group it is called from: vllm/v1/executor/ray_utils.py initialize_ray_cluster reads
-ray.util.get_current_placement_group() and wants bundles of at most one GPU (read in 0.26.0 and 0.33.0; 0.26's
-RayDistributedExecutor also wants a bundle on the driver's node, which the first bundle is). Not run: no machine here
-has more than one node.
+An engine bigger than one node's GPUs is refused for now: vLLM's Ray executor takes the placement group it is called
+from (vllm/v1/executor/ray_utils.py initialize_ray_cluster: ray.util.get_current_placement_group(), read in 0.26.0 and
+0.33.0), but splicer's vLLM backend runs the engine in a worker process of its own, outside the lane's Ray actor,
+where there is no current placement group: vLLM would make another over the same GPUs and wait for it.
 
 Storage: the lanes read the build, the base, the checkpoint rows and DIR (splices, the base pass's cache) at the paths
 the driver sees, and write their engines' logs under DIR/logs/rayN. Before any row each lane reads a token the driver
@@ -21,7 +19,8 @@ wrote into DIR and opens every input's config.json (check_storage), so a worker 
 run in one line.
 
 Faults: a lane whose worker dies mid-row (a lost node, the OOM killer) fails that row (LaneLost); the lane starts a new
-actor for its next row, and the row is tried once more by whichever lane is free (spread.run_rows_on_gpus). Finished
+actor, and the row is tried once more (spread.run_rows_on_gpus; the retried row records `after_lost_worker`). A lane
+that cannot be placed within PLACEMENT_TIMEOUT_S, or whose worker fails as it starts, refuses the run in one line. Finished
 rows are in results.json as always, so an interrupted driver resumes.
 """
 
@@ -66,8 +65,10 @@ def connect(address: str) -> None:
         return
     import logging
 
-    # Ray's own lines (joining, starting a local instance) would break the one-line stderr of a refused run
-    kwargs = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING}
+    # Ray's own lines (joining, starting a local instance, its token warning) would break the one-line stderr of a
+    # refused run
+    kwargs = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
+    _reachable(address)
     try:
         ray.init(**({} if address == DEFAULT_ADDRESS else {"address": address}), **kwargs)
     except Exception as e:
@@ -75,6 +76,24 @@ def connect(address: str) -> None:
         raise SplicerError(
             f"--ray {'' if address == DEFAULT_ADDRESS else address}: cannot join a Ray cluster ({e.__class__.__name__}: "
             f"{first}); start one (ray start --head) or give its address (--ray HOST:6379)"
+        ) from None
+
+
+def _reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A HOST:PORT address answers on its port, else one line now (ray.init retries an unreachable one for minutes)."""
+    import re
+    import socket as sock
+
+    m = re.fullmatch(r"(?:ray://)?\[?([\w.:-]+?)\]?:(\d+)", address)
+    if address in (DEFAULT_ADDRESS, "auto", "local") or m is None:
+        return
+    try:
+        with sock.create_connection((m.group(1), int(m.group(2))), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise SplicerError(
+            f"--ray {address}: nothing answers there ({e.strerror or e.__class__.__name__}); start the cluster "
+            "(ray start --head) or give its address (--ray=HOST:6379)"
         ) from None
 
 
@@ -88,10 +107,18 @@ def engine_gpus(options, device: str) -> int:
 
 
 def plan_lanes(per_engine: int, cap: int | None) -> tuple[int, bool]:
-    """(how many lanes the cluster holds, whether one engine fits one node). A cluster with too few GPUs for one engine
-    is refused in one line."""
+    """(how many lanes the cluster has room for now, whether one engine fits one node). A cluster with too few GPUs
+    for one engine, or none free, is refused in one line."""
+    import time
+
     ray = ray_module()
     nodes = [n for n in ray.nodes() if n.get("Alive")]
+    need = "GPU" if per_engine else "CPU"
+    free = ray.available_resources()
+    waited = time.monotonic()
+    while free.get(need, 0) < max(per_engine, 1) and time.monotonic() - waited < FREE_WAIT_S:
+        time.sleep(0.5)  # workers of an earlier run in this process give their resources back a moment after they end
+        free = ray.available_resources()
     if per_engine:
         gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]
         if sum(gpus) < per_engine:
@@ -101,10 +128,13 @@ def plan_lanes(per_engine: int, cap: int | None) -> tuple[int, bool]:
             )
         fits = max(gpus) >= per_engine
         lanes = sum(g // per_engine for g in gpus) if fits else sum(gpus) // per_engine
+        lanes = min(lanes, int(free.get("GPU", 0)) // per_engine)
+        what = f"{per_engine} GPU(s) free for one engine"
     else:
-        fits, lanes = True, sum(int(n.get("Resources", {}).get("CPU", 0)) for n in nodes)
-        if lanes < 1:
-            raise SplicerError("--ray: the cluster has no CPU to run the torch backend on; add a worker")
+        fits, lanes = True, int(free.get("CPU", 0))
+        what = "CPU free"
+    if lanes < 1:
+        raise SplicerError(f"--ray: the cluster has no {what} now (other work holds them); try again when it is done")
     return (min(lanes, cap) if cap else lanes), fits
 
 
@@ -166,67 +196,74 @@ class RayLane(OneEngineAtATime):
     """A backend on one Ray lane, as the driver sees it (base.Backend): each call runs in the lane's actor. Engines are
     started one at a time on the lane (nothing ahead, nothing precompiled)."""
 
-    def __init__(self, label: str, options, device: str, log_dir: Path, per_engine: int, fits_node: bool):
+    def __init__(self, label: str, options, device: str, log_dir: Path, per_engine: int):
         self.label, self.options, self.device, self.log_dir = label, options, device, Path(log_dir)
-        self.per_engine, self.fits_node = per_engine, fits_node
+        self.per_engine = per_engine
         self.name = options.backend
         self.results_wording = options.backend_type().results_wording
-        self._actor = self._group = None
+        self._actor = None
         self._incarnation = 0
+        self._closed = False  # after abort() or close() no new worker is started
         self._exact: bool | None = None  # hold_exact_gather's ruling, given again to a new worker
+        self.where: dict = {}
+        self.lost_workers = 0
         self._start()
         self.default_batch = self._get("default_batch")
-        self.where = self._ray.get(self._actor.where.remote())
 
     @property
     def _ray(self):
         return ray_module()
 
     def _start(self) -> None:
-        """A new actor (and placement group) for this lane."""
+        """A new actor for this lane, holding the lane's GPUs (or one core)."""
         ray = self._ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        opts = {"num_cpus": 1, "num_gpus": 0}
-        if self.per_engine and self.fits_node:
-            opts["num_gpus"] = self.per_engine
-        elif self.per_engine:  # bigger than a node: one-GPU bundles for vLLM's Ray executor, the actor in the first
-            self._group = placement_group([{"GPU": 1, "CPU": 1}] + [{"GPU": 1}] * (self.per_engine - 1), strategy="PACK")
-            ray.get(self._group.ready())
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                self._group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
-            )
+        opts = {"num_cpus": 1, "num_gpus": self.per_engine}
         options = self.options
-        if self.per_engine and not self.fits_node:
-            options = _with_engine_args(options, distributed_executor_backend="ray")
         worker = _worker_class().options(**opts, **ACTOR_OPTIONS)
         self._actor = worker.remote(self.label, options, self.device, str(self.log_dir), dict(BACKEND_KWARGS), self._incarnation)
+        try:  # placed and built: where it runs, and the backend's description, asked once (describe() never waits)
+            self.where = ray.get(self._actor.where.remote(), timeout=PLACEMENT_TIMEOUT_S)
+            self._description = ray.get(self._actor.call.remote("describe", (), {}))
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(self._actor)
+            self._actor = None
+            raise SplicerError(
+                f"--ray: lane {self.label} was not placed within {PLACEMENT_TIMEOUT_S} s (the cluster's resources are "
+                "held by other work, or a worker cannot start); free them or lower --ray-lanes"
+            ) from None
+        except ray.exceptions.RayActorError as e:
+            self._actor = None
+            raise SplicerError(f"--ray: lane {self.label}'s worker could not start: {_cause(e)}") from None
         if self._exact is not None:
             self._call("hold_exact_gather", self._exact)
 
     def _lost(self, e: Exception):
         self._actor = None
         self._incarnation += 1
-        where = self.__dict__.get("where") or {}
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        return LaneLost(f"Ray lane {self.label} lost its worker (host {where.get('host', '?')}): {first}")
+        self.lost_workers += 1
+        return LaneLost(f"Ray lane {self.label} lost its worker (host {self.where.get('host', '?')}): {_cause(e)}")
+
+    def _live(self):
+        """The lane's worker, started again after a loss (never after abort() or close())."""
+        if self._actor is None:
+            if self._closed:
+                raise LaneLost(f"Ray lane {self.label} was stopped")
+            self._start()
+        return self._actor
 
     def _call(self, method: str, *args, **kwargs):
         ray = self._ray
-        if self._actor is None:
-            self._start()
+        actor = self._live()
         try:
-            return ray.get(self._actor.call.remote(method, args, kwargs))
+            return ray.get(actor.call.remote(method, args, kwargs))
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError) as e:
             raise self._lost(e) from None
 
     def _get(self, name: str):
         ray = self._ray
-        if self._actor is None:
-            self._start()
+        actor = self._live()
         try:
-            return ray.get(self._actor.get.remote(name))
+            return ray.get(actor.get.remote(name))
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
             raise self._lost(e) from None
 
@@ -262,10 +299,12 @@ class RayLane(OneEngineAtATime):
         self._call("hold_exact_gather", self._exact)
 
     def describe(self) -> dict:
-        return {**self._call("describe"), "ray_lane": self.label}
+        # asked once per worker: results are written after every row while other lanes' workers are busy or lost
+        return {**self._description, "ray_lane": {"lane": self.label, **self.where}}
 
     def close(self) -> None:
         ray = self._ray
+        self._closed = True
         if self._actor is not None:
             try:
                 ray.get(self._actor.call.remote("close", (), {}))
@@ -273,13 +312,9 @@ class RayLane(OneEngineAtATime):
                 pass
             ray.kill(self._actor)
             self._actor = None
-        if self._group is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(self._group)
-            self._group = None
 
     def abort(self) -> None:
+        self._closed = True
         if self._actor is not None:
             self._ray.kill(self._actor)
             self._actor = None
@@ -293,10 +328,19 @@ class RayLane(OneEngineAtATime):
             )
 
 
-def _with_engine_args(options, **args):
-    from dataclasses import replace
+PLACEMENT_TIMEOUT_S = 300  # how long a lane may wait to be placed and built before the run is refused
+FREE_WAIT_S = 30  # how long planning waits for resources an ending run is giving back
 
-    return replace(options, engine_args={**options.engine_args, **args})
+
+def _cause(e: Exception) -> str:
+    """The line of a Ray error that says what went wrong (the worker's own exception where Ray carries it), without
+    Ray's colour codes."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*:", ln)]
+    return (errors[-1] if errors else (lines[0] if lines else e.__class__.__name__))[:300]
 
 
 def check_options(ray: str | None, lanes: int | None, **local) -> None:
@@ -318,10 +362,18 @@ def make_lanes(options, device: str, log_dir: Path, address: str, cap: int | Non
     """One RayLane per engine's worth of the cluster's resources (at most cap), labelled ray0, ray1, ...; the first runs
     the base pass. options: the backend's options without --ray."""
     connect(address)
+    if options.backend != "vllm" and device == "auto":  # the torch backend: on the GPUs where the cluster has any
+        device = "cuda" if ray_module().cluster_resources().get("GPU", 0) else "cpu"
     per_engine = engine_gpus(options, device)
     n, fits = plan_lanes(per_engine, cap)
+    if not fits:
+        raise SplicerError(
+            f"--ray: one engine needs {per_engine} GPUs, more than any node of the cluster has; an engine across nodes "
+            "is not supported yet (splicer's vLLM worker runs outside the lane's Ray actor, where vLLM's Ray executor "
+            "cannot find the lane's placement group); lower tensor_parallel_size × pipeline_parallel_size to one node's GPUs"
+        )
     lane_device = "cpu" if not per_engine else ("auto" if options.backend == "vllm" else "cuda")
-    return [RayLane(f"ray{k}", options, lane_device, log_dir / f"ray{k}", per_engine, fits) for k in range(n)]
+    return [RayLane(f"ray{k}", options, lane_device, log_dir / f"ray{k}", per_engine) for k in range(n)]
 
 
 def check_storage(lanes: list, out: Path, inputs: list[str]) -> None:

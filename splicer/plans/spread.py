@@ -62,9 +62,10 @@ def gpu_build_rows(
     engines of the build run as other rows."""
     build = next((it for it in todo if it.restored == [] and it.splice_name == it.row.name), None)
     if build is None:
+        flag = "--gpus" if all(str(g).isdigit() for g in gpus) else "--ray"
         raise SplicerError(
-            "--gpus compares every row with the build on its own GPU, and this plan has no build row "
-            "(restore = []); add one or leave --gpus out"
+            f"{flag} compares every row with the build on its own {'GPU' if flag == '--gpus' else 'Ray lane'}, and this "
+            f"plan has no build row (restore = []); add one or leave {flag} out"
         )
     name = build.row.name
     if not timed:
@@ -97,6 +98,7 @@ def run_rows_on_gpus(
     stop = threading.Event()
     failures: list[BaseException] = []
     retried: set[int] = set()
+    lost: dict[int, str | None] = {}  # rows whose first try lost its lane's worker: that try's error
 
     def lane(k: int, gpu: str, backend) -> None:
         def items():
@@ -124,12 +126,15 @@ def run_rows_on_gpus(
                     # more, on its new worker for the lane's own engines of the build, else by whichever lane is free
                     # next, this one included.
                     retried.add(id(it))
+                    lost[id(it)] = entry.get("error")
                     if it is not firsts[k] and it is not lasts[k]:
                         pending.put(it)
                         continue
                     entry = run_one(it, backend, gpu)
                     if stop.is_set():
                         return
+                if id(it) in lost:  # the row's first try ended with its lane's worker
+                    entry["after_lost_worker"] = lost[id(it)]
                 record(it, entry)
                 if it is firsts[k] and entry.get("status") != "ok":
                     # This GPU cannot serve the build: it takes no rows (each would fail fast and empty the queue),
