@@ -1,11 +1,12 @@
 """`--ray`: a plan's rows on the lanes of a Ray cluster (backends/ray_lanes.py), here a local cluster on the CPU with two
 cores and two logical GPUs (Ray hands them out as it would real ones; nothing here runs on a GPU). The torch backend on
-the CPU takes one lane per core; the stand-in vLLM (tests/fake_vllm, not vLLM) one lane per GPU.
+the CPU takes one lane per core; the stand-in vLLM (tests/fake_vllm, not vLLM) one lane per GPU. One file, one cluster.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,35 @@ def test_lanes_follow_the_engines_size_and_the_options_it_cannot_go_with(monkeyp
     vllm = backend_options("vllm", {"ray": "default", "engine_args": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}})
     assert ray_lanes.engine_gpus(vllm, "auto") == 4
     assert ray_lanes.engine_gpus(backend_options("torch", {"ray": "default"}, "cpu"), "cpu") == 0
+
+
+def test_the_fake_vllm_runs_on_gpu_lanes(pairs, cluster, plan, tmp_path, monkeypatch):
+    """The stand-in engine (not vLLM) in lanes of one logical GPU each: rows load, score and record their lane."""
+    from splicer.backends import ray_lanes
+
+    env = {"PYTHONPATH": os.pathsep.join([FAKE, str(ROOT)])}
+    monkeypatch.setattr(ray_lanes, "ACTOR_OPTIONS", {"runtime_env": {"env_vars": env}})
+    monkeypatch.setattr(ray_lanes, "BACKEND_KWARGS", {"require_cuda": False})
+    p = pairs["fused"]
+    out = tmp_path / "out"
+    results = run_ablate("gdn", str(p["lowlatency"]), str(p["base"]), out, plan, _settings(backend="vllm", time_decode=False))
+    got = {v["name"]: v for v in results["variants"]}
+    assert set(got) == {"build", "build-again", "gdn"} and all(v["status"] == "ok" for v in got.values()), got
+    lanes = {v["engine"]["ray_lane"]["lane"] for v in got.values()}
+    # the build on the first lane while the second takes the other rows; each engine on its own logical GPU
+    assert lanes == {"ray0", "ray1"} and all(v["engine"]["ray_lane"]["gpus"] for v in got.values())
+    assert len({v["engine"]["ray_lane"]["gpus"][0] for v in got.values()}) == 2
+
+
+def test_a_cluster_too_small_for_one_engine_is_refused_in_one_line(pairs, cluster, tmp_path, capsys):
+    """Through the command line, in this process (its Ray cluster already joined): one line, exit 2, no DIR."""
+    from splicer.cli import main
+
+    p = pairs["fused"]
+    out = tmp_path / "out"
+    argv = ["ablate", "gdn", str(p["lowlatency"]), str(p["base"]), "-o", str(out), "--plan", "demo", "--backend", "vllm"]
+    assert main([*argv, "--tensor-parallel-size", "4", f"--ray={cluster}", "-q"]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "the cluster has 2 GPU(s) and one engine needs 4" in lines[0], err
+    assert not out.exists()

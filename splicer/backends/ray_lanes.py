@@ -113,6 +113,12 @@ def plan_lanes(per_engine: int, cap: int | None) -> tuple[int, bool]:
 
     ray = ray_module()
     nodes = [n for n in ray.nodes() if n.get("Alive")]
+    gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]
+    if per_engine and sum(gpus) < per_engine:
+        raise SplicerError(
+            f"--ray: the cluster has {sum(gpus)} GPU(s) and one engine needs {per_engine} "
+            "(tensor_parallel_size × pipeline_parallel_size); add GPUs or lower the engine's parallelism"
+        )
     need = "GPU" if per_engine else "CPU"
     free = ray.available_resources()
     waited = time.monotonic()
@@ -120,12 +126,6 @@ def plan_lanes(per_engine: int, cap: int | None) -> tuple[int, bool]:
         time.sleep(0.5)  # workers of an earlier run in this process give their resources back a moment after they end
         free = ray.available_resources()
     if per_engine:
-        gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]
-        if sum(gpus) < per_engine:
-            raise SplicerError(
-                f"--ray: the cluster has {sum(gpus)} GPU(s) and one engine needs {per_engine} "
-                "(tensor_parallel_size × pipeline_parallel_size); add GPUs or lower the engine's parallelism"
-            )
         fits = max(gpus) >= per_engine
         lanes = sum(g // per_engine for g in gpus) if fits else sum(gpus) // per_engine
         lanes = min(lanes, int(free.get("GPU", 0)) // per_engine)
