@@ -24,8 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-LANES = 2  # --lanes
-
 
 def _ray_alone(lanes: int) -> dict:
     import ray
@@ -52,11 +50,11 @@ def _ray_alone(lanes: int) -> dict:
     return {"init_s": round(t_init, 2), "actors_ready_s": round(t_actors, 2), "shutdown_s": round(time.perf_counter() - t2, 2)}
 
 
-def _run(rows: str, pair: dict, out: Path, ray_address: str | None) -> dict:
+def _run(rows: str, pair: dict, out: Path, ray_lanes: int | None) -> dict:
     from splicer.ablate import AblateSettings, run_ablate
     from splicer.backends import backend_options
 
-    given = {"ray": ray_address, "ray_lanes": LANES} if ray_address else {}
+    given = {"ray": "default", "ray_lanes": ray_lanes} if ray_lanes else {}
     settings = AblateSettings(
         backend="torch", device="cpu", progress=False, backend_options=backend_options("torch", given, "cpu")
     )
@@ -73,8 +71,6 @@ def main(argv=None) -> int:
     p.add_argument("--lanes", type=int, default=2)
     p.add_argument("--rows", default="all")
     args = p.parse_args(argv)
-    global LANES
-    LANES = args.lanes
     import ray
     import torch
     import transformers
@@ -103,7 +99,7 @@ def main(argv=None) -> int:
 
     # as `--ray` on a machine with no cluster running: the run starts a local one (ray.init), counted in its wall time
     try:
-        record["ray"] = _run(args.rows, pair, work / "ray", "default")
+        record["ray"] = _run(args.rows, pair, work / "ray", args.lanes)
     finally:
         _ray.shutdown()
     alone = record["ray_alone"]

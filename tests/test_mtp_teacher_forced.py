@@ -18,6 +18,8 @@ from splicer.backends.torch_ref import TorchBackend
 from splicer.cli import main
 from splicer.errors import SplicerError
 
+from .results_edits import with_failed_row
+
 
 @pytest.fixture(scope="module")
 def trained_base(tmp_path_factory):
@@ -237,12 +239,7 @@ def torch_dir(pairs, tmp_path_factory):
 
 def test_teacher_forced_end_to_end_on_a_torch_folder_and_resume(torch_dir, capsys):
     out = torch_dir
-    results = (out / "results.json").read_text()
-    # a row whose ablate run failed: named as failed, with the first line of its error, not as a row DIR never ran
-    failed = {"name": "lm_head", "restored": ["lm_head"], "status": "error", "error": "RuntimeError: out of memory\nat ..."}
-    record = json.loads(results)
-    (out / "results.json").write_text(json.dumps(dict(record, variants=[*record["variants"], failed])))
-    try:
+    with with_failed_row(out):  # lm_head: a row whose ablate run failed
         for argv, says in (
             (["--teacher-forced", "--tokens", "1"], "--tokens sets vLLM's engines"),
             (["--device", "cpu"], "--device goes with --teacher-forced"),
@@ -254,8 +251,6 @@ def test_teacher_forced_end_to_end_on_a_torch_folder_and_resume(torch_dir, capsy
             err = capsys.readouterr().err.strip()
             assert err.count("\n") == 0 and says in err, err
             assert "no finished row" not in err or "nope" in err
-    finally:
-        (out / "results.json").write_text(results)
     assert not (out / tf.FILE).exists()
     assert main(["mtp", str(out), "--teacher-forced", "--device", "cpu", "-q"]) == 0
     record = json.loads((out / tf.FILE).read_text())

@@ -175,8 +175,10 @@ def test_lanes_follow_the_engines_size_and_the_options_it_cannot_go_with(monkeyp
     with pytest.raises(SplicerError, match="--ray-lanes caps"):
         backend_options("torch", {"ray_lanes": 2})
     vllm = backend_options("vllm", {"ray": "default", "engine_args": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}})
-    assert ray_lanes.engine_gpus(vllm, "auto") == 4
-    assert ray_lanes.engine_gpus(backend_options("torch", {"ray": "default"}, "cpu"), "cpu") == 0
+    assert vllm.ray_engine("auto", True) == ("auto", 4)
+    torch_options = backend_options("torch", {"ray": "default"}, "cpu")
+    assert torch_options.ray_engine("cpu", True) == ("cpu", 0)
+    assert torch_options.ray_engine("auto", True) == ("cuda", 1) and torch_options.ray_engine("auto", False) == ("cpu", 0)
 
 
 def test_the_fake_vllm_runs_on_gpu_lanes(pairs, cluster, plan, tmp_path, monkeypatch):

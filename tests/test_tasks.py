@@ -12,6 +12,8 @@ import pytest
 from splicer.cli import main
 from splicer.tasks.cloze import items_from_texts
 
+from .results_edits import with_failed_row
+
 DEMO_TEXT = Path(str(resources.files("splicer") / "data" / "demo_wiki_en.txt"))
 
 
@@ -123,12 +125,7 @@ def test_a_group_of_tasks_is_scored_over_its_subtasks_items(scored, tmp_path, ca
 def test_bad_task_inputs_are_one_line_before_anything_runs(scored, pairs, tmp_path, capsys):
     out, tasks = scored
     capsys.readouterr()
-    results = (out / "results.json").read_text()
-    # a row whose ablate run failed: named as failed, with the first line of its error, not as a row DIR never ran
-    failed = {"name": "lm_head", "restored": ["lm_head"], "status": "error", "error": "RuntimeError: out of memory\nat ..."}
-    record = json.loads(results)
-    (out / "results.json").write_text(json.dumps(dict(record, variants=[*record["variants"], failed])))
-    try:
+    with with_failed_row(out):  # lm_head: a row whose ablate run failed
         for argv, says in (
             (["--tasks", "clozee", "--include-path", str(tasks)], "close: cloze"),
             (["--tasks", "cloze", "--include-path", str(tmp_path / "nope")], "not a folder"),
@@ -142,8 +139,6 @@ def test_bad_task_inputs_are_one_line_before_anything_runs(scored, pairs, tmp_pa
             assert main(["tasks", str(out), *argv]) == 2
             err = capsys.readouterr().err.strip()
             assert err.count("\n") == 0 and says in err, err
-    finally:
-        (out / "results.json").write_text(results)
     p = pairs["fused"]
     fresh = tmp_path / "fresh"
     argv = ["ablate", "build", str(p["lowlatency"]), str(p["base"]), "-o", str(fresh), "--plan", "demo", "--tasks", "clozee"]

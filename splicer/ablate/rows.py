@@ -321,7 +321,7 @@ def run_rows(
     invocation began."""
     backend, backends, settings, stages, out = run.backend, run.backends, run.settings, run.stages, run.out
     run_list = schedule.run_list
-    if getattr(run.options, "ray", None):  # every lane sees DIR and the inputs, before the base pass and any row
+    if run.options.ray:  # every lane sees DIR and the inputs, before the base pass and any row
         from ..backends.ray_lanes import check_storage
 
         check_storage(backends, out, [str(p) for p in run.inputs])

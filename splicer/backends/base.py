@@ -125,6 +125,7 @@ class BackendOptions(Protocol):
 
     backend: str  # the backend's name (backends.BACKENDS)
     gpus: tuple  # the GPUs the rows are spread over (plans/spread.py); () for one device
+    ray: str | None  # --ray's cluster address (backends/ray_lanes.py); None: no Ray
 
     @classmethod
     def option_names(cls) -> set[str]: ...  # the options it takes, as backend_options is given them
@@ -145,6 +146,9 @@ class BackendOptions(Protocol):
     def cache_key(self) -> list: ...  # its part of the base pass's cache key
 
     def context_length(self) -> int | None: ...  # the engine's context length, when the options set one
+
+    # On a Ray lane (--ray): the device the lane's backend is given for --device DEVICE, and the GPUs one engine holds.
+    def ray_engine(self, device: str, cluster_has_gpus: bool) -> tuple[str, int]: ...
 
     def check_loadable(self, ckpt, modules: dict | None = None) -> None: ...  # refuse, in one line, what it cannot load
 

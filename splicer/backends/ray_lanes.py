@@ -72,10 +72,9 @@ def connect(address: str) -> None:
     try:
         ray.init(**({} if address == DEFAULT_ADDRESS else {"address": address}), **kwargs)
     except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
         raise SplicerError(
             f"--ray {'' if address == DEFAULT_ADDRESS else address}: cannot join a Ray cluster ({e.__class__.__name__}: "
-            f"{first}); start one (ray start --head) or give its address (--ray HOST:6379)"
+            f"{_cause(e)}); start one (ray start --head) or give its address (--ray HOST:6379)"
         ) from None
 
 
@@ -95,15 +94,6 @@ def _reachable(address: str, timeout_s: float = 5.0) -> None:
             f"--ray {address}: nothing answers there ({e.strerror or e.__class__.__name__}); start the cluster "
             "(ray start --head) or give its address (--ray=HOST:6379)"
         ) from None
-
-
-def engine_gpus(options, device: str) -> int:
-    """The GPUs one engine of these options needs: tensor × pipeline parallel size for vLLM, one for the torch backend
-    on CUDA, none on the CPU."""
-    args = getattr(options, "engine_args", None)
-    if args is not None and options.backend == "vllm":
-        return int(args.get("tensor_parallel_size") or 1) * int(args.get("pipeline_parallel_size") or 1)
-    return 0 if device == "cpu" else 1
 
 
 def plan_lanes(per_engine: int, cap: int | None) -> tuple[int, bool]:
@@ -206,7 +196,6 @@ class RayLane(OneEngineAtATime):
         self._closed = False  # after abort() or close() no new worker is started
         self._exact: bool | None = None  # hold_exact_gather's ruling, given again to a new worker
         self.where: dict = {}
-        self.lost_workers = 0
         self._start()
         self.default_batch = self._get("default_batch")
 
@@ -217,10 +206,10 @@ class RayLane(OneEngineAtATime):
     def _start(self) -> None:
         """A new actor for this lane, holding the lane's GPUs (or one core)."""
         ray = self._ray
-        opts = {"num_cpus": 1, "num_gpus": self.per_engine}
-        options = self.options
-        worker = _worker_class().options(**opts, **ACTOR_OPTIONS)
-        self._actor = worker.remote(self.label, options, self.device, str(self.log_dir), dict(BACKEND_KWARGS), self._incarnation)
+        worker = _worker_class().options(num_cpus=1, num_gpus=self.per_engine, **ACTOR_OPTIONS)
+        self._actor = worker.remote(
+            self.label, self.options, self.device, str(self.log_dir), dict(BACKEND_KWARGS), self._incarnation
+        )
         try:  # placed and built: where it runs, and the backend's description, asked once (describe() never waits)
             self.where = ray.get(self._actor.where.remote(), timeout=PLACEMENT_TIMEOUT_S)
             self._description = ray.get(self._actor.call.remote("describe", (), {}))
@@ -240,7 +229,6 @@ class RayLane(OneEngineAtATime):
     def _lost(self, e: Exception):
         self._actor = None
         self._incarnation += 1
-        self.lost_workers += 1
         return LaneLost(f"Ray lane {self.label} lost its worker (host {self.where.get('host', '?')}): {_cause(e)}")
 
     def _live(self):
@@ -251,21 +239,19 @@ class RayLane(OneEngineAtATime):
             self._start()
         return self._actor
 
-    def _call(self, method: str, *args, **kwargs):
+    def _ask(self, method: str, *args):
+        """The answer of the lane's worker's `method` (call or get); a worker that dies meanwhile is LaneLost."""
         ray = self._ray
-        actor = self._live()
         try:
-            return ray.get(actor.call.remote(method, args, kwargs))
+            return ray.get(getattr(self._live(), method).remote(*args))
         except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError) as e:
             raise self._lost(e) from None
 
+    def _call(self, method: str, *args, **kwargs):
+        return self._ask("call", method, args, kwargs)
+
     def _get(self, name: str):
-        ray = self._ray
-        actor = self._live()
-        try:
-            return ray.get(actor.get.remote(name))
-        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as e:
-            raise self._lost(e) from None
+        return self._ask("get", name)
 
     # base.Backend
     @property
@@ -362,9 +348,7 @@ def make_lanes(options, device: str, log_dir: Path, address: str, cap: int | Non
     """One RayLane per engine's worth of the cluster's resources (at most cap), labelled ray0, ray1, ...; the first runs
     the base pass. options: the backend's options without --ray."""
     connect(address)
-    if options.backend != "vllm" and device == "auto":  # the torch backend: on the GPUs where the cluster has any
-        device = "cuda" if ray_module().cluster_resources().get("GPU", 0) else "cpu"
-    per_engine = engine_gpus(options, device)
+    lane_device, per_engine = options.ray_engine(device, bool(ray_module().cluster_resources().get("GPU", 0)))
     n, fits = plan_lanes(per_engine, cap)
     if not fits:
         raise SplicerError(
@@ -372,7 +356,6 @@ def make_lanes(options, device: str, log_dir: Path, address: str, cap: int | Non
             "is not supported yet (splicer's vLLM worker runs outside the lane's Ray actor, where vLLM's Ray executor "
             "cannot find the lane's placement group); lower tensor_parallel_size × pipeline_parallel_size to one node's GPUs"
         )
-    lane_device = "cpu" if not per_engine else ("auto" if options.backend == "vllm" else "cuda")
     return [RayLane(f"ray{k}", options, lane_device, log_dir / f"ray{k}", per_engine) for k in range(n)]
 
 

@@ -509,6 +509,11 @@ class TorchOptions:
     def context_length(self) -> int | None:
         return None
 
+    def ray_engine(self, device: str, cluster_has_gpus: bool) -> tuple[str, int]:
+        # one GPU per lane where the device is CUDA (auto: where the cluster has GPUs), else one core and no GPU
+        on_gpu = device.startswith("cuda") or (device == "auto" and cluster_has_gpus)
+        return ("cuda", 1) if on_gpu else ("cpu", 0)
+
     def check_loadable(self, ckpt, modules: dict | None = None) -> None:
         if ckpt.quantization_config:  # the build and checkpoint rows are loaded as stored: refused now, not as a failed row
             TorchBackend.check_readable(ckpt, modules)

@@ -313,6 +313,11 @@ class VllmOptions:
     def context_length(self) -> int | None:
         return self.engine_args.get("max_model_len")
 
+    def ray_engine(self, device: str, cluster_has_gpus: bool) -> tuple[str, int]:
+        # vLLM picks the GPUs Ray gives the lane; one engine holds tensor × pipeline parallel size of them
+        args = self.engine_args
+        return "auto", int(args.get("tensor_parallel_size") or 1) * int(args.get("pipeline_parallel_size") or 1)
+
     def speculative(self) -> VllmOptions:
         """One engine at a time, alone on the GPU: the speculative engines are timed, so none starts ahead."""
         return replace(self, overlap_starts=0, rewake_before_timing=False, precompile=0, gpus=None, ray=None, ray_lanes=None)

@@ -20,8 +20,8 @@ from . import module_regexes
 from .base import QuantFormat
 from .layouts import CT_FORMATS, group_format, group_scheme, is_packed_tensor
 from .module import Module
-from .readings import Entries, Reading, fused_on_disk, match_name, reading_words, readings_vs_storage, record_dead
-from .vllm_versions import VllmReleaseReader, modeled, other_releases_note, refusing_group_actorder, ways_of_reading
+from .readings import Entries, Reading, fused_on_disk, match_name, note_other_releases, readings_vs_storage, record_dead
+from .vllm_versions import VllmReleaseReader, modeled, refusing_group_actorder
 
 CLASS_TARGET_HF = "Linear"  # the class target compressed-tensors exporters write
 
@@ -250,13 +250,13 @@ class CompressedTensors(QuantFormat):
             report.vllm[name] = vr.reading(m)
         # The releases read `ignore` and targets differently (vllm_versions): where other checked releases would read
         # a module otherwise than the one modeled, say so once per way of reading, with the first such module.
-        for others in ways_of_reading(vr.release, ("ignore_fused_name_first", "target_fused_before_class")):
-            ovr = VllmReader(qc, arch, others[0])
-            differ = [n for n in sorted(modules) if ovr.reading(modules[n]) != report.vllm[n]]
-            if differ:
-                n = differ[0]
-                said = f"{reading_words(ovr.reading(modules[n]))} against {reading_words(report.vllm[n])}"
-                report.notes.append(other_releases_note(others, vr.release, differ, said))
+        note_other_releases(
+            report,
+            modules,
+            vr.release,
+            ("ignore_fused_name_first", "target_fused_before_class"),
+            lambda release: VllmReader(qc, arch, release),
+        )
         for g, group in (qc.get("config_groups") or {}).items():
             order = (group.get("weights") or {}).get("actorder")
             if order in ("group", "dynamic"):

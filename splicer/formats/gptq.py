@@ -11,22 +11,29 @@ from ..io.config_schema import GPTQ, QC
 from . import module_regexes
 from .base import QuantFormat
 from .module import Module
-from .readings import Reading, fused_on_disk, reading_words, readings_vs_storage, record_dead
-from .vllm_versions import other_releases_note, ways_of_reading
+from .readings import Reading, fused_on_disk, note_other_releases, readings_vs_storage, record_dead
+from .vllm_versions import modeled, refusing_group_actorder
+
+
+def rule_regex(key: str) -> str:
+    """The regex of a `dynamic` key: `-:X` and `+:X` are X, a bare key (a positive rule to GPTQModel and vLLM) itself."""
+    return key[2:] if key[:2] in ("-:", "+:") else key
+
+
+def matching_rule(dynamic: dict | None, name: str) -> tuple[str, object] | None:
+    """(key, overrides) of the first `dynamic` rule whose regex re.matches `name`, in the config's order, as vLLM's
+    `gptq_utils.get_dynamic_override` and GPTQModel's `dynamic_get` both walk them; None where none matches."""
+    return next(((k, v) for k, v in (dynamic or {}).items() if re.match(rule_regex(k), name)), None)
 
 
 def dynamic_rule(dynamic: dict | None, name: str) -> bool | dict | None:
-    """What the first `dynamic` rule whose regex re.matches `name` says, in the config's order, as vLLM's
-    `gptq_utils.get_dynamic_override` and GPTQModel's `dynamic_get` both read it: False for a `-:` rule (the module
-    stays unquantized), the rule's overrides for a `+:` or bare one, None where no rule matches. So a `+:` rule listed
+    """What the first matching `dynamic` rule says (matching_rule): False for a `-:` rule (the module stays
+    unquantized), the rule's overrides for a `+:` or bare one, None where no rule matches. So a `+:` rule listed
     before a `-:` rule that also matches keeps the module quantized: a splice puts its `-:` rules first."""
-    for pattern, overrides in (dynamic or {}).items():
-        if pattern.startswith("-:"):
-            if re.match(pattern[2:], name):
-                return False
-        elif re.match(pattern.removeprefix("+:"), name):
-            return overrides
-    return None
+    hit = matching_rule(dynamic, name)
+    if hit is None:
+        return None
+    return False if hit[0].startswith("-:") else hit[1]
 
 
 def vllm_gptq_quantized(
@@ -80,16 +87,14 @@ def module_scheme(qc: dict, name: str) -> tuple[int, int | None, bool, str | Non
     vLLM (gptq_utils.override_config, on its vLLM name) and GPTQModel (on the HF name) alike: the config's values,
     overridden by the first `dynamic` rule that matches, where that rule is not `-:` and gives an int or a bool."""
     bits, group, sym = qc.get("bits"), qc.get("group_size"), qc.get("sym", True)
-    for key, overrides in (qc.get("dynamic") or {}).items():
-        if not re.match(key[2:] if key[:2] in ("-:", "+:") else key, name):
-            continue
-        if key.startswith("-:") or not isinstance(overrides, dict):
-            return bits, group, sym, None
-        bits = overrides["bits"] if isinstance(overrides.get("bits"), int) else bits
-        group = overrides["group_size"] if isinstance(overrides.get("group_size"), int) else group
-        sym = overrides["sym"] if isinstance(overrides.get("sym"), bool) else sym
-        return bits, group, sym, key
-    return bits, group, sym, None
+    hit = matching_rule(qc.get("dynamic"), name)
+    if hit is None or hit[0].startswith("-:") or not isinstance(hit[1], dict):
+        return bits, group, sym, None
+    key, overrides = hit
+    bits = overrides["bits"] if isinstance(overrides.get("bits"), int) else bits
+    group = overrides["group_size"] if isinstance(overrides.get("group_size"), int) else group
+    sym = overrides["sym"] if isinstance(overrides.get("sym"), bool) else sym
+    return bits, group, sym, key
 
 
 def desc_act_refused(qc: dict) -> str | None:
@@ -133,8 +138,6 @@ class GptqVllmReader:
     modules the checkpoint stores packed (vLLM scans the safetensors headers)."""
 
     def __init__(self, qc: dict, arch: Architecture, modules: dict[str, Module], release=None):
-        from .vllm_versions import modeled
-
         self.arch, self.qc = arch, qc
         self.dynamic = qc.get("dynamic") or {}
         self.release = release or modeled()
@@ -199,7 +202,7 @@ class Gptq(QuantFormat):
         """`dynamic` rules too (`-:`/`+:`, or bare keys, which GPTQModel treats as positive rules)."""
         for key in qc.get("dynamic") or {}:
             try:
-                re.compile(key[2:] if key[:2] in ("-:", "+:") else key)
+                re.compile(rule_regex(key))
             except re.error as e:
                 raise SplicerError(f"{label}: dynamic rule {key[:60]!r} is not a valid regex ({e}); fix config.json") from None
         super().validate_regexes(qc, label)
@@ -240,22 +243,21 @@ class Gptq(QuantFormat):
             report.add("scheme-mismatch", "hf", f"config says {want[0]}-bit g{want[1]}, tensors are {sorted(bits)}")
         self.check_module_schemes(modules, qc, arch, report)
         # Where other checked releases read modules otherwise (vllm_versions), once per way of reading
-        for others in ways_of_reading(vr.release, ("gptq_empty_list_quantized", "gptq_mtp_rule")):
-            ovr = GptqVllmReader(qc, arch, modules, others[0])
-            differ = [n for n in sorted(modules) if ovr.reading(modules[n]) != report.vllm[n]]
-            if differ:
-                said = f"{reading_words(ovr.reading(modules[differ[0]]))} against {reading_words(report.vllm[differ[0]])}"
-                report.notes.append(other_releases_note(others, vr.release, differ, said))
+        note_other_releases(
+            report,
+            modules,
+            vr.release,
+            ("gptq_empty_list_quantized", "gptq_mtp_rule"),
+            lambda release: GptqVllmReader(qc, arch, modules, release),
+        )
         refused = desc_act_refused(qc)
         if refused:
-            from .vllm_versions import modeled, refusing_group_actorder
-
             text = (
                 f"{refused}: group activation ordering, refused by {refusing_group_actorder()}; "
                 're-quantize with desc_act=false (or, through llm-compressor, actorder="weight")'
             )
             # a problem where the release modeled refuses it, a note where only later ones do
-            if modeled().refuses_group_actorder:
+            if vr.release.refuses_group_actorder:
                 report.add("refused", "vllm", text)
             else:
                 report.notes.append(text)

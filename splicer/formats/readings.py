@@ -46,6 +46,25 @@ def reading_words(reading: Reading) -> str:
     return f"refused ({reading.error})" if reading.error else (reading.group or "unquantized")
 
 
+def note_other_releases(report, modules: dict, modeled_release, fields: tuple[str, ...], reader_for) -> None:
+    """Where checked releases that differ from the modeled one in these behaviours (vllm_versions.ways_of_reading)
+    would read a module otherwise, one note per way of reading, with the first such module: 'vLLM 0.26 reads 3 modules
+    otherwise than vLLM 0.33 (modeled here), e.g. NAME: A against B'. reader_for(release): that release's vLLM reader."""
+    from .vllm_versions import ways_of_reading
+
+    for others in ways_of_reading(modeled_release, fields):
+        other = reader_for(others[0])
+        differ = [n for n in sorted(modules) if other.reading(modules[n]) != report.vllm[n]]
+        if not differ:
+            continue
+        n = differ[0]
+        who = f"vLLM {others[0].version}" + (f" to {others[-1].version} read" if len(others) > 1 else " reads")
+        report.notes.append(
+            f"{who} {len(differ)} modules otherwise than vLLM {modeled_release.version} (modeled here), e.g. {n}: "
+            f"{reading_words(other.reading(modules[n]))} against {reading_words(report.vllm[n])}"
+        )
+
+
 class Entries:
     """A list of ignore/target entries, compiled once: exact names in a set, `re:` patterns compiled."""
 

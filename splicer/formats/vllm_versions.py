@@ -119,9 +119,3 @@ def ways_of_reading(modeled_release: VllmReleaseReader, fields: tuple[str, ...])
         else:
             groups.append([r])
     return groups
-
-
-def other_releases_note(others: list[VllmReleaseReader], modeled_release: VllmReleaseReader, differ: list[str], said) -> str:
-    """The lint's note: 'vLLM 0.26 reads 3 modules otherwise than vLLM 0.33 (modeled here), e.g. NAME: A against B'."""
-    who = f"vLLM {others[0].version}" + (f" to {others[-1].version} read" if len(others) > 1 else " reads")
-    return f"{who} {len(differ)} modules otherwise than vLLM {modeled_release.version} (modeled here), e.g. {differ[0]}: {said}"
