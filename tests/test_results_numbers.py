@@ -13,8 +13,9 @@
    tool's own settings (95 % intervals, top-20), not measurements.
    A folder's HISTORY.md (a run history moved out of its README) is checked the same way. LEGACY files (run histories
    written before this check) are still checked only against every raw file of their folder (the old rule); they are
-   listed below. README.md and HISTORY.md are prose: never a raw source within their own folder (not for themselves,
-   not for each other); README.md and docs/*.md may cite a results folder's README or history, itself checked.
+   listed below. Markdown outside results/ (scripts/gpu/README.md, docs/) is instructions, never a source.
+   README.md and HISTORY.md are prose: never a raw source within their own folder (not for themselves, not for each
+   other); README.md and docs/*.md may cite a results folder's README or history, itself checked.
 
 A README number with d decimals matches a raw value v when v rounds to it at d decimals (|v - x| <= half a unit of its
 last digit): "4.34" matches 4.3449, "241" matches 241.0 but not 246. For a percentage (a "%" follows the number or the
@@ -241,6 +242,8 @@ def cited_text(md: Path, target: str, key: str | None) -> str | None:
         return "\n".join(raw_texts(p))
     if p.suffix not in RAW_SUFFIXES or (p.name in PROSE and p.parent == md.resolve().parent):
         return None  # a README or history is no source for itself or its folder's other prose (docs may cite one)
+    if p.suffix == ".md" and (ROOT / "results").resolve() not in p.parents:
+        return None  # instructions and docs outside results/ (scripts/gpu/README.md): prose, no raw data
     text = p.read_text(errors="replace")
     if key:
         try:
@@ -484,3 +487,16 @@ def test_a_history_is_no_source_for_its_readme_nor_for_itself(tmp_path):
     assert [n["text"] for n in uncited_numbers(readme, readme.read_text())] == ["187"]
     readme.write_text("The base pass took 187 s ([HISTORY.md](HISTORY.md)).\n")
     assert [n["text"] for n in uncited_numbers(readme, readme.read_text())] == ["187"]
+
+
+def test_instructions_outside_results_are_no_source(tmp_path):
+    """A results README citing the GPU scripts' README (instructions, with figures of earlier runs in prose) cannot tie
+    a number to it; the same number in a cited raw file can."""
+    text = (ROOT / "scripts" / "gpu" / "README.md").read_text()
+    assert " 176 s" in text  # a figure that prose holds
+    (tmp_path / "results.json").write_text('{"init_s": 176.2}')
+    readme = tmp_path / "README.md"
+    readme.write_text("The base engine started in 176 s (`scripts/gpu/README.md`).\n")
+    assert [n["text"] for n in uncited_numbers(readme, readme.read_text())] == ["176"]
+    readme.write_text("The base engine started in 176 s (`scripts/gpu/README.md`, `results.json`).\n")
+    assert uncited_numbers(readme, readme.read_text()) == []

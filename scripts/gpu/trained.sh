@@ -54,12 +54,13 @@ PLAN=${PLAN:-ablations/trained-h200.toml}; GDN_GROUPS=${GDN_GROUPS:-6}
 # 13 minutes (20 grid points of a few seconds per smoothed norm), so it takes fewer.
 GPTQ_SAMPLES=${GPTQ_SAMPLES:-256}; AWQ_SAMPLES=${AWQ_SAMPLES:-64}
 # Classes whose GPTQ build is re-made with the class left in BF16, scored beside the splice of that class.
-REQUANT_CLASSES=${REQUANT_CLASSES:-gdn attention shared_expert}
+# These two lists take their default only when unset: set to the empty string (`REQUANT_CLASSES=`) they mean none.
+REQUANT_CLASSES=${REQUANT_CLASSES-gdn attention shared_expert}
 # What runs (a shorter lease runs less; run 4: SEEDS=0 OTHER_BUILDS=rtn-g32-experts AWQ_BUILD=0 SCORE_BUILDS=0
 # GDN_LAYERS=0 VERIFY=0): the training seeds (seed 0 carries every stage, seed 1 the class rows), seed 0's other builds,
 # the all-builds score branch, one row per GDN layer in seed 0's plan, budget --verify, and the MTP stage.
 SEEDS=${SEEDS:-0 1}
-OTHER_BUILDS=${OTHER_BUILDS:-rtn-g32-experts,fp8-block,nvfp4a16}
+OTHER_BUILDS=${OTHER_BUILDS-rtn-g32-experts,fp8-block,nvfp4a16}
 AWQ_BUILD=${AWQ_BUILD:-1}; SCORE_BUILDS=${SCORE_BUILDS:-1}; GDN_LAYERS=${GDN_LAYERS:-1}; VERIFY=${VERIFY:-1}
 # MTP acceptance (splicer mtp), once every other branch has ended so that its engines are alone on the GPU and timed:
 # seed 0's rows below, and the RTN g32 build (the one build that quantizes the drafter's experts) against its MTP
