@@ -1,24 +1,30 @@
-"""Two results folders of the same plan and inputs, made two ways (a plain run and one with --ray or --gpus): do they
-score alike, and do their timings agree within the build engines' spread?
+"""Results folders of the same plan and inputs, made different ways (plain runs, --ray, --gpus): where do they score
+alike, and do their differences exceed what one engine of the same variant differs from the next anyway?
 
-    python scripts/compare_runs.py A B [--json OUT.json]
+    python scripts/compare_runs.py NAME=DIR NAME=DIR [NAME=DIR ...] [--json OUT.json]
 
-Scores: every row finished in both, per corpus, its per-position file (DIR/scores/ROW/CORPUS.safetensors) compared
-tensor by tensor, exactly (the same positions, the same KL, top-1 and NLL bits), and its metrics in results.json. A
-lane's own build rows (build-rayN, build-gpuN, build-end-..., build-again) are compared with the other folder's `build`.
+Scores: for every pair of folders, every row finished in both, per corpus, its per-position file
+(DIR/scores/ROW/CORPUS.safetensors) compared tensor by tensor, exactly (the same positions, the same KL, top-1 and
+NLL bits). A lane's own build rows (build-rayN, build-gpuN, build-end-...) are compared with the other folder's `build`.
 
-Timing: a row's decode ms/token in A and in B, their relative difference, and the spread of every build engine of both
-folders ((max - min) / min of their decode ms/token): a difference inside that spread is what a fresh engine of the
-same variant gives anyway. Also each row's decode-vs-build interval in both folders. Prints a summary; --json writes it
-all.
+The yardstick is each folder's own build engines: the plan's `build` and its repeats (build-again, a lane's build rows)
+are fresh engines of one variant in one run. Per corpus, a folder is "repeatable" when they agree bit for bit. Where
+they do not, no other run can be expected to match either, and the per-row metric differences between folders (KL,
+top-1, dNLL) are set beside the differences between those build engines.
+
+Timing: a row's decode ms/token in each folder; the relative difference for every pair; and the spread of the build
+engines ((max - min) / min), the only repeated engines a run has. Prints a summary; --json writes it all.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
+
+METRICS = ("kl", "top1", "dnll")
 
 
 def _rows(folder: Path) -> dict:
@@ -26,7 +32,7 @@ def _rows(folder: Path) -> dict:
     return {v["name"]: v for v in results["variants"] if v.get("status") == "ok"}
 
 
-def _is_build_engine(name: str, row: dict) -> bool:
+def is_build_engine(name: str, row: dict) -> bool:
     """A row that loads the build itself: the plan's build and its repeats, and a lane's build rows."""
     return (
         not row.get("restored")
@@ -41,31 +47,32 @@ def _score_files(folder: Path, row: str) -> dict:
     return {p.stem: p for p in sorted(d.glob("*.safetensors"))} if d.is_dir() else {}
 
 
-def compare_scores(a: Path, b: Path, name_a: str, name_b: str) -> dict:
+def diff_scores(a: Path, row_a: str, b: Path, row_b: str) -> dict:
+    """Per corpus: None where the two rows' per-position files are identical, else what differs."""
     import torch
     from safetensors.torch import load_file
 
-    fa, fb = _score_files(a, name_a), _score_files(b, name_b)
-    out = {"a": name_a, "b": name_b, "corpora": sorted(set(fa) | set(fb)), "differs": []}
-    if not fa or not fb:
-        out["differs"].append("per-position scores missing in " + ("A" if not fa else "B"))
-        return out
-    for corpus in out["corpora"]:
+    fa, fb = _score_files(a, row_a), _score_files(b, row_b)
+    out = {}
+    for corpus in sorted(set(fa) | set(fb)):
         if corpus not in fa or corpus not in fb:
-            out["differs"].append(f"{corpus}: only in {'A' if corpus in fa else 'B'}")
+            out[corpus] = [f"only in {a if corpus in fa else b}"]
             continue
         ta, tb = load_file(str(fa[corpus])), load_file(str(fb[corpus]))
+        differs = []
         for key in sorted(set(ta) | set(tb)):
             x, y = ta.get(key), tb.get(key)
             if x is None or y is None:
-                out["differs"].append(f"{corpus}/{key}: only in {'A' if y is None else 'B'}")
+                differs.append(f"{key}: only in one")
             elif x.shape != y.shape:
-                out["differs"].append(f"{corpus}/{key}: shapes {tuple(x.shape)} and {tuple(y.shape)}")
+                differs.append(f"{key}: shapes {tuple(x.shape)} and {tuple(y.shape)}")
             elif not torch.equal(x, y):
                 n = int((x != y).sum())
-                diff = (x.double() - y.double()).abs().max().item() if x.is_floating_point() else None
-                out["differs"].append(f"{corpus}/{key}: {n} of {x.numel()} values differ (max |diff| {diff})")
-    out["identical"] = not out["differs"]
+                what = f"{key}: {n} of {x.numel()} values differ"
+                if x.is_floating_point():
+                    what += f" (max |diff| {(x.double() - y.double()).abs().max().item():.4g})"
+                differs.append(what)
+        out[corpus] = differs or None
     return out
 
 
@@ -74,101 +81,156 @@ def decode_ms(row: dict) -> float | None:
     return t.get("decode_ms_per_token") if isinstance(t, dict) else None
 
 
-def compare(a: Path, b: Path) -> dict:
-    ra, rb = _rows(a), _rows(b)
-    builds = {("A", n): decode_ms(r) for n, r in ra.items() if _is_build_engine(n, r)}
-    builds.update({("B", n): decode_ms(r) for n, r in rb.items() if _is_build_engine(n, r)})
-    timed = {k: v for k, v in builds.items() if v is not None}
-    spread = (max(timed.values()) - min(timed.values())) / min(timed.values()) if len(timed) > 1 else None
+def _metric_gaps(ma: dict, mb: dict) -> dict:
+    return {
+        corpus: {
+            m: abs(ma[corpus][m] - mb[corpus][m])
+            for m in METRICS
+            if ma[corpus].get(m) is not None and mb[corpus].get(m) is not None
+        }
+        for corpus in sorted(set(ma) & set(mb))
+    }
+
+
+def _max_gaps(gaps: list[dict]) -> dict:
+    out: dict = {}
+    for g in gaps:
+        for corpus, per in g.items():
+            for m, v in per.items():
+                out.setdefault(corpus, {})[m] = max(v, out.get(corpus, {}).get(m, 0.0))
+    return out
+
+
+def folder_yardstick(folder: Path, rows: dict) -> dict:
+    """The folder's build engines: which corpora they score bit for bit alike, their largest metric gaps, and their
+    decode spread."""
+    builds = sorted(n for n, r in rows.items() if is_build_engine(n, r))
+    repeatable: dict = {}
+    gaps = []
+    for x, y in itertools.combinations(builds, 2):
+        for corpus, d in diff_scores(folder, x, folder, y).items():
+            repeatable[corpus] = repeatable.get(corpus, True) and d is None
+        gaps.append(_metric_gaps(rows[x]["metrics"], rows[y]["metrics"]))
+    decode = {n: decode_ms(rows[n]) for n in builds}
+    timed = [v for v in decode.values() if v is not None]
+    return {
+        "build_engines": builds,
+        "repeatable": repeatable if len(builds) > 1 else None,
+        "build_metric_gaps": _max_gaps(gaps),
+        "build_decode_ms": decode,
+        "build_decode_spread_rel": (max(timed) - min(timed)) / min(timed) if len(timed) > 1 else None,
+    }
+
+
+def _partner(name: str, row: dict, other: dict) -> str | None:
+    if name in other:
+        return name
+    return "build" if is_build_engine(name, row) and "build" in other else None
+
+
+def compare_pair(na: str, a: Path, ra: dict, nb: str, b: Path, rb: dict) -> dict:
     rows = []
-    for name in sorted(set(ra) | set(rb)):
-        in_a, in_b = name in ra, name in rb
-        if in_a and in_b:
-            na, nb = name, name
-        elif in_b and _is_build_engine(name, rb[name]) and "build" in ra:
-            na, nb = "build", name
-        elif in_a and _is_build_engine(name, ra[name]) and "build" in rb:
-            na, nb = name, "build"
-        else:
-            rows.append({"row": name, "only_in": "A" if in_a else "B"})
+    for name in sorted(ra):
+        pb = _partner(name, ra[name], rb)
+        if pb is None:
+            rows.append({"row": name, "only_in": na})
             continue
         entry = {
             "row": name,
-            "scores": compare_scores(a, b, na, nb),
-            "metrics_equal": ra[na].get("metrics") == rb[nb].get("metrics"),
+            "vs": pb,
+            "scores_differ": {c: d for c, d in diff_scores(a, name, b, pb).items() if d},
+            "metric_gaps": _metric_gaps(ra[name]["metrics"], rb[pb]["metrics"]),
         }
-        if in_a and in_b:
-            da, db = decode_ms(ra[name]), decode_ms(rb[name])
-            if da is not None and db is not None:
-                entry["decode_ms"] = {"A": da, "B": db, "rel_diff": (db - da) / da}
-                if spread is not None:
-                    entry["decode_ms"]["within_build_spread"] = abs(db - da) / min(da, db) <= spread
-            for side, r in (("A", ra[name]), ("B", rb[name])):
-                d = r.get("decode_vs_build")
-                if d:
-                    entry.setdefault("decode_vs_build", {})[side] = {
-                        "rel": d.get("rel"),
-                        "rel_ci": d.get("rel_ci"),
-                        "resolved": d.get("resolved"),
-                        "lane": d.get("gpu"),
-                    }
+        da, db = decode_ms(ra[name]), decode_ms(rb[pb])
+        if da is not None and db is not None and pb == name:
+            entry["decode_rel_diff"] = (db - da) / da
         rows.append(entry)
-    compared = [r for r in rows if "scores" in r]
+    rows += [{"row": n, "only_in": nb} for n in sorted(rb) if _partner(n, rb[n], ra) is None and n not in ra]
+    compared = [r for r in rows if "vs" in r]
+    identical = {}
+    for r in compared:
+        for corpus in r["metric_gaps"]:
+            identical[corpus] = identical.get(corpus, True) and corpus not in r["scores_differ"]
+    decode = [abs(r["decode_rel_diff"]) for r in compared if "decode_rel_diff" in r]
     return {
-        "A": str(a),
-        "B": str(b),
-        "build_engines_decode_ms": {f"{side}:{n}": v for (side, n), v in sorted(builds.items())},
-        "build_spread_rel": spread,
+        "pair": [na, nb],
         "rows": rows,
-        "all_scores_identical": bool(compared) and all(r["scores"].get("identical") for r in compared),
-        "all_metrics_equal": bool(compared) and all(r["metrics_equal"] for r in compared),
-        "decode_all_within_build_spread": all(r["decode_ms"].get("within_build_spread") for r in compared if "decode_ms" in r)
-        if spread is not None and any("decode_ms" in r for r in compared)
-        else None,
+        "identical_per_corpus": identical,
+        "max_metric_gaps": _max_gaps([r["metric_gaps"] for r in compared]),
+        "max_abs_decode_rel_diff": max(decode) if decode else None,
     }
+
+
+def compare(folders: dict[str, Path]) -> dict:
+    rows = {n: _rows(p) for n, p in folders.items()}
+    return {
+        "folders": {n: str(p) for n, p in folders.items()},
+        "yardsticks": {n: folder_yardstick(p, rows[n]) for n, p in folders.items()},
+        "pairs": [
+            compare_pair(na, folders[na], rows[na], nb, folders[nb], rows[nb]) for na, nb in itertools.combinations(folders, 2)
+        ],
+    }
+
+
+def _fmt_gaps(g: dict) -> str:
+    return "; ".join(f"{c}: " + ", ".join(f"{m} {v:.3g}" for m, v in per.items()) for c, per in g.items() if any(per.values()))
+
+
+def summary(c: dict) -> list[str]:
+    lines = []
+    for n, y in c["yardsticks"].items():
+        sp = y["build_decode_spread_rel"]
+        rep = y["repeatable"]
+        lines.append(
+            f"{n}: build engines {', '.join(y['build_engines'])}; "
+            + (
+                "bit-identical on "
+                + (", ".join(k for k, v in rep.items() if v) or "no corpus")
+                + ("; not on " + ", ".join(k for k, v in rep.items() if not v) if not all(rep.values()) else "")
+                if rep is not None
+                else "one build engine"
+            )
+            + (
+                f" (largest metric gaps between them: {_fmt_gaps(y['build_metric_gaps'])})"
+                if _fmt_gaps(y["build_metric_gaps"])
+                else ""
+            )
+            + (f"; decode spread {100 * sp:.2f} %" if sp is not None else "")
+        )
+    for p in c["pairs"]:
+        same = [k for k, v in p["identical_per_corpus"].items() if v]
+        other = [k for k, v in p["identical_per_corpus"].items() if not v]
+        d = p["max_abs_decode_rel_diff"]
+        lines.append(
+            f"{p['pair'][0]} vs {p['pair'][1]}: every row bit-identical on {', '.join(same) or 'no corpus'}"
+            + (f"; differs on {', '.join(other)} (largest metric gaps: {_fmt_gaps(p['max_metric_gaps'])})" if other else "")
+            + (f"; decode differs by at most {100 * d:.2f} %" if d is not None else "")
+        )
+    return lines
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("a", type=Path)
-    p.add_argument("b", type=Path)
+    p.add_argument("folders", nargs="+", metavar="NAME=DIR")
     p.add_argument("--json", type=Path, help="write the whole comparison here")
     args = p.parse_args(argv)
-    for folder in (args.a, args.b):
-        if not (folder / "results.json").is_file():
-            print(f"error: {folder} has no results.json: give two results folders of splicer ablate", file=sys.stderr)
+    folders = {}
+    for spec in args.folders:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            print(f"error: {spec!r} is not NAME=DIR: name each results folder, e.g. plain=/tmp/run", file=sys.stderr)
             return 2
-    c = compare(args.a, args.b)
+        if not (Path(path) / "results.json").is_file():
+            print(f"error: {path} has no results.json: give results folders of splicer ablate", file=sys.stderr)
+            return 2
+        folders[name] = Path(path)
+    if len(folders) < 2:
+        print("error: give at least two results folders (NAME=DIR NAME=DIR)", file=sys.stderr)
+        return 2
+    c = compare(folders)
     if args.json:
         args.json.write_text(json.dumps(c, indent=1) + "\n")
-    sp = c["build_spread_rel"]
-    print(
-        f"build engines (decode ms/token): {c['build_engines_decode_ms']}; spread "
-        + (f"{100 * sp:.2f} %" if sp is not None else "n/a")
-    )
-    for r in c["rows"]:
-        if "only_in" in r:
-            print(f"  {r['row']}: only in {r['only_in']}")
-            continue
-        s = r["scores"]
-        line = f"  {r['row']} ({s['a']} vs {s['b']}): scores " + (
-            "identical" if s.get("identical") else "DIFFER: " + "; ".join(s["differs"][:3])
-        )
-        if "decode_ms" in r:
-            d = r["decode_ms"]
-            line += f"; decode {d['A']:.4f} vs {d['B']:.4f} ms/token ({100 * d['rel_diff']:+.2f} %"
-            line += (
-                ", within the build spread)"
-                if d.get("within_build_spread")
-                else ", outside the build spread)"
-                if "within_build_spread" in d
-                else ")"
-            )
-        print(line)
-    print(
-        f"all scores identical: {c['all_scores_identical']}; all metrics equal: {c['all_metrics_equal']}; "
-        f"decode within the build spread: {c['decode_all_within_build_spread']}"
-    )
+    print("\n".join(summary(c)))
     return 0
 
 
