@@ -128,24 +128,27 @@ def _partner(name: str, row: dict, other: dict) -> str | None:
     return "build" if is_build_engine(name, row) and "build" in other else None
 
 
+def _compare_rows(a: Path, row_a: dict, name_a: str, b: Path, row_b: dict, name_b: str) -> dict:
+    entry = {
+        "row": name_a if name_a == name_b else f"{name_a} / {name_b}",
+        "vs": [name_a, name_b],
+        "scores_differ": {c: d for c, d in diff_scores(a, name_a, b, name_b).items() if d},
+        "metric_gaps": _metric_gaps(row_a["metrics"], row_b["metrics"]),
+    }
+    da, db = decode_ms(row_a), decode_ms(row_b)
+    if da is not None and db is not None and name_a == name_b:  # another engine of the build is no row's own decode
+        entry["decode_rel_diff"] = (db - da) / da
+    return entry
+
+
 def compare_pair(na: str, a: Path, ra: dict, nb: str, b: Path, rb: dict) -> dict:
     rows = []
     for name in sorted(ra):
         pb = _partner(name, ra[name], rb)
-        if pb is None:
-            rows.append({"row": name, "only_in": na})
-            continue
-        entry = {
-            "row": name,
-            "vs": pb,
-            "scores_differ": {c: d for c, d in diff_scores(a, name, b, pb).items() if d},
-            "metric_gaps": _metric_gaps(ra[name]["metrics"], rb[pb]["metrics"]),
-        }
-        da, db = decode_ms(ra[name]), decode_ms(rb[pb])
-        if da is not None and db is not None and pb == name:
-            entry["decode_rel_diff"] = (db - da) / da
-        rows.append(entry)
-    rows += [{"row": n, "only_in": nb} for n in sorted(rb) if _partner(n, rb[n], ra) is None and n not in ra]
+        rows.append(_compare_rows(a, ra[name], name, b, rb[pb], pb) if pb else {"row": name, "only_in": na})
+    for name in sorted(set(rb) - set(ra)):  # a lane's own build rows in B, compared with A's build
+        pa = _partner(name, rb[name], ra)
+        rows.append(_compare_rows(a, ra[pa], pa, b, rb[name], name) if pa else {"row": name, "only_in": nb})
     compared = [r for r in rows if "vs" in r]
     identical = {}
     for r in compared:
