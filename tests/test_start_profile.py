@@ -336,14 +336,21 @@ def test_cuts_start_with_auto_and_refuse_unknown_names():
     assert all(c.requires is None or c.args.get("load_format") for c in sp.CUTS.values())
 
 
+@pytest.fixture(scope="module")
+def smoke_model(tmp_path_factory):
+    """The --cpu-smoke-test checkpoint, written once for the tests that start the stand-in (a few seconds)."""
+    return sp._smoke_model(tmp_path_factory.mktemp("smoke"))
+
+
 @pytest.mark.slow
-def test_one_start_against_the_stand_in_vllm(tmp_path):
+def test_one_start_against_the_stand_in_vllm(tmp_path, smoke_model):
     """The protocol end to end on the CPU: a fresh process per start, the vLLM functions missing and noted, the stand-in's
     own functions wrapped and split; a reader that is not installed is reported, not started (about 10 s)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fake_vllm"), str(ROOT)])}
     env.pop("VLLM_CACHE_ROOT", None)
     out = tmp_path / "out"
     cmd = [sys.executable, str(SCRIPT), str(tmp_path / "work"), str(out), "--cpu-smoke-test", "--no-warmup"]
+    cmd += ["--model", str(smoke_model)]
     done = subprocess.run([*cmd, "--cuts", "auto,fastsafetensors"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((out / "start-profile.json").read_text())
@@ -364,3 +371,26 @@ def test_one_start_against_the_stand_in_vllm(tmp_path):
     if importlib.util.find_spec("fastsafetensors") is None:
         assert starts["fastsafetensors"]["skipped"].startswith("not installed: fastsafetensors")
     assert (out / "start-profile.md").exists() and (out / "start-profile-starts.tgz").exists()
+
+
+@pytest.mark.slow
+def test_a_start_stopped_at_the_budget_keeps_what_it_timed(tmp_path, monkeypatch, smoke_model):
+    """The call's budget ends inside LLM(): the start is asked to stop (SIGTERM) and its record keeps the phases timed
+    until then, marked as stopped at the budget, instead of 'the start left no record' (about 6 s)."""
+    monkeypatch.setattr(sp, "RESERVE_S", 0)
+    monkeypatch.setattr(sp, "STOP_GRACE_S", 8)
+    monkeypatch.setattr(sp, "MIN_START_S", 1)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests" / "fake_vllm"), str(ROOT)]))
+    monkeypatch.setenv("FAKE_VLLM_INIT_S", "120")
+    root = tmp_path / "start-profile"
+    root.mkdir()
+    model = smoke_model
+    args, env = sp.stand_in_engine()
+    # 12 s of budget: 4 s for the start after the grace, then SIGTERM (most likely while LLM() sleeps in the stand-in;
+    # on a busy machine perhaps still in an import, which is as good: the record keeps whatever was timed)
+    call = sp.Call(root, model.resolve(), root / "model", args, env, "fine", True, 12.0, None)
+    rec = call.start("auto", "compared", sp.CUTS["auto"])
+    assert rec["timed_out"] and rec["stopped_at_budget"], rec.get("error")
+    assert "stopped at the call's budget" in rec["error"]
+    assert "import vllm" in {p["path"] for p in rec["phases"]}  # what ran before the stop is in the record
+    assert rec["process_wall_s"] < 12

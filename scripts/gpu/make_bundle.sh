@@ -10,7 +10,7 @@
 # Usage: bash scripts/gpu/make_bundle.sh [OUT=.bundle/vb]   (OUT must be git-ignored: .git/info/exclude has /.bundle/)
 set -euo pipefail
 OUT=${1:-.bundle/vb}
-PART=42m  # three parts: each travels with the working tree, and the tree needs room beside a part
+PART=33m  # four parts: each travels beside the working tree (over 22 MiB), and one transfer carries 64 MiB
 STAGE=$(mktemp -d)
 PY="--python-version 3.12 --implementation cp --only-binary=:all:"
 PLATS=""

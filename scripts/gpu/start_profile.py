@@ -10,7 +10,7 @@ expert tensor, then calls the parameter's weight_loader: its exclusive time belo
 usage: python3 scripts/gpu/start_profile.py WORK OUT [--model DIR] [--cuts auto,sharded_state,...] [--budget-s 540]
        [--detail fine|coarse] [--no-warmup] [--keep-saved] [--cache-root DIR] [--cpu-smoke-test]
 
-On the device, after the bundle's install and `python3 -m splicer fixture /tmp/fulldims/pair --full-dims`:
+On the device, after the bundle's install and `mkdir -p /tmp/fulldims && python3 -m splicer fixture /tmp/fulldims/pair --full-dims`:
     source scripts/gpu/env.sh && python3 scripts/gpu/start_profile.py /tmp/fulldims $OUT --cuts auto,mtload
 (scripts/gpu/README.md, "Engine start profile", splits the cuts over device calls of 600 s.) The model defaults to
 WORK/pair/build. Writes OUT/start-profile.json (every start's record and the comparison), OUT/start-profile.md (the
@@ -596,6 +596,23 @@ VLLM_TARGETS = (
 # With --cpu-smoke-test: functions of the stand-in vLLM (tests/fake_vllm) and of the torch reference it loads with, so
 # that the wrappers' nesting and the split run on the CPU.
 _TR, _TRF = "splicer.backends.torch_ref", "splicer/backends/torch_ref.py"
+# A start stopped at the call's budget is asked to stop (SIGTERM) and given STOP_GRACE_S to write its record with the
+# phases timed so far before its process group is killed; RESERVE_S stays for the summary and packing after the last
+# start, and a start with less than MIN_START_S left is not begun.
+STOP_GRACE_S = 20
+RESERVE_S = 25
+MIN_START_S = 60
+
+
+class BudgetStop(Exception):
+    """Raised in a start's main thread by SIGTERM: the call's budget is spent; the record keeps what was timed."""
+
+
+def _stop_on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the record is being written
+    raise BudgetStop("stopped at the call's budget (SIGTERM from the parent) before the start finished")
+
+
 SMOKE_TARGETS = (
     T("compile", "vllm:_compile", "tests/fake_vllm/vllm/__init__.py", "fake vLLM: _compile"),
     T("load_other", f"{_TR}:TorchBackend.load", _TRF, "fake vLLM: TorchBackend.load"),
@@ -868,6 +885,7 @@ def _checkpoint_bytes(folder: Path) -> int:
 
 def child_main(spec_path: Path) -> int:
     spec = json.loads(Path(spec_path).read_text())
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     record = {k: spec[k] for k in ("name", "role", "cut", "what", "engine_args", "env", "model", "model_target", "detail")}
     record.update(ok=False, error=None, notes=[], saved={})
     clock = PhaseClock(sync=_cuda_sync)
@@ -967,6 +985,7 @@ def child_main(spec_path: Path) -> int:
     except BaseException as e:
         record["error"] = _first_line(e)
         record["traceback"] = traceback.format_exc()[-4000:]
+        record["stopped_at_budget"] = isinstance(e, BudgetStop)
     finally:
         record["param_loaders_wrapped"] = param_counts
         record.update(account(clock))
@@ -1089,9 +1108,9 @@ class Call:
         log, rec_path = starts / f"{name}.log", starts / f"{name}.json"
         rec_path.unlink(missing_ok=True)
         log.unlink(missing_ok=True)
-        # A start needs its import and its engine: less than a minute left is not worth starting.
-        timeout = self.left() - 25
-        if timeout < 60:
+        # A start needs its import and its engine: less than MIN_START_S left is not worth starting.
+        timeout = self.left() - RESERVE_S - STOP_GRACE_S
+        if timeout < MIN_START_S:
             rec = {"name": name, "role": role, "cut": cut.name, "ok": False, "skipped": "not run: the call's --budget-s is spent"}
             self.records.append(rec)
             print(f"{name}: skipped (budget)", flush=True)
@@ -1132,9 +1151,16 @@ class Call:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
+                # asked first, so that the record keeps the phases timed so far; then its whole group (compile workers)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+                try:
+                    rc = proc.wait(timeout=STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    rc = None
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                rc = proc.wait()
+                rc = proc.wait() if rc is None else rc
         wall = time.perf_counter() - t
         try:
             rec = json.loads(rec_path.read_text())

@@ -230,6 +230,8 @@ class LLM:
                 os.environ.get("FAKE_VLLM_FAIL_MESSAGE")
                 or "Found a different quantization schemes for ['in_proj_qkv', 'in_proj_z'] (fake)"
             )
+        if os.environ.get("FAKE_VLLM_INIT_S"):  # an engine start that takes this long (a start stopped at a budget)
+            time.sleep(float(os.environ["FAKE_VLLM_INIT_S"]))
         if os.environ.get("FAKE_VLLM_ECHO"):  # lets a test see which environment an engine process was given
             print(f"fake vllm engine for {os.path.basename(model)}: FAKE_VLLM_ECHO={os.environ['FAKE_VLLM_ECHO']}", flush=True)
         global _SLEEP_MODE_ENGINES
