@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "ablate_timeline.py"
+from .scripts_import import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("ablate_timeline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/ablate_timeline.py")
 
 
 def _timeline():

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "compare_runs.py"
+from .scripts_import import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("compare_runs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/compare_runs.py")
 
 
 def _folder(root: Path, name: str, kl: dict, decode: dict, noisy_chat: dict | None = None) -> Path:

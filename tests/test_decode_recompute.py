@@ -4,18 +4,17 @@ metrics.decode_difference or engine_level shows up here, and the README's senten
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
+
+from .scripts_import import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDER = ROOT / "results" / "h200-fulldims"
 
 
 def test_decode_median_file_is_what_the_script_prints():
-    spec = importlib.util.spec_from_file_location("decode_verdicts", ROOT / "scripts" / "decode_verdicts.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("scripts/decode_verdicts.py")
     committed = (FOLDER / "decode-median.txt").read_text()
     runs = [line for line in committed.splitlines() if line.endswith("results.json")]
     assert runs, "decode-median.txt names no results.json"

@@ -15,19 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from .scripts_import import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu" / "start_profile.py"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("start_profile", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module
-
-
-sp = _module()
+sp = load_script("scripts/gpu/start_profile.py")
 
 
 class FakeClock:
