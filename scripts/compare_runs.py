@@ -1,7 +1,7 @@
 """Results folders of the same plan and inputs, made different ways (plain runs, --ray, --gpus): where do they score
 alike, and do their differences exceed what one engine of the same variant differs from the next anyway?
 
-    python scripts/compare_runs.py NAME=DIR NAME=DIR [NAME=DIR ...] [--json OUT.json]
+    python scripts/compare_runs.py NAME=DIR NAME=DIR [NAME=DIR ...] [--json OUT.json] [--effect A B]
 
 Scores: for every pair of folders, every row finished in both, per corpus, its per-position file
 (DIR/scores/ROW/CORPUS.safetensors) compared tensor by tensor, exactly (the same positions, the same KL, top-1 and
@@ -14,6 +14,10 @@ top-1, dNLL) are set beside the differences between those build engines.
 
 Timing: a row's decode ms/token in each folder; the relative difference for every pair; and the spread of the build
 engines ((max - min) / min), the only repeated engines a run has. Prints a summary; --json writes it all.
+
+--effect A B, with folders named A-1, B-1, A-2, B-2, ... (repeats made alternately, e.g. plain and ray): per row, the
+difference B-i minus A-i in decode (relative) and in each corpus's KL, averaged over the repeats with a Student's t
+95 % interval over them (df = repeats - 1): what B changes, with the run-to-run variation in the interval.
 """
 
 from __future__ import annotations
@@ -175,6 +179,44 @@ def compare(folders: dict[str, Path]) -> dict:
     }
 
 
+def effect(folders: dict[str, Path], a: str, b: str) -> dict:
+    """Per row, B-i minus A-i over the repeats i: decode (relative to A-i) and KL per corpus, mean and t interval."""
+    import statistics
+
+    from splicer.analysis.metrics import t975
+
+    rows = {n: _rows(p) for n, p in folders.items()}
+    repeats = sorted(
+        int(n.rsplit("-", 1)[1]) for n in folders if n.startswith(f"{a}-") and f"{b}-{n.rsplit('-', 1)[1]}" in folders
+    )
+    if not repeats:
+        raise ValueError(f"no folders named {a}-N with a {b}-N beside them")
+
+    def summarize(values: list[float]) -> dict:
+        out = {"values": values, "mean": statistics.fmean(values), "repeats": len(values)}
+        if len(values) > 1:
+            half = t975(len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
+            out["ci"] = [out["mean"] - half, out["mean"] + half]
+            out["excludes_0"] = not out["ci"][0] <= 0 <= out["ci"][1]
+        return out
+
+    per_row: dict = {}
+    names = set.intersection(*(set(rows[f"{x}-{i}"]) for i in repeats for x in (a, b)))
+    for name in sorted(names):
+        entry: dict = {}
+        dec = [decode_ms(rows[f"{a}-{i}"][name]) for i in repeats], [decode_ms(rows[f"{b}-{i}"][name]) for i in repeats]
+        if all(v is not None for v in dec[0] + dec[1]):
+            entry["decode_rel"] = summarize([(y - x) / x for x, y in zip(*dec)])
+        corpora = rows[f"{a}-{repeats[0]}"][name]["metrics"]
+        for corpus in sorted(corpora):
+            kl = [
+                rows[f"{b}-{i}"][name]["metrics"][corpus]["kl"] - rows[f"{a}-{i}"][name]["metrics"][corpus]["kl"] for i in repeats
+            ]
+            entry.setdefault("kl", {})[corpus] = summarize(kl)
+        per_row[name] = entry
+    return {"a": a, "b": b, "repeats": repeats, "rows": per_row}
+
+
 def _fmt_gaps(g: dict) -> str:
     return "; ".join(f"{c}: " + ", ".join(f"{m} {v:.3g}" for m, v in per.items()) for c, per in g.items() if any(per.values()))
 
@@ -216,6 +258,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folders", nargs="+", metavar="NAME=DIR")
     p.add_argument("--json", type=Path, help="write the whole comparison here")
+    p.add_argument("--effect", nargs=2, metavar=("A", "B"), help="repeats named A-1, B-1, A-2, ...: what B changes")
     args = p.parse_args(argv)
     folders = {}
     for spec in args.folders:
@@ -231,9 +274,23 @@ def main(argv=None) -> int:
         print("error: give at least two results folders (NAME=DIR NAME=DIR)", file=sys.stderr)
         return 2
     c = compare(folders)
+    if args.effect:
+        try:
+            c["effect"] = effect(folders, *args.effect)
+        except ValueError as e:
+            print(f"error: --effect {' '.join(args.effect)}: {e}: name the repeats A-1=DIR B-1=DIR ...", file=sys.stderr)
+            return 2
     if args.json:
         args.json.write_text(json.dumps(c, indent=1) + "\n")
     print("\n".join(summary(c)))
+    for name, e in (c.get("effect") or {}).get("rows", {}).items():
+        d = e.get("decode_rel")
+        if d and "ci" in d:
+            a, b = c["effect"]["a"], c["effect"]["b"]
+            lo, hi = d["ci"]
+            print(
+                f"{b} minus {a}, {name}: decode {100 * d['mean']:+.2f} % [{100 * lo:+.2f}, {100 * hi:+.2f}] over {d['repeats']} repeats"
+            )
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -86,3 +87,26 @@ def test_bad_arguments_exit_with_one_line(tmp_path, capsys):
     assert "is not NAME=DIR" in capsys.readouterr().err
     assert m.main(["a=" + str(tmp_path), "b=" + str(tmp_path)]) == 2
     assert "has no results.json" in capsys.readouterr().err
+
+
+def test_effect_over_alternating_repeats_has_a_t_interval(tmp_path, capsys):
+    m = _module()
+    kl = {"build": 1.0, "gdn": 0.5}
+    folders = {}
+    for i, (da, db) in enumerate([(2.0, 2.02), (2.0, 2.04), (2.0, 2.03)], start=1):
+        folders[f"plain-{i}"] = _folder(tmp_path, f"plain-{i}", kl, {"build": 2.0, "gdn": da})
+        folders[f"ray-{i}"] = _folder(tmp_path, f"ray-{i}", kl, {"build": 2.0, "gdn": db})
+    e = m.effect(folders, "plain", "ray")
+    assert e["repeats"] == [1, 2, 3]
+    d = e["rows"]["gdn"]["decode_rel"]
+    assert d["values"] == pytest.approx([0.01, 0.02, 0.015])
+    assert d["mean"] == pytest.approx(0.015)
+    half = 4.303 * 0.005 / 3**0.5  # t(2) times the standard error of the three differences
+    assert d["ci"] == pytest.approx([0.015 - half, 0.015 + half]) and d["excludes_0"]
+    assert e["rows"]["build"]["decode_rel"]["excludes_0"] is False  # no difference at all: 0 inside [0, 0]
+    assert e["rows"]["gdn"]["kl"]["text"]["mean"] == 0
+    args = [f"{n}={p}" for n, p in folders.items()]
+    assert m.main([*args, "--effect", "plain", "ray"]) == 0
+    assert "ray minus plain, gdn: decode +1.50 %" in capsys.readouterr().out
+    assert m.main([*args, "--effect", "plain", "gpus"]) == 2
+    assert "no folders named plain-N with a gpus-N beside them" in capsys.readouterr().err
