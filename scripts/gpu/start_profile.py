@@ -848,10 +848,22 @@ def _cuda_sync() -> None:
 
 
 def _versions() -> dict:
+    # a module the start imported gives its own version; the others come from their package metadata, so that a start
+    # stopped early does not spend its grace importing transformers or triton for a version string
+    from importlib import metadata
+
     out = {"python": sys.version.split()[0]}
-    for name in ("vllm", "torch", "transformers", "compressed_tensors", "safetensors", "triton"):
+    for name, dist in (
+        ("vllm", "vllm"),
+        ("torch", "torch"),
+        ("transformers", "transformers"),
+        ("compressed_tensors", "compressed-tensors"),
+        ("safetensors", "safetensors"),
+        ("triton", "triton"),
+    ):
         try:
-            out[name] = importlib.import_module(name).__version__
+            module = sys.modules.get(name)
+            out[name] = module.__version__ if module is not None else metadata.version(dist)
         except Exception:
             out[name] = None
     try:
