@@ -37,13 +37,10 @@ def _rows(folder: Path) -> dict:
 
 
 def is_build_engine(name: str, row: dict) -> bool:
-    """A row that loads the build itself: the plan's build and its repeats, and a lane's build rows."""
-    return (
-        not row.get("restored")
-        and not row.get("checkpoint")
-        and not row.get("base")
-        and (name == "build" or name.startswith("build-"))
-    )
+    """A row that loads the build itself: the plan's build and the rows results.json records as its repeats
+    (`repeat_of`: build-again, a lane's build-rayN / build-end-...), as splicer's own engine noise counts them
+    (analysis.verdicts.engine_noise), not guessed from the row's name."""
+    return "build" in (name, row.get("repeat_of"))
 
 
 def _score_files(folder: Path, row: str) -> dict:
@@ -168,7 +165,8 @@ def compare_pair(na: str, a: Path, ra: dict, nb: str, b: Path, rb: dict) -> dict
     }
 
 
-def compare(folders: dict[str, Path]) -> dict:
+def compare(folders: dict[str, Path], effect_of: tuple[str, str] | None = None) -> dict:
+    """Every folder's yardstick, every pair, and with effect_of=(A, B) what B changes over the repeats A-N, B-N."""
     rows = {n: _rows(p) for n, p in folders.items()}
     return {
         "folders": {n: str(p) for n, p in folders.items()},
@@ -176,21 +174,24 @@ def compare(folders: dict[str, Path]) -> dict:
         "pairs": [
             compare_pair(na, folders[na], rows[na], nb, folders[nb], rows[nb]) for na, nb in itertools.combinations(folders, 2)
         ],
+        **({"effect": effect(rows, *effect_of)} if effect_of else {}),
     }
 
 
-def effect(folders: dict[str, Path], a: str, b: str) -> dict:
-    """Per row, B-i minus A-i over the repeats i: decode (relative to A-i) and KL per corpus, mean and t interval."""
+class NoRepeats(ValueError):
+    """--effect A B names no pair of repeats A-N, B-N among the folders."""
+
+
+def effect(rows: dict[str, dict], a: str, b: str) -> dict:
+    """Per row, B-i minus A-i over the repeats i (rows: each folder's finished rows by the folder's name): decode
+    (relative to A-i) and KL per corpus, mean and t interval."""
     import statistics
 
     from splicer.analysis.metrics import t975
 
-    rows = {n: _rows(p) for n, p in folders.items()}
-    repeats = sorted(
-        int(n.rsplit("-", 1)[1]) for n in folders if n.startswith(f"{a}-") and f"{b}-{n.rsplit('-', 1)[1]}" in folders
-    )
+    repeats = sorted(int(n.rsplit("-", 1)[1]) for n in rows if n.startswith(f"{a}-") and f"{b}-{n.rsplit('-', 1)[1]}" in rows)
     if not repeats:
-        raise ValueError(f"no folders named {a}-N with a {b}-N beside them")
+        raise NoRepeats(f"no folders named {a}-N with a {b}-N beside them")
 
     def summarize(values: list[float]) -> dict:
         out = {"values": values, "mean": statistics.fmean(values), "repeats": len(values)}
@@ -273,13 +274,11 @@ def main(argv=None) -> int:
     if len(folders) < 2:
         print("error: give at least two results folders (NAME=DIR NAME=DIR)", file=sys.stderr)
         return 2
-    c = compare(folders)
-    if args.effect:
-        try:
-            c["effect"] = effect(folders, *args.effect)
-        except ValueError as e:
-            print(f"error: --effect {' '.join(args.effect)}: {e}: name the repeats A-1=DIR B-1=DIR ...", file=sys.stderr)
-            return 2
+    try:
+        c = compare(folders, tuple(args.effect) if args.effect else None)
+    except NoRepeats as e:
+        print(f"error: --effect {' '.join(args.effect)}: {e}: name the repeats A-1=DIR B-1=DIR ...", file=sys.stderr)
+        return 2
     if args.json:
         args.json.write_text(json.dumps(c, indent=1) + "\n")
     print("\n".join(summary(c)))

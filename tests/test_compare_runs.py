@@ -34,6 +34,7 @@ def _folder(root: Path, name: str, kl: dict, decode: dict, noisy_chat: dict | No
                 "name": row,
                 "status": "ok",
                 "restored": ["gdn"] if row == "gdn" else [],
+                **({"repeat_of": "build"} if row.startswith("build-") else {}),  # as ablate records the build's repeats
                 "metrics": {"text": {"kl": k}, "chat": {"kl": float(chat.mean())}},
                 "timing": {"decode_ms_per_token": decode[row]},
             }
@@ -96,7 +97,7 @@ def test_effect_over_alternating_repeats_has_a_t_interval(tmp_path, capsys):
     for i, (da, db) in enumerate([(2.0, 2.02), (2.0, 2.04), (2.0, 2.03)], start=1):
         folders[f"plain-{i}"] = _folder(tmp_path, f"plain-{i}", kl, {"build": 2.0, "gdn": da})
         folders[f"ray-{i}"] = _folder(tmp_path, f"ray-{i}", kl, {"build": 2.0, "gdn": db})
-    e = m.effect(folders, "plain", "ray")
+    e = m.compare(folders, ("plain", "ray"))["effect"]
     assert e["repeats"] == [1, 2, 3]
     d = e["rows"]["gdn"]["decode_rel"]
     assert d["values"] == pytest.approx([0.01, 0.02, 0.015])
