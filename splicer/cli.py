@@ -157,6 +157,7 @@ def _backend_options(args) -> dict:
         "engine_args": engine_args,
         "engine_env": parse_engine_env(args.engine_env),
         "engine_cache_dir": args.engine_cache_dir,
+        "expert_cache": getattr(args, "expert_cache", None),
         "process_per_variant": args.process_per_variant,
         "overlap_starts": args.overlap_starts,
         "rewake_before_timing": args.rewake_before_timing,
@@ -649,6 +650,13 @@ def _run_options(s) -> None:
         metavar="PATH",
         help="vllm: keep vLLM's compile cache and Triton's and Inductor's caches (autotuning included) in PATH "
         "instead of their per-user defaults, which later runs on the machine reuse",
+    )
+    s.add_argument(
+        "--expert-cache",
+        type=Path,
+        metavar="DIR",
+        help="vllm: the first engine saves its routed experts in vLLM's layout under DIR (as large as the experts); "
+        "every later engine whose experts are the same bytes copies them instead of loading them one tensor at a time",
     )
     s.add_argument(
         "--engine-arg", action="append", metavar="KEY=VALUE", help="vllm: any vllm.LLM keyword (VALUE as JSON), repeatable"

@@ -71,6 +71,12 @@ The cuts (--cuts, comma-separated; `auto` always runs first, as the reference of
                 for name and shape for shape. The start skips the model's load_weights and all 92k weight_loader calls
                 (one copy_ per saved tensor) and still repacks for Marlin. Not a path vLLM offers (the hook is ours;
                 vLLM saves after processing); one folder per variant (~18 GB), written once.
+  expert_cache  splicer's own loader (--expert-cache, splicer/backends/vllm_expert_cache.py, registered with vLLM's
+                register_model_loader): a priming start loads normally and saves the routed experts' state before
+                process_weights_after_loading (what sharded_state_unprocessed saves, the experts only); the timed start
+                loads every other tensor through the model's load_weights, skips the checkpoint's expert tensors
+                unread, and copies the saved experts in. Unlike sharded_state_unprocessed it serves every variant
+                whose experts are the build's bytes (the key is a hash of them), not only the folder that saved it.
   startup_plan  VLLM_ENABLE_STARTUP_PLAN=1 (vLLM 0.26, v1/worker/startup_plan.py): a priming start records the
                 profiled KV-cache size, the timed start reuses it and skips the CUDA-graph memory estimation pass; the
                 profiling run itself (which compiles and autotunes) still runs.
@@ -794,6 +800,13 @@ CUTS = {
             env={"VLLM_ENABLE_STARTUP_PLAN": "1"},
             prime=True,
         ),
+        Cut(
+            "expert_cache",
+            "splicer's --expert-cache loader: the routed experts saved by a priming start, copied into this one",
+            {"load_format": "splicer_expert_cache"},
+            env={"SPLICER_EXPERT_CACHE": "{root}/expert-cache"},
+            prime=True,
+        ),
         Cut("kv_fixed", "kv_cache_memory_bytes=12 GiB (no CUDA-graph memory estimate)", {"kv_cache_memory_bytes": 12 << 30}),
         Cut("no_autotune", "VLLM_TRITON_FORCE_FIRST_CONFIG=1", env={"VLLM_TRITON_FORCE_FIRST_CONFIG": "1"}),
         Cut(
@@ -957,8 +970,15 @@ def child_main(spec_path: Path) -> int:
                 clock, targets, {"instrument_params": instrument_params, "save_unprocessed": save_unprocessed}, fine
             )
         record["wrapped"], record["notes"] = wrapped, notes
+        expert_cache = spec["engine_args"].get("load_format") == "splicer_expert_cache"
+        if expert_cache:  # splicer's loader (--expert-cache), registered as splicer's worker registers it
+            from splicer.backends import vllm_expert_cache
+
+            vllm_expert_cache.register()
         with clock.phase("LLM()", sync=True):
             llm = LLM(model=spec["model"], **spec["engine_args"])
+        if expert_cache:
+            record["expert_cache"] = vllm_expert_cache.last_outcome()
         record["llm_ready_after_process_start_s"] = round(time.perf_counter() - t_process, 3)
         vocab = spec["vocab"]
         import random
@@ -1128,7 +1148,7 @@ class Call:
             print(f"{name}: skipped (budget)", flush=True)
             return rec
         _point_link(self.link, target)
-        env = {**self.base_env, **cut.env}
+        env = {**self.base_env, **{k: v.replace("{root}", str(self.root)) for k, v in cut.env.items()}}
         if self.cache_root:
             env["VLLM_CACHE_ROOT"] = self.cache_root
         spec = {
@@ -1358,6 +1378,11 @@ def markdown(summary: dict, records: list[dict], header: str = "") -> str:
                 + (f"; saved {saved}" if saved else "")
                 + ("" if r["ok"] else f"; {r['why_not']}")
             )
+    cached = [x for x in records if x.get("expert_cache")]
+    if cached:  # what splicer's expert-cache loader said it did, per start
+        out += ["", "Expert cache (splicer's loader; seconds as it measured them):", ""]
+        for x in cached:
+            out.append(f"- {x['name']}: " + ", ".join(f"{k} {v}" for k, v in x["expert_cache"].items()))
     ref = next((x for x in records if x.get("name") == summary["reference"]), None)
     if ref:
         out += ["", f"Phases of the {ref['name']} start (inclusive and exclusive seconds, calls; >= 0.05 s):", ""]
@@ -1437,6 +1462,8 @@ def main(argv: list[str] | None = None) -> int:
         if c.prime:  # not compared either: without the per-tensor timers
             call.start(f"{c.name}-prime", "prime", replace(c, detail="coarse"))
         call.start(c.name, "reference" if c.name == "auto" else "cut", c)
+    if not a.keep_saved:  # the expert cache holds a copy of the experts (18 GB for the stand-in)
+        shutil.rmtree(root / "expert-cache", ignore_errors=True)
     summary = summarize(call.records)
     result = {
         "started": started,

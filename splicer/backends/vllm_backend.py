@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SplicerError
-from . import ray_lanes
+from . import ray_lanes, vllm_expert_cache
 from .base import ResultsWording, SequenceScores, kl_support
 from .gpus import check_gpus, one_per_gpu
 from .vllm_child import child_worker
@@ -222,20 +222,29 @@ def check_engine_options(
 
 
 # Options that only schedule the vLLM backend's engines (the others are the engines' own arguments and environment).
-_SCHEDULING = ("gpus", "overlap_starts", "precompile", "rewake_before_timing", "process_per_variant", "engine_cache_dir")
+_SCHEDULING = (
+    "gpus",
+    "overlap_starts",
+    "precompile",
+    "rewake_before_timing",
+    "process_per_variant",
+    "engine_cache_dir",
+    "expert_cache",
+)
 # both backends take --ray and --ray-lanes (ray_lanes.py)
 
 
 @dataclass(frozen=True)
 class VllmOptions:
     """The vLLM backend's options (backends.BackendOptions), checked as they are made: the engine arguments and
-    environment (--engine-arg and its shorthands, --engine-env), its caches (--engine-cache-dir), how engines are
+    environment (--engine-arg and its shorthands, --engine-env), its caches (--engine-cache-dir, --expert-cache), how engines are
     started (--process-per-variant, --overlap-starts, --rewake-before-timing, --precompile) and the GPUs the rows are
     spread over (--gpus, spread.py)."""
 
     engine_args: dict = field(default_factory=dict)
     engine_env: dict = field(default_factory=dict)
     engine_cache_dir: Path | None = None
+    expert_cache: Path | None = None  # --expert-cache DIR: routed experts saved once, copied into later engines
     process_per_variant: bool = False
     overlap_starts: int = 0
     rewake_before_timing: bool = False
@@ -253,6 +262,8 @@ class VllmOptions:
         if self.gpus is not None:  # given, even empty (--gpus ,): two or more ids
             check_gpus(tuple(self.gpus), self.overlap_starts)
         object.__setattr__(self, "gpus", tuple(self.gpus or ()))
+        if self.expert_cache is not None:
+            self._use_expert_cache()
         check_engine_options(
             overlap_starts=int(self.overlap_starts),
             one_process=not self.process_per_variant,
@@ -262,6 +273,31 @@ class VllmOptions:
             engine_args=self.engine_args,
         )
 
+    def _use_expert_cache(self) -> None:
+        """--expert-cache DIR: vLLM's engines load with splicer's loader (vllm_expert_cache), which the worker registers
+        in its own process, told where the cache is by the environment; both travel in the engine arguments and
+        environment (job settings, Ray lanes, resumed runs)."""
+        fmt = self.engine_args.get("load_format")
+        if fmt not in (None, vllm_expert_cache.LOAD_FORMAT):
+            raise SplicerError(
+                f"--expert-cache loads with its own load format, and --engine-arg load_format={fmt} asks for another: "
+                "drop one of them"
+            )
+        if self.process_per_variant:
+            raise SplicerError(
+                "--expert-cache needs the engine core in splicer's worker, where its loader is registered; "
+                "drop --process-per-variant"
+            )
+        path = str(Path(self.expert_cache).expanduser().resolve())
+        object.__setattr__(self, "engine_args", {**self.engine_args, "load_format": vllm_expert_cache.LOAD_FORMAT})
+        object.__setattr__(self, "engine_env", {**self.engine_env, vllm_expert_cache.ENV: path})
+
+    def without_expert_cache(self) -> VllmOptions:
+        """The same options with vLLM's own loader (for engines built outside splicer's worker: lm-eval's)."""
+        args = {k: v for k, v in self.engine_args.items() if (k, v) != ("load_format", vllm_expert_cache.LOAD_FORMAT)}
+        env = {k: v for k, v in self.engine_env.items() if k != vllm_expert_cache.ENV}
+        return replace(self, engine_args=args, engine_env=env, expert_cache=None, gpus=self.gpus or None)
+
     @classmethod
     def option_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
@@ -270,8 +306,8 @@ class VllmOptions:
     def refused_elsewhere(cls, given: dict) -> str:
         if any(k in given for k in _SCHEDULING):
             return (
-                "--gpus, --overlap-starts, --precompile, --rewake-before-timing, --process-per-variant and "
-                "--engine-cache-dir apply to --backend vllm only"
+                "--gpus, --overlap-starts, --precompile, --rewake-before-timing, --process-per-variant, "
+                "--engine-cache-dir and --expert-cache apply to --backend vllm only"
             )
         return "engine options (--engine-arg, --engine-env, --max-model-len, ...) apply to --backend vllm only"
 
@@ -323,8 +359,17 @@ class VllmOptions:
         return replace(self, overlap_starts=0, rewake_before_timing=False, precompile=0, gpus=None, ray=None, ray_lanes=None)
 
     def tasks(self) -> VllmOptions:
-        """One engine at a time: lm-eval builds its own engine from these arguments, so none starts ahead."""
-        return replace(self, overlap_starts=0, rewake_before_timing=False, precompile=0, gpus=None, ray=None, ray_lanes=None)
+        """One engine at a time: lm-eval builds its own engine from these arguments, so none starts ahead (and with
+        vLLM's own loader: lm-eval's engine is not built in splicer's worker)."""
+        return replace(
+            self.without_expert_cache(),
+            overlap_starts=0,
+            rewake_before_timing=False,
+            precompile=0,
+            gpus=None,
+            ray=None,
+            ray_lanes=None,
+        )
 
     def check_loadable(self, ckpt, modules: dict | None = None) -> None:
         pass  # vLLM loads a format or refuses it when the row's engine starts: that row fails, the others run

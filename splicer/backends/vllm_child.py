@@ -11,6 +11,7 @@ import traceback
 
 import torch
 
+from . import vllm_expert_cache
 from .vllm_outputs import (
     SPEC_PREFIX,
     TOKEN_ID_SCORING_SINCE,
@@ -205,6 +206,9 @@ def child_worker(conn, env: dict, log_path: str) -> None:
         spec_per_request = bool(engine_args.get("speculative_config")) and per_request_spec
         if spec_per_request and PER_REQUEST_SPEC not in engine_args:
             engine_args = {**engine_args, PER_REQUEST_SPEC: "summary"}
+        expert_cache = engine_args.get("load_format") == vllm_expert_cache.LOAD_FORMAT
+        if expert_cache:  # --expert-cache: splicer's loader, registered with this process's vLLM
+            vllm_expert_cache.register()
         t = time.perf_counter()
         llm = LLM(model=folder, **engine_args)
         startup = time.perf_counter() - t
@@ -242,6 +246,7 @@ def child_worker(conn, env: dict, log_path: str) -> None:
             "compile_time_s": compile_s,
             "layers": layers,
             "pid": os.getpid(),
+            **({"expert_cache": vllm_expert_cache.last_outcome()} if expert_cache else {}),
         }
         if sleep_after:  # level 1: weights to CPU memory, KV cache dropped; the GPU is free for the engine serving now
             t = time.perf_counter()

@@ -1,0 +1,393 @@
+"""The routed experts loaded once and reused by every engine whose experts are the same bytes (`--expert-cache DIR`).
+
+Why: vLLM 0.26 loads a checkpoint that stores each routed expert's projections as their own tensors one tensor at a
+time. On the Qwen3.6-35B-A3B-shaped stand-in (40 layers x 256 experts x 9 tensors) that is 92,160 calls of the experts'
+weight loader, each after a walk of the whole expert mapping, about 21 s of a 41 s engine start from the page cache
+(results/engine-starts, docs/engine-starts.md). The rows of a "where the error comes from" table restore other classes
+and keep the build's experts, so every engine of a run loads the same expert bytes into the same fused parameters.
+
+How: a vLLM model loader (vLLM's own extension point, `register_model_loader`) built on its DefaultModelLoader. The
+first engine loads normally and, before `process_weights_after_loading` repacks anything, saves the state of the
+routed-expert modules (vLLM's fused parameters, about ten tensors per layer) under DIR/<key>/. A later engine whose key
+matches loads every other tensor through the model's own `load_weights`, skips the checkpoint's expert tensors before
+reading them, and copies the saved tensors into its fresh parameters; vLLM then repacks them as it would have.
+
+The key is the expert bytes themselves (a SHA-256 over every routed-expert tensor's name, dtype, shape and data), the
+checkpoint's quantization schemes (its quantization_config without the ignore list, which is what differs between a
+build and its restored variants), vLLM's version, the model's dtype and the engine's tensor-parallel rank and size; a
+saved entry is used only when its tensors match the fresh model's expert state name for name, shape for shape and
+dtype for dtype. Anything else (another checkpoint's experts, an MTP drafter, a model without routed experts, a
+checkpoint not in safetensors) loads the normal way. What happened is logged in the engine's log and recorded in the
+engine's info (`last_outcome`).
+
+The loader must run in the process that builds the model: splicer's worker with the engine core in it (its default).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import mmap
+import os
+import re
+import shutil
+import struct
+import time
+from pathlib import Path
+
+LOAD_FORMAT = "splicer_expert_cache"
+ENV = "SPLICER_EXPERT_CACHE"  # the cache folder, for the loader in the engine's process
+PART_BYTES = 4 << 30  # one saved file per ~4 GiB of expert state
+SPARE_BYTES = 2 << 30  # disk left free after a save
+
+_outcome: dict = {}
+_digests: dict = {}  # (folder, files' sizes and mtimes, context) -> key: one hash per folder and process
+
+
+def last_outcome() -> dict:
+    """What the loader did for the last model it loaded in this process (empty when it was not used)."""
+    return dict(_outcome)
+
+
+def _say(msg: str) -> None:
+    print(f"splicer expert cache: {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Which tensors are the routed experts (the family's table, splicer.arch)
+
+
+def checkpoint_expert_regex(arch) -> re.Pattern | None:
+    """The checkpoint names of the main model's routed-expert tensors (per expert or fused per layer), or None when the
+    family has no routed experts. The MTP head's experts are left to the normal loader."""
+    pats = [p for p in (getattr(arch, "expert_pattern", None), getattr(arch, "fused_expert_pattern", None)) if p]
+    if not pats:
+        return None
+    mtp = getattr(arch, "mtp_prefix", None)
+    body = "|".join(f"(?:{p})" for p in pats)
+    return re.compile((f"(?!{re.escape(mtp)})" if mtp else "") + f"(?:{body})")
+
+
+def expert_state(model, arch) -> dict:
+    """{name: tensor} of the model's state that belongs to routed-expert modules (vLLM layer names, the family's
+    kernel classes), parameters and buffers alike, as vLLM's own sharded_state loader copies them."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        module = name.rpartition(".")[0]
+        if module and arch.kernel_class(module) == "experts":
+            out[name] = tensor
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The key: the expert bytes, hashed in place
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return 8 + n, json.loads(f.read(n))
+
+
+def _workers() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def experts_digest(folder, regex: re.Pattern, context: dict) -> tuple[str, int, int]:
+    """(key, tensors, bytes): SHA-256 over the sorted (name, dtype, shape, SHA-256 of the data) of every checkpoint
+    tensor the regex matches, and the context (JSON). Each tensor's data is hashed from a memory map, in threads
+    (hashlib lets go of the GIL), so the files' layout and order do not enter the key."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    stamp = (
+        str(folder.resolve()),
+        tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files),
+        json.dumps(context, sort_keys=True),
+    )
+    if stamp in _digests:
+        return _digests[stamp]
+    entries, maps = [], []
+    try:
+        for f in files:
+            start, header = _header(f)
+            names = [k for k in header if k != "__metadata__" and regex.match(k)]
+            if not names:
+                continue
+            fh = open(f, "rb")
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            fh.close()
+            maps.append(mm)
+            for k in names:
+                a, b = header[k]["data_offsets"]
+                entries.append((k, header[k]["dtype"], header[k]["shape"], mm, start + a, start + b))
+
+        def one(e):
+            with memoryview(e[3]) as whole, whole[e[4] : e[5]] as data:
+                return hashlib.sha256(data).hexdigest()
+
+        with concurrent.futures.ThreadPoolExecutor(_workers()) as pool:
+            sums = list(pool.map(one, entries, chunksize=64))
+        total = hashlib.sha256(json.dumps(context, sort_keys=True).encode())
+        nbytes = 0
+        for (k, dtype, shape, _, a, b), s in sorted(zip(entries, sums), key=lambda x: x[0][0]):
+            total.update(f"{k}\0{dtype}\0{shape}\0{s}\n".encode())
+            nbytes += b - a
+        out = (total.hexdigest()[:32], len(entries), nbytes)
+    finally:
+        entries.clear()
+        for mm in maps:
+            mm.close()
+    _digests[stamp] = out
+    return out
+
+
+def quant_schemes(folder) -> dict:
+    """The checkpoint's quantization config without its ignore list (a build and its restored variants differ in that
+    list only; the experts' scheme is in the rest)."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
+    return {k: v for k, v in q.items() if k not in ("ignore", "modules_to_not_convert")}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Saved entries: DIR/<key>/experts-NNNNN.safetensors + manifest.json, written under a temporary name and renamed
+
+
+def _layout(state: dict) -> dict:
+    return {k: [str(t.dtype).removeprefix("torch."), list(t.shape)] for k, t in state.items()}
+
+
+def find_entry(cache_dir, key: str, state: dict) -> Path | None:
+    """The saved entry for key when its tensors match state (names, dtypes, shapes), else None."""
+    entry = Path(cache_dir) / key
+    try:
+        manifest = json.loads((entry / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if manifest.get("layout") != _layout(state):
+        return None
+    if not all((entry / f).is_file() for f in manifest.get("files", [])):
+        return None
+    return entry
+
+
+def save_entry(cache_dir, key: str, state: dict, about: dict) -> tuple[Path | None, str]:
+    """Write state (tensors on any device) as a new entry; (entry, "") or (None, why not)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    entry = cache_dir / key
+    if entry.exists():
+        return entry, ""
+    ptrs = {}
+    for k, t in state.items():
+        p = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if t.numel() and p in ptrs:
+            return None, f"{k} shares its storage with {ptrs[p]}"
+        ptrs[p] = k
+    need = sum(t.numel() * t.element_size() for t in state.values())
+    free = shutil.disk_usage(cache_dir).free
+    if free < need + SPARE_BYTES:
+        return None, f"{need / 2**30:.1f} GiB to write and {free / 2**30:.1f} GiB free in {cache_dir}"
+    tmp = cache_dir / f".{key}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    files, part, size = [], {}, 0
+
+    def flush():
+        nonlocal part, size
+        if part:
+            name = f"experts-{len(files) + 1:05d}.safetensors"
+            save_file(part, str(tmp / name))
+            files.append(name)
+        part, size = {}, 0
+
+    try:
+        for k, t in state.items():
+            part[k] = t.detach().to("cpu", copy=True).contiguous()
+            size += part[k].numel() * part[k].element_size()
+            if size >= PART_BYTES:
+                flush()
+        flush()
+        manifest = dict(about, key=key, files=files, layout=_layout(state), bytes=need, torch=torch.__version__)
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        try:
+            tmp.rename(entry)
+        except OSError:  # another engine saved the same entry first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return entry, ""
+
+
+def copy_entry(entry: Path, state: dict) -> int:
+    """Copy an entry's tensors into state's tensors in place; returns the bytes copied."""
+    from safetensors import safe_open
+
+    manifest = json.loads((entry / "manifest.json").read_text())
+    done, nbytes = set(), 0
+    for name in manifest["files"]:
+        with safe_open(str(entry / name), framework="pt") as f:
+            for k in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                t = f.get_tensor(k)
+                state[k].copy_(t)
+                nbytes += t.numel() * t.element_size()
+                done.add(k)
+    if done != set(state):
+        raise RuntimeError(f"expert cache entry {entry} lacks {sorted(set(state) - done)[:3]}")
+    return nbytes
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The loader
+
+
+def plan_load(model, model_config, cache_dir, context: dict) -> dict:
+    """What to do for this model: {"do": "load" | "save" | "normal", "why", and for load/save "regex", "state", "key",
+    "entry"}. Pure apart from reading the checkpoint (tests call it with small stand-ins)."""
+    from ..arch import get_architecture
+
+    folder = Path(model_config.model)
+    hf = getattr(model_config, "hf_config", None)
+    model_type = str(getattr(hf, "model_type", "") or "")
+    if "MTP" in type(model).__name__ or model_type.endswith("_mtp"):
+        return {"do": "normal", "why": "an MTP drafter (its experts load the normal way)"}
+    if not (folder / "config.json").is_file() or not list(folder.glob("*.safetensors")):
+        return {"do": "normal", "why": f"{folder} is not a local safetensors checkpoint"}
+    try:
+        arch = get_architecture(json.loads((folder / "config.json").read_text()))
+    except Exception as e:  # an unknown family loads the normal way
+        return {"do": "normal", "why": f"family not known to splicer ({e})"}
+    regex = checkpoint_expert_regex(arch)
+    state = expert_state(model, arch) if regex is not None else {}
+    if not state:
+        return {"do": "normal", "why": "no routed-expert modules in the model"}
+    t = time.perf_counter()
+    key, n, nbytes = experts_digest(folder, regex, dict(context, schemes=quant_schemes(folder)))
+    plan = {
+        "regex": regex,
+        "state": state,
+        "key": key,
+        "expert_tensors": n,
+        "expert_gib": round(nbytes / 2**30, 3),
+        "digest_s": round(time.perf_counter() - t, 3),
+    }
+    if n == 0:
+        return {"do": "normal", "why": "no routed-expert tensors in the checkpoint"}
+    entry = find_entry(cache_dir, key, state)
+    return dict(plan, do="load" if entry else "save", entry=entry)
+
+
+def load_weights(loader, model, model_config, normal_load, cache_dir, context: dict) -> dict:
+    """The loader's load_weights: normal_load() loads through vLLM's DefaultModelLoader (which reads the checkpoint
+    through loader.skip_regex, set here while the experts come from the cache)."""
+    _outcome.clear()
+    plan = plan_load(model, model_config, cache_dir, context)
+    record = {k: v for k, v in plan.items() if k in ("do", "why", "key", "expert_tensors", "expert_gib", "digest_s")}
+    if plan["do"] == "normal":
+        _say(f"normal load: {plan['why']}")
+        normal_load()
+        _outcome.update(record)
+        return record
+    if plan["do"] == "load":
+        t = time.perf_counter()
+        loader.skip_regex = plan["regex"]
+        loader.enable_weights_track = False  # the experts are checked against the entry instead
+        try:
+            normal_load()
+        finally:
+            loader.skip_regex = None
+        record["other_tensors_s"] = round(time.perf_counter() - t, 3)
+        t = time.perf_counter()
+        nbytes = copy_entry(plan["entry"], plan["state"])
+        record.update(copy_s=round(time.perf_counter() - t, 3), copied_gib=round(nbytes / 2**30, 3))
+        _say(
+            f"routed experts from {plan['entry']} ({len(plan['state'])} tensors, {nbytes / 2**30:.2f} GiB, copied in "
+            f"{record['copy_s']:.2f} s; key over {plan['expert_tensors']} checkpoint tensors in {plan['digest_s']:.2f} s)"
+        )
+    else:
+        normal_load()
+        t = time.perf_counter()
+        about = {"source": str(Path(model_config.model).resolve()), **context}
+        entry, why = save_entry(cache_dir, plan["key"], plan["state"], about)
+        record.update(save_s=round(time.perf_counter() - t, 3), saved=entry is not None)
+        if entry is None:
+            record["why"] = f"not saved: {why}"
+            _say(f"normal load; experts not saved: {why}")
+        else:
+            _say(f"normal load; routed experts saved in {entry} in {record['save_s']:.2f} s")
+    _outcome.update(record)
+    return record
+
+
+def register() -> None:
+    """Register the loader with the vLLM imported in this process (idempotent)."""
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    try:
+        from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as known
+    except ImportError:
+        known = {}
+    if LOAD_FORMAT in known:
+        return
+
+    class SplicerExpertCacheLoader(DefaultModelLoader):
+        skip_regex: re.Pattern | None = None
+
+        def _get_weights_iterator(self, source):
+            if self.skip_regex is None:
+                return super()._get_weights_iterator(source)
+            from safetensors import safe_open
+
+            _, files, use_safetensors = self._prepare_weights(
+                source.model_or_path,
+                source.subfolder,
+                source.revision,
+                source.fall_back_to_pt,
+                source.allow_patterns_overrides,
+            )
+            if not use_safetensors:
+                raise RuntimeError("the expert cache reads safetensors checkpoints only")
+            if self.counter_before_loading_weights == 0.0:
+                self.counter_before_loading_weights = time.perf_counter()
+            skip = self.skip_regex
+
+            def weights():
+                for path in sorted(files):
+                    with safe_open(path, framework="pt") as f:
+                        for name in f.keys():  # noqa: SIM118
+                            if not skip.match(name):
+                                yield source.prefix + name, f.get_tensor(name)
+
+            return weights()
+
+        def load_weights(self, model, model_config):
+            import torch
+            import vllm
+
+            context = {"vllm": vllm.__version__, "dtype": str(model_config.dtype)}
+            try:
+                from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+                context["tp"] = [get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()]
+            except Exception:
+                context["tp"] = [0, 1]
+            context["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+            load_weights(
+                self,
+                model,
+                model_config,
+                lambda: DefaultModelLoader.load_weights(self, model, model_config),
+                os.environ[ENV],
+                context,
+            )
+
+    register_model_loader(LOAD_FORMAT)(SplicerExpertCacheLoader)

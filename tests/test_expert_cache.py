@@ -1,0 +1,241 @@
+"""--expert-cache (splicer/backends/vllm_expert_cache.py): the key, the saved entries, and the loader on the stand-in
+vLLM's DefaultModelLoader (tests/fake_vllm, vLLM 0.26's interface) with a toy model in vLLM's layout. Whether a real
+vLLM engine gives the same scores with the cache is a GPU question (scripts/gpu/start_profile.py --cuts expert_cache)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from splicer.arch import get_architecture
+from splicer.backends import vllm_expert_cache as xc
+from splicer.backends.vllm_backend import VllmOptions
+from splicer.errors import SplicerError
+
+E, H, INTER = 4, 8, 6  # experts, hidden, intermediate size
+DEC = "model.language_model.layers.0."
+
+
+def _config(ignore=()):
+    return {
+        "model_type": "qwen3_5_moe",
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "text_config": {"model_type": "qwen3_5_moe_text", "num_experts": E, "hidden_size": H},
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "config_groups": {"g": {"targets": ["Linear"]}},
+            "ignore": list(ignore),
+        },
+    }
+
+
+def _tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for e in range(E):
+        for p, shape in (("gate_proj", (INTER, H)), ("up_proj", (INTER, H)), ("down_proj", (H, INTER))):
+            out[f"{DEC}mlp.experts.{e}.{p}.weight"] = torch.randn(shape, generator=g)
+    for p, shape in (("gate_proj", (INTER, H)), ("up_proj", (INTER, H)), ("down_proj", (H, INTER))):
+        out[f"{DEC}mlp.shared_expert.{p}.weight"] = torch.randn(shape, generator=g)
+    out["lm_head.weight"] = torch.randn(16, H, generator=g)
+    out["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = torch.randn(INTER, H, generator=g)
+    return out
+
+
+def write_ckpt(folder: Path, tensors: dict, *, files=1, ignore=()) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(_config(ignore)))
+    names = sorted(tensors)
+    for i in range(files):
+        part = {n: tensors[n] for n in names[i::files]}
+        save_file(part, str(folder / f"model-{i + 1:05d}-of-{files:05d}.safetensors"))
+    return folder
+
+
+class ToyMoE(torch.nn.Module):
+    """The routed experts fused per layer as vLLM holds them (w13 = gate and up stacked), a shared expert, a head;
+    load_weights maps checkpoint names one tensor at a time, as vLLM's model does, and records what it was given."""
+
+    def __init__(self):
+        super().__init__()
+        lm = torch.nn.Module()
+        lm.model = torch.nn.Module()
+        layer = torch.nn.Module()
+        layer.mlp = torch.nn.Module()
+        layer.mlp.experts = torch.nn.Module()
+        layer.mlp.experts.w13_weight = torch.nn.Parameter(torch.zeros(E, 2 * INTER, H), requires_grad=False)
+        layer.mlp.experts.w2_weight = torch.nn.Parameter(torch.zeros(E, H, INTER), requires_grad=False)
+        layer.mlp.shared_expert = torch.nn.Module()
+        layer.mlp.shared_expert.gate_up_proj = torch.nn.Linear(H, 2 * INTER, bias=False)
+        layer.mlp.shared_expert.down_proj = torch.nn.Linear(INTER, H, bias=False)
+        lm.model.layers = torch.nn.ModuleList([layer])
+        lm.lm_head = torch.nn.Linear(H, 16, bias=False)
+        self.language_model = lm
+        self.given: list[str] = []
+
+    @torch.no_grad()
+    def load_weights(self, weights):
+        layer = self.language_model.model.layers[0]
+        loaded = set()
+        for name, t in weights:
+            self.given.append(name)
+            parts = name.split(".")
+            if name.startswith(DEC + "mlp.experts."):
+                e, proj = int(parts[6]), parts[7]
+                if proj == "down_proj":
+                    layer.mlp.experts.w2_weight[e].copy_(t)
+                    loaded.add("language_model.model.layers.0.mlp.experts.w2_weight")
+                else:
+                    half = slice(0, INTER) if proj == "gate_proj" else slice(INTER, 2 * INTER)
+                    layer.mlp.experts.w13_weight[e, half].copy_(t)
+                    loaded.add("language_model.model.layers.0.mlp.experts.w13_weight")
+            elif name.startswith(DEC + "mlp.shared_expert."):
+                proj = parts[6]
+                if proj == "down_proj":
+                    layer.mlp.shared_expert.down_proj.weight.copy_(t)
+                    loaded.add("language_model.model.layers.0.mlp.shared_expert.down_proj.weight")
+                else:
+                    half = slice(0, INTER) if proj == "gate_proj" else slice(INTER, 2 * INTER)
+                    layer.mlp.shared_expert.gate_up_proj.weight[half].copy_(t)
+                    loaded.add("language_model.model.layers.0.mlp.shared_expert.gate_up_proj.weight")
+            elif name == "lm_head.weight":
+                self.language_model.lm_head.weight.copy_(t)
+                loaded.add("language_model.lm_head.weight")
+        return loaded
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fake_vllm"))
+    for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, m)
+    xc._digests.clear()
+    xc.register()
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+
+    return _LOAD_FORMAT_TO_MODEL_LOADER[xc.LOAD_FORMAT]
+
+
+def _load(loader_cls, folder, cache, monkeypatch, quantization="compressed-tensors"):
+    monkeypatch.setenv(xc.ENV, str(cache))
+    loader = loader_cls(SimpleNamespace(load_format=xc.LOAD_FORMAT, model_loader_extra_config={}))
+    model = ToyMoE()
+    cfg = SimpleNamespace(
+        model=str(folder), dtype=torch.float32, quantization=quantization, hf_config=SimpleNamespace(model_type="qwen3_5_moe")
+    )
+    loader.load_weights(model, cfg)
+    return model, loader, xc.last_outcome()
+
+
+def test_expert_names_from_the_family_table():
+    rx = xc.checkpoint_expert_regex(get_architecture(_config()))
+    assert rx.match(DEC + "mlp.experts.3.down_proj.weight_packed")
+    assert rx.match(DEC + "mlp.experts.gate_up_proj")  # the BF16 base's fused tensors
+    assert not rx.match(DEC + "mlp.shared_expert.gate_proj.weight")
+    assert not rx.match("mtp.layers.0.mlp.experts.0.gate_proj.weight")  # the MTP head loads the normal way
+    assert not rx.match("lm_head.weight")
+
+
+def test_key_is_the_expert_bytes_not_the_file_layout(tmp_path):
+    rx = xc.checkpoint_expert_regex(get_architecture(_config()))
+    t = _tensors()
+    one = write_ckpt(tmp_path / "one", t)
+    # another split over files, a different shared expert and head (a restored variant): the same key
+    other = dict(t, **{k: v + 1 for k, v in t.items() if "experts." not in k or "shared" in k})
+    three = write_ckpt(tmp_path / "three", other, files=3)
+    ctx = {"vllm": "0.26.0"}
+    k1, n1, b1 = xc.experts_digest(one, rx, ctx)
+    k3, n3, b3 = xc.experts_digest(three, rx, ctx)
+    assert (k1, n1, b1) == (k3, n3, b3) and n1 == 3 * E and b1 == 3 * E * INTER * H * 4
+    changed = dict(t)
+    changed[DEC + "mlp.experts.2.up_proj.weight"] = t[DEC + "mlp.experts.2.up_proj.weight"].clone()
+    changed[DEC + "mlp.experts.2.up_proj.weight"][0, 0] += 1e-3
+    assert xc.experts_digest(write_ckpt(tmp_path / "changed", changed), rx, ctx)[0] != k1
+    assert xc.experts_digest(one, rx, {"vllm": "0.33.0"})[0] != k1
+
+
+def test_entry_round_trip_and_refusals(tmp_path, monkeypatch):
+    state = {"a.experts.w13": torch.arange(12.0).reshape(3, 4), "a.experts.scale": torch.ones(3, dtype=torch.float16)}
+    entry, why = xc.save_entry(tmp_path / "c", "k1", state, {"source": "x"})
+    assert entry and not why and xc.find_entry(tmp_path / "c", "k1", state) == entry
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert xc.copy_entry(entry, target) == 12 * 4 + 3 * 2
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    assert xc.find_entry(tmp_path / "c", "k1", {"a.experts.w13": torch.zeros(3, 5)}) is None  # another layout
+    assert xc.find_entry(tmp_path / "c", "k2", state) is None
+    base = torch.zeros(8)
+    assert xc.save_entry(tmp_path / "c", "k3", {"x": base[:4], "y": base[:4]}, {})[0] is None  # one storage twice
+    monkeypatch.setattr(xc, "SPARE_BYTES", 1 << 60)
+    entry, why = xc.save_entry(tmp_path / "c", "k4", state, {})
+    assert entry is None and "GiB free" in why and not list((tmp_path / "c").glob(".k4*"))
+
+
+def test_loader_saves_once_then_copies_the_experts(tmp_path, monkeypatch, fake_vllm):
+    t = _tensors()
+    build = write_ckpt(tmp_path / "build", t)
+    variant_t = dict(t, **{k: v * 0 + 0.5 for k, v in t.items() if "shared_expert" in k})
+    variant = write_ckpt(tmp_path / "variant", variant_t, files=2, ignore=["re:.*shared_expert.*"])
+    cache = tmp_path / "cache"
+
+    first, loader1, out1 = _load(fake_vllm, build, cache, monkeypatch)
+    assert out1["do"] == "save" and out1["saved"] and out1["expert_tensors"] == 3 * E
+    assert any(".mlp.experts." in n for n in first.given)
+
+    second, loader2, out2 = _load(fake_vllm, variant, cache, monkeypatch)
+    assert out2["do"] == "load" and out2["key"] == out1["key"]
+    # the checkpoint's expert tensors were neither read nor given to the model; everything else was
+    assert not [n for n in loader2.reads if n.startswith(DEC + "mlp.experts.")]
+    assert not [n for n in second.given if n.startswith(DEC + "mlp.experts.")]
+    assert "mtp.layers.0.mlp.experts.0.gate_proj.weight" in second.given
+    s1, s2 = first.state_dict(), second.state_dict()
+    for k in s1:
+        if ".mlp.experts." in k:
+            assert torch.equal(s1[k], s2[k]), k
+    assert torch.equal(s2["language_model.model.layers.0.mlp.shared_expert.down_proj.weight"], torch.full((H, INTER), 0.5))
+
+    # other expert bytes: a new key, loaded the normal way and saved beside the first
+    other = write_ckpt(tmp_path / "other", _tensors(seed=1))
+    third, _, out3 = _load(fake_vllm, other, cache, monkeypatch)
+    assert out3["do"] == "save" and out3["key"] != out1["key"]
+    assert torch.equal(
+        third.language_model.model.layers[0].mlp.experts.w2_weight[1], _tensors(seed=1)[DEC + "mlp.experts.1.down_proj.weight"]
+    )
+    assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 2
+
+
+def test_unquantized_model_skips_strict_tracking_only_when_the_experts_come_from_the_cache(tmp_path, monkeypatch, fake_vllm):
+    build = write_ckpt(tmp_path / "bf16", _tensors())
+    _load(fake_vllm, build, tmp_path / "c", monkeypatch, quantization=None)  # every parameter loaded: tracking passes
+    _, _, out = _load(fake_vllm, build, tmp_path / "c", monkeypatch, quantization=None)
+    assert out["do"] == "load"
+
+
+def test_mtp_drafter_and_models_without_experts_load_normally(tmp_path, monkeypatch, fake_vllm):
+    build = write_ckpt(tmp_path / "b", _tensors())
+    monkeypatch.setenv(xc.ENV, str(tmp_path / "c"))
+    loader = fake_vllm(SimpleNamespace(load_format=xc.LOAD_FORMAT, model_loader_extra_config={}))
+    cfg = SimpleNamespace(
+        model=str(build), dtype=torch.float32, quantization="x", hf_config=SimpleNamespace(model_type="qwen3_5_mtp")
+    )
+    loader.load_weights(ToyMoE(), cfg)
+    assert xc.last_outcome()["do"] == "normal" and "MTP" in xc.last_outcome()["why"]
+    assert not (tmp_path / "c").exists()
+
+
+def test_options_carry_the_loader_and_refuse_what_cannot_work(tmp_path):
+    o = VllmOptions(expert_cache=tmp_path / "xc")
+    assert o.engine_args["load_format"] == xc.LOAD_FORMAT
+    assert o.engine_env[xc.ENV] == str((tmp_path / "xc").resolve())
+    t = o.tasks()  # lm-eval builds its engine outside splicer's worker
+    assert "load_format" not in t.engine_args and xc.ENV not in t.engine_env
+    assert VllmOptions(expert_cache=tmp_path / "xc", engine_args={"load_format": xc.LOAD_FORMAT}).engine_args == o.engine_args
+    with pytest.raises(SplicerError, match="load_format=fastsafetensors"):
+        VllmOptions(expert_cache=tmp_path, engine_args={"load_format": "fastsafetensors"})
+    with pytest.raises(SplicerError, match="drop --process-per-variant"):
+        VllmOptions(expert_cache=tmp_path, process_per_variant=True)
