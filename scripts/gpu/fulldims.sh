@@ -37,6 +37,9 @@ if [ "${MTLOAD:-0}" = 1 ]; then CMD+=(--engine-arg 'model_loader_extra_config={"
 # vLLM 0.26's GDN decode path (causal_conv1d_update, the packed fused recurrent and fused sigmoid-gating kernels) has no
 # autotuned kernel, so batch-1 decode should run the same kernels; TTFT and scoring speed run the untuned prefill ones.
 if [ "${NOAUTOTUNE:-0}" = 1 ]; then CMD+=(--engine-env VLLM_TRITON_FORCE_FIRST_CONFIG=1); fi
+# EXPERT_CACHE=1: --expert-cache under WORK (the first engine saves the routed experts, ~18 GB; every engine with the
+# same expert bytes copies them: results/engine-starts). Removed with the run folder's other scratch by hand.
+if [ "${EXPERT_CACHE:-0}" = 1 ]; then CMD+=(--expert-cache "$WORK/expert-cache"); fi
 # REWAKE=1: one more sleep and wake right before each decode timing (with OVERLAP only).
 if [ "${REWAKE:-0}" = 1 ]; then CMD+=(--rewake-before-timing); fi
 # GPU use every 5 s beside the run (outside DIR: ablate refuses a DIR holding files it did not write).
