@@ -43,6 +43,7 @@ def _tensors(seed=0):
             out[f"{DEC}mlp.experts.{e}.{p}.weight"] = torch.randn(shape, generator=g)
     for p, shape in (("gate_proj", (INTER, H)), ("up_proj", (INTER, H)), ("down_proj", (H, INTER))):
         out[f"{DEC}mlp.shared_expert.{p}.weight"] = torch.randn(shape, generator=g)
+    out[f"{DEC}mlp.gate.weight"] = torch.randn(E, H, generator=g)
     out["lm_head.weight"] = torch.randn(16, H, generator=g)
     out["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = torch.randn(INTER, H, generator=g)
     return out
@@ -58,8 +59,18 @@ def write_ckpt(folder: Path, tensors: dict, *, files=1, ignore=()) -> Path:
     return folder
 
 
+class RoutedExperts(torch.nn.Module):
+    """vLLM's module of the routed experts' weights (named so: the loader finds these modules by class name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w13_weight = torch.nn.Parameter(torch.zeros(E, 2 * INTER, H), requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(torch.zeros(E, H, INTER), requires_grad=False)
+
+
 class ToyMoE(torch.nn.Module):
-    """The routed experts fused per layer as vLLM holds them (w13 = gate and up stacked), a shared expert, a head;
+    """vLLM 0.26's layout of a Qwen3.5 MoE layer: mlp.experts is the MoE runner, whose children are the routed experts
+    (fused per layer, w13 = gate and up stacked), the router gate and the shared expert, which is also mlp.shared_expert.
     load_weights maps checkpoint names one tensor at a time, as vLLM's model does, and records what it was given."""
 
     def __init__(self):
@@ -68,12 +79,15 @@ class ToyMoE(torch.nn.Module):
         lm.model = torch.nn.Module()
         layer = torch.nn.Module()
         layer.mlp = torch.nn.Module()
+        shared = torch.nn.Module()
+        shared.gate_up_proj = torch.nn.Linear(H, 2 * INTER, bias=False)
+        shared.down_proj = torch.nn.Linear(INTER, H, bias=False)
+        layer.mlp.shared_expert = shared
         layer.mlp.experts = torch.nn.Module()
-        layer.mlp.experts.w13_weight = torch.nn.Parameter(torch.zeros(E, 2 * INTER, H), requires_grad=False)
-        layer.mlp.experts.w2_weight = torch.nn.Parameter(torch.zeros(E, H, INTER), requires_grad=False)
-        layer.mlp.shared_expert = torch.nn.Module()
-        layer.mlp.shared_expert.gate_up_proj = torch.nn.Linear(H, 2 * INTER, bias=False)
-        layer.mlp.shared_expert.down_proj = torch.nn.Linear(INTER, H, bias=False)
+        layer.mlp.experts.routed_experts = RoutedExperts()
+        layer.mlp.experts.gate = torch.nn.Linear(H, E, bias=False)
+        layer.mlp.experts._shared_experts = torch.nn.Module()
+        layer.mlp.experts._shared_experts._layer = shared
         lm.model.layers = torch.nn.ModuleList([layer])
         lm.lm_head = torch.nn.Linear(H, 16, bias=False)
         self.language_model = lm
@@ -82,6 +96,8 @@ class ToyMoE(torch.nn.Module):
     @torch.no_grad()
     def load_weights(self, weights):
         layer = self.language_model.model.layers[0]
+        routed = layer.mlp.experts.routed_experts
+        prefix = "language_model.model.layers.0.mlp."
         loaded = set()
         for name, t in weights:
             self.given.append(name)
@@ -89,24 +105,29 @@ class ToyMoE(torch.nn.Module):
             if name.startswith(DEC + "mlp.experts."):
                 e, proj = int(parts[6]), parts[7]
                 if proj == "down_proj":
-                    layer.mlp.experts.w2_weight[e].copy_(t)
-                    loaded.add("language_model.model.layers.0.mlp.experts.w2_weight")
+                    routed.w2_weight[e].copy_(t)
+                    loaded.add(prefix + "experts.routed_experts.w2_weight")
                 else:
                     half = slice(0, INTER) if proj == "gate_proj" else slice(INTER, 2 * INTER)
-                    layer.mlp.experts.w13_weight[e, half].copy_(t)
-                    loaded.add("language_model.model.layers.0.mlp.experts.w13_weight")
+                    routed.w13_weight[e, half].copy_(t)
+                    loaded.add(prefix + "experts.routed_experts.w13_weight")
             elif name.startswith(DEC + "mlp.shared_expert."):
                 proj = parts[6]
                 if proj == "down_proj":
                     layer.mlp.shared_expert.down_proj.weight.copy_(t)
-                    loaded.add("language_model.model.layers.0.mlp.shared_expert.down_proj.weight")
+                    loaded.add(prefix + "shared_expert.down_proj.weight")
                 else:
                     half = slice(0, INTER) if proj == "gate_proj" else slice(INTER, 2 * INTER)
                     layer.mlp.shared_expert.gate_up_proj.weight[half].copy_(t)
-                    loaded.add("language_model.model.layers.0.mlp.shared_expert.gate_up_proj.weight")
+                    loaded.add(prefix + "shared_expert.gate_up_proj.weight")
+            elif name == DEC + "mlp.gate.weight":
+                layer.mlp.experts.gate.weight.copy_(t)
+                loaded.add(prefix + "experts.gate.weight")
             elif name == "lm_head.weight":
                 self.language_model.lm_head.weight.copy_(t)
                 loaded.add("language_model.lm_head.weight")
+        # the shared expert and the gate are registered twice (as vLLM's runner holds them): both names are loaded
+        loaded |= {prefix + "experts._shared_experts._layer." + n for n, _ in layer.mlp.shared_expert.named_parameters()}
         return loaded
 
 
@@ -179,7 +200,7 @@ def test_entry_round_trip_and_refusals(tmp_path, monkeypatch):
 def test_loader_saves_once_then_copies_the_experts(tmp_path, monkeypatch, fake_vllm):
     t = _tensors()
     build = write_ckpt(tmp_path / "build", t)
-    variant_t = dict(t, **{k: v * 0 + 0.5 for k, v in t.items() if "shared_expert" in k})
+    variant_t = dict(t, **{k: v * 0 + 0.5 for k, v in t.items() if "shared_expert" in k or "mlp.gate." in k})
     variant = write_ckpt(tmp_path / "variant", variant_t, files=2, ignore=["re:.*shared_expert.*"])
     cache = tmp_path / "cache"
 
@@ -195,7 +216,7 @@ def test_loader_saves_once_then_copies_the_experts(tmp_path, monkeypatch, fake_v
     assert "mtp.layers.0.mlp.experts.0.gate_proj.weight" in second.given
     s1, s2 = first.state_dict(), second.state_dict()
     for k in s1:
-        if ".mlp.experts." in k:
+        if ".routed_experts." in k:
             assert torch.equal(s1[k], s2[k]), k
     assert torch.equal(s2["language_model.model.layers.0.mlp.shared_expert.down_proj.weight"], torch.full((H, INTER), 0.5))
 
@@ -204,7 +225,8 @@ def test_loader_saves_once_then_copies_the_experts(tmp_path, monkeypatch, fake_v
     third, _, out3 = _load(fake_vllm, other, cache, monkeypatch)
     assert out3["do"] == "save" and out3["key"] != out1["key"]
     assert torch.equal(
-        third.language_model.model.layers[0].mlp.experts.w2_weight[1], _tensors(seed=1)[DEC + "mlp.experts.1.down_proj.weight"]
+        third.language_model.model.layers[0].mlp.experts.routed_experts.w2_weight[1],
+        _tensors(seed=1)[DEC + "mlp.experts.1.down_proj.weight"],
     )
     assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 2
 
@@ -216,26 +238,57 @@ def test_unquantized_model_skips_strict_tracking_only_when_the_experts_come_from
     assert out["do"] == "load"
 
 
-def test_mtp_drafter_and_models_without_experts_load_normally(tmp_path, monkeypatch, fake_vllm):
+def test_mtp_drafter_loads_normally_and_leaves_the_main_models_record(tmp_path, monkeypatch, fake_vllm):
     build = write_ckpt(tmp_path / "b", _tensors())
-    monkeypatch.setenv(xc.ENV, str(tmp_path / "c"))
-    loader = fake_vllm(SimpleNamespace(load_format=xc.LOAD_FORMAT, model_loader_extra_config={}))
+    xc.reset()
+    _, loader, main = _load(fake_vllm, build, tmp_path / "c", monkeypatch)  # the main model first, as vLLM loads them
     cfg = SimpleNamespace(
         model=str(build), dtype=torch.float32, quantization="x", hf_config=SimpleNamespace(model_type="qwen3_5_mtp")
     )
-    loader.load_weights(ToyMoE(), cfg)
-    assert xc.last_outcome()["do"] == "normal" and "MTP" in xc.last_outcome()["why"]
-    assert not (tmp_path / "c").exists()
+    drafter = ToyMoE()
+    loader.load_weights(drafter, cfg)
+    assert any(n.startswith(DEC + "mlp.experts.") for n in drafter.given)  # the normal path: every tensor
+    assert xc.last_outcome() == main and main["do"] == "save"
 
 
-def test_options_carry_the_loader_and_refuse_what_cannot_work(tmp_path):
+def test_options_refuse_what_cannot_work_and_keep_the_cache_out_of_the_job(tmp_path):
     o = VllmOptions(expert_cache=tmp_path / "xc")
-    assert o.engine_args["load_format"] == xc.LOAD_FORMAT
-    assert o.engine_env[xc.ENV] == str((tmp_path / "xc").resolve())
-    t = o.tasks()  # lm-eval builds its engine outside splicer's worker
-    assert "load_format" not in t.engine_args and xc.ENV not in t.engine_env
-    assert VllmOptions(expert_cache=tmp_path / "xc", engine_args={"load_format": xc.LOAD_FORMAT}).engine_args == o.engine_args
+    # how weights reach the GPU, not the weights: the job and the base pass's cache key are those of a run without it
+    assert o.job_settings() == VllmOptions().job_settings() and o.cache_key() == VllmOptions().cache_key()
+    assert o.tasks().expert_cache is None  # lm-eval builds its engine outside splicer's worker
     with pytest.raises(SplicerError, match="load_format=fastsafetensors"):
         VllmOptions(expert_cache=tmp_path, engine_args={"load_format": "fastsafetensors"})
     with pytest.raises(SplicerError, match="drop --process-per-variant"):
         VllmOptions(expert_cache=tmp_path, process_per_variant=True)
+    with pytest.raises(SplicerError, match="tensor_parallel_size=2"):
+        VllmOptions(expert_cache=tmp_path, engine_args={"tensor_parallel_size": 2})
+    with pytest.raises(SplicerError, match="give --expert-cache DIR instead"):
+        VllmOptions(engine_args={"load_format": xc.LOAD_FORMAT})
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SplicerError, match="not a folder"):
+        VllmOptions(expert_cache=tmp_path / "file")
+
+
+def test_a_save_that_cannot_be_made_is_reported_not_raised(tmp_path, monkeypatch, fake_vllm):
+    build = write_ckpt(tmp_path / "b", _tensors())
+    (tmp_path / "file").write_text("")
+    model, _, out = _load(fake_vllm, build, tmp_path / "file" / "cache", monkeypatch)  # cannot make the folder
+    assert out["do"] == "save" and not out["saved"] and "not saved" in out["why"]
+    assert torch.equal(model.language_model.lm_head.weight, _tensors()["lm_head.weight"])  # the engine loaded anyway
+    cache = tmp_path / "c"
+    cache.mkdir()
+    (cache / f".{out['key']}.lock").write_text(str(__import__("os").getpid()))  # another engine (alive) is saving
+    _, _, out = _load(fake_vllm, build, cache, monkeypatch)
+    assert not out["saved"] and "another engine" in out["why"]
+    (cache / f".{out['key']}.lock").write_text("999999999")  # its process has ended: the lock is taken over
+    _, _, out = _load(fake_vllm, build, cache, monkeypatch)
+    assert out["saved"] and not list(cache.glob(".*"))
+
+
+def test_the_loader_needs_its_folder(tmp_path, monkeypatch, fake_vllm):
+    build = write_ckpt(tmp_path / "b", _tensors())
+    monkeypatch.delenv(xc.ENV, raising=False)
+    loader = fake_vllm(SimpleNamespace(load_format=xc.LOAD_FORMAT, model_loader_extra_config={}))
+    cfg = SimpleNamespace(model=str(build), dtype=torch.float32, quantization="x", hf_config=SimpleNamespace(model_type="q"))
+    with pytest.raises(RuntimeError, match="--expert-cache DIR"):
+        loader.load_weights(ToyMoE(), cfg)

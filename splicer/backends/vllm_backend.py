@@ -262,8 +262,7 @@ class VllmOptions:
         if self.gpus is not None:  # given, even empty (--gpus ,): two or more ids
             check_gpus(tuple(self.gpus), self.overlap_starts)
         object.__setattr__(self, "gpus", tuple(self.gpus or ()))
-        if self.expert_cache is not None:
-            self._use_expert_cache()
+        self._check_expert_cache()
         check_engine_options(
             overlap_starts=int(self.overlap_starts),
             one_process=not self.process_per_variant,
@@ -273,11 +272,20 @@ class VllmOptions:
             engine_args=self.engine_args,
         )
 
-    def _use_expert_cache(self) -> None:
-        """--expert-cache DIR: vLLM's engines load with splicer's loader (vllm_expert_cache), which the worker registers
-        in its own process, told where the cache is by the environment; both travel in the engine arguments and
-        environment (job settings, Ray lanes, resumed runs)."""
+    def _check_expert_cache(self) -> None:
+        """--expert-cache DIR: what it cannot go with, in one line each. The backend applies it (VllmBackend): it is
+        kept out of the job's settings and the base pass's cache key, like --engine-cache-dir, since it changes how
+        weights reach the GPU and not the weights."""
         fmt = self.engine_args.get("load_format")
+        if self.expert_cache is None:
+            if fmt == vllm_expert_cache.LOAD_FORMAT:
+                raise SplicerError(f"--engine-arg load_format={fmt}: give --expert-cache DIR instead")
+            return
+        if not str(self.expert_cache).strip():
+            raise SplicerError("--expert-cache: give a folder for the saved experts")
+        path = Path(self.expert_cache).expanduser()
+        if path.exists() and not path.is_dir():
+            raise SplicerError(f"--expert-cache {path}: not a folder; give a folder for the saved experts")
         if fmt not in (None, vllm_expert_cache.LOAD_FORMAT):
             raise SplicerError(
                 f"--expert-cache loads with its own load format, and --engine-arg load_format={fmt} asks for another: "
@@ -288,15 +296,14 @@ class VllmOptions:
                 "--expert-cache needs the engine core in splicer's worker, where its loader is registered; "
                 "drop --process-per-variant"
             )
-        path = str(Path(self.expert_cache).expanduser().resolve())
-        object.__setattr__(self, "engine_args", {**self.engine_args, "load_format": vllm_expert_cache.LOAD_FORMAT})
-        object.__setattr__(self, "engine_env", {**self.engine_env, vllm_expert_cache.ENV: path})
-
-    def without_expert_cache(self) -> VllmOptions:
-        """The same options with vLLM's own loader (for engines built outside splicer's worker: lm-eval's)."""
-        args = {k: v for k, v in self.engine_args.items() if (k, v) != ("load_format", vllm_expert_cache.LOAD_FORMAT)}
-        env = {k: v for k, v in self.engine_env.items() if k != vllm_expert_cache.ENV}
-        return replace(self, engine_args=args, engine_env=env, expert_cache=None, gpus=self.gpus or None)
+        for arg in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if int(self.engine_args.get(arg) or 1) > 1:
+                raise SplicerError(
+                    f"--expert-cache builds the model in splicer's worker only, and {arg}={self.engine_args[arg]} builds "
+                    "it in vLLM's own workers: drop one of them"
+                )
+        if self.engine_args.get("enable_expert_parallel"):
+            raise SplicerError("--expert-cache and enable_expert_parallel: expert parallelism is not supported; drop one")
 
     @classmethod
     def option_names(cls) -> set[str]:
@@ -362,7 +369,8 @@ class VllmOptions:
         """One engine at a time: lm-eval builds its own engine from these arguments, so none starts ahead (and with
         vLLM's own loader: lm-eval's engine is not built in splicer's worker)."""
         return replace(
-            self.without_expert_cache(),
+            self,
+            expert_cache=None,
             overlap_starts=0,
             rewake_before_timing=False,
             precompile=0,
@@ -387,6 +395,7 @@ class VllmOptions:
             "rewake_before_timing": self.rewake_before_timing,
             "precompile": self.precompile,
             "engine_env": self.engine_env,
+            "expert_cache": self.expert_cache,
         }
         if not self.gpus:
             return [VllmBackend(device=device, **options)]
@@ -454,6 +463,7 @@ class VllmBackend:
         precompile: int = 0,
         cpus: list[int] | None = None,
         engine_env: dict | None = None,
+        expert_cache: Path | None = None,
     ):
         if importlib.util.find_spec("vllm") is None:
             raise SplicerError(
@@ -514,6 +524,12 @@ class VllmBackend:
         # --engine-env: the user's variables for every engine process (its compiling lanes too), over splicer's.
         self.engine_env = dict(engine_env or {})
         self.env.update(self.engine_env)
+        # --expert-cache DIR: splicer's loader (vllm_expert_cache), which the worker registers before each engine, told
+        # by the environment where the saved experts are.
+        self.expert_cache = Path(expert_cache).expanduser().resolve() if expert_cache is not None else None
+        if self.expert_cache is not None:
+            self.engine_args["load_format"] = vllm_expert_cache.LOAD_FORMAT
+            self.env[vllm_expert_cache.ENV] = str(self.expert_cache)
         self.device = device
         self.log_dir = Path(log_dir) if log_dir else Path.cwd() / "vllm-logs"
         self.start_timeout_s = start_timeout_s
@@ -917,6 +933,7 @@ class VllmBackend:
             "rewake_before_timing": self.rewake_before_timing,
             "precompile": self.precompile_slots,
             "engine_cache_dir": str(self.cache_dir) if self.cache_dir is not None else "per-user defaults",
+            "expert_cache": str(self.expert_cache) if self.expert_cache is not None else None,
             # how its engines score (held for the run by hold_exact_gather, else the last engine's; None before either)
             "kl_support": kl_support(self.exact_gather) if self._held_exact is not None or self.info else None,
         }

@@ -209,6 +209,7 @@ def child_worker(conn, env: dict, log_path: str) -> None:
         expert_cache = engine_args.get("load_format") == vllm_expert_cache.LOAD_FORMAT
         if expert_cache:  # --expert-cache: splicer's loader, registered with this process's vLLM
             vllm_expert_cache.register()
+            vllm_expert_cache.reset()
         t = time.perf_counter()
         llm = LLM(model=folder, **engine_args)
         startup = time.perf_counter() - t

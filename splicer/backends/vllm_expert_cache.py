@@ -7,25 +7,30 @@ weight loader, each after a walk of the whole expert mapping, about 21 s of a 41
 and keep the build's experts, so every engine of a run loads the same expert bytes into the same fused parameters.
 
 How: a vLLM model loader (vLLM's own extension point, `register_model_loader`) built on its DefaultModelLoader. The
-first engine loads normally and, before `process_weights_after_loading` repacks anything, saves the state of the
-routed-expert modules (vLLM's fused parameters, about ten tensors per layer) under DIR/<key>/. A later engine whose key
-matches loads every other tensor through the model's own `load_weights`, skips the checkpoint's expert tensors before
-reading them, and copies the saved tensors into its fresh parameters; vLLM then repacks them as it would have.
+first engine loads normally and, before `process_weights_after_loading` repacks anything, saves the state of vLLM's
+routed-expert modules (`RoutedExperts`: the fused weights and scales, a few tensors per layer; not the router gate or
+the shared expert, which vLLM's MoE layer holds beside them and a restored variant changes) under DIR/<key>/. A later
+engine whose key matches loads every other tensor through the model's own `load_weights`, skips the checkpoint's expert
+tensors (the weight loaders never see them; their bytes are read once per folder, for the key) and copies the saved
+tensors into its fresh parameters; vLLM then repacks them as it would have.
 
 The key is the expert bytes themselves (a SHA-256 over every routed-expert tensor's name, dtype, shape and data), the
 checkpoint's quantization schemes (its quantization_config without the ignore list, which is what differs between a
-build and its restored variants), vLLM's version, the model's dtype and the engine's tensor-parallel rank and size; a
-saved entry is used only when its tensors match the fresh model's expert state name for name, shape for shape and
-dtype for dtype. Anything else (another checkpoint's experts, an MTP drafter, a model without routed experts, a
-checkpoint not in safetensors) loads the normal way. What happened is logged in the engine's log and recorded in the
-engine's info (`last_outcome`).
+build and its restored variants), vLLM's version, the quantization method of the expert modules, the model's dtype, the
+GPU's name and the engine's tensor-parallel rank and size; a saved entry is used only when its tensors match the fresh
+model's expert state name for name, shape for shape and dtype for dtype. Anything else (another checkpoint's experts,
+an MTP drafter, a model without routed experts) loads the normal way. A save that cannot be made (no room, no
+permission, another engine saving the same key) is logged and the engine runs on. What happened is logged in the
+engine's log and recorded in the engine's info (`last_outcome`).
 
-The loader must run in the process that builds the model: splicer's worker with the engine core in it (its default).
+The loader must run in the process that builds the model: splicer's worker with the engine core in it (its default),
+one GPU per engine (VllmOptions refuses tensor, pipeline, data and expert parallelism with it).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import hashlib
 import json
 import mmap
@@ -43,6 +48,11 @@ SPARE_BYTES = 2 << 30  # disk left free after a save
 
 _outcome: dict = {}
 _digests: dict = {}  # (folder, files' sizes and mtimes, context) -> key: one hash per folder and process
+
+
+def reset() -> None:
+    """Forget the last model's outcome (before each engine of a process)."""
+    _outcome.clear()
 
 
 def last_outcome() -> dict:
@@ -69,14 +79,21 @@ def checkpoint_expert_regex(arch) -> re.Pattern | None:
     return re.compile((f"(?!{re.escape(mtp)})" if mtp else "") + f"(?:{body})")
 
 
-def expert_state(model, arch) -> dict:
-    """{name: tensor} of the model's state that belongs to routed-expert modules (vLLM layer names, the family's
-    kernel classes), parameters and buffers alike, as vLLM's own sharded_state loader copies them."""
+EXPERT_MODULE = "RoutedExperts"  # vLLM 0.26-0.33: the module that owns the routed experts' weights and scales
+
+
+def expert_modules(model) -> list:
+    """[(name, module)] of vLLM's routed-expert modules. Only these: vLLM's MoE layer (MoERunner) also holds the router
+    gate and the shared expert as children, which a restored variant changes while its routed experts stay the same."""
+    return [(n, m) for n, m in model.named_modules() if any(c.__name__ == EXPERT_MODULE for c in type(m).__mro__)]
+
+
+def expert_state(model) -> dict:
+    """{name: tensor} of the routed-expert modules' state (parameters and persistent buffers), as vLLM's own
+    sharded_state loader copies a model's state."""
     out = {}
-    for name, tensor in model.state_dict().items():
-        module = name.rpartition(".")[0]
-        if module and arch.kernel_class(module) == "experts":
-            out[name] = tensor
+    for name, module in expert_modules(model):
+        out.update(module.state_dict(prefix=f"{name}."))
     return out
 
 
@@ -175,16 +192,55 @@ def find_entry(cache_dir, key: str, state: dict) -> Path | None:
     return entry
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _take_lock(lock: Path) -> bool:
+    """One saving engine per key (engines started side by side may save the same experts): an exclusive lock file
+    with the saver's pid; a lock whose process has ended is taken over."""
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and _pid_alive(pid):
+                return False
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
 def save_entry(cache_dir, key: str, state: dict, about: dict) -> tuple[Path | None, str]:
-    """Write state (tensors on any device) as a new entry; (entry, "") or (None, why not)."""
+    """Write state (tensors on any device) as a new entry: (entry, "") or (None, why not). A save that cannot be made
+    (no room, no permission, another engine saving it) is reported, never raised: the engine has loaded its weights
+    the normal way and runs on."""
+    try:
+        return _save_entry(Path(cache_dir), key, state, about)
+    except Exception as e:  # the cache is an optimisation: an engine that loaded fine must not fail on it
+        return None, f"{e.__class__.__name__}: {e}"
+
+
+def _save_entry(cache_dir: Path, key: str, state: dict, about: dict) -> tuple[Path | None, str]:
     import torch
     from safetensors.torch import save_file
 
-    cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     entry = cache_dir / key
     if entry.exists():
-        return entry, ""
+        return None, f"{entry} exists (another engine saved it first)"
     ptrs = {}
     for k, t in state.items():
         p = (t.untyped_storage().data_ptr(), t.storage_offset())
@@ -195,9 +251,10 @@ def save_entry(cache_dir, key: str, state: dict, about: dict) -> tuple[Path | No
     free = shutil.disk_usage(cache_dir).free
     if free < need + SPARE_BYTES:
         return None, f"{need / 2**30:.1f} GiB to write and {free / 2**30:.1f} GiB free in {cache_dir}"
+    lock = cache_dir / f".{key}.lock"
+    if not _take_lock(lock):
+        return None, "another engine is saving the same experts"
     tmp = cache_dir / f".{key}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     files, part, size = [], {}, 0
 
     def flush():
@@ -209,6 +266,8 @@ def save_entry(cache_dir, key: str, state: dict, about: dict) -> tuple[Path | No
         part, size = {}, 0
 
     try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         for k, t in state.items():
             part[k] = t.detach().to("cpu", copy=True).contiguous()
             size += part[k].numel() * part[k].element_size()
@@ -217,13 +276,10 @@ def save_entry(cache_dir, key: str, state: dict, about: dict) -> tuple[Path | No
         flush()
         manifest = dict(about, key=key, files=files, layout=_layout(state), bytes=need, torch=torch.__version__)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        try:
-            tmp.rename(entry)
-        except OSError:  # another engine saved the same entry first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
+        tmp.rename(entry)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        lock.unlink(missing_ok=True)
     return entry, ""
 
 
@@ -258,7 +314,7 @@ def plan_load(model, model_config, cache_dir, context: dict) -> dict:
     hf = getattr(model_config, "hf_config", None)
     model_type = str(getattr(hf, "model_type", "") or "")
     if "MTP" in type(model).__name__ or model_type.endswith("_mtp"):
-        return {"do": "normal", "why": "an MTP drafter (its experts load the normal way)"}
+        return {"do": "normal", "why": "an MTP drafter (its experts load the normal way)", "drafter": True}
     if not (folder / "config.json").is_file() or not list(folder.glob("*.safetensors")):
         return {"do": "normal", "why": f"{folder} is not a local safetensors checkpoint"}
     try:
@@ -266,9 +322,12 @@ def plan_load(model, model_config, cache_dir, context: dict) -> dict:
     except Exception as e:  # an unknown family loads the normal way
         return {"do": "normal", "why": f"family not known to splicer ({e})"}
     regex = checkpoint_expert_regex(arch)
-    state = expert_state(model, arch) if regex is not None else {}
+    modules = expert_modules(model) if regex is not None else []
+    state = expert_state(model)
     if not state:
-        return {"do": "normal", "why": "no routed-expert modules in the model"}
+        return {"do": "normal", "why": f"no routed-expert modules ({EXPERT_MODULE}) in the model"}
+    # the quantization method decides the parameters' layout before repacking (their shapes are checked as well)
+    context = dict(context, method=sorted({type(getattr(m, "quant_method", None)).__name__ for _, m in modules}))
     t = time.perf_counter()
     key, n, nbytes = experts_digest(folder, regex, dict(context, schemes=quant_schemes(folder)))
     plan = {
@@ -288,14 +347,16 @@ def plan_load(model, model_config, cache_dir, context: dict) -> dict:
 def load_weights(loader, model, model_config, normal_load, cache_dir, context: dict) -> dict:
     """The loader's load_weights: normal_load() loads through vLLM's DefaultModelLoader (which reads the checkpoint
     through loader.skip_regex, set here while the experts come from the cache)."""
-    _outcome.clear()
     plan = plan_load(model, model_config, cache_dir, context)
     record = {k: v for k, v in plan.items() if k in ("do", "why", "key", "expert_tensors", "expert_gib", "digest_s")}
     if plan["do"] == "normal":
         _say(f"normal load: {plan['why']}")
         normal_load()
-        _outcome.update(record)
+        if not plan.get("drafter"):  # a drafter loads after the main model: the engine's record is the main model's
+            _outcome.clear()
+            _outcome.update(record)
         return record
+    _outcome.clear()
     if plan["do"] == "load":
         t = time.perf_counter()
         loader.skip_regex = plan["regex"]
@@ -342,6 +403,13 @@ def register() -> None:
     class SplicerExpertCacheLoader(DefaultModelLoader):
         skip_regex: re.Pattern | None = None
 
+        def __init__(self, load_config):
+            super().__init__(load_config)
+            # DefaultModelLoader picks the checkpoint's files (and its reader) by load_format and refuses a name it
+            # does not know: this loader reads what vLLM's default ("auto") reads.
+            self.load_config = copy.copy(load_config)
+            self.load_config.load_format = "auto"
+
         def _get_weights_iterator(self, source):
             if self.skip_regex is None:
                 return super()._get_weights_iterator(source)
@@ -381,13 +449,12 @@ def register() -> None:
             except Exception:
                 context["tp"] = [0, 1]
             context["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+            context["quantization"] = str(getattr(model_config, "quantization", None))
+            cache_dir = os.environ.get(ENV)
+            if not cache_dir:
+                raise RuntimeError(f"load format {LOAD_FORMAT} needs its folder in {ENV}: run splicer with --expert-cache DIR")
             load_weights(
-                self,
-                model,
-                model_config,
-                lambda: DefaultModelLoader.load_weights(self, model, model_config),
-                os.environ[ENV],
-                context,
+                self, model, model_config, lambda: DefaultModelLoader.load_weights(self, model, model_config), cache_dir, context
             )
 
     register_model_loader(LOAD_FORMAT)(SplicerExpertCacheLoader)

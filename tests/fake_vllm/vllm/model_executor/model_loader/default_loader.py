@@ -39,6 +39,10 @@ class DefaultModelLoader(BaseModelLoader):
         self.reads: list[str] = []  # names read from the checkpoint (the fake's own record, for tests)
 
     def _prepare_weights(self, model_name_or_path, subfolder, revision, fall_back_to_pt, allow_patterns_overrides):
+        # 0.26 picks the files by load_format and refuses a name it does not know (default_loader.py:166-184), a
+        # registered loader's own name included
+        if self.load_config.load_format not in ("auto", "hf", "safetensors", "fastsafetensors", "instanttensor"):
+            raise ValueError(f"Unknown load_format: {self.load_config.load_format}")
         files = sorted(glob.glob(os.path.join(model_name_or_path, "*.safetensors")))
         return model_name_or_path, files, bool(files)
 
