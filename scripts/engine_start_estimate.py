@@ -7,6 +7,7 @@ the saving start's extra time. This is arithmetic on two runs of different lease
 plan itself, with the cut, is what answers it.
 
 usage: python3 scripts/engine_start_estimate.py TIMELINE PROFILE CUT SAVE_START OUT.json
+  e.g. CUT sharded_state_unprocessed with SAVE_START save-unprocessed, or expert_cache with expert_cache-prime
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ def main(argv: list[str]) -> int:
     auto, fast = rows["auto"], rows[cut]
     per_engine = auto["llm_init_s"] - fast["llm_init_s"]
     save_rec = next(s for s in profile["starts"] if s["name"] == save_name)
-    save_s = next(v["save_s"] for v in save_rec["saved"].values() if "save_s" in v)
+    # the saving start's own save: start_profile's sharded_state saves, or splicer's expert cache (its loader's record)
+    saves = [v["save_s"] for v in (save_rec.get("saved") or {}).values() if "save_s" in v]
+    saves += [save_rec["expert_cache"]["save_s"]] if "save_s" in (save_rec.get("expert_cache") or {}) else []
+    if not saves:
+        raise SystemExit(f"{save_name}: no save recorded in {profile_path}")
+    save_s = saves[0]
     est = timeline["estimate_one_invocation_s"]
     n_rows = est["plan_rows"]
     before = est["value"]

@@ -292,3 +292,24 @@ def test_the_loader_needs_its_folder(tmp_path, monkeypatch, fake_vllm):
     cfg = SimpleNamespace(model=str(build), dtype=torch.float32, quantization="x", hf_config=SimpleNamespace(model_type="q"))
     with pytest.raises(RuntimeError, match="--expert-cache DIR"):
         loader.load_weights(ToyMoE(), cfg)
+
+
+def test_the_report_says_how_each_engine_got_its_experts():
+    from splicer.analysis.table import expert_cache_note
+
+    def eng(**r):
+        return {"engine": {"expert_cache": r}}
+
+    results = {
+        "base_pass": eng(do="save", saved=True),
+        "variants": [
+            {"name": "build", **eng(do="load")},
+            {"name": "gdn", **eng(do="load")},
+            {"name": "all", **eng(do="save", saved=False, why="not saved: 64.0 GiB to write and 20.0 GiB free in C")},
+        ],
+    }
+    assert expert_cache_note(results) == (
+        "Routed experts (--expert-cache): copied from the cache into 2 of 4 engines (build, gdn); saved by base pass; "
+        "loaded the normal way: all (not saved: 64.0 GiB to write and 20.0 GiB free in C)."
+    )
+    assert expert_cache_note({"base_pass": {}, "variants": [{"name": "build", "engine": {}}]}) is None

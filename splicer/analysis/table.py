@@ -385,6 +385,8 @@ def _footnotes(results: dict) -> list[str]:
     tb = time_breakdown(results) if results.get("time_breakdown") is not None else None
     if tb:
         notes.append("Wall time of the run: " + ", ".join(f"{k} {v:.0f} s" for k, v in tb.items()) + ".")
+    if note := expert_cache_note(results):
+        notes.append(note)
     nf = results.get("noise_floor") or {}
     if nf:
         parts = [f"{c}: top-1 {100 * m['top1']:.1f} %, KL {m['kl']:.4f}" for c, m in nf.items()]
@@ -715,3 +717,22 @@ def compare(out_dir: Path, a: str, b: str) -> str:
     from .verdicts import METHOD
 
     return table + f"\n\n{a} − {b}: {METHOD}; n.s. = not significant; {noise_text(results)}."
+
+
+def expert_cache_note(results: dict) -> str | None:
+    """How the run's engines got their routed experts under --expert-cache (each engine's record from the vLLM
+    backend's loader), or None when no engine used it."""
+    base = results.get("base_pass") or {}
+    engines = [("base pass", base.get("engine") or {})] + [(v["name"], v.get("engine") or {}) for v in results["variants"]]
+    used = [(n, e["expert_cache"]) for n, e in engines if e.get("expert_cache")]
+    if not used:
+        return None
+    loaded = [n for n, r in used if r.get("do") == "load"]
+    saved = [n for n, r in used if r.get("do") == "save" and r.get("saved")]
+    other = [f"{n} ({r.get('why') or r.get('do')})" for n, r in used if n not in loaded and n not in saved]
+    parts = [f"copied from the cache into {len(loaded)} of {len(used)} engines" + (f" ({', '.join(loaded)})" if loaded else "")]
+    if saved:
+        parts.append(f"saved by {', '.join(saved)}")
+    if other:
+        parts.append("loaded the normal way: " + "; ".join(other))
+    return "Routed experts (--expert-cache): " + "; ".join(parts) + "."
