@@ -34,8 +34,9 @@ Every start goes through one symlink, WORK/start-profile/model, pointed at the c
 folder): vLLM's compile-cache key and its startup-plan fingerprint contain the model path, so a start from another folder
 would recompile from scratch instead of timing its load. The first start of a call ("warmup", not compared) fills the
 page cache, the compile caches and the Triton autotuning cache; every start after it reads the checkpoint from the page
-cache, as the issue's did. Every start generates 8 greedy tokens from one fixed prompt, and the summary says whether each
-cut gave the auto start's tokens.
+cache, as the issue's did. Every start generates 8 greedy tokens from one fixed prompt of 32 tokens, with the prompt's
+log-probs, and the summary says whether each cut gave the auto start's tokens and log-probs (bit for bit, or the
+largest difference).
 
 The cuts (--cuts, comma-separated; `auto` always runs first, as the reference of the call):
   auto          splicer's engine for the stand-in (backends/vllm_engine_args.py defaults, language_model_only, gpu
@@ -908,6 +909,31 @@ def _checkpoint_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
 
 
+def _prompt_logprobs(per_position) -> list | None:
+    """The prompt's log-probs (each position's own token and the top one), as [[token, logprob], ...] per position:
+    a start that loaded the same weights gives the same numbers, bit for bit, where the engine repeats itself."""
+    out = []
+    try:
+        for d in per_position or []:
+            if d:
+                out.append(sorted([int(t), float(getattr(lp, "logprob", lp))] for t, lp in d.items()))
+    except (AttributeError, TypeError, ValueError):  # another layout (flat log-probs): not compared
+        return None
+    return out
+
+
+def _logprob_gap(mine, ref) -> str | None:
+    """ "same" when the prompt's log-probs equal the reference start's bit for bit, else the largest difference."""
+    if not mine or not ref:
+        return None
+    if mine == ref:
+        return "same"
+    flat = [(a[0], a[1], b[0], b[1]) for x, y in zip(mine, ref) for a, b in zip(x, y)]
+    if len(mine) != len(ref) or any(t != u for t, _, u, _ in flat):
+        return "other tokens"
+    return f"max |diff| {max(abs(p - q) for _, p, _, q in flat):.3g}"
+
+
 def child_main(spec_path: Path) -> int:
     spec = json.loads(Path(spec_path).read_text())
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
@@ -986,9 +1012,10 @@ def child_main(spec_path: Path) -> int:
         rng = random.Random(0)
         prompt = [rng.randrange(vocab // 100, vocab - 1) for _ in range(PROMPT_LEN)]
         with clock.phase("generate", sync=True):
-            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, prompt_logprobs=1)
             out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         record["tokens"] = list(out[0].outputs[0].token_ids)
+        record["prompt_logprobs"] = _prompt_logprobs(out[0].prompt_logprobs)
         try:
             from splicer.backends.vllm_child import _kernel_probe, _runner_probe
 
@@ -1294,6 +1321,7 @@ def summarize(records: list[dict]) -> dict:
             "weight_loader_s": r.get("weight_loader_s"),
             "vllm_log": r.get("vllm_log") or {},
             "same_tokens_as_auto": (r.get("tokens") == ref.get("tokens")) if (ref and r.get("tokens") is not None) else None,
+            "prompt_logprobs_vs_auto": _logprob_gap(r.get("prompt_logprobs"), (ref or {}).get("prompt_logprobs")),
             "compile_cache": r.get("compile_cache") or {},
             "timer_cost_us": (r.get("instrumentation") or {}).get("timer_cost_us"),
             "wrapped_calls_in_llm": r.get("wrapped_calls_in_llm"),
@@ -1353,6 +1381,10 @@ def markdown(summary: dict, records: list[dict], header: str = "") -> str:
             f"{r['compile_cache']['aot_loaded']} / {r['compile_cache']['graphs_compiled']}" if r["compile_cache"] else ""
             for r in rows
         ],
+    )
+    line(
+        "prompt log-probs against auto (32 positions)",
+        ["–" if r.get("prompt_logprobs_vs_auto") is None else r["prompt_logprobs_vs_auto"] for r in rows],
     )
     line(
         "same 8 greedy tokens as auto",
