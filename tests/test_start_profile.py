@@ -362,6 +362,7 @@ def test_one_start_against_the_stand_in_vllm(tmp_path, smoke_model):
     assert auto["split"]["read"] > 0 and auto["split"]["process_weights"] > 0
     assert any("process_weights_after_loading: not wrapped" in n for n in auto["notes"])
     assert len(auto["tokens"]) == sp.NEW_TOKENS
+    assert len(auto["prompt_logprobs"]) == sp.PROMPT_LEN - 1  # every position but the first, compared across starts
     if importlib.util.find_spec("fastsafetensors") is None:
         assert starts["fastsafetensors"]["skipped"].startswith("not installed: fastsafetensors")
     assert (out / "start-profile.md").exists() and (out / "start-profile-starts.tgz").exists()

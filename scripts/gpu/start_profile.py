@@ -1012,10 +1012,13 @@ def child_main(spec_path: Path) -> int:
         rng = random.Random(0)
         prompt = [rng.randrange(vocab // 100, vocab - 1) for _ in range(PROMPT_LEN)]
         with clock.phase("generate", sync=True):
-            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, prompt_logprobs=1)
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
             out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         record["tokens"] = list(out[0].outputs[0].token_ids)
-        record["prompt_logprobs"] = _prompt_logprobs(out[0].prompt_logprobs)
+        scored = llm.generate(
+            [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False
+        )
+        record["prompt_logprobs"] = _prompt_logprobs(scored[0].prompt_logprobs)
         try:
             from splicer.backends.vllm_child import _kernel_probe, _runner_probe
 
