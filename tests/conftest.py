@@ -28,6 +28,10 @@ def _set_threads() -> str:
 
 THREADS = _set_threads()
 
+from tests import worker_start  # noqa: E402  (after the threads are set: the forkserver inherits them)
+
+worker_start.install()
+
 
 def pytest_report_header(config):
     return THREADS

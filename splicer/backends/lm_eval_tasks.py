@@ -33,20 +33,19 @@ def _yaml_state(include_path: str | None) -> tuple:
     )
 
 
-@functools.lru_cache(maxsize=8)
-def _task_manager(names: tuple[str, ...], include_path: str | None, _state: tuple):
+def _task_manager(names: tuple[str, ...], include_path: str | None, state: tuple):
     try:
-        from lm_eval.tasks import TaskManager
+        from lm_eval.tasks import TaskManager  # noqa: F401  (the registries below need it)
     except ImportError:
         raise SplicerError("task accuracy needs lm-evaluation-harness: pip install 'splicer[tasks]'") from None
     if include_path is not None and not Path(include_path).is_dir():
         raise SplicerError(f"--include-path {include_path}: not a folder; give the folder that holds the task YAMLs")
     if include_path is not None:
         # lm-eval's own registry is thousands of YAMLs, indexed in seconds: leave it out when the folder has every task
-        own = TaskManager(include_path=str(include_path), include_defaults=False)
+        own = _registry(include_path, state, False)
         if all(n in set(own.all_tasks) for n in names):
             return own
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    manager = _registry(include_path, state, True)
     known = set(manager.all_tasks)
     for n in names:
         if n not in known:
@@ -59,6 +58,17 @@ def _task_manager(names: tuple[str, ...], include_path: str | None, _state: tupl
             )
             raise SplicerError(f"--tasks {n}: no such task {where}{hint}")
     return manager
+
+
+@functools.lru_cache(maxsize=8)
+def _registry(include_path: str | None, _state: tuple, defaults: bool):
+    """lm-eval's TaskManager of the folder, with lm-eval's own tasks or without; kept whatever names are asked of it, so
+    that a name refused once is refused again without indexing lm-eval's registry again."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is None:
+        return TaskManager()
+    return TaskManager(include_path=include_path, include_defaults=defaults)
 
 
 def evaluate(lm, request: dict) -> dict:

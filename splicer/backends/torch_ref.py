@@ -40,6 +40,49 @@ def _read_tensors(ckpt, names) -> dict[str, torch.Tensor]:
     return raw
 
 
+class _Bf16MatmulsInFp32(torch.overrides.TorchFunctionMode):
+    """BF16 matrix products on the CPU as FP32 products of the same BF16 values, rounded back to BF16.
+
+    Why: a BF16 GEMM accumulates in FP32 and rounds its output to BF16 (on GPUs and in torch's CPU kernels alike), so
+    this is the same arithmetic but for the order of the sums; but on a CPU without BF16 units (AVX2 only) torch's BF16
+    GEMM is about ten times slower than its FP32 one (8 against 79 GFLOP/s, one core, on the project's CPU machine),
+    and the reference's forward pass is nearly all GEMMs. Only these functions, and only when a BF16 tensor is among
+    their arguments; everything else (norms, activations, attention's softmax) runs in BF16 as before."""
+
+    FUNCS = frozenset(
+        f
+        for f in (
+            torch.nn.functional.linear,
+            torch.matmul,
+            torch.bmm,
+            torch.Tensor.__matmul__,
+            getattr(torch, "_grouped_mm", None),
+        )
+        if f is not None
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FUNCS and any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
+            up = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in args]
+            bias = kwargs.get("bias")
+            if isinstance(bias, torch.Tensor) and bias.dtype == torch.bfloat16:
+                kwargs = {**kwargs, "bias": bias.float()}
+            return func(*up, **kwargs).to(torch.bfloat16)
+        return func(*args, **kwargs)
+
+
+def _matmuls_in_fp32(model) -> None:
+    """model's forward (and so generate's and lm-eval's calls) with _Bf16MatmulsInFp32 around it."""
+    forward = model.forward
+
+    def forward_with_fp32_matmuls(*args, **kwargs):
+        with _Bf16MatmulsInFp32():
+            return forward(*args, **kwargs)
+
+    model.forward = forward_with_fp32_matmuls
+
+
 def _fill(params: dict, tensors: dict, folder, place: str, prefix: str = "") -> set[str]:
     """Copy tensors (by the module's own names) into params (a state_dict with keep_vars); a name with no place there
     or of another shape is one line naming folder and the checkpoint's name (prefix + name). Returns the names filled."""
@@ -138,6 +181,8 @@ class TorchBackend(OneEngineAtATime):
             )
         _require(required, filled, folder, "", "the checkpoint is incomplete")
         model.eval()
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            _matmuls_in_fp32(model)
         self.model = model
         self.folder = Path(folder)
 
