@@ -220,11 +220,15 @@ def test_bf16_matrix_products_on_the_cpu_are_fp32_products_of_the_same_values_ro
     assert passed.dtype == torch.float32 and torch.equal(passed, x.float() @ w.float().T)
 
 
-def test_on_the_cpu_the_reference_runs_its_products_in_fp32_and_agrees_with_torchs_bf16_gemm(pairs, monkeypatch):
-    """A BF16 model loaded on the CPU scores through the FP32 products; torch's own BF16 GEMM (the class's forward)
-    gives the same predictions but for rounding in the order of the sums, which a random 4-layer model amplifies (a
-    hundredth of a nat on average, at most about 0.13, against log-probs spread over nats). An FP32 model is left as
-    it is."""
+def test_on_the_cpu_scoring_runs_its_products_in_fp32_and_agrees_with_torchs_bf16_gemm(pairs, monkeypatch):
+    """A BF16 model on the CPU scores through the FP32 products; torch's own BF16 GEMM gives the same predictions but
+    for rounding in the order of the sums, which a random 4-layer model amplifies (a hundredth of a nat on average, at
+    most about 0.13, against log-probs spread over nats). Generation keeps torch's BF16 GEMM (one row at a time the
+    conversion costs more than it saves), and transformers still sees the model's own forward (its signature decides
+    what generate passes). An FP32 model is left as it is; the arithmetic is part of the job and the engine info."""
+    import contextlib
+    import inspect
+
     import splicer.backends.torch_ref as tr
 
     calls = []
@@ -232,17 +236,45 @@ def test_on_the_cpu_the_reference_runs_its_products_in_fp32_and_agrees_with_torc
     monkeypatch.setattr(tr._Bf16MatmulsInFp32, "__torch_function__", lambda *a, **k: calls.append(1) or real(*a, **k))
     b = TorchBackend("cpu")
     b.load(pairs["per_expert"]["lowlatency"])
+    assert "logits_to_keep" in inspect.signature(b.model.forward).parameters
     seqs = [list(range(10, 74)), list(range(80, 144))]
     fp32_products = list(b.score(seqs, top_k=20))
     assert calls, "the FP32 products were not used"
-    del b.model.forward  # the class's forward: torch's BF16 GEMM
     calls.clear()
+    b.generate([seqs[0][:8]], 3, stop_ids=[])
+    assert not calls
+    monkeypatch.setattr(TorchBackend, "_scoring_products", lambda self, model: contextlib.nullcontext())
     own = list(b.score(seqs, top_k=20))
     assert not calls
     for a, o in zip(fp32_products, own):
         apart = (a.target_logprobs - o.target_logprobs).abs()
         assert apart.mean() < 0.05 and apart.max() < 0.5, (apart.mean(), apart.max())
         assert (a.topk_ids[:, 0] == o.topk_ids[:, 0]).float().mean() > 0.9
+    monkeypatch.undo()
     f32 = TorchBackend("cpu", dtype="float32")
     f32.load(pairs["per_expert"]["lowlatency"])
-    assert "forward" not in vars(f32.model)
+    if next(f32.model.parameters()).dtype == torch.float32:
+        assert isinstance(f32._scoring_products(f32.model), contextlib.nullcontext)
+    assert b.describe()["scoring_products"] == TorchBackend.SCORING_PRODUCTS
+    assert tr.TorchOptions().job_settings()["scoring_products"] == TorchBackend.SCORING_PRODUCTS
+
+
+def test_keyword_out_and_mixed_arguments_are_left_to_torch():
+    """Tensors given by keyword are converted too; an out= tensor, or an FP32 tensor beside a BF16 one, leaves the call
+    to torch as it is (an FP32 product would not fit a BF16 out=, and torch refuses mixed dtypes itself)."""
+    import pytest
+
+    from splicer.backends.torch_ref import _Bf16MatmulsInFp32
+
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(9, 16, generator=g).bfloat16(), torch.randn(12, 16, generator=g).bfloat16()
+    with _Bf16MatmulsInFp32():
+        by_keyword = torch.nn.functional.linear(x, weight=w)
+        other = torch.matmul(x, other=w.T)
+        out = torch.empty(9, 12, dtype=torch.bfloat16)
+        torch.matmul(x, w.T, out=out)
+        with pytest.raises(RuntimeError):
+            torch.nn.functional.linear(x.float(), w)
+    want = (x.float() @ w.float().T).bfloat16()
+    assert torch.equal(by_keyword, want) and torch.equal(other, want)
+    assert torch.equal(out, torch.matmul(x, w.T))

@@ -10,7 +10,8 @@ over here, is that a forked worker does not read the test's environment at its s
 environment as it is when the worker starts, and PYTHONPATH's folders on its path, as a spawned interpreter would.
 
 Only the test process is affected: a CLI run that a test starts as a subprocess, and splicer itself outside the suite,
-spawn as before.
+spawn as before, and .ci/run runs the backend's protocol tests once more with SPLICER_TEST_SPAWN_WORKERS=1, which
+leaves "spawn" alone.
 """
 
 from __future__ import annotations
@@ -24,8 +25,29 @@ BACKEND_MODULE = "splicer.backends.vllm_backend"
 _get_context = multiprocessing.get_context
 
 
-def _start_as_spawned(environ: dict, target, args, kwargs):
+def _end_with(pid: int) -> None:
+    """End this worker when process pid (the test process) is gone. A spawned worker's parent is the test process, and
+    the worker asks the kernel to end it with its parent (vllm_child._die_with_parent); a forked one's parent is the
+    forkserver, which outlives a killed test process."""
+    import threading
+    import time
+
+    def watch():
+        while True:
+            time.sleep(1)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass
+
+    threading.Thread(target=watch, daemon=True, name="end-with-the-test-process").start()
+
+
+def _start_as_spawned(parent: int, environ: dict, target, args, kwargs):
     """In the forked worker: the environment and path a spawned interpreter would have had, then the backend's target."""
+    _end_with(parent)
     os.environ.clear()
     os.environ.update(environ)
     for p in reversed([p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]):
@@ -46,7 +68,11 @@ class _ForkserverAsSpawn:
 
     def Process(self, group=None, target=None, name=None, args=(), kwargs=None, *, daemon=None):  # noqa: N802 (mp's name)
         return self._ctx.Process(
-            group, _start_as_spawned, name, (dict(os.environ), target, tuple(args), dict(kwargs or {})), daemon=daemon
+            group,
+            _start_as_spawned,
+            name,
+            (os.getpid(), dict(os.environ), target, tuple(args), dict(kwargs or {})),
+            daemon=daemon,
         )
 
 

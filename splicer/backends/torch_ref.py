@@ -8,6 +8,7 @@ reference for tests and the demo and a kernel-free fidelity measure on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import statistics
@@ -45,9 +46,11 @@ class _Bf16MatmulsInFp32(torch.overrides.TorchFunctionMode):
 
     Why: a BF16 GEMM accumulates in FP32 and rounds its output to BF16 (on GPUs and in torch's CPU kernels alike), so
     this is the same arithmetic but for the order of the sums; but on a CPU without BF16 units (AVX2 only) torch's BF16
-    GEMM is about ten times slower than its FP32 one (8 against 79 GFLOP/s, one core, on the project's CPU machine),
-    and the reference's forward pass is nearly all GEMMs. Only these functions, and only when a BF16 tensor is among
-    their arguments; everything else (norms, activations, attention's softmax) runs in BF16 as before."""
+    GEMM is about ten times slower than its FP32 one (results/cpu-bf16-matmul), and a scoring pass is nearly all GEMMs.
+    Used around the scoring passes only (score, draft_hits): there every product has many rows, and converting the
+    weight to FP32 costs less than it saves; one row at a time (generation, decode timing) it would cost more.
+    Only these functions, and only when every floating-point tensor among their arguments is BF16 and no out= tensor is
+    given; everything else (attention through scaled_dot_product_attention, norms, activations) runs as before."""
 
     FUNCS = frozenset(
         f
@@ -63,24 +66,15 @@ class _Bf16MatmulsInFp32(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self.FUNCS and any(isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 for a in args):
-            up = [a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a for a in args]
-            bias = kwargs.get("bias")
-            if isinstance(bias, torch.Tensor) and bias.dtype == torch.bfloat16:
-                kwargs = {**kwargs, "bias": bias.float()}
-            return func(*up, **kwargs).to(torch.bfloat16)
+        if func in self.FUNCS and kwargs.get("out") is None:
+            floats = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            if floats and all(a.dtype == torch.bfloat16 for a in floats):
+
+                def up(a):
+                    return a.float() if isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16 else a
+
+                return func(*map(up, args), **{k: up(v) for k, v in kwargs.items()}).to(torch.bfloat16)
         return func(*args, **kwargs)
-
-
-def _matmuls_in_fp32(model) -> None:
-    """model's forward (and so generate's and lm-eval's calls) with _Bf16MatmulsInFp32 around it."""
-    forward = model.forward
-
-    def forward_with_fp32_matmuls(*args, **kwargs):
-        with _Bf16MatmulsInFp32():
-            return forward(*args, **kwargs)
-
-    model.forward = forward_with_fp32_matmuls
 
 
 def _fill(params: dict, tensors: dict, folder, place: str, prefix: str = "") -> set[str]:
@@ -181,8 +175,6 @@ class TorchBackend(OneEngineAtATime):
             )
         _require(required, filled, folder, "", "the checkpoint is incomplete")
         model.eval()
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            _matmuls_in_fp32(model)
         self.model = model
         self.folder = Path(folder)
 
@@ -324,6 +316,18 @@ class TorchBackend(OneEngineAtATime):
         return self.model
 
     # ------------------------------------------------------------ scoring
+    # How a scoring pass computes its products (job_settings and describe record it: rows scored otherwise are another
+    # job, never mixed with these).
+    SCORING_PRODUCTS = "BF16 products as FP32 products of the BF16 values, rounded to BF16, on the CPU"
+
+    def _scoring_products(self, model):
+        """_Bf16MatmulsInFp32 for a BF16 model on the CPU (the model's own dtype: a config may set another), else
+        nothing."""
+        params = getattr(model, "parameters", None)
+        first = next(iter(params()), None) if callable(params) else None
+        on_cpu_bf16 = self.device.type == "cpu" and (first.dtype if first is not None else self.dtype) == torch.bfloat16
+        return _Bf16MatmulsInFp32() if on_cpu_bf16 else contextlib.nullcontext()
+
     def score(self, sequences, top_k=20, gather_ids=None, want_full=False, batch_size=4) -> Iterator[SequenceScores]:
         """Yields one SequenceScores per input sequence, in input order.
 
@@ -341,7 +345,7 @@ class TorchBackend(OneEngineAtATime):
         for batch in batches:
             # Inference mode only around the forward pass, never across a yield: a generator suspended inside the
             # block would leave the caller's thread in inference mode (no autograd) until it is exhausted or closed.
-            with torch.inference_mode():
+            with torch.inference_mode(), self._scoring_products(model):
                 ids = torch.tensor([sequences[i] for i in batch], dtype=torch.long, device=self.device)
                 logits = model(input_ids=ids, use_cache=False).logits.float()
                 lps = torch.log_softmax(logits[:, :-1], dim=-1)
@@ -428,6 +432,7 @@ class TorchBackend(OneEngineAtATime):
             "device": dev,
             "dtype": str(self.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(),
+            "scoring_products": self.SCORING_PRODUCTS,
         }
 
     # ------------------------------------------------------------ MTP drafter, teacher-forced
@@ -487,7 +492,7 @@ class TorchBackend(OneEngineAtATime):
         for length, idxs in sorted(by_length.items()):
             for s in range(0, len(idxs), batch_size):
                 batch = idxs[s : s + batch_size]
-                with torch.inference_mode():
+                with torch.inference_mode(), self._scoring_products(model):
                     ids = torch.tensor([sequences[i] for i in batch], dtype=torch.long, device=self.device)
                     hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
                     target = model.lm_head(hidden[:, 1 : length - 1]).argmax(-1)
@@ -546,10 +551,17 @@ class TorchOptions:
     def job_settings(self) -> dict:
         # What a job of this backend recorded before options were the backend's own: kept, so that its jobs still resume.
         # Rows on Ray lanes are named and compared per lane: another job.
-        return {"engine_args": {}, "overlap_starts": 0, "rewake_before_timing": False, **({"ray": True} if self.ray else {})}
+        # Scores of the products' other arithmetic (before FP32 products on the CPU) are another job, and another base pass.
+        return {
+            "engine_args": {},
+            "overlap_starts": 0,
+            "rewake_before_timing": False,
+            "scoring_products": TorchBackend.SCORING_PRODUCTS,
+            **({"ray": True} if self.ray else {}),
+        }
 
     def cache_key(self) -> list:
-        return [{}]  # as job_settings: the key the base pass's cache had before
+        return [{"scoring_products": TorchBackend.SCORING_PRODUCTS}]
 
     def context_length(self) -> int | None:
         return None
