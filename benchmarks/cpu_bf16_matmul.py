@@ -6,7 +6,8 @@ Two measurements, each in alternating order (own, fp32, own, fp32, ...), with th
   * the demo pair's build scored on 4 sequences of 255 tokens of the demo's text by TorchBackend, with its matmuls as loaded (FP32
     products, as it scores) and without them (torch's BF16 GEMM), seconds per pass, and how far the two passes'
     log-probs of the next tokens lie apart.
-Prints the ratios (own / fp32) and writes every run's time to OUT.json with the machine, versions and command.
+Prints the ratios (own / fp32) and writes every run's time to OUT.json with the machine, its load before and after,
+the versions and the command.
 
 Usage: python benchmarks/cpu_bf16_matmul.py OUT.json [--reps 3] [--threads 1]
 """
@@ -36,16 +37,6 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -56,6 +47,7 @@ def main() -> None:
     import torch
     import transformers
 
+    from splicer.ablate.job import host_info
     from splicer.backends.torch_ref import TorchBackend, _Bf16MatmulsInFp32
     from splicer.fixtures.core import FixtureSpec, write_pair
 
@@ -63,7 +55,8 @@ def main() -> None:
     record = {
         "command": "python benchmarks/cpu_bf16_matmul.py " + " ".join(sys.argv[2:] + ["OUT.json"]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"cpu": cpu_name(), "flags": cpu_flags(), "cores": os.cpu_count(), "threads": args.threads},
+        "machine": {**host_info(), "flags": cpu_flags(), "threads": args.threads},
+        "load_before": os.getloadavg(),  # 1, 5 and 15 minutes
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
     }
@@ -84,15 +77,11 @@ def main() -> None:
     calls = 20
     linear = {"own_ms": [], "fp32_ms": []}
     for _ in range(args.reps):
-        for key, mode in (("own_ms", None), ("fp32_ms", _Bf16MatmulsInFp32)):
+        for key, mode in (("own_ms", contextlib.nullcontext), ("fp32_ms", _Bf16MatmulsInFp32)):
             t = time.perf_counter()
-            if mode is None:
+            with mode():
                 for _ in range(calls):
                     torch.nn.functional.linear(x, w)
-            else:
-                with mode():
-                    for _ in range(calls):
-                        torch.nn.functional.linear(x, w)
             linear[key].append(1000 * (time.perf_counter() - t) / calls)
     linear["outputs_differing"] = float((own_out != fp32_out).float().mean())
     linear["max_abs_difference"] = float((own_out.float() - fp32_out.float()).abs().max())
@@ -134,6 +123,7 @@ def main() -> None:
     lin = statistics.median(linear["own_ms"]) / statistics.median(linear["fp32_ms"])
     sc = statistics.median(scoring["own_s"]) / statistics.median(scoring["fp32_s"])
     record["ratios_own_over_fp32"] = {"linear": lin, "demo_build_scoring": sc}
+    record["load_after"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(f"{record['machine']['cpu']} ({record['torch_cpu_capability']}), {args.threads} thread(s), medians of {args.reps}")
     print(

@@ -549,9 +549,10 @@ class TorchOptions:
         pass  # pick_device refuses a device the backend cannot run on, when it starts
 
     def job_settings(self) -> dict:
-        # What a job of this backend recorded before options were the backend's own: kept, so that its jobs still resume.
-        # Rows on Ray lanes are named and compared per lane: another job.
-        # Scores of the products' other arithmetic (before FP32 products on the CPU) are another job, and another base pass.
+        # The keys a job of this backend recorded before options were the backend's own, and how its scoring passes
+        # compute their products: a job scored with torch's BF16 GEMM on the CPU (before scoring_products was recorded)
+        # is another job, as its base pass is another cache (cache_key). Rows on Ray lanes are named and compared per
+        # lane: another job.
         return {
             "engine_args": {},
             "overlap_starts": 0,
