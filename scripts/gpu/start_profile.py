@@ -8,7 +8,7 @@ RoutedExperts.load_weights scans its whole expert mapping, 3 + 3 x 256 entries, 
 expert tensor, then calls the parameter's weight_loader: its exclusive time below is that scan.)
 
 usage: python3 scripts/gpu/start_profile.py WORK OUT [--model DIR] [--cuts auto,sharded_state,...] [--budget-s 540]
-       [--detail fine|coarse] [--no-warmup] [--keep-saved] [--cache-root DIR] [--cpu-smoke-test]
+       [--detail fine|coarse] [--no-warmup] [--keep-saved] [--cache-root DIR] [--engine-env K=V] [--cpu-smoke-test]
 
 On the device, after the bundle's install and `mkdir -p /tmp/fulldims && python3 -m splicer fixture /tmp/fulldims/pair --full-dims`:
     source scripts/gpu/env.sh && python3 scripts/gpu/start_profile.py /tmp/fulldims $OUT --cuts auto,mtload
@@ -1471,7 +1471,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-saved", action="store_true", help="keep the sharded_state folders under WORK/start-profile/saved")
     ap.add_argument("--cache-root", help="VLLM_CACHE_ROOT for every start (default: vLLM's per-user folder)")
     ap.add_argument("--cpu-smoke-test", action="store_true", help="the stand-in vLLM of tests/ on a tiny fixture")
+    ap.add_argument(
+        "--engine-env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="an environment variable for every start, as ablate's --engine-env (fulldims.sh's NOAUTOTUNE=1 is "
+        "VLLM_TRITON_FORCE_FIRST_CONFIG=1); recorded in base_env",
+    )
     a = ap.parse_args(argv)
+    bad = [kv for kv in a.engine_env if "=" not in kv or not kv.split("=", 1)[0]]
+    if bad:
+        ap.error(f"--engine-env takes K=V, not {bad[0]!r}")
     root = a.work / "start-profile"
     root.mkdir(parents=True, exist_ok=True)
     model = a.model or a.work / "pair" / "build"
@@ -1481,6 +1492,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no checkpoint at {model}: make the stand-in first (python3 -m splicer fixture WORK/pair --full-dims)")
     cuts = parse_cuts(a.cuts)
     args, env = stand_in_engine()
+    env = {**env, **dict(kv.split("=", 1) for kv in a.engine_env)}
     call = Call(root, model.resolve(), root / "model", args, env, a.detail, a.cpu_smoke_test, a.budget_s, a.cache_root)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if not a.no_warmup:
