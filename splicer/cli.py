@@ -182,6 +182,7 @@ def _cmd_ablate(args) -> int:
     options = backend_options(args.backend, _backend_options(args), args.device)  # before --demo writes its pair into DIR
     task_names = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
     if task_names:  # an unknown task or a missing lm-eval is refused before anything runs
+        from .backends import backend_type
         from .tasks.run import check_tasks, settings_refusal, task_settings
 
         check_tasks(task_names, args.include_path)
@@ -190,6 +191,7 @@ def _cmd_ablate(args) -> int:
             task_settings(task_names, args.include_path, args.task_limit, args.backend),
             force_hint="run `splicer tasks DIR ... --force` to replace them",
             limit_flag="--task-limit",
+            earlier_models=backend_type(args.backend).task_models_before,
         )
         if refusal:
             raise SplicerError(refusal)

@@ -103,6 +103,37 @@ def test_tasks_per_row_with_the_paired_difference_and_resume(scored, capsys):
     assert set(json.loads((out / "tasks.json").read_text())["rows"]) == {"build", "all"}
 
 
+def test_rows_scored_before_lm_evals_log_likelihoods_took_the_fp32_products_are_run_again_not_mixed(scored, capsys):
+    """A tasks.json begun when lm-eval's HF model scored with torch's BF16 GEMM (its model recorded as the torch
+    backend's task_models_before) is another run: no option gives that arithmetic back, so it is not refused but its
+    finished rows are run again, and the run says so on stderr and in tasks.log; none of its rows is kept beside the
+    new ones. A model of another backend is still refused (test_tasks_through_lm_evals_vllm_model_...)."""
+    import hashlib
+
+    from splicer.backends.torch_ref import TorchBackend
+    from splicer.tasks.run import settings_refusal, task_settings
+
+    out, tasks = scored
+    old_model = TorchBackend.task_models_before[0]
+    assert old_model != TorchBackend.task_model and TorchBackend.SCORING_PRODUCTS in TorchBackend.task_model
+    settings = dict(task_settings(["cloze"], tasks, None, "torch"), model=old_model)
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    then = {"status": "ok", "tasks": {"cloze": {"metric": "acc", "value": 0.0, "items": {}, "n": 0}}, "elapsed_s": -1.0}
+    record = {"schema": 1, "settings": settings, "settings_digest": digest, "rows": {"build": then, "all": then}}
+    (out / "tasks.json").write_text(json.dumps(record))
+    now = task_settings(["cloze"], tasks, None, "torch")
+    assert "model:" in settings_refusal(out, now)  # what the check said before the earlier models were named
+    assert settings_refusal(out, now, earlier_models=TorchBackend.task_models_before) is None
+    capsys.readouterr()
+    assert main(["tasks", str(out), "--tasks", "cloze", "--include-path", str(tasks), "--rows", "build", "-q"]) == 0
+    err = capsys.readouterr().err
+    assert "an earlier arithmetic of the same backend" in err and "(build, all) are run again" in err, err
+    assert "are run again" in (out / "tasks.log").read_text()
+    after = json.loads((out / "tasks.json").read_text())
+    assert after["settings"]["model"] == TorchBackend.task_model and set(after["rows"]) == {"build"}
+    assert after["rows"]["build"]["elapsed_s"] > 0 and after["rows"]["build"]["tasks"]["cloze"]["n"] == 10
+
+
 def test_a_group_of_tasks_is_scored_over_its_subtasks_items(scored, tmp_path, capsys):
     out, tasks = scored
     import shutil

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from splicer.backends.torch_ref import TorchBackend
@@ -278,3 +279,47 @@ def test_keyword_out_and_mixed_arguments_are_left_to_torch():
     want = (x.float() @ w.float().T).bfloat16()
     assert torch.equal(by_keyword, want) and torch.equal(other, want)
     assert torch.equal(out, torch.matmul(x, w.T))
+
+
+def test_lm_evals_log_likelihoods_run_through_the_fp32_products_and_its_generation_does_not(pairs, monkeypatch):
+    """lm-eval's HF model over the torch backend (`splicer tasks`): on the CPU with a BF16 model, the forward of
+    loglikelihood and loglikelihood_rolling goes through the FP32 products, as score() does, and gives the log-likelihoods
+    of torch's own BF16 GEMM (lm-eval's plain HFLM over the same model) but for rounding in the order of the sums;
+    generate_until keeps torch's BF16 GEMM, as generate() does. Off the CPU nothing changes."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    import splicer.backends.torch_ref as tr
+
+    calls = []
+    real = tr._Bf16MatmulsInFp32.__torch_function__
+    monkeypatch.setattr(tr._Bf16MatmulsInFp32, "__torch_function__", lambda *a, **k: calls.append(1) or real(*a, **k))
+    p = pairs["fused"]
+    b = TorchBackend("cpu")
+    b.load(p["lowlatency"])
+    lm = b.lm_eval_model(p["base"], batch_size=4)
+    words = "the river runs past the old mill and under the stone bridge before it reaches the sea at dawn".split()
+    cut = [(" ".join(words[i : i + 8]), " " + " ".join(words[i + 8 : i + 10])) for i in range(0, 8, 2)]
+    likelihood = [Instance("loglikelihood", {}, args, i) for i, args in enumerate(cut)]
+    rolling = [Instance("loglikelihood_rolling", {}, (" ".join(words),), 0)]
+    generation = [Instance("generate_until", {}, (cut[0][0], {"until": ["\n"], "max_gen_toks": 3}), 0)]
+
+    fp32 = lm.loglikelihood(likelihood)
+    assert calls, "lm-eval's log-likelihood forward did not go through the FP32 products"
+    calls.clear()
+    fp32_rolling = lm.loglikelihood_rolling(rolling)
+    assert calls, "lm-eval's rolling log-likelihood forward did not go through the FP32 products"
+    calls.clear()
+    lm.generate_until(generation)
+    assert not calls, "generation went through the FP32 products"
+
+    own = HFLM(pretrained=b.model, tokenizer=lm.tokenizer, batch_size=4, device="cpu")  # torch's BF16 GEMM throughout
+    gemm, gemm_rolling = own.loglikelihood(likelihood), own.loglikelihood_rolling(rolling)
+    assert not calls
+    # summed over the continuation's tokens, in BF16 as lm-eval sums them (one unit apart at 128 and beyond)
+    for a, o in zip([ll for ll, _ in fp32] + fp32_rolling, [ll for ll, _ in gemm] + gemm_rolling):
+        assert a == pytest.approx(o, rel=0.03, abs=0.5), (fp32, gemm, fp32_rolling, gemm_rolling)
+
+    b.device = torch.device("cuda")  # what _scoring_products reads: on a GPU, lm-eval's forward is left as it is
+    lm.loglikelihood(likelihood[:1])
+    assert not calls

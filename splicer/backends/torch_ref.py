@@ -47,8 +47,9 @@ class _Bf16MatmulsInFp32(torch.overrides.TorchFunctionMode):
     Why: a BF16 GEMM accumulates in FP32 and rounds its output to BF16 (on GPUs and in torch's CPU kernels alike), so
     this is the same arithmetic but for the order of the sums; but on a CPU without BF16 units (AVX2 only) torch's BF16
     GEMM is about ten times slower than its FP32 one (results/cpu-bf16-matmul), and a scoring pass is nearly all GEMMs.
-    Used around the scoring passes only (score, draft_hits): there every product has many rows, and converting the
-    weight to FP32 costs less than it saves; one row at a time (generation, decode timing) it would cost more.
+    Used around the scoring passes only (score, draft_hits, lm-eval's log-likelihood forward): there every product has
+    many rows, and converting the weight to FP32 costs less than it saves; one row at a time (generation, lm-eval's
+    generate_until, decode timing) it would cost more.
     Only these functions, and only when every floating-point tensor among their arguments is BF16 and no out= tensor is
     given; everything else (attention through scaled_dot_product_attention, norms, activations) runs as before."""
 
@@ -126,6 +127,10 @@ class TorchBackend(OneEngineAtATime):
     default_batch = 4
     # one model in this process at a time, nothing compiled: nothing to do ahead (OneEngineAtATime)
 
+    # How a scoring pass (score, draft_hits, lm-eval's log-likelihoods) computes its products (_scoring_products; job_settings,
+    # describe and task_model record it: rows scored otherwise are another job or task run, never mixed with these).
+    SCORING_PRODUCTS = "BF16 products as FP32 products of the BF16 values, rounded to BF16, on the CPU"
+
     def __init__(self, device: str = "auto", dtype: str = "bfloat16", threads: int | None = None):
         self.device = pick_device(device)
         if self.device.type == "cpu":
@@ -194,8 +199,11 @@ class TorchBackend(OneEngineAtATime):
         finally:
             torch.set_default_dtype(default)
 
-    # What `splicer tasks` records as the model lm-eval scored (tasks.json's settings: another model is another run).
-    task_model = "torch backend (transformers' model of the family) through lm-eval's HFLM"
+    # What `splicer tasks` records as the model lm-eval scored (tasks.json's settings: another model is another run),
+    # with how its log-likelihoods compute their products. task_models_before: what this backend recorded before its
+    # arithmetic changed; a tasks.json of one runs its rows again, saying why (no option gives the old arithmetic back).
+    task_model = f"torch backend (transformers' model of the family) through lm-eval's HFLM; log-likelihoods: {SCORING_PRODUCTS}"
+    task_models_before = ("torch backend (transformers' model of the family) through lm-eval's HFLM",)  # torch's BF16 GEMM
 
     def evaluate_tasks(self, folder: Path, tokenizer_folder: Path, request: dict, log_name: str | None = None) -> dict:
         """lm-eval's tasks on folder's model in this process (lm_eval_tasks.evaluate: request and what comes back);
@@ -210,16 +218,24 @@ class TorchBackend(OneEngineAtATime):
 
     def lm_eval_model(self, tokenizer_folder: Path, batch_size: int = 8):
         """The loaded model as lm-evaluation-harness's HF model (its own log-likelihood and generation code over this
-        very model instance), with the base's tokenizer."""
-        from lm_eval.models.huggingface import HFLM
+        very model instance), with the base's tokenizer; its log-likelihood forward under _scoring_products, as score()
+        runs (torch_hflm.ScoringProductsHFLM), its generation with torch's own products, as generate() runs."""
         from lm_eval.utils import setup_logging
         from transformers import AutoTokenizer
+
+        from .torch_hflm import ScoringProductsHFLM
 
         # lm-eval's logger at the level evaluate() sets anyway (LMEVAL_LOG_LEVEL overrides both), before the model is
         # made: else HFLM warns on every row that `pretrained` is no string, which is how splicer hands it the model
         setup_logging("ERROR")
         tok = AutoTokenizer.from_pretrained(str(tokenizer_folder))
-        return HFLM(pretrained=self._need(), tokenizer=tok, batch_size=batch_size, device=str(self.device))
+        return ScoringProductsHFLM(
+            pretrained=self._need(),
+            tokenizer=tok,
+            batch_size=batch_size,
+            device=str(self.device),
+            products=self._scoring_products,
+        )
 
     @classmethod
     def check_readable(cls, ckpt, modules: dict | None = None) -> None:
@@ -316,10 +332,6 @@ class TorchBackend(OneEngineAtATime):
         return self.model
 
     # ------------------------------------------------------------ scoring
-    # How a scoring pass computes its products (job_settings and describe record it: rows scored otherwise are another
-    # job, never mixed with these).
-    SCORING_PRODUCTS = "BF16 products as FP32 products of the BF16 values, rounded to BF16, on the CPU"
-
     def _scoring_products(self, model):
         """_Bf16MatmulsInFp32 for a BF16 model on the CPU (the model's own dtype: a config may set another), else
         nothing."""

@@ -836,6 +836,7 @@ class VllmBackend:
 
     # What `splicer tasks` records as the model lm-eval scored (tasks.json's settings: another model is another run).
     task_model = "vLLM engine with DIR's engine arguments through lm-eval's VLLM model"
+    task_models_before = ()  # none recorded before by this backend (TorchBackend.task_models_before)
 
     def evaluate_tasks(self, folder: Path, tokenizer_folder: Path, request: dict, log_name: str | None = None) -> dict:
         """lm-eval's tasks on folder through lm-eval's own VLLM model, built in the worker process with this backend's

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -86,15 +87,23 @@ def _per_task(result: dict, names: list[str]) -> dict:
 
 
 def settings_refusal(
-    out: Path, settings: dict, force_hint: str = "pass --force to replace them", limit_flag: str = "--limit"
+    out: Path,
+    settings: dict,
+    force_hint: str = "pass --force to replace them",
+    limit_flag: str = "--limit",
+    earlier_models: tuple[str, ...] = (),
 ) -> str | None:
     """The one-line refusal when DIR/tasks.json holds results of other settings than these (None: the same, or no
     file): which recorded setting differs (old -> new), then force_hint, then the option that gives the old setting
-    back (limit_flag: --limit, or ablate's --task-limit)."""
+    back (limit_flag: --limit, or ablate's --task-limit). A model among earlier_models (what the same backend recorded
+    before its arithmetic changed, its task_models_before) is not refused, since no option gives it back: its rows are
+    run again (earlier_model_notice says so), as their settings digest is another."""
     old = results_record.read_stage_record(Path(out) / FILE)
     if old is None:
         return None
     before = old.get("settings") or {}
+    if before.get("model") in earlier_models:
+        before = dict(before, model=settings.get("model"))
     same = {
         "tasks": "the same --tasks",
         "limit": f"the same {limit_flag}",
@@ -110,6 +119,22 @@ def settings_refusal(
                 f"{settings.get(field)!r}); {force_hint}, or run with {fix}"
             )
     return None
+
+
+def earlier_model_notice(out: Path, settings: dict, earlier_models: tuple[str, ...]) -> str | None:
+    """The line a run says when DIR/tasks.json holds finished rows of a model the same backend recorded before its
+    arithmetic changed (earlier_models): they are run again, not kept beside rows of the new arithmetic (None: no such
+    rows)."""
+    old = results_record.read_stage_record(Path(out) / FILE) or {}
+    model = (old.get("settings") or {}).get("model")
+    rows = old.get("rows") if isinstance(old.get("rows"), dict) else {}
+    done = [r for r, e in rows.items() if isinstance(e, dict) and e.get("status") == "ok"]
+    if model not in earlier_models or not done:
+        return None
+    return (
+        f"{Path(out) / FILE} holds task results of an earlier arithmetic of the same backend (model: {model!r} -> "
+        f"{settings.get('model')!r}): its finished rows ({', '.join(done)}) are run again"
+    )
 
 
 def task_settings(tasks: list[str], include_path: Path | None, limit: int | None, backend: str) -> dict:
@@ -160,13 +185,18 @@ def run_tasks(
     if not progress:  # lm-eval draws its own progress bars (tqdm) for every request batch
         os.environ.setdefault("TQDM_DISABLE", "1")
     settings = task_settings(tasks, include_path, limit, backend)
-    refusal = settings_refusal(out, settings)
+    earlier = backend_type(backend).task_models_before
+    refusal = settings_refusal(out, settings, earlier_models=earlier)
     if refusal and not force:
         raise SplicerError(refusal)
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     path = out / FILE
     stages = Stages(quiet=not progress, log_path=out / "tasks.log")
     with exclusive(out / ".lock", f"another splicer command is writing to {out}; wait for it to finish", in_place=True):
+        notice = earlier_model_notice(out, settings, earlier)
+        if notice:  # on stderr whatever the output, and in the log (as ablate says a job that differs is run again)
+            stages.line(notice, log_only=True)
+            print(f"splicer: {notice}", file=sys.stderr, flush=True)
         record = {"rows": results_record.finished_entries(path, digest, "rows")}
         record.update(schema=SCHEMA, settings=settings, settings_digest=digest)
         job_settings = (results.get("job") or {}).get("settings") or {}
