@@ -323,3 +323,36 @@ def test_lm_evals_log_likelihoods_run_through_the_fp32_products_and_its_generati
     b.device = torch.device("cuda")  # what _scoring_products reads: on a GPU, lm-eval's forward is left as it is
     lm.loglikelihood(likelihood[:1])
     assert not calls
+
+
+@pytest.mark.parametrize(
+    ("family", "where", "key"),
+    [("qwen3_moe", None, "dtype"), ("qwen3_moe", None, "torch_dtype"), ("qwen3_5_moe", "text_config", "dtype")],
+)
+def test_a_checkpoint_whose_config_says_float16_loads_in_the_backends_dtype(pairs, tmp_path, family, where, key):
+    """A config.json naming float16 (as GPTQ exports often do) must not change what the backend computes in: the
+    model is built in the dtype the backend records, so a build and its base are scored in the same arithmetic."""
+    import json
+    import shutil
+
+    from splicer.fixtures.families import write_family_pair
+
+    if family == "qwen3_5_moe":
+        src = pairs["per_expert"]["base"]
+    else:
+        src = write_family_pair(tmp_path / "pair", family, kinds=())["base"]
+    folder = tmp_path / "fp16-config"
+    shutil.copytree(src, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    sub = cfg[where] if where else cfg
+    sub.pop("dtype", None), sub.pop("torch_dtype", None)
+    sub[key] = "float16"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    as_given, reference = TorchBackend("cpu"), TorchBackend("cpu")
+    as_given.load(folder)
+    reference.load(src)
+    assert {p.dtype for p in as_given.model.parameters()} == {torch.bfloat16}
+    assert as_given.describe()["dtype"] == "bfloat16"
+    seq = [list(range(10, 30))]
+    got, want = next(iter(as_given.score(seq, top_k=5))), next(iter(reference.score(seq, top_k=5)))
+    assert torch.equal(got.target_logprobs, want.target_logprobs)

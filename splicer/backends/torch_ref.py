@@ -158,7 +158,9 @@ class TorchBackend(OneEngineAtATime):
             text_cfg = getattr(text_cfg, arch.text_config_key)
         text_cfg._attn_implementation = "sdpa"
         self.max_positions = text_cfg.max_position_embeddings
-        model = self._unfilled(lambda: AutoModelForCausalLM.from_config(text_cfg))
+        # dtype given: from_config would otherwise build in the config's dtype (a GPTQ export often says float16),
+        # whatever this backend computes in and records (describe, job settings)
+        model = self._unfilled(lambda: AutoModelForCausalLM.from_config(text_cfg, dtype=self.dtype))
         # Parameters and persistent buffers (DeepSeek's router keeps e_score_correction_bias as a buffer); every
         # parameter must be filled, a buffer the checkpoint lacks keeps the value the model class gives it.
         params = dict(model.state_dict(keep_vars=True))
