@@ -366,3 +366,45 @@ def test_a_base_the_engine_refuses_ends_ablate_in_one_line(pairs, fake_vllm, tmp
     assert f"ValueError: {why}" in lines[0] and "--backend torch" in lines[0]
     assert not out.exists()  # the folder this run created is gone again, with no half-made base pass in it
     assert {k: tree_digest(p[k]) for k in ("lowlatency", "base")} == before
+
+
+def test_a_build_whose_engine_computes_in_another_dtype_than_the_base_is_said(pairs, fake_vllm, tmp_path, monkeypatch):
+    """vLLM's dtype="auto" follows each checkpoint's config: a build whose config says float16 (as GPTQ exports often
+    do) runs in float16 beside a bfloat16 base. Each engine's dtype is recorded, and a row whose engine differs from the
+    base pass's is said in the log with the engine argument that puts every engine in one dtype."""
+    import json
+    import shutil
+
+    from splicer.ablate import AblateSettings, run_ablate
+    from splicer.backends import backend_options
+
+    orig = fake_vllm.VllmBackend.__init__
+    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
+    plan = tmp_path / "p.toml"
+    plan.write_text(
+        'name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 64\nmax_chunks = 1\n'
+        '[[row]]\nname = "build"\nrestore = []\n'
+    )
+    build = tmp_path / "fp16-build"
+    shutil.copytree(pairs["fused"]["lowlatency"], build)
+    cfg = json.loads((build / "config.json").read_text())
+    cfg["text_config"]["dtype"] = "float16"
+    (build / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    res = run_ablate(
+        "all", str(build), str(pairs["fused"]["base"]), out, str(plan),
+        AblateSettings(backend="vllm", progress=False, bootstrap=20, time_decode=False),
+    )  # fmt: skip
+    rows = {v["name"]: v for v in res["variants"]}
+    assert rows["build"]["status"] == "ok" and rows["build"]["engine"]["dtype"] == "float16"
+    log = (out / "ablate.log").read_text()
+    assert "build: its engine computes in float16 (the checkpoint's config), the base pass's in bfloat16" in log
+    assert "--engine-arg dtype=bfloat16" in log
+    # asked for one dtype, every engine computes in it and nothing is said
+    res = run_ablate(
+        "all", str(build), str(pairs["fused"]["base"]), tmp_path / "one-dtype", str(plan),
+        AblateSettings(backend="vllm", progress=False, bootstrap=20, time_decode=False,
+                       backend_options=backend_options("vllm", {"engine_args": {"dtype": "bfloat16"}})),
+    )  # fmt: skip
+    assert {v["engine"]["dtype"] for v in res["variants"]} == {"bfloat16"}
+    assert "computes in" not in (tmp_path / "one-dtype" / "ablate.log").read_text()

@@ -3,6 +3,7 @@ per position (top-1, KL, dlogp, weights) so any two rows can be paired later; su
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -80,6 +81,23 @@ def position_records(base: dict, var: dict, corpus: Corpus, gathered: torch.Tens
     return rec
 
 
+def dtype_differs(cache: Path, info: dict, row: str) -> str | None:
+    """The line for a row whose engine computes in another dtype than the base pass's engine did (vLLM's dtype="auto"
+    follows each checkpoint's config, and GPTQ exports often say float16): its scores then hold that difference beside
+    the quantization's. None when both are known and the same, or either is unknown."""
+    try:
+        base = (json.loads((cache / "done.json").read_text()).get("engine") or {}).get("dtype")
+    except (OSError, ValueError):
+        return None
+    mine = info.get("dtype")
+    if not base or not mine or base == mine:
+        return None
+    return (
+        f"{row}: its engine computes in {mine} (the checkpoint's config), the base pass's in {base}: its scores include "
+        f"that difference beside the quantization's; --engine-arg dtype={base} runs every engine in {base}"
+    )
+
+
 def score_variant(
     run: AblateRun, backend, folder: Path, *, cache: Path, corpora: list[Corpus], score_dir: Path, before_scoring=None
 ) -> tuple[dict, dict]:
@@ -93,6 +111,8 @@ def score_variant(
     timings["load_s"] = time.perf_counter() - t0
     if info := backend.load_info():
         timings["engine"] = info
+        if note := dtype_differs(cache, info, score_dir.name):
+            stages.line(note)
     if before_scoring:
         before_scoring()
     score_dir.mkdir(parents=True, exist_ok=True)

@@ -237,8 +237,13 @@ def child_worker(conn, env: dict, log_path: str) -> None:
             scoring = {"served": False, "why_not": "not asked: an engine with dummy weights"}
         else:
             scoring = _token_id_scoring(llm, SamplingParams, TokensPrompt)
+        try:  # what the engine computes in: dtype="auto" takes the checkpoint's config (a GPTQ export's float16)
+            dtype = str(llm.llm_engine.model_config.dtype).replace("torch.", "")
+        except Exception:  # informative only
+            dtype = None
         info = {
             "vllm": vllm.__version__,
+            "dtype": dtype,
             "model_runner": runner,
             "token_id_scoring": scoring,
             "spec_counts_per_request": spec_per_request and engine_args.get(PER_REQUEST_SPEC) != "none",

@@ -13,9 +13,11 @@ and its wake_up returns None.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -216,6 +218,20 @@ class RequestOutput:
     metrics: RequestStateStats | None = None
 
 
+def _engine_dtype(model: str, asked) -> str:
+    """vLLM's dtype rule as far as this stand-in needs it: the one asked for, else ("auto") the config's (the text
+    config's first), with float32 served as bfloat16. The stand-in still computes in bfloat16 (the torch backend)."""
+    if asked and asked != "auto":
+        return f"torch.{asked}"
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "torch.bfloat16"
+    sub = cfg.get("text_config") or {}
+    name = sub.get("dtype") or sub.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    return "torch.bfloat16" if name == "float32" else f"torch.{name}"
+
+
 class LLM:
     def __init__(self, model: str, **kwargs):
         for name, since in _LATER_ENGINE_ARGS.items():
@@ -255,7 +271,7 @@ class LLM:
         max_len = kwargs.get("max_model_len") or (self._ref.max_positions if self._ref is not None else 2048)
         self.llm_engine = SimpleNamespace(
             vllm_config=SimpleNamespace(compilation_config=SimpleNamespace(compilation_time=compiled)),
-            model_config=SimpleNamespace(max_model_len=max_len),
+            model_config=SimpleNamespace(max_model_len=max_len, dtype=_engine_dtype(model, kwargs.get("dtype"))),
         )
         self.sleeping = False
         self.sleeps = self.wakes = 0
