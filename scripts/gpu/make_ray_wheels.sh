@@ -31,7 +31,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 python3 "$(dirname "$0")/wheel_needs.py" "$stage/raywhl" || true
 tar -C "$stage" -cf "$stage/ray.tar" raywhl
 rm -f "$dir"/ray.part* "$dir"/SHA256SUMS
-split -b 40m -d -a 2 "$stage/ray.tar" "$dir/ray.part"
+# 26 MiB: a part and the working tree (about 27 MiB now) must fit one 64 MiB device call; 40 MiB parts stopped fitting
+split -b 26m -d -a 2 "$stage/ray.tar" "$dir/ray.part"
 ( cd "$stage" && sha256sum ray.tar | sed 's#ray.tar#/tmp/ray.tar#' > "$OLDPWD/$dir/SHA256SUMS" )
 rm -rf "$stage"
 ls -la "$dir"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: rows with --ray against a plain run of the same rows (scripts/gpu/README.md, "Ray on the H200").
 # After vLLM's bundle is installed (trained_call.sh install-vllm or install_bundle.sh) and Ray's parts are staged in
-# /tmp/carry (trained_call.sh stage .raywhl/ray.part00, then .raywhl/ray.part01 in the next call):
+# /tmp/carry (trained_call.sh stage .raywhl/ray.part00, then part01 and part02, one per call):
 #   bash scripts/gpu/ray_check.sh install    join the parts, check them against .raywhl/SHA256SUMS, install /tmp/ray_site
 #   bash scripts/gpu/ray_check.sh run        the fixture's rows ($ROWS of the gpu-fixture plan) plainly and with --ray
 #                                            (a local cluster on this host: one lane, the one H200), REPEATS times each,
