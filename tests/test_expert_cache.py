@@ -137,6 +137,7 @@ def fake_vllm(monkeypatch):
     for m in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
         monkeypatch.delitem(sys.modules, m)
     xc._digests.clear()
+    xc._file_sums.clear()
     xc.register()
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
 
@@ -179,6 +180,62 @@ def test_key_is_the_expert_bytes_not_the_file_layout(tmp_path):
     changed[DEC + "mlp.experts.2.up_proj.weight"][0, 0] += 1e-3
     assert xc.experts_digest(write_ckpt(tmp_path / "changed", changed), rx, ctx)[0] != k1
     assert xc.experts_digest(one, rx, {"vllm": "0.33.0"})[0] != k1
+
+
+def test_a_hard_linked_shard_is_hashed_once_per_process(tmp_path, monkeypatch):
+    """A splice hard-links the build's unchanged shards into each variant: the key of a variant whose expert files
+    are the build's inodes reads none of them again; a copy of the same bytes (another inode) is read and gives the
+    same key; a file changed since is read again and gives another."""
+    import hashlib
+    import os
+    import shutil
+
+    xc._digests.clear(), xc._file_sums.clear()
+    rx = xc.checkpoint_expert_regex(get_architecture(_config()))
+    t = _tensors()
+    build = write_ckpt(tmp_path / "build", t, files=3)
+    calls = []
+    real = hashlib.sha256
+    monkeypatch.setattr(xc.hashlib, "sha256", lambda *a: calls.append(len(a[0]) if a else 0) or real(*a))
+
+    def variant(name, link=True):
+        out = tmp_path / name
+        out.mkdir()
+        for f in build.iterdir():
+            (os.link if link and f.suffix == ".safetensors" else shutil.copyfile)(f, out / f.name)
+        return out
+
+    ctx = {"vllm": "0.26.0"}
+    key = xc.experts_digest(build, rx, ctx)
+    hashed = len(calls)
+    assert hashed > 3 * E  # every expert tensor, then the key
+    calls.clear()
+    assert xc.experts_digest(variant("linked"), rx, ctx) == key
+    assert len(calls) == 1  # the key alone: no expert tensor read again
+    calls.clear()
+    assert xc.experts_digest(variant("copied", link=False), rx, ctx) == key
+    assert len(calls) == hashed
+    calls.clear()
+    changed = variant("changed", link=False)
+    shard, name, offset = _first_expert_tensor(changed, rx)
+    data = bytearray(shard.read_bytes())
+    data[offset] ^= 1  # one byte of an expert tensor, in a file this process has not seen
+    shard.write_bytes(bytes(data))
+    assert xc.experts_digest(changed, rx, ctx)[0] != key[0], name
+
+
+def _first_expert_tensor(folder, rx):
+    """(file, tensor name, absolute offset of its first byte) of the first expert tensor in folder's shards."""
+    import struct
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        with open(shard, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        for k, v in header.items():
+            if k != "__metadata__" and rx.match(k):
+                return shard, k, 8 + n + v["data_offsets"][0]
+    raise AssertionError("no expert tensor")
 
 
 def test_entry_round_trip_and_refusals(tmp_path, monkeypatch):

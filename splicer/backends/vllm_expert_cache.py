@@ -48,6 +48,10 @@ SPARE_BYTES = 2 << 30  # disk left free after a save
 
 _outcome: dict = {}
 _digests: dict = {}  # (folder, files' sizes and mtimes, context) -> key: one hash per folder and process
+# (device, inode, size, mtime, pattern) of one safetensors file -> its expert tensors' (name, dtype, shape, sha256,
+# bytes): a splice hard-links the shards it leaves unchanged, so every variant of a run holds the build's expert files
+# and hashes none of them again in the same process (the backend's worker serves a whole run)
+_file_sums: dict = {}
 
 
 def reset() -> None:
@@ -117,7 +121,8 @@ def _workers() -> int:
 def experts_digest(folder, regex: re.Pattern, context: dict) -> tuple[str, int, int]:
     """(key, tensors, bytes): SHA-256 over the sorted (name, dtype, shape, SHA-256 of the data) of every checkpoint
     tensor the regex matches, and the context (JSON). Each tensor's data is hashed from a memory map, in threads
-    (hashlib lets go of the GIL), so the files' layout and order do not enter the key."""
+    (hashlib lets go of the GIL), so the files' layout and order do not enter the key. A file this process hashed
+    before (the same inode, size and mtime: a splice's hard link of the build's shard) is not read again."""
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     stamp = (
@@ -127,35 +132,47 @@ def experts_digest(folder, regex: re.Pattern, context: dict) -> tuple[str, int, 
     )
     if stamp in _digests:
         return _digests[stamp]
-    entries, maps = [], []
+    per_file, todo, maps = [], [], []
     try:
         for f in files:
+            st = f.stat()
+            ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, regex.pattern)
+            if ident in _file_sums:
+                per_file.append(_file_sums[ident])
+                continue
             start, header = _header(f)
             names = [k for k in header if k != "__metadata__" and regex.match(k)]
             if not names:
+                _file_sums[ident] = []
                 continue
             fh = open(f, "rb")
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
             fh.close()
             maps.append(mm)
+            entries = []
             for k in names:
                 a, b = header[k]["data_offsets"]
                 entries.append((k, header[k]["dtype"], header[k]["shape"], mm, start + a, start + b))
+            todo.append((ident, entries))
 
         def one(e):
             with memoryview(e[3]) as whole, whole[e[4] : e[5]] as data:
                 return hashlib.sha256(data).hexdigest()
 
+        flat = [e for _, entries in todo for e in entries]
         with concurrent.futures.ThreadPoolExecutor(_workers()) as pool:
-            sums = list(pool.map(one, entries, chunksize=64))
+            sums = iter(list(pool.map(one, flat, chunksize=64)))
+        for ident, entries in todo:
+            done = [(k, dtype, shape, next(sums), b - a) for k, dtype, shape, _, a, b in entries]
+            _file_sums[ident] = done
+            per_file.append(done)
         total = hashlib.sha256(json.dumps(context, sort_keys=True).encode())
-        nbytes = 0
-        for (k, dtype, shape, _, a, b), s in sorted(zip(entries, sums), key=lambda x: x[0][0]):
-            total.update(f"{k}\0{dtype}\0{shape}\0{s}\n".encode())
-            nbytes += b - a
-        out = (total.hexdigest()[:32], len(entries), nbytes)
+        rows = sorted((r for done in per_file for r in done), key=lambda r: r[0])
+        for k, dtype, shape, digest, _ in rows:
+            total.update(f"{k}\0{dtype}\0{shape}\0{digest}\n".encode())
+        out = (total.hexdigest()[:32], len(rows), sum(r[4] for r in rows))
     finally:
-        entries.clear()
+        todo.clear()
         for mm in maps:
             mm.close()
     _digests[stamp] = out
