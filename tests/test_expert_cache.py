@@ -370,3 +370,21 @@ def test_the_report_says_how_each_engine_got_its_experts():
         "loaded the normal way: all (not saved: 64.0 GiB to write and 20.0 GiB free in C)."
     )
     assert expert_cache_note({"base_pass": {}, "variants": [{"name": "build", "engine": {}}]}) is None
+
+
+def test_the_file_memo_keeps_a_bounded_number_of_files(tmp_path, monkeypatch):
+    """Each variant whose expert shards a splice rewrote adds files of its own; the memo forgets the least recently
+    used beyond FILE_SUMS_KEPT, and a file used again is kept."""
+    xc._file_sums.clear(), xc._digests.clear()
+    monkeypatch.setattr(xc, "FILE_SUMS_KEPT", 4)
+    rx = xc.checkpoint_expert_regex(get_architecture(_config()))
+    t = _tensors()
+    first = write_ckpt(tmp_path / "first", t, files=2)
+    xc.experts_digest(first, rx, {})
+    for i in range(3):
+        xc._digests.clear()
+        xc.experts_digest(first, rx, {})  # the build's shards, used by every variant
+        xc.experts_digest(write_ckpt(tmp_path / f"v{i}", t, files=1), rx, {})
+    assert len(xc._file_sums) == 4
+    kept = {ident[1] for ident in xc._file_sums}
+    assert {f.stat().st_ino for f in first.glob("*.safetensors")} <= kept

@@ -389,3 +389,23 @@ def test_a_start_stopped_at_the_budget_keeps_what_it_timed(tmp_path, monkeypatch
     assert "stopped at the call's budget" in rec["error"]
     assert "import vllm" in {p["path"] for p in rec["phases"]}  # what ran before the stop is in the record
     assert rec["process_wall_s"] < 12
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (["--engine-env", "A B=1"], "should be NAME=VALUE"),
+        (["--engine-env", "VLLM_ENABLE_V1_MULTIPROCESSING=1"], "splicer sets VLLM_ENABLE_V1_MULTIPROCESSING itself"),
+        (
+            ["--cuts", "auto,no_autotune", "--engine-env", "VLLM_TRITON_FORCE_FIRST_CONFIG=1"],
+            "a cut of --cuts sets it",
+        ),
+    ],
+)
+def test_engine_env_is_checked_as_ablates_before_anything_starts(tmp_path, capsys, given, said):
+    """--engine-env takes what ablate's --engine-env takes, and no variable a chosen cut sets (the cut would be
+    compared with itself); refused in one line (argparse's exit 2) before any folder is made."""
+    with pytest.raises(SystemExit) as e:
+        sp.main([str(tmp_path / "work"), str(tmp_path / "out"), *given])
+    assert e.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()

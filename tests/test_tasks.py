@@ -127,7 +127,8 @@ def test_rows_scored_before_lm_evals_log_likelihoods_took_the_fp32_products_are_
     capsys.readouterr()
     assert main(["tasks", str(out), "--tasks", "cloze", "--include-path", str(tasks), "--rows", "build", "-q"]) == 0
     err = capsys.readouterr().err
-    assert "an earlier arithmetic of the same backend" in err and "(build, all) are run again" in err, err
+    assert "an earlier arithmetic of the same backend" in err and "finished rows build are run again" in err, err
+    assert "all not kept (ask for them with --rows to run them again)" in err, err  # not asked for this time
     assert "are run again" in (out / "tasks.log").read_text()
     after = json.loads((out / "tasks.json").read_text())
     assert after["settings"]["model"] == TorchBackend.task_model and set(after["rows"]) == {"build"}

@@ -353,6 +353,11 @@ def test_a_checkpoint_whose_config_says_float16_loads_in_the_backends_dtype(pair
     reference.load(src)
     assert {p.dtype for p in as_given.model.parameters()} == {torch.bfloat16}
     assert as_given.describe()["dtype"] == "bfloat16"
+    # recorded, so that a job begun while the config's dtype won is another job, not resumed with these rows
+    from splicer.backends import torch_ref as tr
+
+    assert as_given.describe()["model_dtype"] == tr.TorchOptions().job_settings()["model_dtype"] == TorchBackend.MODEL_DTYPE
+    assert {"model_dtype": TorchBackend.MODEL_DTYPE}.items() <= tr.TorchOptions().cache_key()[0].items()
     seq = [list(range(10, 30))]
     got, want = next(iter(as_given.score(seq, top_k=5))), next(iter(reference.score(seq, top_k=5)))
     assert torch.equal(got.target_logprobs, want.target_logprobs)

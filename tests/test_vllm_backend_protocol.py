@@ -368,7 +368,7 @@ def test_a_base_the_engine_refuses_ends_ablate_in_one_line(pairs, fake_vllm, tmp
     assert {k: tree_digest(p[k]) for k in ("lowlatency", "base")} == before
 
 
-def test_a_build_whose_engine_computes_in_another_dtype_than_the_base_is_said(pairs, fake_vllm, tmp_path, monkeypatch):
+def test_a_build_whose_engine_computes_in_another_dtype_than_the_base_is_said(pairs, fake_vllm, tmp_path, monkeypatch, capsys):
     """vLLM's dtype="auto" follows each checkpoint's config: a build whose config says float16 (as GPTQ exports often
     do) runs in float16 beside a bfloat16 base. Each engine's dtype is recorded, and a row whose engine differs from the
     base pass's is said in the log with the engine argument that puts every engine in one dtype."""
@@ -388,7 +388,7 @@ def test_a_build_whose_engine_computes_in_another_dtype_than_the_base_is_said(pa
     build = tmp_path / "fp16-build"
     shutil.copytree(pairs["fused"]["lowlatency"], build)
     cfg = json.loads((build / "config.json").read_text())
-    cfg["text_config"]["dtype"] = "float16"
+    cfg["dtype"] = "float16"  # at the root, as a GPTQ export writes it (vLLM reads the root's before the text config's)
     (build / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "out"
     res = run_ablate(
@@ -400,6 +400,8 @@ def test_a_build_whose_engine_computes_in_another_dtype_than_the_base_is_said(pa
     log = (out / "ablate.log").read_text()
     assert "build: its engine computes in float16 (the checkpoint's config), the base pass's in bfloat16" in log
     assert "--engine-arg dtype=bfloat16" in log
+    assert "build: its engine computes in float16" in capsys.readouterr().err  # on stderr whatever the progress output
+    assert "Computed in another dtype than the base pass's engine (bfloat16): build (float16)" in (out / "report.md").read_text()
     # asked for one dtype, every engine computes in it and nothing is said
     res = run_ablate(
         "all", str(build), str(pairs["fused"]["base"]), tmp_path / "one-dtype", str(plan),
@@ -408,3 +410,4 @@ def test_a_build_whose_engine_computes_in_another_dtype_than_the_base_is_said(pa
     )  # fmt: skip
     assert {v["engine"]["dtype"] for v in res["variants"]} == {"bfloat16"}
     assert "computes in" not in (tmp_path / "one-dtype" / "ablate.log").read_text()
+    assert "another dtype" not in (tmp_path / "one-dtype" / "report.md").read_text()

@@ -1480,9 +1480,16 @@ def main(argv: list[str] | None = None) -> int:
         "VLLM_TRITON_FORCE_FIRST_CONFIG=1); recorded in base_env",
     )
     a = ap.parse_args(argv)
-    bad = [kv for kv in a.engine_env if "=" not in kv or not kv.split("=", 1)[0]]
-    if bad:
-        ap.error(f"--engine-env takes K=V, not {bad[0]!r}")
+    from splicer.backends.vllm_engine_args import parse_engine_env
+    from splicer.errors import SplicerError
+
+    try:  # ablate's own check: a variable's name, none that splicer sets itself
+        given_env = parse_engine_env(a.engine_env)
+    except SplicerError as e:
+        ap.error(str(e))
+    owned = sorted({k for c in parse_cuts(a.cuts) for k in c.env} & set(given_env))
+    if owned:  # the cut would compare against itself
+        ap.error(f"--engine-env {owned[0]}: a cut of --cuts sets it; leave it to the cut")
     root = a.work / "start-profile"
     root.mkdir(parents=True, exist_ok=True)
     model = a.model or a.work / "pair" / "build"
@@ -1492,7 +1499,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no checkpoint at {model}: make the stand-in first (python3 -m splicer fixture WORK/pair --full-dims)")
     cuts = parse_cuts(a.cuts)
     args, env = stand_in_engine()
-    env = {**env, **dict(kv.split("=", 1) for kv in a.engine_env)}
+    env = {**env, **given_env}
     call = Call(root, model.resolve(), root / "model", args, env, a.detail, a.cpu_smoke_test, a.budget_s, a.cache_root)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     if not a.no_warmup:
@@ -1530,7 +1537,9 @@ def main(argv: list[str] | None = None) -> int:
     vers = next((r.get("versions") for r in call.records if r.get("versions")), {}) or {}
     header = (
         f"Engine start profile, {started}: {model.name}, vLLM {vers.get('vllm')}, torch {vers.get('torch')}, "
-        f"GPU {vers.get('gpu')}; ratios to the auto start of the same call.\n"
+        f"GPU {vers.get('gpu')}; ratios to the auto start of the same call."
+        + (f" Every start's --engine-env: {' '.join(f'{k}={v}' for k, v in given_env.items())}." if given_env else "")
+        + "\n"
     )
     (a.out / "start-profile.md").write_text(markdown(summary, call.records, header))
     with tarfile.open(a.out / "start-profile-starts.tgz", "w:gz") as tar:

@@ -4,6 +4,7 @@ per position (top-1, KL, dlogp, weights) so any two rows can be paired later; su
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -112,7 +113,9 @@ def score_variant(
     if info := backend.load_info():
         timings["engine"] = info
         if note := dtype_differs(cache, info, score_dir.name):
-            stages.line(note)
+            # said whatever the output (the stage lines reach a terminal only through the progress bar's log)
+            stages.line(note, log_only=True)
+            print(f"splicer: {note}", file=sys.stderr, flush=True)
     if before_scoring:
         before_scoring()
     score_dir.mkdir(parents=True, exist_ok=True)

@@ -79,6 +79,21 @@ def _residual_outside_classes(results: dict, variants: list[dict], build: dict |
     return None
 
 
+def _other_dtypes(results: dict, variants: list[dict]) -> str | None:
+    """The sentence for rows whose engine computed in another dtype than the base pass's engine (vLLM's dtype="auto"
+    follows each checkpoint's config), or None: each engine records its dtype (backends/vllm_child.py)."""
+    base = (((results.get("base_pass") or {}).get("engine")) or {}).get("dtype")
+    other = {v["name"]: (v.get("engine") or {}).get("dtype") for v in variants}
+    other = {n: d for n, d in other.items() if base and d and d != base}
+    if not other:
+        return None
+    rows = ", ".join(f"{n} ({d})" for n, d in other.items())
+    return (
+        f"Computed in another dtype than the base pass's engine ({base}): {rows}; their scores include that "
+        f"difference beside the quantization's (--engine-arg dtype={base} puts every engine in one dtype)."
+    )
+
+
 def findings(results: dict) -> list[str]:
     """One sentence per finding, in the table's row order."""
     from .verdicts import engine_means_text, lanes_word, noise_text, per_gpu_engines_text, pooled_kl
@@ -95,6 +110,8 @@ def findings(results: dict) -> list[str]:
         )
         if (results.get("verdicts") or {}).get("method"):
             out.append(f"Score differences against the build: {noise_text(results)}.")
+    if dtypes := _other_dtypes(results, variants):
+        out.append(dtypes)
     if engines and engines.get("by_gpu"):
         out.append(
             f"The build on {engines['engines']} engines ({_level(engines)}), each row compared with "

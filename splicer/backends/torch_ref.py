@@ -130,6 +130,9 @@ class TorchBackend(OneEngineAtATime):
     # How a scoring pass (score, draft_hits, lm-eval's log-likelihoods) computes its products (_scoring_products; job_settings,
     # describe and task_model record it: rows scored otherwise are another job or task run, never mixed with these).
     SCORING_PRODUCTS = "BF16 products as FP32 products of the BF16 values, rounded to BF16, on the CPU"
+    # What the model is built in (load: from_config's dtype): recorded beside SCORING_PRODUCTS because a job begun
+    # while a config's own dtype won (a GPTQ export's float16 inside text_config) holds rows of another arithmetic.
+    MODEL_DTYPE = "the backend's dtype, whatever the checkpoint's config names"
 
     def __init__(self, device: str = "auto", dtype: str = "bfloat16", threads: int | None = None):
         self.device = pick_device(device)
@@ -447,6 +450,7 @@ class TorchBackend(OneEngineAtATime):
             "dtype": str(self.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(),
             "scoring_products": self.SCORING_PRODUCTS,
+            "model_dtype": self.MODEL_DTYPE,
         }
 
     # ------------------------------------------------------------ MTP drafter, teacher-forced
@@ -565,18 +569,19 @@ class TorchOptions:
     def job_settings(self) -> dict:
         # The keys a job of this backend recorded before options were the backend's own, and how its scoring passes
         # compute their products: a job scored with torch's BF16 GEMM on the CPU (before scoring_products was recorded)
-        # is another job, as its base pass is another cache (cache_key). Rows on Ray lanes are named and compared per
-        # lane: another job.
+        # is another job, as its base pass is another cache (cache_key); so is one whose models were built in their
+        # config's dtype (model_dtype). Rows on Ray lanes are named and compared per lane: another job.
         return {
             "engine_args": {},
             "overlap_starts": 0,
             "rewake_before_timing": False,
             "scoring_products": TorchBackend.SCORING_PRODUCTS,
+            "model_dtype": TorchBackend.MODEL_DTYPE,
             **({"ray": True} if self.ray else {}),
         }
 
     def cache_key(self) -> list:
-        return [{"scoring_products": TorchBackend.SCORING_PRODUCTS}]
+        return [{"scoring_products": TorchBackend.SCORING_PRODUCTS, "model_dtype": TorchBackend.MODEL_DTYPE}]
 
     def context_length(self) -> int | None:
         return None

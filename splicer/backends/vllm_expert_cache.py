@@ -29,6 +29,7 @@ one GPU per engine (VllmOptions refuses tensor, pipeline, data and expert parall
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import copy
 import hashlib
@@ -51,7 +52,8 @@ _digests: dict = {}  # (folder, files' sizes and mtimes, context) -> key: one ha
 # (device, inode, size, mtime, pattern) of one safetensors file -> its expert tensors' (name, dtype, shape, sha256,
 # bytes): a splice hard-links the shards it leaves unchanged, so every variant of a run holds the build's expert files
 # and hashes none of them again in the same process (the backend's worker serves a whole run)
-_file_sums: dict = {}
+_file_sums: collections.OrderedDict = collections.OrderedDict()
+FILE_SUMS_KEPT = 128  # files remembered, least recently used first out: a run's variants keep hitting the build's shards
 
 
 def reset() -> None:
@@ -138,6 +140,7 @@ def experts_digest(folder, regex: re.Pattern, context: dict) -> tuple[str, int, 
             st = f.stat()
             ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, regex.pattern)
             if ident in _file_sums:
+                _file_sums.move_to_end(ident)
                 per_file.append(_file_sums[ident])
                 continue
             start, header = _header(f)
@@ -166,6 +169,8 @@ def experts_digest(folder, regex: re.Pattern, context: dict) -> tuple[str, int, 
             done = [(k, dtype, shape, next(sums), b - a) for k, dtype, shape, _, a, b in entries]
             _file_sums[ident] = done
             per_file.append(done)
+        while len(_file_sums) > FILE_SUMS_KEPT:
+            _file_sums.popitem(last=False)
         total = hashlib.sha256(json.dumps(context, sort_keys=True).encode())
         rows = sorted((r for done in per_file for r in done), key=lambda r: r[0])
         for k, dtype, shape, digest, _ in rows:

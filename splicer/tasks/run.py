@@ -121,19 +121,26 @@ def settings_refusal(
     return None
 
 
-def earlier_model_notice(out: Path, settings: dict, earlier_models: tuple[str, ...]) -> str | None:
+def earlier_model_notice(out: Path, settings: dict, earlier_models: tuple[str, ...], rows: list[str] | None = None) -> str | None:
     """The line a run says when DIR/tasks.json holds finished rows of a model the same backend recorded before its
-    arithmetic changed (earlier_models): they are run again, not kept beside rows of the new arithmetic (None: no such
-    rows)."""
+    arithmetic changed (earlier_models): none is kept beside rows of the new arithmetic; those among rows (this run's;
+    None: all) are run again, the others are dropped and named so (None: no such rows)."""
     old = results_record.read_stage_record(Path(out) / FILE) or {}
     model = (old.get("settings") or {}).get("model")
-    rows = old.get("rows") if isinstance(old.get("rows"), dict) else {}
-    done = [r for r, e in rows.items() if isinstance(e, dict) and e.get("status") == "ok"]
+    recorded = old.get("rows") if isinstance(old.get("rows"), dict) else {}
+    done = [r for r, e in recorded.items() if isinstance(e, dict) and e.get("status") == "ok"]
     if model not in earlier_models or not done:
         return None
+    again = [r for r in done if rows is None or r in rows]
+    dropped = [r for r in done if r not in again]
+    said = []
+    if again:
+        said.append(f"its finished rows {', '.join(again)} are run again")
+    if dropped:
+        said.append(f"{', '.join(dropped)} not kept (ask for them with --rows to run them again)")
     return (
         f"{Path(out) / FILE} holds task results of an earlier arithmetic of the same backend (model: {model!r} -> "
-        f"{settings.get('model')!r}): its finished rows ({', '.join(done)}) are run again"
+        f"{settings.get('model')!r}): " + "; ".join(said)
     )
 
 
@@ -193,7 +200,7 @@ def run_tasks(
     path = out / FILE
     stages = Stages(quiet=not progress, log_path=out / "tasks.log")
     with exclusive(out / ".lock", f"another splicer command is writing to {out}; wait for it to finish", in_place=True):
-        notice = earlier_model_notice(out, settings, earlier)
+        notice = earlier_model_notice(out, settings, earlier, rows)
         if notice:  # on stderr whatever the output, and in the log (as ablate says a job that differs is run again)
             stages.line(notice, log_only=True)
             print(f"splicer: {notice}", file=sys.stderr, flush=True)

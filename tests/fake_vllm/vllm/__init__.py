@@ -219,8 +219,9 @@ class RequestOutput:
 
 
 def _engine_dtype(model: str, asked) -> str:
-    """vLLM's dtype rule as far as this stand-in needs it: the one asked for, else ("auto") the config's (the text
-    config's first), with float32 served as bfloat16. The stand-in still computes in bfloat16 (the torch backend)."""
+    """vLLM's dtype rule as far as this stand-in needs it: the one asked for, else ("auto") the config's (the root
+    config's, then the text config's, as vLLM's _find_dtype reads them), with float32 served as bfloat16. The stand-in
+    still computes in bfloat16 (the torch backend)."""
     if asked and asked != "auto":
         return f"torch.{asked}"
     try:
@@ -228,7 +229,7 @@ def _engine_dtype(model: str, asked) -> str:
     except (OSError, ValueError):
         return "torch.bfloat16"
     sub = cfg.get("text_config") or {}
-    name = sub.get("dtype") or sub.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or sub.get("dtype") or sub.get("torch_dtype") or "bfloat16"
     return "torch.bfloat16" if name == "float32" else f"torch.{name}"
 
 
