@@ -286,7 +286,7 @@ class CompressedTensors(QuantFormat):
                     f"(first group in file order); put {r.group} first for model-free tools"
                 )
         # Each group's scheme against the tensors it claims, as each reader assigns them.
-        for naming, readings in (("hf", report.hf), ("vllm", report.vllm)):
+        for naming, readings in report.by_reader():
             for n, r in readings.items():
                 m = modules[n]
                 if r.group and m.quantized:

@@ -40,6 +40,15 @@ class Report:
     def add(self, check: str, naming: str, detail: str) -> None:
         self.issues.append({"check": check, "naming": naming, "detail": detail})
 
+    def by_reader(self) -> list[tuple[str, dict[str, Reading]]]:
+        """(naming, readings) of each reader of the config: the library's (hf) and vLLM's."""
+        return [("hf", self.hf), ("vllm", self.vllm)]
+
+    def dead_for_every_reader(self) -> set[str]:
+        """The exclusion entries that no reader's modules match (dead_ignore of each naming): safe to drop."""
+        dead = [set(self.dead_ignore.get(naming, [])) for naming, _ in self.by_reader()]
+        return set.intersection(*dead)
+
 
 def reading_words(reading: Reading) -> str:
     """A reading in the lint's words: the group, 'unquantized', or 'refused (why)'."""
@@ -98,7 +107,7 @@ def record_dead(report: Report, entries: list[tuple[str, str, str]], hf_names: s
 
 
 def readings_vs_storage(modules: dict[str, Module], report: Report) -> None:
-    for naming, readings in (("hf", report.hf), ("vllm", report.vllm)):
+    for naming, readings in report.by_reader():
         for err in sorted({r.error for r in readings.values() if r.error}):
             report.add("vllm-refuses" if naming == "vllm" else "hf-cannot-load", naming, err)
         wrong = [(n, r) for n, r in readings.items() if not r.error and (r.group is not None) != modules[n].quantized]

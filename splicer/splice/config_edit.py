@@ -31,15 +31,13 @@ def restored_config(
     fmt.exclude_restored(qc, modules, picked, arch)
     after = modules_after(modules, picked, added)
     report = check(after, qc, arch)
-    if added and any(r.group for readings in (report.hf, report.vllm) for n, r in readings.items() if n in added):
+    if added and any(r.group for _, readings in report.by_reader() for n, r in readings.items() if n in added):
         # the added BF16 MTP head must not be read as quantized
         fmt.exclude_added(qc, added, arch)
         report = check(after, qc, arch)
     dropped = []
     if drop_dead:
-        dropped = sorted(
-            set(report.dead_ignore.get("hf", [])) & set(report.dead_ignore.get("vllm", [])), key=fmt.exclusions(qc).index
-        )
+        dropped = sorted(report.dead_for_every_reader(), key=fmt.exclusions(qc).index)
         fmt.remove_exclusions(qc, set(dropped))
     fmt.drop_unused(config, report, after)
     return config, dropped

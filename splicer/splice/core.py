@@ -315,20 +315,19 @@ def verify_plan(plan: SplicePlan, modules: dict[str, Module]) -> list[str]:
     now = check(after, plan.config.get("quantization_config") or {}, arch)
     before = check(modules, plan.build.quantization_config, arch)
 
-    def misread(report, mods, naming, name) -> bool:
-        r = getattr(report, naming).get(name)
+    def misread(readings, mods, name) -> bool:
+        r = readings.get(name)
         return r is not None and (r.error is not None or (r.group is not None) != mods[name].quantized)
 
     inherited = []
-    for naming in ("hf", "vllm"):
+    for (naming, now_read), (_, before_read) in zip(now.by_reader(), before.by_reader()):
         for name in after:
-            if not misread(now, after, naming, name):
+            if not misread(now_read, after, name):
                 continue
             detail = (
-                getattr(now, naming)[name].error
-                or f"{name} is stored {'packed' if after[name].quantized else 'BF16'} but read otherwise"
+                now_read[name].error or f"{name} is stored {'packed' if after[name].quantized else 'BF16'} but read otherwise"
             )
-            if name in plan.restore or not (name in modules and misread(before, modules, naming, name)):
+            if name in plan.restore or not (name in modules and misread(before_read, modules, name)):
                 raise SplicerError(
                     f"the spliced config would be misread ({naming} naming: {detail}); this is a splicer bug, please report it"
                 )
