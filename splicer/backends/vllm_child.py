@@ -238,7 +238,9 @@ def child_worker(conn, env: dict, log_path: str) -> None:
         else:
             scoring = _token_id_scoring(llm, SamplingParams, TokensPrompt)
         try:  # what the engine computes in: dtype="auto" takes the checkpoint's config (a GPTQ export's float16)
-            dtype = str(llm.llm_engine.model_config.dtype).replace("torch.", "")
+            engine = llm.llm_engine
+            config = getattr(engine, "model_config", None) or engine.vllm_config.model_config
+            dtype = str(config.dtype).replace("torch.", "")
         except Exception:  # informative only
             dtype = None
         info = {
