@@ -39,6 +39,13 @@ def use_fake_vllm(monkeypatch):
     return vb
 
 
+def cuda_not_required(monkeypatch, vb):
+    """The backend module vb's VllmBackend made without its CUDA check, for runs (ablate) that make their own on the
+    CPU against the stand-in engine."""
+    orig = vb.VllmBackend.__init__
+    monkeypatch.setattr(vb.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, **dict(k, require_cuda=False)))
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch):
     return use_fake_vllm(monkeypatch)
@@ -190,8 +197,7 @@ def test_ablate_with_the_vllm_backend_path(pairs, fake_vllm, tmp_path, monkeypat
     """ablate --backend vllm end to end (stand-in engine): top-k filled from the engine's own top-k, engine info kept."""
     from splicer.ablate import AblateSettings, run_ablate
 
-    orig = fake_vllm.VllmBackend.__init__
-    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
+    cuda_not_required(monkeypatch, fake_vllm)
     plan = tmp_path / "p.toml"
     plan.write_text(
         'name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 64\nmax_chunks = 2\n'
@@ -327,8 +333,7 @@ def test_a_base_the_engine_refuses_ends_ablate_in_one_line(pairs, fake_vllm, tmp
 
     from .conftest import tree_digest
 
-    orig = fake_vllm.VllmBackend.__init__
-    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, **dict(k, require_cuda=False)))
+    cuda_not_required(monkeypatch, fake_vllm)
     p = pairs["fused"]
     plan = tmp_path / "p.toml"
     plan.write_text(
@@ -378,8 +383,7 @@ def test_a_build_whose_engine_computes_in_another_dtype_than_the_base_is_said(pa
     from splicer.ablate import AblateSettings, run_ablate
     from splicer.backends import backend_options
 
-    orig = fake_vllm.VllmBackend.__init__
-    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
+    cuda_not_required(monkeypatch, fake_vllm)
     plan = tmp_path / "p.toml"
     plan.write_text(
         'name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 64\nmax_chunks = 1\n'

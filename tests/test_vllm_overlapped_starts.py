@@ -15,7 +15,7 @@ import pytest
 
 from splicer.errors import SplicerError
 
-from .test_vllm_backend_protocol import use_fake_vllm
+from .test_vllm_backend_protocol import cuda_not_required, use_fake_vllm
 
 
 @pytest.fixture
@@ -97,8 +97,7 @@ def test_engines_started_ahead_get_a_fixed_kv_cache_and_a_share_of_the_cores(fak
 def _ablate_overlapped(pairs, fake_vllm, tmp_path, monkeypatch, modes):
     from splicer.ablate import AblateSettings, run_ablate
 
-    orig = fake_vllm.VllmBackend.__init__
-    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
+    cuda_not_required(monkeypatch, fake_vllm)
     events = []
     scored = []
     orig_score = fake_vllm.VllmBackend.score

@@ -15,7 +15,7 @@ import pytest
 
 from splicer.errors import SplicerError
 
-from .test_vllm_backend_protocol import use_fake_vllm
+from .test_vllm_backend_protocol import cuda_not_required, use_fake_vllm
 
 
 @pytest.fixture
@@ -99,8 +99,7 @@ def test_ablate_with_precompile_scores_as_serial_and_times_every_row_alone(pairs
         monkeypatch.delenv(var, raising=False)
     from splicer.ablate import AblateSettings, run_ablate
 
-    orig = fake_vllm.VllmBackend.__init__
-    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
+    cuda_not_required(monkeypatch, fake_vllm)
     plan = tmp_path / "p.toml"
     plan.write_text(
         'name = "p"\n[[corpus]]\nname = "en"\nkind = "builtin"\ntext = "wiki-en"\nchunk_tokens = 48\nmax_chunks = 2\n'
@@ -152,8 +151,7 @@ def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_ro
 
     from splicer.ablate import AblateSettings, run_ablate
 
-    orig = fake_vllm.VllmBackend.__init__
-    monkeypatch.setattr(fake_vllm.VllmBackend, "__init__", lambda self, *a, **k: orig(self, *a, require_cuda=False, **k))
+    cuda_not_required(monkeypatch, fake_vllm)
     spans, lock = [], threading.Lock()
     orig_time, orig_score = fake_vllm.VllmBackend.time_decode, fake_vllm.VllmBackend.score
 

@@ -248,13 +248,6 @@ def _same_inputs(a: dict | None, b: dict) -> bool:
     return (a.get("build"), a.get("base")) == (b.get("build"), b.get("base"))
 
 
-def _notice(stages, text: str) -> None:
-    """A line the user must see whatever the output (work about to be redone): stderr, even on a terminal where stage
-    lines are left to the progress bars, and the run's log."""
-    stages.line(text, log_only=True)
-    print(f"splicer: {text}", file=sys.stderr, flush=True)
-
-
 def write_job(out: Path, job: dict, stages, extend_only: bool = False) -> tuple[dict[str, dict], list[dict]]:
     """DIR/job.json for this invocation, and what an earlier run of DIR left that this one keeps: its finished rows
     whose definition is unchanged, and its run records, both only when the two jobs measure alike (same_measurements):
@@ -275,8 +268,7 @@ def write_job(out: Path, job: dict, stages, extend_only: bool = False) -> tuple[
     if not alike:
         if previous and previous.get("variants"):
             what = "; ".join(job_differences(before, job)) if isinstance(before, dict) else "no job recorded"
-            _notice(
-                stages,
+            stages.notice(
                 f"the job differs from the one in {out} ({what or 'written by an older splicer'}): its "
                 "finished rows are run again",
             )
@@ -289,8 +281,7 @@ def write_job(out: Path, job: dict, stages, extend_only: bool = False) -> tuple[
     }
     changed = [v["name"] for v in previous.get("variants", []) if v.get("status") == "ok" and v["name"] not in kept]
     if changed:
-        _notice(
-            stages,
+        stages.notice(
             f"rows changed or no longer in the plan, not kept: {', '.join(changed)} (a row added with --add or "
             "--add-requantized stays only while the flag is given again)",
         )

@@ -4,7 +4,6 @@ per position (top-1, KL, dlogp, weights) so any two rows can be paired later; su
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -113,9 +112,7 @@ def score_variant(
     if info := backend.load_info():
         timings["engine"] = info
         if note := dtype_differs(cache, info, score_dir.name):
-            # said whatever the output (the stage lines reach a terminal only through the progress bar's log)
-            stages.line(note, log_only=True)
-            print(f"splicer: {note}", file=sys.stderr, flush=True)
+            stages.notice(note)
     if before_scoring:
         before_scoring()
     score_dir.mkdir(parents=True, exist_ok=True)

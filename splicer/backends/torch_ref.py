@@ -207,8 +207,9 @@ class TorchBackend(OneEngineAtATime):
     # What `splicer tasks` records as the model lm-eval scored (tasks.json's settings: another model is another run),
     # with how its log-likelihoods compute their products. task_models_before: what this backend recorded before its
     # arithmetic changed; a tasks.json of one runs its rows again, saying why (no option gives the old arithmetic back).
-    task_model = f"torch backend (transformers' model of the family) through lm-eval's HFLM; log-likelihoods: {SCORING_PRODUCTS}"
-    task_models_before = ("torch backend (transformers' model of the family) through lm-eval's HFLM",)  # torch's BF16 GEMM
+    _HFLM = "torch backend (transformers' model of the family) through lm-eval's HFLM"
+    task_model = f"{_HFLM}; log-likelihoods: {SCORING_PRODUCTS}"
+    task_models_before = (_HFLM,)  # as recorded while its log-likelihoods ran torch's BF16 GEMM
 
     def evaluate_tasks(self, folder: Path, tokenizer_folder: Path, request: dict, log_name: str | None = None) -> dict:
         """lm-eval's tasks on folder's model in this process (lm_eval_tasks.evaluate: request and what comes back);

@@ -29,6 +29,12 @@ class Stages:
             with open(self.log_path, "a", encoding="utf-8") as f:
                 f.write(f"{stamp} {text}\n")
 
+    def notice(self, text: str) -> None:
+        """A line the user must see whatever the output (work about to be redone, a result to read with care): on
+        the stream even on a terminal, where stage lines are left to the progress bars, and in the log."""
+        self.line(text, log_only=True)
+        print(f"splicer: {text}", file=self.stream, flush=True)
+
     @contextmanager
     def stage(self, name: str):
         self.line(f"{name}: started")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -201,9 +200,8 @@ def run_tasks(
     stages = Stages(quiet=not progress, log_path=out / "tasks.log")
     with exclusive(out / ".lock", f"another splicer command is writing to {out}; wait for it to finish", in_place=True):
         notice = earlier_model_notice(out, settings, earlier, rows)
-        if notice:  # on stderr whatever the output, and in the log (as ablate says a job that differs is run again)
-            stages.line(notice, log_only=True)
-            print(f"splicer: {notice}", file=sys.stderr, flush=True)
+        if notice:  # as ablate says a job that differs is run again
+            stages.notice(notice)
         record = {"rows": results_record.finished_entries(path, digest, "rows")}
         record.update(schema=SCHEMA, settings=settings, settings_digest=digest)
         job_settings = (results.get("job") or {}).get("settings") or {}
