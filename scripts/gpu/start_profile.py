@@ -1487,7 +1487,8 @@ def main(argv: list[str] | None = None) -> int:
         given_env = parse_engine_env(a.engine_env)
     except SplicerError as e:
         ap.error(str(e))
-    owned = sorted({k for c in parse_cuts(a.cuts) for k in c.env} & set(given_env))
+    cuts = parse_cuts(a.cuts)
+    owned = sorted({k for c in cuts for k in c.env} & set(given_env))
     if owned:  # the cut would compare against itself
         ap.error(f"--engine-env {owned[0]}: a cut of --cuts sets it; leave it to the cut")
     root = a.work / "start-profile"
@@ -1497,7 +1498,6 @@ def main(argv: list[str] | None = None) -> int:
         model = _smoke_model(root)
     if not (model / "config.json").exists():
         raise SystemExit(f"no checkpoint at {model}: make the stand-in first (python3 -m splicer fixture WORK/pair --full-dims)")
-    cuts = parse_cuts(a.cuts)
     args, env = stand_in_engine()
     env = {**env, **given_env}
     call = Call(root, model.resolve(), root / "model", args, env, a.detail, a.cpu_smoke_test, a.budget_s, a.cache_root)
