@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,26 @@ def test_a_lane_whose_worker_cannot_start_refuses_the_run_in_one_line(cluster, t
     options = backend_options("torch", {"ray": "default", "ray_lanes": 1}, "cpu")
     with pytest.raises(SplicerError, match=r"^--ray: lane ray0's worker could not start: TypeError: .*no_such_option"):
         options.make_backends("cpu", tmp_path / "logs")
+
+
+def test_a_run_right_after_another_waits_for_all_the_lanes_the_other_gave_back(monkeypatch):
+    """Killed workers give their resources back one by one: planning waits for all that this process's closed lanes
+    held, so that a run started right after another has as many lanes (and rows) as the one before."""
+    from splicer.backends import ray_lanes
+
+    freed = iter([1, 1, 1, 2])
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2}}])
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": next(freed, 2)})
+    monkeypatch.setattr(ray, "kill", lambda actor: None)
+    monkeypatch.setattr(time, "sleep", lambda s: None)  # plan_lanes polls every half second
+    for label in ("ray0", "ray1"):  # the lanes of the run before, closed as its end closes them
+        lane = object.__new__(ray_lanes.RayLane)
+        lane.label, lane.per_engine, lane._actor, lane._closed = label, 0, object(), False
+        lane.abort()
+    assert ray_lanes.plan_lanes(0, None) == (2, True)
+    # nothing given back since: no wait, as many lanes as are free
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 1})
+    assert ray_lanes.plan_lanes(0, None) == (1, True)
 
 
 def test_lanes_follow_the_engines_size_and_the_options_it_cannot_go_with(monkeypatch):

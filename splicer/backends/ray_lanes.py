@@ -110,11 +110,17 @@ def plan_lanes(per_engine: int, cap: int | None) -> tuple[int, bool]:
             "(tensor_parallel_size × pipeline_parallel_size); add GPUs or lower the engine's parallelism"
         )
     need = "GPU" if per_engine else "CPU"
+    # Workers of an earlier run in this process give their resources back a moment after they are killed: wait for all
+    # of them, not for the first, or a run started right after another gets fewer lanes and drops the rows of the
+    # lanes it no longer has (build-end-ray1, ...) that the earlier run finished.
+    total = sum(n.get("Resources", {}).get(need, 0) for n in nodes)
+    want = min(max(per_engine, 1, _GIVEN_BACK.get(need, 0)), total) if total else max(per_engine, 1)
     free = ray.available_resources()
     waited = time.monotonic()
-    while free.get(need, 0) < max(per_engine, 1) and time.monotonic() - waited < FREE_WAIT_S:
-        time.sleep(0.5)  # workers of an earlier run in this process give their resources back a moment after they end
+    while free.get(need, 0) < want and time.monotonic() - waited < FREE_WAIT_S:
+        time.sleep(0.5)
         free = ray.available_resources()
+    _GIVEN_BACK.clear()
     if per_engine:
         fits = max(gpus) >= per_engine
         lanes = sum(g // per_engine for g in gpus) if fits else sum(gpus) // per_engine
@@ -296,14 +302,18 @@ class RayLane(OneEngineAtATime):
                 ray.get(self._actor.call.remote("close", (), {}))
             except Exception:
                 pass
-            ray.kill(self._actor)
-            self._actor = None
+            self._kill()
 
     def abort(self) -> None:
         self._closed = True
         if self._actor is not None:
-            self._ray.kill(self._actor)
-            self._actor = None
+            self._kill()
+
+    def _kill(self) -> None:
+        self._ray.kill(self._actor)
+        self._actor = None
+        need = "GPU" if self.per_engine else "CPU"
+        _GIVEN_BACK[need] = _GIVEN_BACK.get(need, 0) + max(self.per_engine, 1)
 
     def check_storage(self, out: Path, token: str, inputs: list[str]) -> None:
         problem = self._ray.get(self._actor.check_storage.remote(str(out / TOKEN_FILE), token, inputs, str(self.log_dir)))
@@ -316,6 +326,7 @@ class RayLane(OneEngineAtATime):
 
 PLACEMENT_TIMEOUT_S = 300  # how long a lane may wait to be placed and built before the run is refused
 FREE_WAIT_S = 30  # how long planning waits for resources an ending run is giving back
+_GIVEN_BACK: dict[str, float] = {}  # what this process's killed lane workers held ("GPU" or "CPU"), until planned again
 
 
 def _cause(e: Exception) -> str:
