@@ -48,7 +48,7 @@ def main() -> None:
     import transformers
 
     from splicer.ablate.job import host_info
-    from splicer.backends.torch_ref import TorchBackend, _Bf16MatmulsInFp32
+    from splicer.backends.torch_ref import TorchBackend, _Bf16InFp32
     from splicer.fixtures.core import FixtureSpec, write_pair
 
     torch.set_num_threads(args.threads)
@@ -72,12 +72,12 @@ def main() -> None:
     x = torch.randn(1016, 256, generator=g).bfloat16()
     w = torch.randn(1024, 256, generator=g).bfloat16()
     own_out = torch.nn.functional.linear(x, w)
-    with _Bf16MatmulsInFp32():
+    with _Bf16InFp32():
         fp32_out = torch.nn.functional.linear(x, w)
     calls = 20
     linear = {"own_ms": [], "fp32_ms": []}
     for _ in range(args.reps):
-        for key, mode in (("own_ms", contextlib.nullcontext), ("fp32_ms", _Bf16MatmulsInFp32)):
+        for key, mode in (("own_ms", contextlib.nullcontext), ("fp32_ms", _Bf16InFp32)):
             t = time.perf_counter()
             with mode():
                 for _ in range(calls):

@@ -191,15 +191,18 @@ def test_threads_option_reaches_the_torch_backend_and_is_refused_for_vllm(pairs,
     assert not (tmp_path / "o").exists()
 
 
-def test_bf16_matrix_products_on_the_cpu_are_fp32_products_of_the_same_values_rounded_to_bf16():
-    """Each product the reference routes (linear with its bias, matmul, @, bmm, the experts' grouped product) gives
-    exactly the FP32 product of the BF16 values, rounded to BF16, in BF16; FP32 arguments pass as they are."""
-    from splicer.backends.torch_ref import _Bf16MatmulsInFp32
+def test_bf16_matrix_products_and_convolutions_on_the_cpu_are_fp32_ones_of_the_same_values_rounded_to_bf16():
+    """Each product the reference routes (linear with its bias, matmul, @, bmm, the experts' grouped product) and the
+    depthwise conv1d (functional and nn.Conv1d) gives exactly the FP32 result of the BF16 values, rounded to BF16, in
+    BF16; FP32 arguments pass as they are. With matmuls=False only the convolutions are routed."""
+    from splicer.backends.torch_ref import _Bf16InFp32
 
     g = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((9, 16), (12, 16), (12,)))
     xs, ws = torch.randn(3, 9, 16, generator=g).bfloat16(), torch.randn(3, 16, 8, generator=g).bfloat16()
     offs = torch.tensor([3, 7, 9], dtype=torch.int32)
+    seq, kernel = torch.randn(2, 24, 11, generator=g).bfloat16(), torch.randn(24, 1, 4, generator=g).bfloat16()
+    conv = torch.nn.Conv1d(24, 24, 4, groups=24, padding=3, bias=True).bfloat16()
     cases = {
         "linear": (
             lambda: torch.nn.functional.linear(x, w, b),
@@ -212,41 +215,66 @@ def test_bf16_matrix_products_on_the_cpu_are_fp32_products_of_the_same_values_ro
             lambda: torch._grouped_mm(x, ws[:, :, :], offs=offs),
             lambda: torch._grouped_mm(x.float(), ws.float(), offs=offs),
         ),
+        "conv1d": (
+            lambda: torch.nn.functional.conv1d(seq, kernel, padding=3, groups=24),
+            lambda: torch.nn.functional.conv1d(seq.float(), kernel.float(), padding=3, groups=24),
+        ),
+        "Conv1d": (
+            lambda: conv(seq),
+            lambda: torch.nn.functional.conv1d(seq.float(), conv.weight.float(), conv.bias.float(), padding=3, groups=24),
+        ),
     }
-    with _Bf16MatmulsInFp32():
+    with _Bf16InFp32():
         got = {k: f() for k, (f, _) in cases.items()}
         passed = torch.nn.functional.linear(x.float(), w.float())
     for k, (_, want) in cases.items():
         assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], want().bfloat16()), k
     assert passed.dtype == torch.float32 and torch.equal(passed, x.float() @ w.float().T)
+    routed = []
+    real = torch.Tensor.float
+    with _Bf16InFp32(matmuls=False):
+        torch.Tensor.float = lambda t: routed.append(tuple(t.shape)) or real(t)
+        try:
+            torch.nn.functional.linear(x, w, b), conv(seq)
+        finally:
+            torch.Tensor.float = real
+    assert routed == [tuple(seq.shape), tuple(conv.weight.shape), tuple(conv.bias.shape)]
 
 
 def test_on_the_cpu_scoring_runs_its_products_in_fp32_and_agrees_with_torchs_bf16_gemm(pairs, monkeypatch):
-    """A BF16 model on the CPU scores through the FP32 products; torch's own BF16 GEMM gives the same predictions but
-    for rounding in the order of the sums, which a random 4-layer model amplifies (a hundredth of a nat on average, at
-    most about 0.13, against log-probs spread over nats). Generation keeps torch's BF16 GEMM (one row at a time the
-    conversion costs more than it saves), and transformers still sees the model's own forward (its signature decides
-    what generate passes). An FP32 model is left as it is; the arithmetic is part of the job and the engine info."""
+    """A BF16 model on the CPU scores through the FP32 products and convolutions; torch's own BF16 kernels give the same
+    predictions but for rounding in the order of the sums, which a random 4-layer model amplifies (a hundredth of a nat
+    on average, at most about 0.13, against log-probs spread over nats). Generation routes the convolutions only (one
+    row at a time a GEMM weight's conversion costs more than it saves), and transformers still sees the model's own
+    forward (its signature decides what generate passes). An FP32 model is left as it is; the arithmetic is part of the
+    job and the engine info."""
     import contextlib
     import inspect
 
     import splicer.backends.torch_ref as tr
 
-    calls = []
-    real = tr._Bf16MatmulsInFp32.__torch_function__
-    monkeypatch.setattr(tr._Bf16MatmulsInFp32, "__torch_function__", lambda *a, **k: calls.append(1) or real(*a, **k))
+    routed = []
+    real = tr._Bf16InFp32.__torch_function__
+
+    def spy(self, func, *a, **k):
+        if func in self.funcs:
+            routed.append("conv" if func in self.CONVS else "matmul")
+        return real(self, func, *a, **k)
+
+    monkeypatch.setattr(tr._Bf16InFp32, "__torch_function__", spy)
     b = TorchBackend("cpu")
     b.load(pairs["per_expert"]["lowlatency"])
     assert "logits_to_keep" in inspect.signature(b.model.forward).parameters
     seqs = [list(range(10, 74)), list(range(80, 144))]
     fp32_products = list(b.score(seqs, top_k=20))
-    assert calls, "the FP32 products were not used"
-    calls.clear()
+    assert {"conv", "matmul"} <= set(routed), "the FP32 products and convolutions were not used"
+    routed.clear()
     b.generate([seqs[0][:8]], 3, stop_ids=[])
-    assert not calls
+    assert set(routed) == {"conv"}, routed
+    routed.clear()
     monkeypatch.setattr(TorchBackend, "_scoring_products", lambda self, model: contextlib.nullcontext())
     own = list(b.score(seqs, top_k=20))
-    assert not calls
+    assert not routed
     for a, o in zip(fp32_products, own):
         apart = (a.target_logprobs - o.target_logprobs).abs()
         assert apart.mean() < 0.05 and apart.max() < 0.5, (apart.mean(), apart.max())
@@ -256,6 +284,7 @@ def test_on_the_cpu_scoring_runs_its_products_in_fp32_and_agrees_with_torchs_bf1
     f32.load(pairs["per_expert"]["lowlatency"])
     if next(f32.model.parameters()).dtype == torch.float32:
         assert isinstance(f32._scoring_products(f32.model), contextlib.nullcontext)
+        assert isinstance(f32._generation_products(f32.model), contextlib.nullcontext)
     assert b.describe()["scoring_products"] == TorchBackend.SCORING_PRODUCTS
     assert tr.TorchOptions().job_settings()["scoring_products"] == TorchBackend.SCORING_PRODUCTS
 
@@ -265,11 +294,11 @@ def test_keyword_out_and_mixed_arguments_are_left_to_torch():
     to torch as it is (an FP32 product would not fit a BF16 out=, and torch refuses mixed dtypes itself)."""
     import pytest
 
-    from splicer.backends.torch_ref import _Bf16MatmulsInFp32
+    from splicer.backends.torch_ref import _Bf16InFp32
 
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(9, 16, generator=g).bfloat16(), torch.randn(12, 16, generator=g).bfloat16()
-    with _Bf16MatmulsInFp32():
+    with _Bf16InFp32():
         by_keyword = torch.nn.functional.linear(x, weight=w)
         other = torch.matmul(x, other=w.T)
         out = torch.empty(9, 12, dtype=torch.bfloat16)
@@ -281,19 +310,26 @@ def test_keyword_out_and_mixed_arguments_are_left_to_torch():
     assert torch.equal(out, torch.matmul(x, w.T))
 
 
-def test_lm_evals_log_likelihoods_run_through_the_fp32_products_and_its_generation_does_not(pairs, monkeypatch):
+def test_lm_evals_log_likelihoods_run_through_the_fp32_products_and_its_generation_its_convolutions_only(pairs, monkeypatch):
     """lm-eval's HF model over the torch backend (`splicer tasks`): on the CPU with a BF16 model, the forward of
     loglikelihood and loglikelihood_rolling goes through the FP32 products, as score() does, and gives the log-likelihoods
     of torch's own BF16 GEMM (lm-eval's plain HFLM over the same model) but for rounding in the order of the sums;
-    generate_until keeps torch's BF16 GEMM, as generate() does. Off the CPU nothing changes."""
+    generate_until keeps torch's BF16 GEMM and routes the convolutions only, as generate() does. Off the CPU nothing
+    changes."""
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
     import splicer.backends.torch_ref as tr
 
     calls = []
-    real = tr._Bf16MatmulsInFp32.__torch_function__
-    monkeypatch.setattr(tr._Bf16MatmulsInFp32, "__torch_function__", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = tr._Bf16InFp32.__torch_function__
+
+    def spy(self, func, *a, **k):
+        if func in self.funcs:
+            calls.append("conv" if func in self.CONVS else "matmul")
+        return real(self, func, *a, **k)
+
+    monkeypatch.setattr(tr._Bf16InFp32, "__torch_function__", spy)
     p = pairs["fused"]
     b = TorchBackend("cpu")
     b.load(p["lowlatency"])
@@ -305,13 +341,14 @@ def test_lm_evals_log_likelihoods_run_through_the_fp32_products_and_its_generati
     generation = [Instance("generate_until", {}, (cut[0][0], {"until": ["\n"], "max_gen_toks": 3}), 0)]
 
     fp32 = lm.loglikelihood(likelihood)
-    assert calls, "lm-eval's log-likelihood forward did not go through the FP32 products"
+    assert {"conv", "matmul"} <= set(calls), "lm-eval's log-likelihood forward did not go through the FP32 products"
     calls.clear()
     fp32_rolling = lm.loglikelihood_rolling(rolling)
-    assert calls, "lm-eval's rolling log-likelihood forward did not go through the FP32 products"
+    assert {"conv", "matmul"} <= set(calls), "lm-eval's rolling log-likelihood forward did not go through the FP32 products"
     calls.clear()
     lm.generate_until(generation)
-    assert not calls, "generation went through the FP32 products"
+    assert set(calls) == {"conv"}, "generation's products went through FP32, or its convolutions did not"
+    calls.clear()
 
     own = HFLM(pretrained=b.model, tokenizer=lm.tokenizer, batch_size=4, device="cpu")  # torch's BF16 GEMM throughout
     gemm, gemm_rolling = own.loglikelihood(likelihood), own.loglikelihood_rolling(rolling)

@@ -10,14 +10,20 @@ from lm_eval.models.huggingface import HFLM
 class ScoringProductsHFLM(HFLM):
     """lm-eval's HFLM whose _model_call (the forward of loglikelihood and loglikelihood_rolling: a batch of whole
     requests at once) runs inside products(model), the torch backend's _scoring_products: on the CPU with a BF16 model,
-    its BF16 matrix products as FP32 products of the same values, rounded to BF16; elsewhere nothing changes.
-    Generation (generate_until, through _model_generate) keeps torch's own products: one row at a time, converting
-    every weight per token would cost more than it saves."""
+    its BF16 matrix products and convolutions as FP32 ones of the same values, rounded to BF16; elsewhere nothing
+    changes. Generation (generate_until, through _model_generate) runs inside generation_products(model), the backend's
+    _generation_products, as the backend's own generate(): the convolutions only, since one row at a time converting
+    every GEMM weight per token would cost more than it saves."""
 
-    def __init__(self, *args, products, **kwargs):
-        self._products = products  # set first: HFLM's __init__ may already call _model_call (batch_size="auto")
+    def __init__(self, *args, products, generation_products, **kwargs):
+        # set first: HFLM's __init__ may already call _model_call (batch_size="auto")
+        self._products, self._generation_products = products, generation_products
         super().__init__(*args, **kwargs)
 
     def _model_call(self, inps, attn_mask=None, labels=None):
         with self._products(self.model):
             return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+
+    def _model_generate(self, *args, **kwargs):
+        with self._generation_products(self.model):
+            return super()._model_generate(*args, **kwargs)

@@ -41,19 +41,22 @@ def _read_tensors(ckpt, names) -> dict[str, torch.Tensor]:
     return raw
 
 
-class _Bf16MatmulsInFp32(torch.overrides.TorchFunctionMode):
-    """BF16 matrix products on the CPU as FP32 products of the same BF16 values, rounded back to BF16.
+class _Bf16InFp32(torch.overrides.TorchFunctionMode):
+    """BF16 matrix products and convolutions on the CPU as FP32 ones of the same BF16 values, rounded back to BF16.
 
-    Why: a BF16 GEMM accumulates in FP32 and rounds its output to BF16 (on GPUs and in torch's CPU kernels alike), so
-    this is the same arithmetic but for the order of the sums; but on a CPU without BF16 units (AVX2 only) torch's BF16
-    GEMM is about ten times slower than its FP32 one (results/cpu-bf16-matmul), and a scoring pass is nearly all GEMMs.
-    Used around the scoring passes only (score, draft_hits, lm-eval's log-likelihood forward): there every product has
-    many rows, and converting the weight to FP32 costs less than it saves; one row at a time (generation, lm-eval's
-    generate_until, decode timing) it would cost more.
+    Why: a BF16 GEMM or convolution accumulates in FP32 and rounds its output to BF16 (on GPUs and in torch's CPU
+    kernels alike), so this is the same arithmetic but for the order of the sums (an output differs from torch's BF16
+    kernel by one BF16 step now and then); but on a CPU without BF16 units (AVX2 only) torch's BF16 GEMM is about ten
+    times slower than its FP32 one (results/cpu-bf16-matmul), and its depthwise conv1d (the Gated-DeltaNet layers'
+    short convolution) seven to eleven times (the benchmark `benchmarks/cpu_bf16_conv1d.py` prints the ratio).
+    matmuls=True: around the scoring passes (score, draft_hits, lm-eval's log-likelihood forward), where every product
+    has many rows and converting the weight to FP32 costs less than it saves. matmuls=False: convolutions only, for
+    generation and decode timing, one row at a time, where converting every GEMM weight per token would cost more than
+    it saves but a convolution's weight (channels × kernel width) costs next to nothing.
     Only these functions, and only when every floating-point tensor among their arguments is BF16 and no out= tensor is
     given; everything else (attention through scaled_dot_product_attention, norms, activations) runs as before."""
 
-    FUNCS = frozenset(
+    MATMULS = frozenset(
         f
         for f in (
             torch.nn.functional.linear,
@@ -64,10 +67,15 @@ class _Bf16MatmulsInFp32(torch.overrides.TorchFunctionMode):
         )
         if f is not None
     )
+    CONVS = frozenset({torch.nn.functional.conv1d})
+
+    def __init__(self, matmuls: bool = True):
+        super().__init__()
+        self.funcs = (self.MATMULS | self.CONVS) if matmuls else self.CONVS
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self.FUNCS and kwargs.get("out") is None:
+        if func in self.funcs and kwargs.get("out") is None:
             floats = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()]
             if floats and all(a.dtype == torch.bfloat16 for a in floats):
 
@@ -127,9 +135,13 @@ class TorchBackend(OneEngineAtATime):
     default_batch = 4
     # one model in this process at a time, nothing compiled: nothing to do ahead (OneEngineAtATime)
 
-    # How a scoring pass (score, draft_hits, lm-eval's log-likelihoods) computes its products (_scoring_products; job_settings,
-    # describe and task_model record it: rows scored otherwise are another job or task run, never mixed with these).
-    SCORING_PRODUCTS = "BF16 products as FP32 products of the BF16 values, rounded to BF16, on the CPU"
+    # How a scoring pass (score, draft_hits, lm-eval's log-likelihoods) computes its products and convolutions, and
+    # generation its convolutions (_scoring_products, _generation_products; job_settings, describe and task_model
+    # record it: rows computed otherwise are another job or task run, never mixed with these).
+    SCORING_PRODUCTS = (
+        "BF16 products and convolutions as FP32 ones of the BF16 values, rounded to BF16, on the CPU "
+        "(in generation and decode timing, the convolutions only)"
+    )
     # What the model is built in (load: from_config's dtype): recorded beside SCORING_PRODUCTS because a job begun
     # while a config's own dtype won (a GPTQ export's float16 inside text_config) holds rows of another arithmetic.
     MODEL_DTYPE = "the backend's dtype, whatever the checkpoint's config names"
@@ -225,7 +237,7 @@ class TorchBackend(OneEngineAtATime):
     def lm_eval_model(self, tokenizer_folder: Path, batch_size: int = 8):
         """The loaded model as lm-evaluation-harness's HF model (its own log-likelihood and generation code over this
         very model instance), with the base's tokenizer; its log-likelihood forward under _scoring_products, as score()
-        runs (torch_hflm.ScoringProductsHFLM), its generation with torch's own products, as generate() runs."""
+        runs (torch_hflm.ScoringProductsHFLM), its generation under _generation_products, as generate() runs."""
         from lm_eval.utils import setup_logging
         from transformers import AutoTokenizer
 
@@ -241,6 +253,7 @@ class TorchBackend(OneEngineAtATime):
             batch_size=batch_size,
             device=str(self.device),
             products=self._scoring_products,
+            generation_products=self._generation_products,
         )
 
     @classmethod
@@ -338,13 +351,19 @@ class TorchBackend(OneEngineAtATime):
         return self.model
 
     # ------------------------------------------------------------ scoring
-    def _scoring_products(self, model):
-        """_Bf16MatmulsInFp32 for a BF16 model on the CPU (the model's own dtype: a config may set another), else
-        nothing."""
+    def _on_cpu_bf16(self, model) -> bool:
+        """A BF16 model on the CPU (the model's own dtype: a config may set another)."""
         params = getattr(model, "parameters", None)
         first = next(iter(params()), None) if callable(params) else None
-        on_cpu_bf16 = self.device.type == "cpu" and (first.dtype if first is not None else self.dtype) == torch.bfloat16
-        return _Bf16MatmulsInFp32() if on_cpu_bf16 else contextlib.nullcontext()
+        return self.device.type == "cpu" and (first.dtype if first is not None else self.dtype) == torch.bfloat16
+
+    def _scoring_products(self, model):
+        """_Bf16InFp32 (products and convolutions) for a BF16 model on the CPU, else nothing."""
+        return _Bf16InFp32(matmuls=True) if self._on_cpu_bf16(model) else contextlib.nullcontext()
+
+    def _generation_products(self, model):
+        """_Bf16InFp32 (convolutions only) for a BF16 model on the CPU, else nothing."""
+        return _Bf16InFp32(matmuls=False) if self._on_cpu_bf16(model) else contextlib.nullcontext()
 
     def score(self, sequences, top_k=20, gather_ids=None, want_full=False, batch_size=4) -> Iterator[SequenceScores]:
         """Yields one SequenceScores per input sequence, in input order.
@@ -389,7 +408,7 @@ class TorchBackend(OneEngineAtATime):
     def generate(self, prompts, max_new_tokens, stop_ids) -> list[list[int]]:
         model = self._need()
         outs = []
-        with torch.inference_mode():
+        with torch.inference_mode(), self._generation_products(model):
             for prompt in prompts:
                 ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
                 gen = model.generate(
@@ -412,7 +431,7 @@ class TorchBackend(OneEngineAtATime):
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            with torch.inference_mode():
+            with torch.inference_mode(), self._generation_products(model):
                 model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
