@@ -215,6 +215,7 @@ def test_tasks_through_lm_evals_vllm_model_answer_as_the_torch_model_does(scored
     assert record["settings"]["model"] == "vLLM engine with DIR's engine arguments through lm-eval's VLLM model"
     through_vllm = record["rows"]["build"]["tasks"]["cloze"]
     assert through_vllm["n"] == 10 and through_vllm["metric"] == "acc"
+    assert record["rows"]["build"]["engine_dtype"] == "bfloat16"  # what lm-eval's engine computed in
     logs = list((out / "task-logs").glob("*-tasks*.log"))
     assert logs and "FAKE_VLLM_ECHO=tasks-engine" in "".join(p.read_text() for p in logs)  # the engine ran in the worker
     # each row's log is named after the row, the build's too (its folder is named after the checkpoint)
@@ -229,7 +230,9 @@ def test_tasks_through_lm_evals_vllm_model_answer_as_the_torch_model_does(scored
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "model:" in err and "splicer tasks DIR ... --force" in err and "--backend" in err, err
     assert main([*argv, "--backend", "torch", "--force"]) == 0
-    through_torch = json.loads((out / "tasks.json").read_text())["rows"]["build"]["tasks"]["cloze"]
+    torch_row = json.loads((out / "tasks.json").read_text())["rows"]["build"]
+    assert torch_row["engine_dtype"] == "bfloat16"
+    through_torch = torch_row["tasks"]["cloze"]
     assert through_vllm["items"] == through_torch["items"] and through_vllm["value"] == pytest.approx(through_torch["value"])
 
 
@@ -244,6 +247,32 @@ def test_a_row_whose_engine_fails_under_lm_eval_is_recorded_and_the_run_says_so(
     assert "quantization schemes" in rows["all"]["error"]
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "all" in err
+
+
+def test_a_row_whose_engine_computed_in_another_dtype_than_the_builds_is_said():
+    """vLLM's dtype="auto" follows each checkpoint's config: a row computed in float16 beside a bfloat16 build has a
+    difference from the build that holds the dtypes' as well. The table's note and the report say so with the engine
+    argument that puts every engine in one dtype; rows recorded before engines said their dtype are not compared."""
+    from splicer.analysis import task_scores
+
+    items = {str(i): float(i % 2) for i in range(12)}
+    task = {"cloze": {"metric": "acc", "value": 0.5, "stderr": 0.1, "items": items}}
+    record = {
+        "build_row": "build",
+        "settings": {"tasks": ["cloze"], "model": "m"},
+        "rows": {
+            "build": {"status": "ok", "tasks": task, "engine_dtype": "bfloat16"},
+            "gdn": {"status": "ok", "tasks": task, "engine_dtype": "float16"},
+            "attention": {"status": "ok", "tasks": task, "engine_dtype": "bfloat16"},
+            "older": {"status": "ok", "tasks": task},
+        },
+    }
+    spec = {"record": record, "summary": task_scores.summarize(record, reps=50)}
+    said = "Computed in another dtype than the build's engine (bfloat16): gdn (float16);"
+    assert said in task_scores.note(spec) and "--engine-arg dtype=bfloat16" in task_scores.note(spec)
+    assert [s for s in task_scores.sentences(spec) if s.startswith(said)]
+    record["rows"]["gdn"]["engine_dtype"] = "bfloat16"
+    assert "another dtype" not in task_scores.note(spec) + " ".join(task_scores.sentences(spec))
 
 
 def test_no_item_differs_from_the_build_so_no_interval_nor_verdict():

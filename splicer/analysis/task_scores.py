@@ -91,8 +91,26 @@ def table_rows(spec: dict, order: list[str]) -> list[list[str]]:
     return rows
 
 
+def other_dtypes(record: dict) -> str | None:
+    """The sentence for rows whose engine computed in another dtype than the build row's (vLLM's dtype="auto" follows
+    each checkpoint's config, and GPTQ exports often say float16), or None: a difference from the build then holds the
+    dtypes' difference beside the quantization's. Rows run before engines recorded their dtype are not compared."""
+    dtypes = {r: e.get("engine_dtype") for r, e in (record.get("rows") or {}).items() if e.get("status") == "ok"}
+    build = dtypes.get(record.get("build_row") or "")
+    other = {r: d for r, d in dtypes.items() if build and d and d != build}
+    if not other:
+        return None
+    rows = ", ".join(f"{r} ({d})" for r, d in other.items())
+    return (
+        f"Computed in another dtype than the build's engine ({build}): {rows}; their differences from the build include "
+        f"that beside the quantization's (`splicer ablate --engine-arg dtype={build}` puts every engine of the folder, "
+        "task runs included, in one dtype)."
+    )
+
+
 def note(spec: dict) -> str:
     s = spec["record"].get("settings") or {}
+    dtypes = other_dtypes(spec["record"])
     return (
         f"Task accuracy from `splicer tasks`: lm-evaluation-harness {s.get('lm_eval') or ''} on {s.get('model')}, tasks "
         f"{', '.join(s.get('tasks') or [])}"
@@ -102,6 +120,7 @@ def note(spec: dict) -> str:
         "95 % interval from a bootstrap over items (t x standard error, as the other intervals; with few discordant items "
         "it is approximate, and with none there is no interval: a row whose every item scores as the build's has a "
         "difference of 0 and no verdict)."
+        + (f" {dtypes}" if dtypes else "")
     )
 
 
@@ -117,6 +136,8 @@ def sentences(spec: dict) -> list[str]:
             if name != build and vs and vs.get("diff") is not None:
                 text += f"; {fmt_paired_clause(vs)}"
             out.append(text + ".")
+    if dtypes := other_dtypes(spec["record"]):
+        out.append(dtypes)
     for row, e in (spec["record"].get("rows") or {}).items():
         if e.get("status") != "ok":
             out.append(f"Tasks on {row}: failed ({str(e.get('error', ''))[:200]}).")

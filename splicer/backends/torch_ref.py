@@ -230,7 +230,9 @@ class TorchBackend(OneEngineAtATime):
 
         self.load(folder)
         try:
-            return evaluate(self.lm_eval_model(tokenizer_folder, int(request.get("batch_size") or 8)), request)
+            dtype = str(next(self._need().parameters()).dtype).replace("torch.", "")
+            res = evaluate(self.lm_eval_model(tokenizer_folder, int(request.get("batch_size") or 8)), request)
+            return {**res, "engine": {"dtype": dtype}}
         finally:
             self.unload()
 

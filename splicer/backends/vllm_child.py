@@ -164,6 +164,18 @@ def _token_id_scoring(llm, sampling_params, tokens_prompt) -> dict:
     return {"served": True, "why_not": None}
 
 
+def _engine_dtype(llm) -> str | None:
+    """What the engine computes in: dtype="auto" takes the checkpoint's config (a GPTQ export's float16); the engine's
+    own model_config, or its vllm_config's where it has none of its own. None where neither can be read (informative
+    only)."""
+    try:
+        engine = llm.llm_engine
+        config = getattr(engine, "model_config", None) or engine.vllm_config.model_config
+        return str(config.dtype).replace("torch.", "")
+    except Exception:
+        return None
+
+
 def child_worker(conn, env: dict, log_path: str) -> None:
     """Child process: import vLLM once, then load engines one after another and serve requests on each.
 
@@ -237,15 +249,9 @@ def child_worker(conn, env: dict, log_path: str) -> None:
             scoring = {"served": False, "why_not": "not asked: an engine with dummy weights"}
         else:
             scoring = _token_id_scoring(llm, SamplingParams, TokensPrompt)
-        try:  # what the engine computes in: dtype="auto" takes the checkpoint's config (a GPTQ export's float16)
-            engine = llm.llm_engine
-            config = getattr(engine, "model_config", None) or engine.vllm_config.model_config
-            dtype = str(config.dtype).replace("torch.", "")
-        except Exception:  # informative only
-            dtype = None
         info = {
             "vllm": vllm.__version__,
-            "dtype": dtype,
+            "dtype": _engine_dtype(llm),
             "model_runner": runner,
             "token_id_scoring": scoring,
             "spec_counts_per_request": spec_per_request and engine_args.get(PER_REQUEST_SPEC) != "none",
@@ -369,7 +375,7 @@ def child_worker(conn, env: dict, log_path: str) -> None:
         lm = VLLM(pretrained=folder, tokenizer=tokenizer, batch_size=batch, **engine_args)
         llm = lm.model  # released by unload(), here or when the worker stops
         try:
-            return evaluate(lm, request)
+            return {**evaluate(lm, request), "engine": {"dtype": _engine_dtype(llm)}}
         finally:
             lm.model = None
             del lm

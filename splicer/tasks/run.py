@@ -226,6 +226,8 @@ def run_tasks(
                         }
                         res = engine.evaluate_tasks(row_folder(out, results, ok[row]), base, request, log_name=row)
                         entry.update(status="ok", tasks=_per_task(res, tasks))
+                        if dtype := (res.get("engine") or {}).get("dtype"):  # what the row's engine computed in
+                            entry["engine_dtype"] = dtype
                 except SplicerError as e:
                     entry.update(status="error", error=str(e))
                 except Exception as e:  # one row's failure must not end the run; its first line is the reason
