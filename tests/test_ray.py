@@ -154,22 +154,39 @@ def test_a_lane_whose_worker_cannot_start_refuses_the_run_in_one_line(cluster, t
 
 def test_a_run_right_after_another_waits_for_all_the_lanes_the_other_gave_back(monkeypatch):
     """Killed workers give their resources back one by one: planning waits for all that this process's closed lanes
-    held, so that a run started right after another has as many lanes (and rows) as the one before."""
+    held, so that a run started right after another has as many lanes (and rows) as the one before; but not for more
+    lanes than --ray-lanes asks for, nor for what was given back long ago (other work holds it now)."""
     from splicer.backends import ray_lanes
 
-    freed = iter([1, 1, 1, 2])
-    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2}}])
-    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": next(freed, 2)})
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)  # plan_lanes polls every half second
+
+    def close_lanes(per_engine, n=2):  # the lanes of the run before, closed as its end closes them
+        for k in range(n):
+            lane = object.__new__(ray_lanes.RayLane)
+            lane.label, lane.per_engine, lane._actor, lane._closed = f"ray{k}", per_engine, object(), False
+            lane.abort()
+
     monkeypatch.setattr(ray, "kill", lambda actor: None)
-    monkeypatch.setattr(time, "sleep", lambda s: None)  # plan_lanes polls every half second
-    for label in ("ray0", "ray1"):  # the lanes of the run before, closed as its end closes them
-        lane = object.__new__(ray_lanes.RayLane)
-        lane.label, lane.per_engine, lane._actor, lane._closed = label, 0, object(), False
-        lane.abort()
-    assert ray_lanes.plan_lanes(0, None) == (2, True)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2}}])
+    freed = iter([1, 1, 1, 2])
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": next(freed, 2)})
+    close_lanes(0)
+    assert ray_lanes.plan_lanes(0, None) == (2, True) and len(slept) == 3
     # nothing given back since: no wait, as many lanes as are free
+    slept.clear()
     monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 1})
-    assert ray_lanes.plan_lanes(0, None) == (1, True)
+    assert ray_lanes.plan_lanes(0, None) == (1, True) and not slept
+    # GPU lanes: their GPUs waited for, but no more than --ray-lanes asks for
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 16, "GPU": 4}}])
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 16, "GPU": 2})
+    monkeypatch.setattr(ray_lanes, "FREE_WAIT_S", 0.05)
+    close_lanes(2)
+    assert ray_lanes.plan_lanes(2, 1) == (1, True) and not slept
+    # given back long ago: other work holds it now, no wait
+    close_lanes(2)
+    ray_lanes._GIVEN_BACK["at"] -= 60
+    assert ray_lanes.plan_lanes(2, None) == (1, True) and not slept
 
 
 def test_lanes_follow_the_engines_size_and_the_options_it_cannot_go_with(monkeypatch):

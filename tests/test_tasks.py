@@ -124,6 +124,12 @@ def test_rows_scored_before_lm_evals_log_likelihoods_took_the_fp32_products_are_
     now = task_settings(["cloze"], tasks, None, "torch")
     assert "model:" in settings_refusal(out, now)  # what the check said before the earlier models were named
     assert settings_refusal(out, now, earlier_models=TorchBackend.task_models_before) is None
+    # every arithmetic the backend recorded before, the one before its convolutions were FP32 too among them
+    for earlier in TorchBackend.task_models_before[1:]:
+        assert earlier != TorchBackend.task_model
+        (out / "tasks.json").write_text(json.dumps(dict(record, settings=dict(settings, model=earlier))))
+        assert settings_refusal(out, now, earlier_models=TorchBackend.task_models_before) is None, earlier
+    (out / "tasks.json").write_text(json.dumps(record))
     capsys.readouterr()
     assert main(["tasks", str(out), "--tasks", "cloze", "--include-path", str(tasks), "--rows", "build", "-q"]) == 0
     err = capsys.readouterr().err

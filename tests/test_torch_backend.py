@@ -272,6 +272,9 @@ def test_on_the_cpu_scoring_runs_its_products_in_fp32_and_agrees_with_torchs_bf1
     b.generate([seqs[0][:8]], 3, stop_ids=[])
     assert set(routed) == {"conv"}, routed
     routed.clear()
+    b.time_decode(seqs[0][:8], new_tokens=3, warmup=0, runs=1)
+    assert set(routed) == {"conv"}, routed
+    routed.clear()
     monkeypatch.setattr(TorchBackend, "_scoring_products", lambda self, model: contextlib.nullcontext())
     own = list(b.score(seqs, top_k=20))
     assert not routed
@@ -287,6 +290,19 @@ def test_on_the_cpu_scoring_runs_its_products_in_fp32_and_agrees_with_torchs_bf1
         assert isinstance(f32._generation_products(f32.model), contextlib.nullcontext)
     assert b.describe()["scoring_products"] == TorchBackend.SCORING_PRODUCTS
     assert tr.TorchOptions().job_settings()["scoring_products"] == TorchBackend.SCORING_PRODUCTS
+
+
+def test_a_model_without_a_convolution_generates_with_no_mode_around_it(tmp_path):
+    """The convolutions-only mode would put a Python call around every op of a decode step and route nothing: a family
+    with no Conv1d (qwen3_moe) generates and times decode with torch's own kernels and no mode at all."""
+    import contextlib
+
+    from splicer.fixtures.families import write_family_pair
+
+    b = TorchBackend("cpu")
+    b.load(write_family_pair(tmp_path / "pair", "qwen3_moe", kinds=())["base"])
+    assert isinstance(b._generation_products(b.model), contextlib.nullcontext)
+    assert not isinstance(b._scoring_products(b.model), contextlib.nullcontext)  # its products still go through FP32
 
 
 def test_keyword_out_and_mixed_arguments_are_left_to_torch():

@@ -119,8 +119,7 @@ def note(spec: dict) -> str:
         "subtasks' items, a filtered task's under its first filter; Δ vs build is paired on the items both answered, its "
         "95 % interval from a bootstrap over items (t x standard error, as the other intervals; with few discordant items "
         "it is approximate, and with none there is no interval: a row whose every item scores as the build's has a "
-        "difference of 0 and no verdict)."
-        + (f" {dtypes}" if dtypes else "")
+        "difference of 0 and no verdict)." + (f" {dtypes}" if dtypes else "")
     )
 
 

@@ -113,8 +113,13 @@ def plan_lanes(per_engine: int, cap: int | None) -> tuple[int, bool]:
     # Workers of an earlier run in this process give their resources back a moment after they are killed: wait for all
     # of them, not for the first, or a run started right after another gets fewer lanes and drops the rows of the
     # lanes it no longer has (build-end-ray1, ...) that the earlier run finished.
+    # Only for what was given back within FREE_WAIT_S (later, it is other work that holds it), and only up to the lanes
+    # asked for (--ray-lanes) and the cluster's total.
+    per_lane = max(per_engine, 1)
+    recent = time.monotonic() - _GIVEN_BACK.get("at", -1e9) < FREE_WAIT_S
+    want = max(per_lane, _GIVEN_BACK.get(need, 0) if recent else 0)
     total = sum(n.get("Resources", {}).get(need, 0) for n in nodes)
-    want = min(max(per_engine, 1, _GIVEN_BACK.get(need, 0)), total) if total else max(per_engine, 1)
+    want = min(want, total or want, cap * per_lane if cap else want)
     free = ray.available_resources()
     waited = time.monotonic()
     while free.get(need, 0) < want and time.monotonic() - waited < FREE_WAIT_S:
@@ -310,10 +315,15 @@ class RayLane(OneEngineAtATime):
             self._kill()
 
     def _kill(self) -> None:
+        import time
+
         self._ray.kill(self._actor)
         self._actor = None
-        need = "GPU" if self.per_engine else "CPU"
-        _GIVEN_BACK[need] = _GIVEN_BACK.get(need, 0) + max(self.per_engine, 1)
+        # what the worker held (num_cpus=1, num_gpus=per_engine: _start), for plan_lanes to wait for
+        _GIVEN_BACK["CPU"] = _GIVEN_BACK.get("CPU", 0) + 1
+        if self.per_engine:
+            _GIVEN_BACK["GPU"] = _GIVEN_BACK.get("GPU", 0) + self.per_engine
+        _GIVEN_BACK["at"] = time.monotonic()
 
     def check_storage(self, out: Path, token: str, inputs: list[str]) -> None:
         problem = self._ray.get(self._actor.check_storage.remote(str(out / TOKEN_FILE), token, inputs, str(self.log_dir)))
@@ -326,7 +336,9 @@ class RayLane(OneEngineAtATime):
 
 PLACEMENT_TIMEOUT_S = 300  # how long a lane may wait to be placed and built before the run is refused
 FREE_WAIT_S = 30  # how long planning waits for resources an ending run is giving back
-_GIVEN_BACK: dict[str, float] = {}  # what this process's killed lane workers held ("GPU" or "CPU"), until planned again
+# what this process's killed lane workers held ("GPU", "CPU") and when the last was killed ("at", time.monotonic()),
+# until lanes are planned again
+_GIVEN_BACK: dict[str, float] = {}
 
 
 def _cause(e: Exception) -> str:

@@ -46,13 +46,14 @@ class _Bf16InFp32(torch.overrides.TorchFunctionMode):
 
     Why: a BF16 GEMM or convolution accumulates in FP32 and rounds its output to BF16 (on GPUs and in torch's CPU
     kernels alike), so this is the same arithmetic but for the order of the sums (an output differs from torch's BF16
-    kernel by one BF16 step now and then); but on a CPU without BF16 units (AVX2 only) torch's BF16 GEMM is about ten
-    times slower than its FP32 one (results/cpu-bf16-matmul), and its depthwise conv1d (the Gated-DeltaNet layers'
-    short convolution) seven to eleven times (the benchmark `benchmarks/cpu_bf16_conv1d.py` prints the ratio).
+    kernel by one BF16 step now and then, more where terms cancel); but on a CPU without BF16 units (AVX2 only)
+    torch's BF16 GEMM is about ten times slower than its FP32 one (results/cpu-bf16-matmul), and its conv1d (the
+    Gated-DeltaNet layers' depthwise short convolution) two to twelve times (results/cpu-bf16-conv1d).
     matmuls=True: around the scoring passes (score, draft_hits, lm-eval's log-likelihood forward), where every product
     has many rows and converting the weight to FP32 costs less than it saves. matmuls=False: convolutions only, for
-    generation and decode timing, one row at a time, where converting every GEMM weight per token would cost more than
-    it saves but a convolution's weight (channels × kernel width) costs next to nothing.
+    generation and decode timing of a model that has a Conv1d, one row at a time, where converting every GEMM weight
+    per token would cost more than it saves but a convolution's weight (channels × kernel width) costs next to nothing
+    (a model without one runs with no mode at all: the mode's Python call around every op would only slow it).
     Only these functions, and only when every floating-point tensor among their arguments is BF16 and no out= tensor is
     given; everything else (attention through scaled_dot_product_attention, norms, activations) runs as before."""
 
@@ -221,7 +222,10 @@ class TorchBackend(OneEngineAtATime):
     # arithmetic changed; a tasks.json of one runs its rows again, saying why (no option gives the old arithmetic back).
     _HFLM = "torch backend (transformers' model of the family) through lm-eval's HFLM"
     task_model = f"{_HFLM}; log-likelihoods: {SCORING_PRODUCTS}"
-    task_models_before = (_HFLM,)  # as recorded while its log-likelihoods ran torch's BF16 GEMM
+    task_models_before = (
+        _HFLM,  # as recorded while its log-likelihoods ran torch's BF16 GEMM
+        f"{_HFLM}; log-likelihoods: BF16 products as FP32 products of the BF16 values, rounded to BF16, on the CPU",
+    )  # the second: before the convolutions were computed in FP32 too
 
     def evaluate_tasks(self, folder: Path, tokenizer_folder: Path, request: dict, log_name: str | None = None) -> dict:
         """lm-eval's tasks on folder's model in this process (lm_eval_tasks.evaluate: request and what comes back);
@@ -364,8 +368,14 @@ class TorchBackend(OneEngineAtATime):
         return _Bf16InFp32(matmuls=True) if self._on_cpu_bf16(model) else contextlib.nullcontext()
 
     def _generation_products(self, model):
-        """_Bf16InFp32 (convolutions only) for a BF16 model on the CPU, else nothing."""
-        return _Bf16InFp32(matmuls=False) if self._on_cpu_bf16(model) else contextlib.nullcontext()
+        """_Bf16InFp32 (convolutions only) for a BF16 model with a Conv1d on the CPU, else nothing."""
+        has_conv = getattr(model, "_splicer_has_conv1d", None)
+        if has_conv is None:  # asked once per model: generation calls this per prompt, timing per run
+            modules = getattr(model, "modules", None)
+            has_conv = callable(modules) and any(isinstance(m, torch.nn.Conv1d) for m in modules())
+            with contextlib.suppress(AttributeError, TypeError):
+                model._splicer_has_conv1d = has_conv
+        return _Bf16InFp32(matmuls=False) if has_conv and self._on_cpu_bf16(model) else contextlib.nullcontext()
 
     def score(self, sequences, top_k=20, gather_ids=None, want_full=False, batch_size=4) -> Iterator[SequenceScores]:
         """Yields one SequenceScores per input sequence, in input order.
