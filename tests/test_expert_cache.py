@@ -22,14 +22,14 @@ E, H, INTER = 4, 8, 6  # experts, hidden, intermediate size
 DEC = "model.language_model.layers.0."
 
 
-def _config(ignore=()):
+def _config(ignore=(), groups=None):
     return {
         "model_type": "qwen3_5_moe",
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],
         "text_config": {"model_type": "qwen3_5_moe_text", "num_experts": E, "hidden_size": H},
         "quantization_config": {
             "quant_method": "compressed-tensors",
-            "config_groups": {"g": {"targets": ["Linear"]}},
+            "config_groups": groups or {"g": {"targets": ["Linear"]}},
             "ignore": list(ignore),
         },
     }
@@ -49,9 +49,9 @@ def _tensors(seed=0):
     return out
 
 
-def write_ckpt(folder: Path, tensors: dict, *, files=1, ignore=()) -> Path:
+def write_ckpt(folder: Path, tensors: dict, *, files=1, ignore=(), groups=None) -> Path:
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(_config(ignore)))
+    (folder / "config.json").write_text(json.dumps(_config(ignore, groups)))
     names = sorted(tensors)
     for i in range(files):
         part = {n: tensors[n] for n in names[i::files]}
@@ -286,6 +286,30 @@ def test_loader_saves_once_then_copies_the_experts(tmp_path, monkeypatch, fake_v
         _tensors(seed=1)[DEC + "mlp.experts.1.down_proj.weight"],
     )
     assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 2
+
+
+def test_a_config_group_that_reaches_no_expert_leaves_the_key_alone(tmp_path, monkeypatch, fake_vllm):
+    """A build with an INT8 lm_head has a config group for it that a variant with lm_head restored drops: the experts'
+    bytes and scheme are the same, so the variant copies the build's saved experts. A group that does reach the experts
+    (by class, by a pattern, by a module's name) is part of the key: another scheme of theirs is another key."""
+    int4 = {"targets": ["Linear"], "weights": {"num_bits": 4}}
+    head = {"targets": ["re:.*lm_head$"], "weights": {"num_bits": 8}}
+    t = _tensors()
+    build = write_ckpt(tmp_path / "build", t, groups={"group_0": int4, "group_1": head})
+    restored_head = write_ckpt(tmp_path / "lm_head", t, groups={"group_0": int4}, ignore=["lm_head"])
+    cache = tmp_path / "cache"
+    _, _, first = _load(fake_vllm, build, cache, monkeypatch)
+    _, _, second = _load(fake_vllm, restored_head, cache, monkeypatch)
+    assert first["do"] == "save" and second["do"] == "load" and second["key"] == first["key"]
+    modules = xc.expert_module_names(build, xc.checkpoint_expert_regex(get_architecture(_config())))
+    assert DEC + "mlp.experts.0.down_proj" in modules and len(modules) == 3 * E
+    for name, reaching in {
+        "a pattern": {"targets": ["re:.*mlp\\.experts\\..*"], "weights": {"num_bits": 8}},
+        "a module's name": {"targets": [DEC + "mlp.experts.1.up_proj"], "weights": {"num_bits": 8}},
+        "a class": {"targets": ["Linear"], "weights": {"num_bits": 8}},
+    }.items():
+        other = write_ckpt(tmp_path / name, t, groups={"group_0": int4, "group_1": reaching})
+        assert _load(fake_vllm, other, cache, monkeypatch)[2]["key"] != first["key"], name
 
 
 def test_unquantized_model_skips_strict_tracking_only_when_the_experts_come_from_the_cache(tmp_path, monkeypatch, fake_vllm):

@@ -18,7 +18,7 @@ mkdir -p "$WORK"
 if [ ! -f "$WORK/pair/reference/config.json" ]; then
   python3 -m splicer fixture "$WORK/pair" --full-dims 2>&1 | tail -4 | tee "$WORK/$RUN-standin.log"
 fi
-mkdir -p "$WORK/$RUN"; D="$WORK/$RUN/disk.txt"
+D="$WORK/$RUN-disk.txt"
 du -sh --apparent-size "$WORK/pair/build" "$WORK/pair/reference" > "$D" 2>&1; du -sh "$WORK" >> "$D"; df -h "$WORK" >> "$D"
 CMD=(python3 -m splicer ablate "$ROWS" "$WORK/pair/build" "$WORK/pair/reference" -o "$WORK/$RUN" --plan h200-fulldims
      --backend vllm --allow-quantized-base --language-model-only --bandwidth-gbs 4800 -q
@@ -62,7 +62,7 @@ sleep 2; pkill -9 -f "multiprocessing.spawn" 2>/dev/null  # a worker left behind
 cp "$WORK/$RUN/results.json" "$WORK/$RUN/table.md" "$WORK/$RUN/report.md" "$OUT/" 2>/dev/null
 # A device call brings back at most 8 files: logs.tgz (engine logs, the job, disk use, the stand-in's log) and
 # scores.tar.xz (per-position scores, for recomputing intervals) beside the five above.
-cp "$WORK/gpu-$RUN.csv" "$WORK/$RUN/logs/gpu.csv" 2>/dev/null; cp "$WORK/$RUN-standin.log" "$WORK/$RUN/standin.log" 2>/dev/null
+cp "$WORK/gpu-$RUN.csv" "$WORK/$RUN/logs/gpu.csv" 2>/dev/null; cp "$WORK/$RUN-standin.log" "$WORK/$RUN/standin.log" 2>/dev/null; cp "$D" "$WORK/$RUN/disk.txt" 2>/dev/null
 ( cd "$WORK/$RUN" && tar czf "$OUT/logs.tgz" logs ablate.log job.json disk.txt standin.log cache/base-*/done.json 2>/dev/null )
 pack_scores "$OUT/scores.tar.xz" "$WORK" "$RUN"
 tail -5 "$OUT/ablate.log"; cat "$OUT/run.txt"; cat "$OUT/table.md" 2>/dev/null | head -30

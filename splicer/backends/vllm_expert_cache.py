@@ -15,8 +15,9 @@ tensors (the weight loaders never see them; their bytes are read once per folder
 tensors into its fresh parameters; vLLM then repacks them as it would have.
 
 The key is the expert bytes themselves (a SHA-256 over every routed-expert tensor's name, dtype, shape and data), the
-checkpoint's quantization schemes (its quantization_config without the ignore list, which is what differs between a
-build and its restored variants), vLLM's version, the quantization method of the expert modules, the model's dtype, the
+checkpoint's quantization schemes that reach the experts (its quantization_config without the ignore list and without
+config groups whose targets name none of the experts, which is what differs between a build and its restored
+variants: a restored lm_head drops an INT8 lm_head's group), vLLM's version, the quantization method of the expert modules, the model's dtype, the
 GPU's name and the engine's tensor-parallel rank and size; a saved entry is used only when its tensors match the fresh
 model's expert state name for name, shape for shape and dtype for dtype. Anything else (another checkpoint's experts,
 an MTP drafter, a model without routed experts) loads the normal way. A save that cannot be made (no room, no
@@ -54,6 +55,8 @@ _digests: dict = {}  # (folder, files' sizes and mtimes, context) -> key: one ha
 # and hashes none of them again in the same process (the backend's worker serves a whole run)
 _file_sums: collections.OrderedDict = collections.OrderedDict()
 FILE_SUMS_KEPT = 128  # files remembered, least recently used first out: a run's variants keep hitting the build's shards
+_module_names: dict = {}  # (folder, files' sizes and mtimes, pattern) -> the expert modules' names (quant_schemes)
+MODULE_NAMES_KEPT = 16  # folders remembered, oldest first out: a few MB each on a 256-expert model
 
 
 def reset() -> None:
@@ -127,11 +130,8 @@ def experts_digest(folder, regex: re.Pattern, context: dict) -> tuple[str, int, 
     before (the same inode, size and mtime: a splice's hard link of the build's shard) is not read again."""
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
-    stamp = (
-        str(folder.resolve()),
-        tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files),
-        json.dumps(context, sort_keys=True),
-    )
+    where = (str(folder.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files), regex.pattern)
+    stamp = (*where, json.dumps(context, sort_keys=True))
     if stamp in _digests:
         return _digests[stamp]
     per_file, todo, maps = [], [], []
@@ -176,6 +176,9 @@ def experts_digest(folder, regex: re.Pattern, context: dict) -> tuple[str, int, 
         for k, dtype, shape, digest, _ in rows:
             total.update(f"{k}\0{dtype}\0{shape}\0{digest}\n".encode())
         out = (total.hexdigest()[:32], len(rows), sum(r[4] for r in rows))
+        _module_names[where] = frozenset(r[0].rsplit(".", 1)[0] for r in rows)
+        while len(_module_names) > MODULE_NAMES_KEPT:
+            _module_names.pop(next(iter(_module_names)))
     finally:
         todo.clear()
         for mm in maps:
@@ -184,12 +187,42 @@ def experts_digest(folder, regex: re.Pattern, context: dict) -> tuple[str, int, 
     return out
 
 
-def quant_schemes(folder) -> dict:
+def expert_module_names(folder, regex: re.Pattern) -> frozenset:
+    """The checkpoint's routed-expert modules (their tensors' names less the last part), as experts_digest read them."""
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    where = (str(folder.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files), regex.pattern)
+    if where not in _module_names:
+        experts_digest(folder, regex, {})
+    return _module_names[where]
+
+
+def _reaches(target: str, modules: frozenset) -> bool:
+    """Whether a compressed-tensors target can apply to one of these modules: a "re:" pattern matching one of their
+    names (re.match, as compressed-tensors matches), a module name among them, or a class name (CamelCase, as
+    "Linear"), which the expert projections may be."""
+    if target.startswith("re:"):
+        pattern = re.compile(target[3:])
+        return any(pattern.match(m) for m in modules)
+    return target in modules or target[:1].isupper()
+
+
+def quant_schemes(folder, expert_modules: frozenset | None = None) -> dict:
     """The checkpoint's quantization config without its ignore list (a build and its restored variants differ in that
-    list only; the experts' scheme is in the rest)."""
+    list), and, given the routed experts' module names, without the config groups none of whose targets reaches them:
+    a build's INT8 lm_head is a group of its own, which a variant with lm_head restored drops, and the experts' bytes
+    and scheme are the same either way."""
     cfg = json.loads((Path(folder) / "config.json").read_text())
     q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
-    return {k: v for k, v in q.items() if k not in ("ignore", "modules_to_not_convert")}
+    q = {k: v for k, v in q.items() if k not in ("ignore", "modules_to_not_convert")}
+    groups = q.get("config_groups")
+    if expert_modules and isinstance(groups, dict):
+        q["config_groups"] = {
+            name: g
+            for name, g in groups.items()
+            if not isinstance(g, dict) or any(_reaches(str(t), expert_modules) for t in g.get("targets") or [])
+        }
+    return q
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -351,7 +384,9 @@ def plan_load(model, model_config, cache_dir, context: dict) -> dict:
     # the quantization method decides the parameters' layout before repacking (their shapes are checked as well)
     context = dict(context, method=sorted({type(getattr(m, "quant_method", None)).__name__ for _, m in modules}))
     t = time.perf_counter()
-    key, n, nbytes = experts_digest(folder, regex, dict(context, schemes=quant_schemes(folder)))
+    bytes_key, n, nbytes = experts_digest(folder, regex, context)
+    schemes = quant_schemes(folder, expert_module_names(folder, regex))
+    key = hashlib.sha256(json.dumps([bytes_key, schemes], sort_keys=True).encode()).hexdigest()[:32]
     plan = {
         "regex": regex,
         "state": state,
