@@ -288,10 +288,12 @@ def test_loader_saves_once_then_copies_the_experts(tmp_path, monkeypatch, fake_v
     assert len([p for p in cache.iterdir() if not p.name.startswith(".")]) == 2
 
 
-def test_a_config_group_that_reaches_no_expert_leaves_the_key_alone(tmp_path, monkeypatch, fake_vllm):
+def test_a_config_group_that_certainly_reaches_no_expert_leaves_the_key_alone(tmp_path, monkeypatch, fake_vllm):
     """A build with an INT8 lm_head has a config group for it that a variant with lm_head restored drops: the experts'
-    bytes and scheme are the same, so the variant copies the build's saved experts. A group that does reach the experts
-    (by class, by a pattern, by a module's name) is part of the key: another scheme of theirs is another key."""
+    bytes and scheme are the same, so the variant copies the build's saved experts. A group is left out of the key only
+    when every target of it names or matches another module of the checkpoint and no expert; one that reaches the
+    experts, or that might as vLLM reads it (a class, vLLM's spelling of a name, a pattern over fused experts), stays:
+    another group there is another key."""
     int4 = {"targets": ["Linear"], "weights": {"num_bits": 4}}
     head = {"targets": ["re:.*lm_head$"], "weights": {"num_bits": 8}}
     t = _tensors()
@@ -301,15 +303,46 @@ def test_a_config_group_that_reaches_no_expert_leaves_the_key_alone(tmp_path, mo
     _, _, first = _load(fake_vllm, build, cache, monkeypatch)
     _, _, second = _load(fake_vllm, restored_head, cache, monkeypatch)
     assert first["do"] == "save" and second["do"] == "load" and second["key"] == first["key"]
-    modules = xc.expert_module_names(build, xc.checkpoint_expert_regex(get_architecture(_config())))
-    assert DEC + "mlp.experts.0.down_proj" in modules and len(modules) == 3 * E
-    for name, reaching in {
-        "a pattern": {"targets": ["re:.*mlp\\.experts\\..*"], "weights": {"num_bits": 8}},
-        "a module's name": {"targets": [DEC + "mlp.experts.1.up_proj"], "weights": {"num_bits": 8}},
-        "a class": {"targets": ["Linear"], "weights": {"num_bits": 8}},
+    experts, other = xc.checkpoint_modules(build, xc.checkpoint_expert_regex(get_architecture(_config())))
+    assert DEC + "mlp.experts.0.down_proj" in experts and len(experts) == 3 * E and "lm_head" in other
+    # the head by its exact name, or beside the shared expert: still only elsewhere
+    for name, elsewhere in {"by name": ["lm_head"], "two patterns": ["re:.*lm_head$", "re:.*shared_expert\\..*"]}.items():
+        variant = write_ckpt(tmp_path / name, t, groups={"group_0": int4, "group_1": {"targets": elsewhere}})
+        assert _load(fake_vllm, variant, cache, monkeypatch)[2]["key"] == first["key"], name
+    for name, targets in {
+        "a pattern": ["re:.*mlp\\.experts\\..*"],
+        "a module's name": [DEC + "mlp.experts.1.up_proj"],
+        "a class": ["Linear"],
+        "vLLM's spelling": ["re:language_model\\.model\\.layers\\..*experts.*"],
+        "a lowercase class": ["fusedmoe"],
+        "fused experts": ["re:.*experts\\.gate_up_proj$"],
+        "the head and a class": ["re:.*lm_head$", "Linear"],
     }.items():
-        other = write_ckpt(tmp_path / name, t, groups={"group_0": int4, "group_1": reaching})
-        assert _load(fake_vllm, other, cache, monkeypatch)[2]["key"] != first["key"], name
+        variant = write_ckpt(
+            tmp_path / name, t, groups={"group_0": int4, "group_1": {"targets": targets, "weights": {"num_bits": 8}}}
+        )
+        assert _load(fake_vllm, variant, cache, monkeypatch)[2]["key"] != first["key"], name
+
+
+def test_the_stand_ins_splices_share_the_builds_key(pairs, tmp_path):
+    """On the fixture's build (INT4 experts, an INT8 lm_head group) and its splices, as a plan makes them: every
+    variant that keeps the build's experts has the build's expert bytes and schemes, whichever classes it restores."""
+    from splicer.splice.core import splice
+
+    p = pairs["fused"]
+    build = p["lowlatency"]
+    rx = xc.checkpoint_expert_regex(get_architecture(json.loads((build / "config.json").read_text())))
+    assert rx is not None
+
+    def key(folder):
+        return xc.experts_digest(folder, rx, {}), xc.quant_schemes(folder, xc.checkpoint_modules(folder, rx))
+
+    want = key(build)
+    assert want[0][1] > 0 and len(want[1]["config_groups"]) == 1  # the lm_head group is out of the key
+    for restore in (["lm_head"], ["gdn"], ["attention", "shared_expert", "lm_head"]):
+        out = tmp_path / "+".join(restore)
+        splice(str(build), str(p["base"]), out, ",".join(restore), progress=False)
+        assert key(out) == want, restore
 
 
 def test_unquantized_model_skips_strict_tracking_only_when_the_experts_come_from_the_cache(tmp_path, monkeypatch, fake_vllm):

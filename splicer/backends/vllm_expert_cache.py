@@ -15,9 +15,9 @@ tensors (the weight loaders never see them; their bytes are read once per folder
 tensors into its fresh parameters; vLLM then repacks them as it would have.
 
 The key is the expert bytes themselves (a SHA-256 over every routed-expert tensor's name, dtype, shape and data), the
-checkpoint's quantization schemes that reach the experts (its quantization_config without the ignore list and without
-config groups whose targets name none of the experts, which is what differs between a build and its restored
-variants: a restored lm_head drops an INT8 lm_head's group), vLLM's version, the quantization method of the expert modules, the model's dtype, the
+checkpoint's quantization schemes that may reach the experts (its quantization_config without the ignore list and
+without config groups whose every target certainly applies to other modules, which is what differs between a build and
+its restored variants: a restored lm_head drops an INT8 lm_head's group), vLLM's version, the quantization method of the expert modules, the model's dtype, the
 GPU's name and the engine's tensor-parallel rank and size; a saved entry is used only when its tensors match the fresh
 model's expert state name for name, shape for shape and dtype for dtype. Anything else (another checkpoint's experts,
 an MTP drafter, a model without routed experts) loads the normal way. A save that cannot be made (no room, no
@@ -55,8 +55,6 @@ _digests: dict = {}  # (folder, files' sizes and mtimes, context) -> key: one ha
 # and hashes none of them again in the same process (the backend's worker serves a whole run)
 _file_sums: collections.OrderedDict = collections.OrderedDict()
 FILE_SUMS_KEPT = 128  # files remembered, least recently used first out: a run's variants keep hitting the build's shards
-_module_names: dict = {}  # (folder, files' sizes and mtimes, pattern) -> the expert modules' names (quant_schemes)
-MODULE_NAMES_KEPT = 16  # folders remembered, oldest first out: a few MB each on a 256-expert model
 
 
 def reset() -> None:
@@ -130,8 +128,12 @@ def experts_digest(folder, regex: re.Pattern, context: dict) -> tuple[str, int, 
     before (the same inode, size and mtime: a splice's hard link of the build's shard) is not read again."""
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
-    where = (str(folder.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files), regex.pattern)
-    stamp = (*where, json.dumps(context, sort_keys=True))
+    stamp = (
+        str(folder.resolve()),
+        tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files),
+        regex.pattern,
+        json.dumps(context, sort_keys=True),
+    )
     if stamp in _digests:
         return _digests[stamp]
     per_file, todo, maps = [], [], []
@@ -176,9 +178,6 @@ def experts_digest(folder, regex: re.Pattern, context: dict) -> tuple[str, int, 
         for k, dtype, shape, digest, _ in rows:
             total.update(f"{k}\0{dtype}\0{shape}\0{digest}\n".encode())
         out = (total.hexdigest()[:32], len(rows), sum(r[4] for r in rows))
-        _module_names[where] = frozenset(r[0].rsplit(".", 1)[0] for r in rows)
-        while len(_module_names) > MODULE_NAMES_KEPT:
-            _module_names.pop(next(iter(_module_names)))
     finally:
         todo.clear()
         for mm in maps:
@@ -187,40 +186,45 @@ def experts_digest(folder, regex: re.Pattern, context: dict) -> tuple[str, int, 
     return out
 
 
-def expert_module_names(folder, regex: re.Pattern) -> frozenset:
-    """The checkpoint's routed-expert modules (their tensors' names less the last part), as experts_digest read them."""
-    folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    where = (str(folder.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files), regex.pattern)
-    if where not in _module_names:
-        experts_digest(folder, regex, {})
-    return _module_names[where]
+def checkpoint_modules(folder, regex: re.Pattern) -> tuple[frozenset, frozenset]:
+    """(the routed experts' modules, every other module) of the checkpoint, by its tensors' names less the last part,
+    from the safetensors headers (read in milliseconds; nothing kept)."""
+    experts, other = set(), set()
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        for name in _header(f)[1]:
+            if name != "__metadata__":
+                (experts if regex.match(name) else other).add(name.rsplit(".", 1)[0])
+    return frozenset(experts), frozenset(other - experts)
 
 
-def _reaches(target: str, modules: frozenset) -> bool:
-    """Whether a compressed-tensors target can apply to one of these modules: a "re:" pattern matching one of their
-    names (re.match, as compressed-tensors matches), a module name among them, or a class name (CamelCase, as
-    "Linear"), which the expert projections may be."""
+def _only_elsewhere(target: str, experts: frozenset, other: frozenset) -> bool:
+    """Whether a compressed-tensors target certainly applies to none of the routed experts: it names or matches
+    (re.match, as compressed-tensors and vLLM match "re:" targets) a module of the checkpoint other than an expert, and
+    no expert. A target that matches nothing here (a class name such as "Linear", vLLM's own spelling of a name, a
+    pattern over fused expert tensors) may still reach them as vLLM reads it, so it is not."""
     if target.startswith("re:"):
         pattern = re.compile(target[3:])
-        return any(pattern.match(m) for m in modules)
-    return target in modules or target[:1].isupper()
+        return not any(pattern.match(m) for m in experts) and any(pattern.match(m) for m in other)
+    return target not in experts and target in other
 
 
-def quant_schemes(folder, expert_modules: frozenset | None = None) -> dict:
+def quant_schemes(folder, modules: tuple[frozenset, frozenset] | None = None) -> dict:
     """The checkpoint's quantization config without its ignore list (a build and its restored variants differ in that
-    list), and, given the routed experts' module names, without the config groups none of whose targets reaches them:
-    a build's INT8 lm_head is a group of its own, which a variant with lm_head restored drops, and the experts' bytes
-    and scheme are the same either way."""
+    list), and, given checkpoint_modules, without the config groups every target of which certainly applies elsewhere:
+    a build's INT8 lm_head is a group of its own ("re:.*lm_head$"), which a variant with lm_head restored drops, and
+    the experts' bytes and scheme are the same either way. Any group that might reach the experts stays in."""
     cfg = json.loads((Path(folder) / "config.json").read_text())
     q = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
     q = {k: v for k, v in q.items() if k not in ("ignore", "modules_to_not_convert")}
     groups = q.get("config_groups")
-    if expert_modules and isinstance(groups, dict):
+    if modules and isinstance(groups, dict):
+        experts, other = modules
         q["config_groups"] = {
             name: g
             for name, g in groups.items()
-            if not isinstance(g, dict) or any(_reaches(str(t), expert_modules) for t in g.get("targets") or [])
+            if not (
+                isinstance(g, dict) and g.get("targets") and all(_only_elsewhere(str(t), experts, other) for t in g["targets"])
+            )
         }
     return q
 
@@ -385,7 +389,7 @@ def plan_load(model, model_config, cache_dir, context: dict) -> dict:
     context = dict(context, method=sorted({type(getattr(m, "quant_method", None)).__name__ for _, m in modules}))
     t = time.perf_counter()
     bytes_key, n, nbytes = experts_digest(folder, regex, context)
-    schemes = quant_schemes(folder, expert_module_names(folder, regex))
+    schemes = quant_schemes(folder, checkpoint_modules(folder, regex))
     key = hashlib.sha256(json.dumps([bytes_key, schemes], sort_keys=True).encode()).hexdigest()[:32]
     plan = {
         "regex": regex,
