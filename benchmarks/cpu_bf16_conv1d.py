@@ -18,50 +18,28 @@ Usage: python benchmarks/cpu_bf16_conv1d.py OUT.json [--reps 3] [--threads 1]
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from cpu_bf16_matmul import cpu_flags
+from cpu_bf16_matmul import bench_args, bench_record
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    args = bench_args()
 
     import torch
-    import transformers
     from transformers import AutoTokenizer
 
-    from splicer.ablate.job import host_info
     from splicer.backends.torch_ref import TorchBackend, _Bf16InFp32
     from splicer.corpora.demo_tokenizer import demo_texts
     from splicer.fixtures.core import FixtureSpec, write_pair
 
-    torch.set_num_threads(args.threads)
-    record = {
-        "command": "python benchmarks/cpu_bf16_conv1d.py " + " ".join(sys.argv[2:] + ["OUT.json"]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {**host_info(), "flags": cpu_flags(), "threads": args.threads},
-        "load_before": os.getloadavg(),  # 1, 5 and 15 minutes
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
-    }
-    with contextlib.suppress(OSError):
-        record["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
+    record = bench_record("cpu_bf16_conv1d.py", args.threads)
 
     def products_only():  # the routing before: FP32 products, torch's own BF16 convolutions
         mode = _Bf16InFp32(matmuls=True)

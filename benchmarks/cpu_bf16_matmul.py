@@ -37,25 +37,31 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def main() -> None:
+def bench_args() -> argparse.Namespace:
+    """OUT.json, --reps and --threads, as both CPU benchmarks take them; torch's threads set to --threads."""
+    import torch
+
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
 
+
+def bench_record(script: str, threads: int) -> dict:
+    """What a benchmark's OUT.json opens with: its command, the date, the machine, its load before, the versions and
+    the commit."""
     import torch
     import transformers
 
     from splicer.ablate.job import host_info
-    from splicer.backends.torch_ref import TorchBackend, _Bf16InFp32
-    from splicer.fixtures.core import FixtureSpec, write_pair
 
-    torch.set_num_threads(args.threads)
     record = {
-        "command": "python benchmarks/cpu_bf16_matmul.py " + " ".join(sys.argv[2:] + ["OUT.json"]),
+        "command": f"python benchmarks/{script} " + " ".join(sys.argv[2:] + ["OUT.json"]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {**host_info(), "flags": cpu_flags(), "threads": args.threads},
+        "machine": {**host_info(), "flags": cpu_flags(), "threads": threads},
         "load_before": os.getloadavg(),  # 1, 5 and 15 minutes
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
@@ -66,6 +72,18 @@ def main() -> None:
         ).stdout.strip()
     except OSError:
         pass
+    return record
+
+
+def main() -> None:
+    args = bench_args()
+
+    import torch
+
+    from splicer.backends.torch_ref import TorchBackend, _Bf16InFp32
+    from splicer.fixtures.core import FixtureSpec, write_pair
+
+    record = bench_record("cpu_bf16_matmul.py", args.threads)
 
     # one linear layer
     g = torch.Generator().manual_seed(0)

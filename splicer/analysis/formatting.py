@@ -102,3 +102,18 @@ def decimals(values, significant: int, of=min, least: int = 4, most: int = 8) ->
     if not nonzero:
         return least
     return min(most, max(least, significant - 1 - math.floor(math.log10(of(nonzero)))))
+
+
+def fmt_other_dtypes(reference: str, dtype: str | None, rows: dict, what: str, hint: str) -> str | None:
+    """The sentence for rows (name -> the dtype its engine computed in, None where not recorded) whose dtype is not
+    the reference engine's, or None when none is, or the reference's is not known: vLLM's dtype="auto" follows each
+    checkpoint's config (GPTQ exports often say float16), so those rows' `what` hold the dtypes' difference beside the
+    quantization's; hint: the option that puts every engine in one dtype."""
+    other = {n: d for n, d in rows.items() if dtype and d and d != dtype}
+    if not other:
+        return None
+    listed = ", ".join(f"{n} ({d})" for n, d in other.items())
+    return (
+        f"Computed in another dtype than {reference} ({dtype}): {listed}; their {what} include that difference beside "
+        f"the quantization's ({hint})."
+    )

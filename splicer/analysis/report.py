@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..io import results_record
-from .formatting import fmt_change
+from .formatting import fmt_change, fmt_other_dtypes
 from .metrics import TOO_FEW_NOTE, excludes_zero
 
 
@@ -83,14 +83,9 @@ def _other_dtypes(results: dict, variants: list[dict]) -> str | None:
     """The sentence for rows whose engine computed in another dtype than the base pass's engine (vLLM's dtype="auto"
     follows each checkpoint's config), or None: each engine records its dtype (backends/vllm_child.py)."""
     base = (((results.get("base_pass") or {}).get("engine")) or {}).get("dtype")
-    other = {v["name"]: (v.get("engine") or {}).get("dtype") for v in variants}
-    other = {n: d for n, d in other.items() if base and d and d != base}
-    if not other:
-        return None
-    rows = ", ".join(f"{n} ({d})" for n, d in other.items())
-    return (
-        f"Computed in another dtype than the base pass's engine ({base}): {rows}; their scores include that "
-        f"difference beside the quantization's (--engine-arg dtype={base} puts every engine in one dtype)."
+    rows = {v["name"]: (v.get("engine") or {}).get("dtype") for v in variants}
+    return fmt_other_dtypes(
+        "the base pass's engine", base, rows, "scores", f"--engine-arg dtype={base} puts every engine in one dtype"
     )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..io import results_record
-from .formatting import fmt_paired_clause, fmt_paired_pp
+from .formatting import fmt_other_dtypes, fmt_paired_clause, fmt_paired_pp
 from .metrics import MIN_SEQUENCES, identical_pairs, paired_comparison, wilson
 
 FILE = "tasks.json"
@@ -97,14 +97,12 @@ def other_dtypes(record: dict) -> str | None:
     dtypes' difference beside the quantization's. Rows run before engines recorded their dtype are not compared."""
     dtypes = {r: e.get("engine_dtype") for r, e in (record.get("rows") or {}).items() if e.get("status") == "ok"}
     build = dtypes.get(record.get("build_row") or "")
-    other = {r: d for r, d in dtypes.items() if build and d and d != build}
-    if not other:
-        return None
-    rows = ", ".join(f"{r} ({d})" for r, d in other.items())
-    return (
-        f"Computed in another dtype than the build's engine ({build}): {rows}; their differences from the build include "
-        f"that beside the quantization's (`splicer ablate --engine-arg dtype={build}` puts every engine of the folder, "
-        "task runs included, in one dtype)."
+    return fmt_other_dtypes(
+        "the build's engine",
+        build,
+        dtypes,
+        "differences from the build",
+        f"`splicer ablate --engine-arg dtype={build}` puts every engine of the folder, task runs included, in one dtype",
     )
 
 
