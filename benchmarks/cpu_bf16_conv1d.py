@@ -26,18 +26,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from cpu_bf16_matmul import bench_args, bench_record
+from cpu_bf16_matmul import bench_args, bench_record, demo_build, timed_with
 
 
 def main() -> None:
     args = bench_args()
 
     import torch
-    from transformers import AutoTokenizer
 
-    from splicer.backends.torch_ref import TorchBackend, _Bf16InFp32
-    from splicer.corpora.demo_tokenizer import demo_texts
-    from splicer.fixtures.core import FixtureSpec, write_pair
+    from splicer.backends.torch_ref import _Bf16InFp32
 
     record = bench_record("cpu_bf16_conv1d.py", args.threads)
 
@@ -47,12 +44,7 @@ def main() -> None:
         return mode
 
     with tempfile.TemporaryDirectory() as tmp:
-        pair = write_pair(Path(tmp) / "pair", FixtureSpec(), kinds=("lowlatency",))
-        tokens = AutoTokenizer.from_pretrained(pair["base"])("\n".join(demo_texts()))["input_ids"]
-        seqs = [tokens[i * 255 : (i + 1) * 255] for i in range(4)]
-        assert all(len(s) == 255 for s in seqs), "the demo text is shorter than 4 x 255 tokens"
-        backend = TorchBackend("cpu", threads=args.threads)
-        backend.load(pair["lowlatency"])
+        backend, tokens, seqs = demo_build(Path(tmp), args.threads)
         conv = next(m for m in backend.model.modules() if isinstance(m, torch.nn.Conv1d))
         channels, width = conv.weight.shape[0], conv.weight.shape[-1]
 
@@ -86,14 +78,8 @@ def main() -> None:
         record["conv1d_layer"] = layer
 
         def score(before: bool):
-            if before:
-                backend._scoring_products = lambda model: products_only()
-            try:
-                t = time.perf_counter()
-                out = list(backend.score(seqs, 20))
-                return time.perf_counter() - t, out
-            finally:
-                vars(backend).pop("_scoring_products", None)
+            mode = products_only if before else None
+            return timed_with(backend, "_scoring_products", mode, lambda: list(backend.score(seqs, 20)))
 
         scoring = {"sequences": len(seqs), "positions": sum(len(s) - 1 for s in seqs), "before_s": [], "after_s": []}
         for _ in range(args.reps):
@@ -107,14 +93,8 @@ def main() -> None:
         record["demo_build_scoring_wiki_en"] = scoring
 
         def generate(before: bool):
-            if before:
-                backend._generation_products = lambda model: contextlib.nullcontext()
-            try:
-                t = time.perf_counter()
-                out = backend.generate([tokens[:64]], 32, stop_ids=[])
-                return time.perf_counter() - t, out
-            finally:
-                vars(backend).pop("_generation_products", None)
+            mode = contextlib.nullcontext if before else None
+            return timed_with(backend, "_generation_products", mode, lambda: backend.generate([tokens[:64]], 32, stop_ids=[]))
 
         generation = {"prompt_tokens": 64, "new_tokens": 32, "before_s": [], "after_s": []}
         for _ in range(args.reps):

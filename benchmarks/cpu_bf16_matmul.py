@@ -75,13 +75,43 @@ def bench_record(script: str, threads: int) -> dict:
     return record
 
 
+def demo_build(tmp: Path, threads: int):
+    """(TorchBackend with the demo pair's build loaded, the demo text's tokens, 4 sequences of 255 of them: the demo's
+    wiki-en corpus is 4 x 255)."""
+    from transformers import AutoTokenizer
+
+    from splicer.backends.torch_ref import TorchBackend
+    from splicer.corpora.demo_tokenizer import demo_texts
+    from splicer.fixtures.core import FixtureSpec, write_pair
+
+    pair = write_pair(Path(tmp) / "pair", FixtureSpec(), kinds=("lowlatency",))
+    tokens = AutoTokenizer.from_pretrained(pair["base"])("\n".join(demo_texts()))["input_ids"]
+    seqs = [tokens[i * 255 : (i + 1) * 255] for i in range(4)]
+    assert all(len(s) == 255 for s in seqs), "the demo text is shorter than 4 x 255 tokens"
+    backend = TorchBackend("cpu", threads=threads)
+    backend.load(pair["lowlatency"])
+    return backend, tokens, seqs
+
+
+def timed_with(backend, method: str, mode, fn):
+    """(seconds, fn()) with the backend's `method` (_scoring_products or _generation_products) answering mode() instead
+    of its own where mode is given (None: the backend's own arithmetic)."""
+    if mode is not None:
+        setattr(backend, method, lambda model: mode())
+    try:
+        t = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t, out
+    finally:
+        vars(backend).pop(method, None)
+
+
 def main() -> None:
     args = bench_args()
 
     import torch
 
-    from splicer.backends.torch_ref import TorchBackend, _Bf16InFp32
-    from splicer.fixtures.core import FixtureSpec, write_pair
+    from splicer.backends.torch_ref import _Bf16InFp32
 
     record = bench_record("cpu_bf16_matmul.py", args.threads)
 
@@ -105,28 +135,14 @@ def main() -> None:
     linear["max_abs_difference"] = float((own_out.float() - fp32_out.float()).abs().max())
     record["linear_1016x256_to_1024"] = linear
 
-    # the demo build scored on 4 sequences of 255 tokens of the demo's text (the demo's wiki-en corpus is 4 x 255)
-    from transformers import AutoTokenizer
-
-    from splicer.corpora.demo_tokenizer import demo_texts
-
+    # the demo build scored on 4 sequences of 255 tokens of the demo's text
     with tempfile.TemporaryDirectory() as tmp:
-        pair = write_pair(Path(tmp) / "pair", FixtureSpec(), kinds=("lowlatency",))
-        tokens = AutoTokenizer.from_pretrained(pair["base"])("\n".join(demo_texts()))["input_ids"]
-        seqs = [tokens[i * 255 : (i + 1) * 255] for i in range(4)]
-        assert all(len(s) == 255 for s in seqs), "the demo text is shorter than 4 x 255 tokens"
-        backend = TorchBackend("cpu", threads=args.threads)
-        backend.load(pair["lowlatency"])
+        backend, _, seqs = demo_build(Path(tmp), args.threads)
 
-        def score(own: bool):
-            if own:  # torch's BF16 GEMM: no FP32 products around the pass
-                backend._scoring_products = lambda model: contextlib.nullcontext()
-            try:
-                t = time.perf_counter()
-                out = list(backend.score(seqs, 20))
-                return time.perf_counter() - t, out
-            finally:
-                vars(backend).pop("_scoring_products", None)
+        def score(own: bool):  # own: torch's BF16 GEMM, no FP32 products around the pass
+            return timed_with(
+                backend, "_scoring_products", contextlib.nullcontext if own else None, lambda: list(backend.score(seqs, 20))
+            )
 
         scoring = {"sequences": len(seqs), "positions": sum(len(s) - 1 for s in seqs), "own_s": [], "fp32_s": []}
         for _ in range(args.reps):

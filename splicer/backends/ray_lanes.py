@@ -30,6 +30,7 @@ import functools
 import os
 import secrets
 import socket
+import time
 from pathlib import Path
 
 from ..errors import SplicerError
@@ -99,8 +100,6 @@ def _reachable(address: str, timeout_s: float = 5.0) -> None:
 def plan_lanes(per_engine: int, cap: int | None) -> tuple[int, bool]:
     """(how many lanes the cluster has room for now, whether one engine fits one node). A cluster with too few GPUs
     for one engine, or none free, is refused in one line."""
-    import time
-
     ray = ray_module()
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     gpus = [int(n.get("Resources", {}).get("GPU", 0)) for n in nodes]
@@ -315,8 +314,6 @@ class RayLane(OneEngineAtATime):
             self._kill()
 
     def _kill(self) -> None:
-        import time
-
         self._ray.kill(self._actor)
         self._actor = None
         # what the worker held (num_cpus=1, num_gpus=per_engine: _start), for plan_lanes to wait for
