@@ -241,6 +241,22 @@ def test_bf16_matrix_products_and_convolutions_on_the_cpu_are_fp32_ones_of_the_s
     assert routed == [tuple(seq.shape), tuple(conv.weight.shape), tuple(conv.bias.shape)]
 
 
+def _routed_by_the_mode(monkeypatch) -> list[str]:
+    """A list that records, in order, each call _Bf16InFp32 routes through FP32 ("conv" or "matmul")."""
+    import splicer.backends.torch_ref as tr
+
+    routed = []
+    real = tr._Bf16InFp32.__torch_function__
+
+    def spy(self, func, *a, **k):
+        if func in self.funcs:
+            routed.append("conv" if func in self.CONVS else "matmul")
+        return real(self, func, *a, **k)
+
+    monkeypatch.setattr(tr._Bf16InFp32, "__torch_function__", spy)
+    return routed
+
+
 def test_on_the_cpu_scoring_runs_its_products_in_fp32_and_agrees_with_torchs_bf16_gemm(pairs, monkeypatch):
     """A BF16 model on the CPU scores through the FP32 products and convolutions; torch's own BF16 kernels give the same
     predictions but for rounding in the order of the sums, which a random 4-layer model amplifies (a hundredth of a nat
@@ -253,15 +269,7 @@ def test_on_the_cpu_scoring_runs_its_products_in_fp32_and_agrees_with_torchs_bf1
 
     import splicer.backends.torch_ref as tr
 
-    routed = []
-    real = tr._Bf16InFp32.__torch_function__
-
-    def spy(self, func, *a, **k):
-        if func in self.funcs:
-            routed.append("conv" if func in self.CONVS else "matmul")
-        return real(self, func, *a, **k)
-
-    monkeypatch.setattr(tr._Bf16InFp32, "__torch_function__", spy)
+    routed = _routed_by_the_mode(monkeypatch)
     b = TorchBackend("cpu")
     b.load(pairs["per_expert"]["lowlatency"])
     assert "logits_to_keep" in inspect.signature(b.model.forward).parameters
@@ -335,17 +343,7 @@ def test_lm_evals_log_likelihoods_run_through_the_fp32_products_and_its_generati
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    import splicer.backends.torch_ref as tr
-
-    calls = []
-    real = tr._Bf16InFp32.__torch_function__
-
-    def spy(self, func, *a, **k):
-        if func in self.funcs:
-            calls.append("conv" if func in self.CONVS else "matmul")
-        return real(self, func, *a, **k)
-
-    monkeypatch.setattr(tr._Bf16InFp32, "__torch_function__", spy)
+    calls = _routed_by_the_mode(monkeypatch)
     p = pairs["fused"]
     b = TorchBackend("cpu")
     b.load(p["lowlatency"])
