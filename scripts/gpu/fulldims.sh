@@ -18,10 +18,18 @@ mkdir -p "$WORK"
 if [ ! -f "$WORK/pair/reference/config.json" ]; then
   python3 -m splicer fixture "$WORK/pair" --full-dims 2>&1 | tail -4 | tee "$WORK/$RUN-standin.log"
 fi
+# The card: its memory bandwidth for the decode floor column (vendor datasheets: H200 4.8 TB/s, H100 SXM 3.35 TB/s),
+# and PRECOMPILE=auto as many compiling processes as fit beside the base pass's engine (half the card): each holds the
+# variant's dummy weights (~20 GiB) and a fixed 12 GiB KV cache, so three fit an H200's 141 GB and one an H100's 80 GB.
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+case "$GPU_NAME" in *H100*) BW=${BANDWIDTH_GBS:-3350} ;; *) BW=${BANDWIDTH_GBS:-4800} ;; esac
+if [ "${PRECOMPILE:-0}" = auto ]; then if [ "$GPU_MIB" -ge 120000 ]; then PRECOMPILE=3; else PRECOMPILE=1; fi; fi
+echo "card: $GPU_NAME, $GPU_MIB MiB; --bandwidth-gbs $BW; PRECOMPILE=${PRECOMPILE:-0}"
 D="$WORK/$RUN-disk.txt"
 du -sh --apparent-size "$WORK/pair/build" "$WORK/pair/reference" > "$D" 2>&1; du -sh "$WORK" >> "$D"; df -h "$WORK" >> "$D"
 CMD=(python3 -m splicer ablate "$ROWS" "$WORK/pair/build" "$WORK/pair/reference" -o "$WORK/$RUN" --plan h200-fulldims
-     --backend vllm --allow-quantized-base --language-model-only --bandwidth-gbs 4800 -q
+     --backend vllm --allow-quantized-base --language-model-only --bandwidth-gbs "$BW" -q
      --engine-arg 'compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}')
 # Without overlap one engine has the GPU and half of it is enough; with overlap each engine gets a fixed KV cache.
 if [ "${OVERLAP:-0}" -gt 0 ]; then CMD+=(--overlap-starts "$OVERLAP"); else CMD+=(--gpu-memory-utilization 0.5); fi
