@@ -237,3 +237,32 @@ def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_ro
     compiled = [Path(r["folder"]).name for run in two["runs"] for r in run.get("precompiled") or []]
     assert compiled and set(compiled) <= {"attention", "gdn", "lm_head", "lowlatency"} and len(set(compiled)) == len(compiled)
     assert "each row compared with the build on its own GPU" in (tmp_path / "two" / "report.md").read_text()
+
+
+def test_a_lane_still_ending_its_engine_after_close_stopped_waiting_ends_quietly(pairs, fake_vllm, tmp_path, monkeypatch):
+    """close() (Ctrl-C, a budget's stop) waits LANE_JOIN_S for each lane, then drops the lanes' queue. A lane that
+    finishes its engine after that must end on its own queue, not die in its thread reading the dropped one."""
+    import threading
+
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, precompile=1)
+    monkeypatch.setattr(b, "LANE_JOIN_S", 0.2)
+    lane, building, release = b._lanes[0], threading.Event(), threading.Event()
+
+    def slow_build(folder, t0, args):  # an engine that takes longer to end than close() waits
+        building.set()
+        release.wait(20)
+
+    monkeypatch.setattr(lane, "send_load", slow_build)
+    monkeypatch.setattr(lane, "finish_load", lambda: {"spawn_to_ready_s": 1.0, "startup_breakdown": {}, "log": ""})
+    monkeypatch.setattr(lane, "unload", lambda: None)
+    b.precompile(pairs["fused"]["lowlatency"])
+    assert building.wait(20)
+    threads = list(b._lane_threads)
+    b.close()
+    assert b._lane_queue is None and threads[0].is_alive()  # close() gave up on the lane
+    release.set()
+    threads[0].join(20)
+    assert not threads[0].is_alive() and errors == []
+    assert [r["error"] for r in b.precompiled] == [None]

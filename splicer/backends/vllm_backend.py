@@ -429,6 +429,7 @@ class VllmBackend:
     """
 
     name = "vllm"
+    LANE_JOIN_S = 30  # close() waits this long for each compiling lane to end its engine, then leaves it behind
     results_wording = ResultsWording(
         # Without prompt_logprob_token_ids it sees the variant's own top-k only: an id of the base's top-k missing there
         # gets the k-th log-prob, an upper bound on its own. That lowers its term but shrinks the lumped rest, which
@@ -627,21 +628,24 @@ class VllmBackend:
             return True
         if self._lane_queue is None:
             self._lane_queue = queue.Queue()
-            self._lane_threads = [threading.Thread(target=self._lane_loop, args=(w,), daemon=True) for w in self._lanes]
+            self._lane_threads = [
+                threading.Thread(target=self._lane_loop, args=(w, self._lane_queue), daemon=True) for w in self._lanes
+            ]
             for t in self._lane_threads:
                 t.start()
         self._lane_seen.add(folder)
         self._lane_queue.put(folder)
         return True
 
-    def _lane_loop(self, w: _Worker) -> None:
+    def _lane_loop(self, w: _Worker, jobs: queue.Queue) -> None:
         # The engine is only built (Dynamo, Inductor, CUDA graph capture, Triton autotuning), never served: dummy
         # weights skip the 25 s weight load, and the fixed KV cache lets it start beside the base pass's engine.
         args = {**self.engine_args, **OVERLAP_DEFAULTS, "load_format": "dummy"}
         # vLLM 0.26's dummy loader refuses any model_loader_extra_config (dummy_loader.py), e.g. multithreaded weight
         # loading; the load config does not enter the compile cache's key (config/load.py compute_hash hashes nothing).
         args.pop("model_loader_extra_config", None)
-        while (folder := self._lane_queue.get()) is not None:
+        # jobs, not self._lane_queue: close() drops that once it stops waiting for a lane still ending its engine.
+        while (folder := jobs.get()) is not None:
             t0 = time.perf_counter()
             try:
                 w.send_load(folder, t0, args)
@@ -904,7 +908,7 @@ class VllmBackend:
                 if w.proc is not None and w.proc.is_alive():
                     w.proc.kill()
             for t in self._lane_threads:
-                t.join(30)
+                t.join(self.LANE_JOIN_S)
             self._lane_queue, self._lane_threads = None, []
         for w in self.workers:
             w.stop()
