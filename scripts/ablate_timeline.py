@@ -6,7 +6,9 @@ Per invocation: its start, the time before its first row (splices, the base pass
 wall from the row's first line (its splice or engine start) to its "ok" line, with the engine start inside it (rows
 of a run spread over GPUs interleave in the log: each row is followed by its own name). With PLAN_ROWS (the number of
 engines the plan runs) it adds what one invocation from cold would take, an estimate named as one: serially, the
-first invocation's time before its first row plus PLAN_ROWS times the mean row wall of all finished rows. With
+first invocation's time before its first row plus PLAN_ROWS times the mean row wall of all finished rows (a first
+invocation stopped before any row gives a lower bound instead: its wall plus the next one's wait before its first
+row, as `value_at_least`). With
 RESULTS_JSON of a run spread over GPUs (rows record their "gpu"): each GPU's rows of the first invocation as they ran,
 then every row finished later (and the mean row wall for each row not finished) given to the GPU free first, as the
 run's shared row queue does, except each GPU's last engine of the build (build-end-gpuN), which runs last on its own
@@ -124,6 +126,19 @@ def main() -> None:
             }
         if gpu_of:
             data["estimate_one_invocation_s"] = spread_estimate(data, n, gpu_of)
+        elif first is None:
+            # The first invocation was stopped before it finished a row (e.g. while compiling ahead): its wall is a
+            # lower bound on the time before the first row, and the later invocation's own wait before its first row
+            # is added, since it waited there for what the stop left undone.
+            stopped = data["invocations"][0]["wall_s"]
+            later = next((i["before_first_row_s"] for i in data["invocations"][1:] if i["before_first_row_s"] is not None), 0)
+            data["estimate_one_invocation_s"] = {
+                "plan_rows": n,
+                "before_first_row_s": None,
+                "first_invocation_stopped_before_a_row_after_s": stopped,
+                "before_first_row_at_least_s": stopped + later,
+                "value_at_least": round(stopped + later + n * data["mean_row_wall_s"], 1),
+            }
         else:
             data["estimate_one_invocation_s"] = {
                 "plan_rows": n,

@@ -92,3 +92,33 @@ def test_a_gpus_last_build_engine_is_estimated_last_on_its_own_gpu():
     # The unfinished row (70 s) goes to GPU 1, free first at 372 s -> 442; then build-end-gpu1 (70 s) last on GPU 1 -> 512,
     # not on GPU 0 (free at 400 s), which the free-first rule alone would pick.
     assert est["value"] == 512
+
+
+def test_a_first_invocation_stopped_before_any_row_gives_a_lower_bound(tmp_path, monkeypatch, capsys):
+    """Stopped while compiling ahead: its wall and the next invocation's wait before its first row are the least the
+    time before the first row can be, and the estimate says it is a lower bound."""
+    import sys
+
+    log = "\n".join(
+        [
+            "2026-12-01T06:00:00Z ablate all of plan p: B against R into D",
+            "2026-12-01T06:00:00Z base pass: started",
+            "2026-12-01T06:03:00Z base pass: done in 180.0 s",
+            "2026-12-01T06:03:01Z compiling ahead: waiting for the last engines to compile: started",
+            "2026-12-01T06:05:00Z compiling ahead: waiting for the last engines to compile: stopped after 119.0 s",
+            "2026-12-01T06:10:00Z ablate all of plan p: B against R into D",
+            "2026-12-01T06:10:00Z base pass: cached",
+            "2026-12-01T06:10:02Z build: engine start: started",
+            "2026-12-01T06:10:32Z build: ok, 1 of 2 rows of this run",
+            "2026-12-01T06:10:33Z gdn: engine start: started",
+            "2026-12-01T06:11:13Z gdn: ok, 2 of 2 rows of this run",
+        ]
+    )
+    (tmp_path / "ablate.log").write_text(log + "\n")
+    monkeypatch.setattr(sys, "argv", ["ablate_timeline.py", str(tmp_path / "ablate.log"), "3"])
+    _module().main()
+    import json
+
+    est = json.loads(capsys.readouterr().out)["estimate_one_invocation_s"]
+    assert est["before_first_row_s"] is None and est["first_invocation_stopped_before_a_row_after_s"] == 300
+    assert est["before_first_row_at_least_s"] == 302 and est["value_at_least"] == 302 + 3 * 35.0

@@ -1,0 +1,99 @@
+"""What a serial `splicer ablate` plan cannot go below on the machine that ran it, and where its rows' minutes go.
+
+    python scripts/plan_floor.py ABLATE_LOG RESULTS_JSON PLAN_ROWS > floor.json
+
+From the stage log (all invocations, as scripts/ablate_timeline.py reads it) and results.json:
+- the base pass's wall from cold (its "base pass: done in" line, the first not "cached");
+- the rows whose engine started in a worker that was already running (worker_start_s under a second: vLLM imported
+  and the expert hash memoized, as every row after the first of one invocation), each row's wall split into its
+  engine start (with vLLM's own phases of it), scoring, timing and the rest (the engine's release, results written,
+  the next row's preparation);
+- floor_s: the base pass plus PLAN_ROWS rows at the mean of those rows' walls, i.e. the plan if every variant's
+  compile were hidden behind the base pass and every row ran in a warm worker;
+- estimate_s: the same rows after the time the run actually spent before its first row (ablate_timeline's
+  before_first_row_s, or its lower bound when the first invocation was stopped before a row).
+Arithmetic on one run's figures, named as such; nothing here is a measurement of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ablate_timeline import timeline  # noqa: E402
+
+BASE_DONE = re.compile(r"Z base pass: done in ([\d.]+) s")
+
+
+INIT_PHASES = ("compile_s", "profiling_warmup_s", "graph_capture_s")
+
+
+def _engine_phases(breakdown: dict) -> dict:
+    """The engine start's phases as vLLM logged them, and the rest of its init (init_engine_s less the three phases
+    inside it: the KV cache's allocation, the CUDA-graph memory estimate, warm-up kernels)."""
+    if "init_engine_s" not in breakdown:
+        return {}
+    phases = {k: breakdown[k] for k in ("model_load_s", "init_engine_s", *INIT_PHASES) if k in breakdown}
+    phases["init_rest_s"] = round(breakdown["init_engine_s"] - sum(breakdown.get(k, 0.0) for k in INIT_PHASES), 2)
+    return {"engine": phases}
+
+
+def floor(log_lines: list[str], results: dict, plan_rows: int) -> dict:
+    base_s = next((float(m.group(1)) for line in log_lines if (m := BASE_DONE.search(line))), None)
+    if base_s is None:
+        raise SystemExit("no 'base pass: done in' line: the base pass never ran in this log")
+    t = timeline(log_lines)
+    walls = {r["name"]: r["wall_s"] for inv in t["invocations"] for r in inv["rows"]}
+    first = t["invocations"][0]
+    before = first["before_first_row_s"]
+    if before is None:  # stopped before its first row: the least it can have been (ablate_timeline's bound)
+        later = next((i["before_first_row_s"] for i in t["invocations"][1:] if i["before_first_row_s"] is not None), 0)
+        before = first["wall_s"] + later
+    warm = []
+    for v in results["variants"]:
+        eng, el = v.get("engine") or {}, v.get("elapsed") or {}
+        if v.get("status") != "ok" or v["name"] not in walls or (eng.get("worker_start_s") or 0) >= 1:
+            continue
+        start = el.get("load_s", 0.0)
+        scoring = sum(x for k, x in el.items() if k.startswith("score_") and k.endswith("_s"))
+        timing = el.get("time_s", 0.0)
+        warm.append(
+            {
+                "name": v["name"],
+                "wall_s": walls[v["name"]],
+                "engine_start_s": round(start, 2),
+                "scoring_s": round(scoring, 2),
+                "timing_s": round(timing, 2),
+                "rest_s": round(walls[v["name"]] - start - scoring - timing, 2),
+                **_engine_phases(eng.get("startup_breakdown") or {}),
+            }
+        )
+    if not warm:
+        raise SystemExit("no row started in a running worker: nothing to take a row's wall from")
+    mean = {
+        k: round(statistics.mean(r[k] for r in warm), 2) for k in ("wall_s", "engine_start_s", "scoring_s", "timing_s", "rest_s")
+    }
+    return {
+        "plan_rows": plan_rows,
+        "base_pass_s": base_s,
+        "before_first_row_s": before,
+        "warm_rows": warm,
+        "warm_row_mean": mean,
+        "floor_s": round(base_s + plan_rows * mean["wall_s"], 1),
+        "estimate_s": round(before + plan_rows * mean["wall_s"], 1),
+    }
+
+
+def main() -> None:
+    lines = open(sys.argv[1]).read().splitlines()
+    results = json.loads(open(sys.argv[2]).read())
+    json.dump(floor(lines, results, int(sys.argv[3])), sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()
