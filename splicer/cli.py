@@ -621,7 +621,8 @@ def _run_options(s) -> None:
         metavar="N",
         help="vllm: while the base pass runs, compile every variant's engine once (dummy weights) in N "
         "processes (default 2), which end before any row starts; each row's engine then starts alone "
-        "on the GPU, reads its compiled graphs from vLLM's cache, and is scored and timed serially",
+        "on the GPU, reads its compiled graphs from vLLM's cache, and is scored and timed serially; "
+        "one more process takes the base pass's engine's place once it ends, if variants still wait",
     )
     s.add_argument(
         "--gpus",

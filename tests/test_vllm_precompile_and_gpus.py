@@ -266,3 +266,65 @@ def test_a_lane_still_ending_its_engine_after_close_stopped_waiting_ends_quietly
     threads[0].join(20)
     assert not threads[0].is_alive() and errors == []
     assert [r["error"] for r in b.precompiled] == [None]
+
+
+def test_when_the_base_pass_engine_ends_one_more_lane_compiles_in_its_place(pairs, fake_vllm, tmp_path, monkeypatch, request):
+    """The served engine's memory holds another compiling engine once it ends: with variants still queued, a second
+    lane takes them while the first is busy; the lanes still end before anything is timed."""
+    import threading
+    import time
+
+    b = fake_vllm.VllmBackend(log_dir=tmp_path / "logs", require_cuda=False, precompile=1, cache_dir=tmp_path / "c")
+    request.addfinalizer(b.close)  # a failed assertion must not leave worker processes for the interpreter to join
+    first, busy, release = b._lanes[0], threading.Event(), threading.Event()
+
+    def slow_build(folder, t0, args):  # the first lane holds its first variant until released
+        busy.set()
+        release.wait(30)
+
+    monkeypatch.setattr(first, "send_load", slow_build)
+    monkeypatch.setattr(
+        first, "finish_load", lambda: {"spawn_to_ready_s": 1.0, "startup_breakdown": {"compile_s": 1.0}, "log": ""}
+    )
+    monkeypatch.setattr(first, "unload", lambda: None)
+    p = pairs["fused"]
+    queued = [p["lowlatency"], p["experts-g32"], pairs["per_expert"]["lowlatency"]]
+    for folder in queued:
+        b.precompile(folder)
+    assert busy.wait(30)
+    b.load(p["base"])  # the base pass's engine, beside the first lane
+    assert len(b._lanes) == 1 and b.lanes_added == 0  # nothing added while it serves
+    b.unload()
+    assert len(b._lanes) == 2 and b.lanes_added == 1
+    deadline = time.monotonic() + 30
+    while b._lane_queue.qsize() > 1 and time.monotonic() < deadline:  # the added lane has taken the next variant
+        time.sleep(0.02)
+    release.set()
+    records = b.finish_precompile()
+    lanes = {Path(r["folder"]): r["lane"] for r in records}
+    # the added lane took the next variant while the first was busy (the last goes to whichever lane was free first)
+    assert lanes[queued[0]] == 0 and lanes[queued[1]] == 1 and set(lanes) == set(queued)
+    assert all(r["error"] is None for r in records)
+    assert all(w.proc is None for w in b._lanes) and b.describe()["precompile_lanes_added"] == 1
+    b.load(p["experts-g32"])  # a row's engine: the added lane's compile is in the cache
+    assert b.load_info()["startup_breakdown"]["compile_s"] == 0
+    b.unload()
+    assert len(b._lanes) == 2  # rows' engines ending add nothing: the lanes have ended
+    b.close()
+
+
+def test_no_lane_is_added_when_nothing_waits_to_compile(pairs, fake_vllm, tmp_path, request):
+    import time
+
+    b = fake_vllm.VllmBackend(log_dir=tmp_path / "logs", require_cuda=False, precompile=1, cache_dir=tmp_path / "c")
+    request.addfinalizer(b.close)
+
+    b.precompile(pairs["fused"]["lowlatency"])
+    deadline = time.monotonic() + 60
+    while b._lane_queue.qsize() and time.monotonic() < deadline:  # the one lane has taken the only variant
+        time.sleep(0.05)
+    b.load(pairs["fused"]["base"])
+    b.unload()
+    assert b.lanes_added == 0 and len(b._lanes) == 1
+    b.finish_precompile()
+    b.close()

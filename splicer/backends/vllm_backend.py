@@ -543,7 +543,9 @@ class VllmBackend:
         lane_env = dict(self.env)
         if precompile and "OMP_NUM_THREADS" not in os.environ:
             lane_env["OMP_NUM_THREADS"] = str(max(1, ncpu // (1 + precompile)))
+        self._lane_env = lane_env
         self._lanes = [_Worker(self, lane_env) for _ in range(precompile)]
+        self.lanes_added = 0  # lanes started in the base pass's engine's place once it ended
         self._lane_threads: list = []
         # From here until finish_precompile() the lanes may be compiling beside this backend's engine, even before
         # their first folder is queued (splices are made while the base pass starts): engines get a fixed KV cache.
@@ -644,6 +646,7 @@ class VllmBackend:
         # vLLM 0.26's dummy loader refuses any model_loader_extra_config (dummy_loader.py), e.g. multithreaded weight
         # loading; the load config does not enter the compile cache's key (config/load.py compute_hash hashes nothing).
         args.pop("model_loader_extra_config", None)
+        lane = self._lanes.index(w)
         # jobs, not self._lane_queue: close() drops that once it stops waiting for a lane still ending its engine.
         while (folder := jobs.get()) is not None:
             t0 = time.perf_counter()
@@ -653,6 +656,7 @@ class VllmBackend:
                 w.unload()
                 rec = {
                     "folder": str(folder),
+                    "lane": lane,
                     "startup_s": round(info["spawn_to_ready_s"], 1),
                     "compile_s": info["startup_breakdown"].get("compile_s"),
                     "log": info["log"],
@@ -660,7 +664,12 @@ class VllmBackend:
                 }
             except Exception as e:  # a variant that cannot compile ahead compiles at its own start, as without lanes
                 w.stop()
-                rec = {"folder": str(folder), "startup_s": round(time.perf_counter() - t0, 1), "error": str(e)[:500]}
+                rec = {
+                    "folder": str(folder),
+                    "lane": lane,
+                    "startup_s": round(time.perf_counter() - t0, 1),
+                    "error": str(e)[:500],
+                }
             self.precompiled.append(rec)
         w.stop()
 
@@ -882,6 +891,25 @@ class VllmBackend:
             # Never free GPU memory while another engine profiles memory: it would count the freed memory as its own.
             self.wait_prefetch()
         w.unload()
+        self._lane_in_the_served_engines_place()
+
+    def _lane_in_the_served_engines_place(self) -> None:
+        """An engine served beside the compiling lanes has ended (only the base pass's is: rows start after
+        finish_precompile()): while variants still wait in the queue, one more lane takes from it in that engine's
+        memory. The served engine held its weights and a KV cache of a share of the card; a lane holds a variant's
+        dummy weights and a 12 GiB KV cache, so on the stand-in one fits where the other was. On an 80 GB card only one
+        lane fits beside the base pass, and the variants it had not reached compiled one after another for about 200 s
+        after the base pass (results/engine-starts/try-5). One lane, not as many as the freed memory might hold: a lane
+        that cannot start is recorded and its variant compiles at its own start, which costs that time again."""
+        jobs = self._lane_queue
+        if self._closed or not self._lanes_open or jobs is None or jobs.empty() or self.lanes_added:
+            return
+        w = _Worker(self, self._lane_env)
+        self._lanes.append(w)
+        t = threading.Thread(target=self._lane_loop, args=(w, jobs), daemon=True)
+        self._lane_threads.append(t)
+        self.lanes_added += 1
+        t.start()
 
     def abort(self) -> None:
         """Kill every worker and compiling process now. Safe from another thread while one uses the workers: only the
@@ -937,6 +965,7 @@ class VllmBackend:
             "timing_state": self.timing_state,
             "rewake_before_timing": self.rewake_before_timing,
             "precompile": self.precompile_slots,
+            "precompile_lanes_added": self.lanes_added,
             "engine_cache_dir": str(self.cache_dir) if self.cache_dir is not None else "per-user defaults",
             "expert_cache": str(self.expert_cache) if self.expert_cache is not None else None,
             # how its engines score (held for the run by hold_exact_gather, else the last engine's; None before either)
