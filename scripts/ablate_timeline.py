@@ -7,8 +7,8 @@ wall from the row's first line (its splice or engine start) to its "ok" line, wi
 of a run spread over GPUs interleave in the log: each row is followed by its own name). With PLAN_ROWS (the number of
 engines the plan runs) it adds what one invocation from cold would take, an estimate named as one: serially, the
 first invocation's time before its first row plus PLAN_ROWS times the mean row wall of all finished rows (a first
-invocation stopped before any row gives a lower bound instead: its wall plus the next one's wait before its first
-row, as `value_at_least`). With
+invocation stopped before any row gives a lower bound on its time before the first row instead, `value_at_least`:
+see before_first_row_bound). With
 RESULTS_JSON of a run spread over GPUs (rows record their "gpu"): each GPU's rows of the first invocation as they ran,
 then every row finished later (and the mean row wall for each row not finished) given to the GPU free first, as the
 run's shared row queue does, except each GPU's last engine of the build (build-end-gpuN), which runs last on its own
@@ -42,7 +42,7 @@ def timeline(lines: list[str]) -> dict:
             continue
         t, text = _t(m.group(1)), m.group(2)
         if text.startswith("ablate "):
-            cur = {"started": m.group(1), "_t0": t, "before_first_row_s": None, "rows": [], "_last": t}
+            cur = {"started": m.group(1), "_t0": t, "before_first_row_s": None, "base_pass_done": False, "rows": [], "_last": t}
             invocations.append(cur)
             open_rows = {}
             continue
@@ -50,6 +50,8 @@ def timeline(lines: list[str]) -> dict:
         if cur is None:
             continue
         cur["_last"] = t
+        if name == "base pass" and rest.startswith("done in"):
+            cur["base_pass_done"] = True  # scored here, not cached and not stopped
         if name in ("base pass", "compiling ahead"):
             open_rows = {}  # splices made ahead of the base pass belong to the time before the first row
             continue
@@ -114,6 +116,17 @@ def spread_estimate(data: dict, plan_rows: int, gpu_of: dict) -> dict:
     }
 
 
+def before_first_row_bound(invocations: list[dict]) -> float:
+    """The least time one invocation would spend before its first row, when the first was stopped before any: its
+    wall plus the next one's wait before its first row if the first finished its base pass (the next then only waited
+    for what was left), else the longer of the two (the next redid the base pass)."""
+    first = invocations[0]
+    later = next((i["before_first_row_s"] for i in invocations[1:] if i["before_first_row_s"] is not None), 0)
+    if first["base_pass_done"]:
+        return first["wall_s"] + later
+    return max(first["wall_s"], later)
+
+
 def main() -> None:
     data = timeline(open(sys.argv[1]).read().splitlines())
     if len(sys.argv) > 2 and data["mean_row_wall_s"] is not None:
@@ -124,20 +137,25 @@ def main() -> None:
             gpu_of = {
                 v["name"]: v["gpu"] for v in results_record.read(Path(sys.argv[3]).parent)["variants"] if v.get("gpu") is not None
             }
-        if gpu_of:
+        if first is None and gpu_of:
+            data["estimate_one_invocation_s"] = {
+                "plan_rows": n,
+                "none": "the first invocation finished no row, so no GPU's time before its first row is known",
+            }
+        elif gpu_of:
             data["estimate_one_invocation_s"] = spread_estimate(data, n, gpu_of)
         elif first is None:
             # The first invocation was stopped before it finished a row (e.g. while compiling ahead): its wall is a
             # lower bound on the time before the first row, and the later invocation's own wait before its first row
             # is added, since it waited there for what the stop left undone.
-            stopped = data["invocations"][0]["wall_s"]
-            later = next((i["before_first_row_s"] for i in data["invocations"][1:] if i["before_first_row_s"] is not None), 0)
+            bound = before_first_row_bound(data["invocations"])
             data["estimate_one_invocation_s"] = {
                 "plan_rows": n,
                 "before_first_row_s": None,
-                "first_invocation_stopped_before_a_row_after_s": stopped,
-                "before_first_row_at_least_s": stopped + later,
-                "value_at_least": round(stopped + later + n * data["mean_row_wall_s"], 1),
+                "first_invocation_stopped_before_a_row_after_s": data["invocations"][0]["wall_s"],
+                "before_first_row_at_least_s": bound,
+                # at the finished rows' mean: resumed rows that compiled their own engines would raise it
+                "value_at_least": round(bound + n * data["mean_row_wall_s"], 1),
             }
         else:
             data["estimate_one_invocation_s"] = {

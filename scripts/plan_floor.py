@@ -5,13 +5,15 @@
 From the stage log (all invocations, as scripts/ablate_timeline.py reads it) and results.json:
 - the base pass's wall from cold (its "base pass: done in" line, the first not "cached");
 - the rows whose engine started in a worker that was already running (worker_start_s under a second: vLLM imported
-  and the expert hash memoized, as every row after the first of one invocation), each row's wall split into its
-  engine start (with vLLM's own phases of it), scoring, timing and the rest (the engine's release, results written,
-  the next row's preparation);
-- floor_s: the base pass plus PLAN_ROWS rows at the mean of those rows' walls, i.e. the plan if every variant's
+  and the expert hash memoized, as every row after the first of one invocation), each row's cycle (from the previous
+  row's "ok" line to its own) split into the seconds before its first line (the next folder prepared), its engine
+  start (with vLLM's own phases of it), scoring, timing and the seconds after timing to its "ok" line (the engine's
+  release, results.json and the tables written);
+- floor_s: the base pass plus PLAN_ROWS rows at the mean of those rows' cycles, i.e. the plan if every variant's
   compile were hidden behind the base pass and every row ran in a warm worker;
 - estimate_s: the same rows after the time the run actually spent before its first row (ablate_timeline's
-  before_first_row_s, or its lower bound when the first invocation was stopped before a row).
+  before_first_row_s, or its lower bound when the first invocation was stopped before a row:
+  before_first_row_is_a_lower_bound), with the rows at their measured mean.
 Arithmetic on one run's figures, named as such; nothing here is a measurement of its own.
 """
 
@@ -24,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ablate_timeline import timeline  # noqa: E402
+from ablate_timeline import before_first_row_bound, timeline  # noqa: E402
 
 BASE_DONE = re.compile(r"Z base pass: done in ([\d.]+) s")
 
@@ -48,15 +50,23 @@ def floor(log_lines: list[str], results: dict, plan_rows: int) -> dict:
         raise SystemExit("no 'base pass: done in' line: the base pass never ran in this log")
     t = timeline(log_lines)
     walls = {r["name"]: r["wall_s"] for inv in t["invocations"] for r in inv["rows"]}
+    # A row's cycle: from the previous row's "ok" line to its own (the first row of an invocation: its own lines),
+    # so that the seconds between one row's end and the next row's first line are counted too.
+    cycles = {}
+    for inv in t["invocations"]:
+        prev = None
+        for r in inv["rows"]:
+            cycles[r["name"]] = r["end_s"] - prev if prev is not None else r["wall_s"]
+            prev = r["end_s"]
     first = t["invocations"][0]
     before = first["before_first_row_s"]
-    if before is None:  # stopped before its first row: the least it can have been (ablate_timeline's bound)
-        later = next((i["before_first_row_s"] for i in t["invocations"][1:] if i["before_first_row_s"] is not None), 0)
-        before = first["wall_s"] + later
+    if before is None:  # stopped before its first row: the least it can have been
+        before = before_first_row_bound(t["invocations"])
     warm = []
     for v in results["variants"]:
         eng, el = v.get("engine") or {}, v.get("elapsed") or {}
-        if v.get("status") != "ok" or v["name"] not in walls or (eng.get("worker_start_s") or 0) >= 1:
+        # a row whose worker start is not recorded is not known to have run in a running worker
+        if v.get("status") != "ok" or v["name"] not in walls or eng.get("worker_start_s") is None or eng["worker_start_s"] >= 1:
             continue
         start = el.get("load_s", 0.0)
         scoring = sum(x for k, x in el.items() if k.startswith("score_") and k.endswith("_s"))
@@ -64,18 +74,21 @@ def floor(log_lines: list[str], results: dict, plan_rows: int) -> dict:
         warm.append(
             {
                 "name": v["name"],
+                "cycle_s": cycles[v["name"]],
                 "wall_s": walls[v["name"]],
+                "before_start_s": round(cycles[v["name"]] - walls[v["name"]], 2),
                 "engine_start_s": round(start, 2),
                 "scoring_s": round(scoring, 2),
                 "timing_s": round(timing, 2),
-                "rest_s": round(walls[v["name"]] - start - scoring - timing, 2),
+                "after_timing_s": round(walls[v["name"]] - start - scoring - timing, 2),
                 **_engine_phases(eng.get("startup_breakdown") or {}),
             }
         )
     if not warm:
         raise SystemExit("no row started in a running worker: nothing to take a row's wall from")
     mean = {
-        k: round(statistics.mean(r[k] for r in warm), 2) for k in ("wall_s", "engine_start_s", "scoring_s", "timing_s", "rest_s")
+        k: round(statistics.mean(r[k] for r in warm), 2)
+        for k in ("cycle_s", "wall_s", "before_start_s", "engine_start_s", "scoring_s", "timing_s", "after_timing_s")
     }
     return {
         "plan_rows": plan_rows,
@@ -83,8 +96,10 @@ def floor(log_lines: list[str], results: dict, plan_rows: int) -> dict:
         "before_first_row_s": before,
         "warm_rows": warm,
         "warm_row_mean": mean,
-        "floor_s": round(base_s + plan_rows * mean["wall_s"], 1),
-        "estimate_s": round(before + plan_rows * mean["wall_s"], 1),
+        "floor_s": round(base_s + plan_rows * mean["cycle_s"], 1),
+        "estimate_s": round(before + plan_rows * mean["cycle_s"], 1),
+        # the time before the first row is then a bound (before_first_row_bound); the rows are at their measured mean
+        "before_first_row_is_a_lower_bound": first["before_first_row_s"] is None,
     }
 
 

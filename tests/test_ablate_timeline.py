@@ -122,3 +122,40 @@ def test_a_first_invocation_stopped_before_any_row_gives_a_lower_bound(tmp_path,
     est = json.loads(capsys.readouterr().out)["estimate_one_invocation_s"]
     assert est["before_first_row_s"] is None and est["first_invocation_stopped_before_a_row_after_s"] == 300
     assert est["before_first_row_at_least_s"] == 302 and est["value_at_least"] == 302 + 3 * 35.0
+
+
+def test_a_first_invocation_stopped_inside_its_base_pass_is_not_counted_twice():
+    """The next invocation redid the base pass: the bound is the longer of the two waits, not their sum."""
+    m = _module()
+    log = [
+        "2026-12-01T06:00:00Z ablate all of plan p: B against R into D",
+        "2026-12-01T06:00:00Z base pass: started",
+        "2026-12-01T06:02:40Z base pass: stopped after 160.0 s (KeyboardInterrupt: )",
+        "2026-12-01T06:10:00Z ablate all of plan p: B against R into D",
+        "2026-12-01T06:10:00Z base pass: started",
+        "2026-12-01T06:13:20Z base pass: done in 200.0 s",
+        "2026-12-01T06:13:22Z build: engine start: started",
+        "2026-12-01T06:13:52Z build: ok, 1 of 1 rows of this run",
+    ]
+    t = m.timeline(log)
+    assert not t["invocations"][0]["base_pass_done"] and t["invocations"][1]["base_pass_done"]
+    assert m.before_first_row_bound(t["invocations"]) == 202
+
+
+def test_a_spread_run_whose_first_invocation_finished_no_row_says_so(tmp_path, monkeypatch, capsys):
+    import json
+    import sys
+
+    log = [
+        "2026-12-01T06:00:00Z ablate all of plan p: B against R into D",
+        "2026-12-01T06:00:00Z base pass: started",
+        "2026-12-01T06:02:00Z base pass: stopped after 120.0 s (KeyboardInterrupt: )",
+        "2026-12-01T06:10:00Z ablate all of plan p: B against R into D",
+        "2026-12-01T06:10:02Z build: engine start: started",
+        "2026-12-01T06:10:32Z build: ok, 1 of 1 rows of this run",
+    ]
+    (tmp_path / "ablate.log").write_text("\n".join(log) + "\n")
+    (tmp_path / "results.json").write_text(json.dumps({"variants": [{"name": "build", "gpu": 0, "status": "ok"}]}))
+    monkeypatch.setattr(sys, "argv", ["t", str(tmp_path / "ablate.log"), "4", str(tmp_path / "results.json")])
+    _module().main()
+    assert "finished no row" in json.loads(capsys.readouterr().out)["estimate_one_invocation_s"]["none"]

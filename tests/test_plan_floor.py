@@ -49,18 +49,21 @@ def test_the_floor_takes_rows_of_a_running_worker_and_the_base_pass_from_cold():
     assert [r["name"] for r in out["warm_rows"]] == ["gdn", "lm_head"]
     gdn = out["warm_rows"][0]
     assert gdn.pop("engine")["init_rest_s"] == 15.0 - 3.0 - 2.0 - 4.0  # init less compile, profiling, capture
+    # 2 s from build's "ok" to gdn's first line belong to gdn's cycle
     assert gdn == {
         "name": "gdn",
+        "cycle_s": 32,
         "wall_s": 30,
+        "before_start_s": 2,
         "engine_start_s": 20.0,
         "scoring_s": 4.0,
         "timing_s": 5.0,
-        "rest_s": 1.0,
+        "after_timing_s": 1.0,
     }
-    assert out["warm_row_mean"]["wall_s"] == 35 and out["base_pass_s"] == 100.0
-    assert out["floor_s"] == 100 + 8 * 35
-    # the first invocation stopped before a row: 180 s, plus the second's 2 s before its first row
-    assert out["before_first_row_s"] == 182 and out["estimate_s"] == 182 + 8 * 35
+    assert out["warm_row_mean"]["cycle_s"] == 37 and out["base_pass_s"] == 100.0
+    assert out["floor_s"] == 100 + 8 * 37
+    # the first invocation stopped before a row: 180 s, plus the second's 2 s before its first row; a lower bound
+    assert out["before_first_row_s"] == 182 and out["estimate_s"] == 182 + 8 * 37 and out["before_first_row_is_a_lower_bound"]
 
 
 def test_a_log_without_a_base_pass_from_cold_is_refused():

@@ -328,3 +328,66 @@ def test_no_lane_is_added_when_nothing_waits_to_compile(pairs, fake_vllm, tmp_pa
     assert b.lanes_added == 0 and len(b._lanes) == 1
     b.finish_precompile()
     b.close()
+
+
+def _hold_first_lane(b, monkeypatch):
+    """The first lane blocks in its first variant until the returned event is set (the fake engine compiles in no
+    time otherwise, leaving nothing for an added lane)."""
+    import threading
+
+    first, busy, release = b._lanes[0], threading.Event(), threading.Event()
+
+    def slow_build(folder, t0, args):
+        busy.set()
+        release.wait(30)
+
+    monkeypatch.setattr(first, "send_load", slow_build)
+    monkeypatch.setattr(
+        first, "finish_load", lambda: {"spawn_to_ready_s": 1.0, "startup_breakdown": {"compile_s": 1.0}, "log": ""}
+    )
+    monkeypatch.setattr(first, "unload", lambda: None)
+    return busy, release
+
+
+def test_an_added_lane_that_cannot_start_hands_its_variant_back_and_ends(pairs, fake_vllm, tmp_path, monkeypatch, request):
+    """With --process-per-variant too: the base pass's process ends, a lane is added; its engine fails (as out of
+    memory would), so it records that, puts the variant back for the first lane and takes no more."""
+    b = fake_vllm.VllmBackend(
+        log_dir=tmp_path / "logs", require_cuda=False, precompile=1, cache_dir=tmp_path / "c", one_process=False
+    )
+    request.addfinalizer(b.close)
+    busy, release = _hold_first_lane(b, monkeypatch)
+    p = pairs["fused"]
+    queued = [p["lowlatency"], p["experts-g32"], pairs["per_expert"]["lowlatency"]]
+    for folder in queued:
+        b.precompile(folder)
+    assert busy.wait(30)
+    b.load(p["base"])
+    monkeypatch.setenv("FAKE_VLLM_FAIL_ON", "fused")  # the added lane's engines fail on the fused pair's folders
+    b.unload()
+    assert b.lanes_added == 1
+    b._lane_threads[-1].join(60)  # the added lane failed once and ended
+    monkeypatch.delenv("FAKE_VLLM_FAIL_ON")
+    release.set()
+    records = b.finish_precompile()
+    failed = [r for r in records if r["error"]]
+    assert len(failed) == 1 and failed[0]["lane"] == 1 and failed[0]["requeued"]
+    done = {Path(r["folder"]): r["lane"] for r in records if not r["error"]}
+    assert done == {folder: 0 for folder in queued}  # the first lane compiled all three, the handed-back one too
+
+
+def test_abort_stops_the_lanes_from_starting_another_engine(pairs, fake_vllm, tmp_path, monkeypatch, request):
+    b = fake_vllm.VllmBackend(log_dir=tmp_path / "logs", require_cuda=False, precompile=1, cache_dir=tmp_path / "c")
+    request.addfinalizer(b.close)
+    busy, release = _hold_first_lane(b, monkeypatch)
+    starts = []
+    lane = b._lanes[0]
+    held = lane.send_load
+    monkeypatch.setattr(lane, "send_load", lambda *a: (starts.append(a[0]), held(*a)))
+    for folder in (pairs["fused"]["lowlatency"], pairs["fused"]["experts-g32"]):
+        b.precompile(folder)
+    assert busy.wait(30)
+    b.abort()  # as on Ctrl-C: the first engine is killed (here: released), the second must never start
+    release.set()
+    b._lane_threads[0].join(30)
+    assert starts == [pairs["fused"]["lowlatency"]]

@@ -23,8 +23,12 @@ fi
 # variant's dummy weights (~20 GiB) and a fixed 12 GiB KV cache, so three fit an H200's 141 GB and one an H100's 80 GB.
 GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+# Other cards: set BANDWIDTH_GBS (the column is a floor, and a wrong bandwidth moves it).
 case "$GPU_NAME" in *H100*) BW=${BANDWIDTH_GBS:-3350} ;; *) BW=${BANDWIDTH_GBS:-4800} ;; esac
-if [ "${PRECOMPILE:-0}" = auto ]; then if [ "$GPU_MIB" -ge 120000 ]; then PRECOMPILE=3; else PRECOMPILE=1; fi; fi
+if [ "${PRECOMPILE:-0}" = auto ]; then
+  if ! [[ "$GPU_MIB" =~ ^[0-9]+$ ]]; then echo "PRECOMPILE=auto: nvidia-smi gave no memory size ($GPU_MIB): set PRECOMPILE=N"; exit 2; fi
+  if [ "$GPU_MIB" -ge 120000 ]; then PRECOMPILE=3; else PRECOMPILE=1; fi
+fi
 echo "card: $GPU_NAME, $GPU_MIB MiB; --bandwidth-gbs $BW; PRECOMPILE=${PRECOMPILE:-0}"
 D="$WORK/$RUN-disk.txt"
 du -sh --apparent-size "$WORK/pair/build" "$WORK/pair/reference" > "$D" 2>&1; du -sh "$WORK" >> "$D"; df -h "$WORK" >> "$D"

@@ -649,6 +649,8 @@ class VllmBackend:
         lane = self._lanes.index(w)
         # jobs, not self._lane_queue: close() drops that once it stops waiting for a lane still ending its engine.
         while (folder := jobs.get()) is not None:
+            if self._closed:  # abort() killed this lane's engine: start no other
+                break
             t0 = time.perf_counter()
             try:
                 w.send_load(folder, t0, args)
@@ -670,6 +672,13 @@ class VllmBackend:
                     "startup_s": round(time.perf_counter() - t0, 1),
                     "error": str(e)[:500],
                 }
+                if lane >= self.precompile_slots:
+                    # A lane added in the served engine's place that cannot start (its memory was not enough after
+                    # all) would fail every variant it takes: it hands this one back to the first lanes and ends.
+                    rec["requeued"] = True
+                    self.precompiled.append(rec)
+                    jobs.put(folder)
+                    break
             self.precompiled.append(rec)
         w.stop()
 
@@ -886,6 +895,7 @@ class VllmBackend:
             return
         if not self.one_process or self.sleep_between:  # sleep mode: the process cannot build another engine
             w.stop()
+            self._lane_in_the_served_engines_place()
             return
         if not self._fixed_kv_cache():
             # Never free GPU memory while another engine profiles memory: it would count the freed memory as its own.
@@ -896,11 +906,12 @@ class VllmBackend:
     def _lane_in_the_served_engines_place(self) -> None:
         """An engine served beside the compiling lanes has ended (only the base pass's is: rows start after
         finish_precompile()): while variants still wait in the queue, one more lane takes from it in that engine's
-        memory. The served engine held its weights and a KV cache of a share of the card; a lane holds a variant's
+        memory. Called on the main thread only (the base pass's unload), as finish_precompile() is, so the lanes'
+        list is never changed while it is read; variants queued after this moment get no added lane. The served engine held its weights and a KV cache of a share of the card; a lane holds a variant's
         dummy weights and a 12 GiB KV cache, so on the stand-in one fits where the other was. On an 80 GB card only one
-        lane fits beside the base pass, and the variants it had not reached compiled one after another for about 200 s
-        after the base pass (results/engine-starts/try-5). One lane, not as many as the freed memory might hold: a lane
-        that cannot start is recorded and its variant compiles at its own start, which costs that time again."""
+        lane fits beside the base pass, and it was still compiling the last variant 197.7 s after the base pass
+        (results/engine-starts/try-5). One lane, not as many as the freed memory might hold; an added lane that cannot
+        start hands its variant back to the first lanes and ends (_lane_loop)."""
         jobs = self._lane_queue
         if self._closed or not self._lanes_open or jobs is None or jobs.empty() or self.lanes_added:
             return
