@@ -630,14 +630,16 @@ class VllmBackend:
             return True
         if self._lane_queue is None:
             self._lane_queue = queue.Queue()
-            self._lane_threads = [
-                threading.Thread(target=self._lane_loop, args=(w, self._lane_queue), daemon=True) for w in self._lanes
-            ]
-            for t in self._lane_threads:
-                t.start()
+            for w in self._lanes:
+                self._start_lane(w, self._lane_queue)
         self._lane_seen.add(folder)
         self._lane_queue.put(folder)
         return True
+
+    def _start_lane(self, w: _Worker, jobs: queue.Queue) -> None:
+        t = threading.Thread(target=self._lane_loop, args=(w, jobs), daemon=True)
+        self._lane_threads.append(t)
+        t.start()
 
     def _lane_loop(self, w: _Worker, jobs: queue.Queue) -> None:
         # The engine is only built (Dynamo, Inductor, CUDA graph capture, Triton autotuning), never served: dummy
@@ -676,10 +678,10 @@ class VllmBackend:
                     # A lane added in the served engine's place that cannot start (its memory was not enough after
                     # all) would fail every variant it takes: it hands this one back to the first lanes and ends.
                     rec["requeued"] = True
-                    self.precompiled.append(rec)
-                    jobs.put(folder)
-                    break
             self.precompiled.append(rec)
+            if rec.get("requeued"):
+                jobs.put(folder)
+                break
         w.stop()
 
     def finish_precompile(self) -> list[dict]:
@@ -906,21 +908,19 @@ class VllmBackend:
     def _lane_in_the_served_engines_place(self) -> None:
         """An engine served beside the compiling lanes has ended (only the base pass's is: rows start after
         finish_precompile()): while variants still wait in the queue, one more lane takes from it in that engine's
-        memory. Called on the main thread only (the base pass's unload), as finish_precompile() is, so the lanes'
-        list is never changed while it is read; variants queued after this moment get no added lane. The served engine held its weights and a KV cache of a share of the card; a lane holds a variant's
-        dummy weights and a 12 GiB KV cache, so on the stand-in one fits where the other was. On an 80 GB card only one
-        lane fits beside the base pass, and it was still compiling the last variant 197.7 s after the base pass
-        (results/engine-starts/try-5). One lane, not as many as the freed memory might hold; an added lane that cannot
-        start hands its variant back to the first lanes and ends (_lane_loop)."""
+        memory. The served engine held its weights and a KV cache of a share of the card; a lane holds a variant's
+        dummy weights and a 12 GiB KV cache, so on the stand-in one fits where the other was, while on an 80 GB card
+        only one lane fits beside the base pass and the rest of the variants would wait for it. One lane, not as many
+        as the freed memory might hold; an added lane that cannot start hands its variant back and ends (_lane_loop).
+        Called on the main thread only (the base pass's unload), as finish_precompile() is, so the lanes' list is
+        never changed while it is read; variants queued after this moment get no added lane."""
         jobs = self._lane_queue
         if self._closed or not self._lanes_open or jobs is None or jobs.empty() or self.lanes_added:
             return
         w = _Worker(self, self._lane_env)
         self._lanes.append(w)
-        t = threading.Thread(target=self._lane_loop, args=(w, jobs), daemon=True)
-        self._lane_threads.append(t)
         self.lanes_added += 1
-        t.start()
+        self._start_lane(w, jobs)
 
     def abort(self) -> None:
         """Kill every worker and compiling process now. Safe from another thread while one uses the workers: only the

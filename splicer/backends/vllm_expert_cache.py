@@ -17,12 +17,12 @@ tensors into its fresh parameters; vLLM then repacks them as it would have.
 The key is the expert bytes themselves (a SHA-256 over every routed-expert tensor's name, dtype, shape and data), the
 checkpoint's quantization schemes that may reach the experts (its quantization_config without the ignore list and
 without config groups whose every target certainly applies to other modules, which is what differs between a build and
-its restored variants: a restored lm_head drops an INT8 lm_head's group), vLLM's version, the quantization method of the expert modules, the model's dtype, the
-GPU's name and the engine's tensor-parallel rank and size; a saved entry is used only when its tensors match the fresh
-model's expert state name for name, shape for shape and dtype for dtype. Anything else (another checkpoint's experts,
-an MTP drafter, a model without routed experts) loads the normal way. A save that cannot be made (no room, no
-permission, another engine saving the same key) is logged and the engine runs on. What happened is logged in the
-engine's log and recorded in the engine's info (`last_outcome`).
+its restored variants: a restored lm_head drops an INT8 lm_head's group), vLLM's version, the quantization method of the
+expert modules, the model's dtype, the GPU's name and the engine's tensor-parallel rank and size; a saved entry is used
+only when its tensors match the fresh model's expert state name for name, shape for shape and dtype for dtype. Anything
+else (another checkpoint's experts, an MTP drafter, a model without routed experts) loads the normal way. A save that
+cannot be made (no room, no permission, another engine saving the same key) is logged and the engine runs on. What
+happened is logged in the engine's log and recorded in the engine's info (`last_outcome`).
 
 The loader must run in the process that builds the model: splicer's worker with the engine core in it (its default),
 one GPU per engine (VllmOptions refuses tensor, pipeline, data and expert parallelism with it).
