@@ -42,7 +42,15 @@ def timeline(lines: list[str]) -> dict:
             continue
         t, text = _t(m.group(1)), m.group(2)
         if text.startswith("ablate "):
-            cur = {"started": m.group(1), "_t0": t, "before_first_row_s": None, "base_pass_done": False, "rows": [], "_last": t}
+            cur = {
+                "started": m.group(1),
+                "_t0": t,
+                "before_first_row_s": None,
+                "base_pass_done": False,
+                "base_pass_s": None,
+                "rows": [],
+                "_last": t,
+            }
             invocations.append(cur)
             open_rows = {}
             continue
@@ -50,8 +58,12 @@ def timeline(lines: list[str]) -> dict:
         if cur is None:
             continue
         cur["_last"] = t
+        if name == "base pass" and rest == "cached":
+            cur["_base_cached"] = True
         if name == "base pass" and rest.startswith("done in"):
-            cur["base_pass_done"] = True  # scored here, not cached and not stopped
+            cur["base_pass_done"] = True  # finished, scored here or read from its cache
+            if not cur.get("_base_cached"):  # the seconds of a base pass scored in this invocation
+                cur["base_pass_s"] = float(rest.split("done in ")[1].split(" s")[0])
         if name in ("base pass", "compiling ahead"):
             open_rows = {}  # splices made ahead of the base pass belong to the time before the first row
             continue
@@ -69,6 +81,7 @@ def timeline(lines: list[str]) -> dict:
             del open_rows[name]
     for inv in invocations:
         inv["wall_s"] = inv.pop("_last") - inv.pop("_t0")
+        inv.pop("_base_cached", None)
     walls = [r["wall_s"] for inv in invocations for r in inv["rows"]]
     return {
         "invocations": invocations,
@@ -144,10 +157,7 @@ def main() -> None:
             }
         elif gpu_of:
             data["estimate_one_invocation_s"] = spread_estimate(data, n, gpu_of)
-        elif first is None:
-            # The first invocation was stopped before it finished a row (e.g. while compiling ahead): its wall is a
-            # lower bound on the time before the first row, and the later invocation's own wait before its first row
-            # is added, since it waited there for what the stop left undone.
+        elif first is None:  # stopped before it finished a row (e.g. while compiling ahead)
             bound = before_first_row_bound(data["invocations"])
             data["estimate_one_invocation_s"] = {
                 "plan_rows": n,

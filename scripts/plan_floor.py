@@ -3,7 +3,8 @@
     python scripts/plan_floor.py ABLATE_LOG RESULTS_JSON PLAN_ROWS > floor.json
 
 From the stage log (all invocations, as scripts/ablate_timeline.py reads it) and results.json:
-- the base pass's wall from cold (its "base pass: done in" line, the first not "cached");
+- the base pass's wall from cold (ablate_timeline's base_pass_s: the first invocation that scored it, not read it
+  from its cache);
 - the rows whose engine started in a worker that was already running (worker_start_s under a second: vLLM imported
   and the expert hash memoized, as every row after the first of one invocation), each row's cycle (from the previous
   row's "ok" line to its own) split into the seconds before its first line (the next folder prepared), its engine
@@ -20,16 +21,12 @@ Arithmetic on one run's figures, named as such; nothing here is a measurement of
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ablate_timeline import before_first_row_bound, timeline  # noqa: E402
-
-BASE_DONE = re.compile(r"Z base pass: done in ([\d.]+) s")
-
 
 INIT_PHASES = ("compile_s", "profiling_warmup_s", "graph_capture_s")
 
@@ -45,10 +42,10 @@ def _engine_phases(breakdown: dict) -> dict:
 
 
 def floor(log_lines: list[str], results: dict, plan_rows: int) -> dict:
-    base_s = next((float(m.group(1)) for line in log_lines if (m := BASE_DONE.search(line))), None)
-    if base_s is None:
-        raise SystemExit("no 'base pass: done in' line: the base pass never ran in this log")
     t = timeline(log_lines)
+    base_s = next((i["base_pass_s"] for i in t["invocations"] if i["base_pass_s"] is not None), None)
+    if base_s is None:
+        raise SystemExit("no base pass scored in this log (only cached or stopped ones): nothing to take its time from")
     walls = {r["name"]: r["wall_s"] for inv in t["invocations"] for r in inv["rows"]}
     # A row's cycle: from the previous row's "ok" line to its own (the first row of an invocation: its own lines),
     # so that the seconds between one row's end and the next row's first line are counted too.

@@ -70,3 +70,10 @@ def test_a_log_without_a_base_pass_from_cold_is_refused():
     f = load_script("scripts/plan_floor.py").floor
     with pytest.raises(SystemExit, match="base pass"):
         f(LOG.replace("base pass: done in 100.0 s", "base pass: cached").splitlines(), {"variants": []}, 8)
+    # a cached base pass logs "done in 0.0 s" too: that is not its time from cold
+    cached_first = LOG.replace(
+        "2026-12-01T06:01:40Z base pass: done in 100.0 s",
+        "2026-12-01T06:00:00Z base pass: cached\n2026-12-01T06:00:00Z base pass: done in 0.0 s",
+    )
+    with pytest.raises(SystemExit, match="base pass"):
+        f(cached_first.splitlines(), {"variants": []}, 8)
