@@ -239,6 +239,28 @@ def test_ablate_spread_over_two_gpus_times_the_build_on_each_and_measures_one_ro
     assert "each row compared with the build on its own GPU" in (tmp_path / "two" / "report.md").read_text()
 
 
+def _queue_behind_a_held_lane(b, monkeypatch, folders):
+    """Queue folders for compiling with the first lane held in the first of them until the returned event is set (the
+    fake engine compiles in no time otherwise, leaving nothing for an added lane or a close() to meet)."""
+    import threading
+
+    first, busy, release = b._lanes[0], threading.Event(), threading.Event()
+
+    def slow_build(folder, t0, args):
+        busy.set()
+        release.wait(30)
+
+    monkeypatch.setattr(first, "send_load", slow_build)
+    monkeypatch.setattr(
+        first, "finish_load", lambda: {"spawn_to_ready_s": 1.0, "startup_breakdown": {"compile_s": 1.0}, "log": ""}
+    )
+    monkeypatch.setattr(first, "unload", lambda: None)
+    for folder in folders:
+        b.precompile(folder)
+    assert busy.wait(30)
+    return release
+
+
 def test_a_lane_still_ending_its_engine_after_close_stopped_waiting_ends_quietly(pairs, fake_vllm, tmp_path, monkeypatch):
     """close() (Ctrl-C, a budget's stop) waits LANE_JOIN_S for each lane, then drops the lanes' queue. A lane that
     finishes its engine after that must end on its own queue, not die in its thread reading the dropped one."""
@@ -248,17 +270,8 @@ def test_a_lane_still_ending_its_engine_after_close_stopped_waiting_ends_quietly
     monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
     b = fake_vllm.VllmBackend(log_dir=tmp_path, require_cuda=False, precompile=1)
     monkeypatch.setattr(b, "LANE_JOIN_S", 0.2)
-    lane, building, release = b._lanes[0], threading.Event(), threading.Event()
-
-    def slow_build(folder, t0, args):  # an engine that takes longer to end than close() waits
-        building.set()
-        release.wait(20)
-
-    monkeypatch.setattr(lane, "send_load", slow_build)
-    monkeypatch.setattr(lane, "finish_load", lambda: {"spawn_to_ready_s": 1.0, "startup_breakdown": {}, "log": ""})
-    monkeypatch.setattr(lane, "unload", lambda: None)
-    b.precompile(pairs["fused"]["lowlatency"])
-    assert building.wait(20)
+    # an engine that takes longer to end than close() waits
+    release = _queue_behind_a_held_lane(b, monkeypatch, [pairs["fused"]["lowlatency"]])
     threads = list(b._lane_threads)
     b.close()
     assert b._lane_queue is None and threads[0].is_alive()  # close() gave up on the lane
@@ -271,27 +284,13 @@ def test_a_lane_still_ending_its_engine_after_close_stopped_waiting_ends_quietly
 def test_when_the_base_pass_engine_ends_one_more_lane_compiles_in_its_place(pairs, fake_vllm, tmp_path, monkeypatch, request):
     """The served engine's memory holds another compiling engine once it ends: with variants still queued, a second
     lane takes them while the first is busy; the lanes still end before anything is timed."""
-    import threading
     import time
 
     b = fake_vllm.VllmBackend(log_dir=tmp_path / "logs", require_cuda=False, precompile=1, cache_dir=tmp_path / "c")
     request.addfinalizer(b.close)  # a failed assertion must not leave worker processes for the interpreter to join
-    first, busy, release = b._lanes[0], threading.Event(), threading.Event()
-
-    def slow_build(folder, t0, args):  # the first lane holds its first variant until released
-        busy.set()
-        release.wait(30)
-
-    monkeypatch.setattr(first, "send_load", slow_build)
-    monkeypatch.setattr(
-        first, "finish_load", lambda: {"spawn_to_ready_s": 1.0, "startup_breakdown": {"compile_s": 1.0}, "log": ""}
-    )
-    monkeypatch.setattr(first, "unload", lambda: None)
     p = pairs["fused"]
     queued = [p["lowlatency"], p["experts-g32"], pairs["per_expert"]["lowlatency"]]
-    for folder in queued:
-        b.precompile(folder)
-    assert busy.wait(30)
+    release = _queue_behind_a_held_lane(b, monkeypatch, queued)
     b.load(p["base"])  # the base pass's engine, beside the first lane
     assert len(b._lanes) == 1 and b.lanes_added == 0  # nothing added while it serves
     b.unload()
@@ -330,25 +329,6 @@ def test_no_lane_is_added_when_nothing_waits_to_compile(pairs, fake_vllm, tmp_pa
     b.close()
 
 
-def _hold_first_lane(b, monkeypatch):
-    """The first lane blocks in its first variant until the returned event is set (the fake engine compiles in no
-    time otherwise, leaving nothing for an added lane)."""
-    import threading
-
-    first, busy, release = b._lanes[0], threading.Event(), threading.Event()
-
-    def slow_build(folder, t0, args):
-        busy.set()
-        release.wait(30)
-
-    monkeypatch.setattr(first, "send_load", slow_build)
-    monkeypatch.setattr(
-        first, "finish_load", lambda: {"spawn_to_ready_s": 1.0, "startup_breakdown": {"compile_s": 1.0}, "log": ""}
-    )
-    monkeypatch.setattr(first, "unload", lambda: None)
-    return busy, release
-
-
 def test_an_added_lane_that_cannot_start_hands_its_variant_back_and_ends(pairs, fake_vllm, tmp_path, monkeypatch, request):
     """With --process-per-variant too: the base pass's process ends, a lane is added; its engine fails (as out of
     memory would), so it records that, puts the variant back for the first lane and takes no more."""
@@ -356,12 +336,9 @@ def test_an_added_lane_that_cannot_start_hands_its_variant_back_and_ends(pairs, 
         log_dir=tmp_path / "logs", require_cuda=False, precompile=1, cache_dir=tmp_path / "c", one_process=False
     )
     request.addfinalizer(b.close)
-    busy, release = _hold_first_lane(b, monkeypatch)
     p = pairs["fused"]
     queued = [p["lowlatency"], p["experts-g32"], pairs["per_expert"]["lowlatency"]]
-    for folder in queued:
-        b.precompile(folder)
-    assert busy.wait(30)
+    release = _queue_behind_a_held_lane(b, monkeypatch, queued)
     b.load(p["base"])
     monkeypatch.setenv("FAKE_VLLM_FAIL_ON", "fused")  # the added lane's engines fail on the fused pair's folders
     b.unload()
@@ -379,15 +356,9 @@ def test_an_added_lane_that_cannot_start_hands_its_variant_back_and_ends(pairs, 
 def test_abort_stops_the_lanes_from_starting_another_engine(pairs, fake_vllm, tmp_path, monkeypatch, request):
     b = fake_vllm.VllmBackend(log_dir=tmp_path / "logs", require_cuda=False, precompile=1, cache_dir=tmp_path / "c")
     request.addfinalizer(b.close)
-    busy, release = _hold_first_lane(b, monkeypatch)
-    starts = []
-    lane = b._lanes[0]
-    held = lane.send_load
-    monkeypatch.setattr(lane, "send_load", lambda *a: (starts.append(a[0]), held(*a)))
-    for folder in (pairs["fused"]["lowlatency"], pairs["fused"]["experts-g32"]):
-        b.precompile(folder)
-    assert busy.wait(30)
+    release = _queue_behind_a_held_lane(b, monkeypatch, [pairs["fused"]["lowlatency"], pairs["fused"]["experts-g32"]])
     b.abort()  # as on Ctrl-C: the first engine is killed (here: released), the second must never start
     release.set()
     b._lane_threads[0].join(30)
-    assert starts == [pairs["fused"]["lowlatency"]]
+    # every engine a lane starts leaves a record: only the first was started
+    assert [Path(r["folder"]) for r in b.precompiled] == [pairs["fused"]["lowlatency"]]
